@@ -1,0 +1,27 @@
+# `make train` and `make test` do all set-up on a fresh machine: a .venv with requirements.txt.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+install: $(VENV)/.installed
+
+# Stockfish scores the chess policy task; Debian puts it at /usr/games/stockfish.
+stockfish:
+	@command -v stockfish >/dev/null || test -x /usr/games/stockfish || \
+	  (apt-get update -qq && apt-get install -y -qq stockfish) || \
+	  echo "could not install stockfish (needs root): chess-policy tests will skip"
+
+train: install
+	$(PY) train_lean.py $(ARGS)
+
+test: install stockfish
+	$(PY) -m pytest -q tests $(ARGS)
+
+.PHONY: install stockfish train test
