@@ -53,6 +53,8 @@ def main(argv=None):
         policy = load_policy(cfg.model, device)
     except (TaskError, ModelLoadError) as e:
         usage_error(str(e))
+    if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/loss.py)
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # the reference is a frozen copy of the starting policy on the same device, only when used
     reference = frozen_copy(policy) if cfg.kl_coef > 0 else None
     eos = tokenizer.eos_token_id
@@ -82,7 +84,8 @@ def main(argv=None):
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
         chunks = [generate(policy, prompt_ids[s:s + gen_batch], prompt_mask[s:s + gen_batch], eos_id=eos,
                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                           top_p=cfg.top_p, autocast=autocast) for s in range(0, B, gen_batch)]
+                           top_p=cfg.top_p, min_new_tokens=cfg.min_new_tokens,
+                           autocast=autocast) for s in range(0, B, gen_batch)]
         T = max(c[0].shape[1] for c in chunks)
         completion_ids = torch.cat([torch.nn.functional.pad(c[0], (0, T - c[0].shape[1]), value=eos) for c in chunks])
         completion_mask = torch.cat([torch.nn.functional.pad(c[1], (0, T - c[1].shape[1])) for c in chunks])

@@ -38,9 +38,13 @@ class Config:
     generation_batch_size: typing.Optional[int] = opt(None, "completions sampled at once on one device "
                                                       "(default: all of the device's share)")
     logprob_chunk_size: int = opt(2048, "token rows of the vocabulary log-softmax computed at once")
+    gradient_checkpointing: bool = opt(False, "recompute each layer's activations in backward: less memory, "
+                                       "more compute (a bare flag means true)")
     # sampling
     max_new_tokens: int = opt(144, "new tokens per completion at most")
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy")
+    min_new_tokens: int = opt(0, "new tokens every completion gets at least: EOS cannot be sampled before "
+                              "(its probability still counts in the logprobs; 0: off)")
     top_k: int = opt(0, "sample from the k most likely tokens (0: off)")
     top_p: float = opt(1.0, "nucleus sampling threshold (1: off)")
     # algorithm
@@ -83,10 +87,17 @@ def _base_type(f):
     return (args[0], True) if args and type(None) in args else (t, False)
 
 
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
 def _convert(f, text: str, where: str):
     base, optional = _base_type(f)
     if optional and text.lower() in ("", "none", "auto"):
         return None
+    if base is bool:
+        if text.lower() not in _BOOLS:
+            raise ConfigError(f"{where} {text!r} is not a valid bool: use true or false (1/0, yes/no, on/off)")
+        return _BOOLS[text.lower()]
     try:
         value = base(text)
     except ValueError:
@@ -107,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "GRPO_<FLAG> from the environment (CLI > environment > default).")
     for name, f in FIELDS.items():
         shown = f.default if f.default is not None else "derived"
-        p.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
+        bare = {"nargs": "?", "const": "true"} if f.type is bool else {}  # `--flag` alone means true
+        p.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=name.upper(), **bare,
                        help=f"{f.metadata['help']} [{env_name(name)}; default {shown}]")
     return p
 
@@ -168,6 +180,9 @@ def batch_layout(cfg: Config, world: int = 1) -> dict:
         raise ConfigError(f"--micro-batch-size {micro} does not divide the per-device mini-batch "
                           f"{mini_per_device} (= --mini-batch-size {mini} / {world} devices): "
                           f"use a divisor of {mini_per_device}")
+    if not 0 <= cfg.min_new_tokens <= cfg.max_new_tokens:
+        raise ConfigError(f"--min-new-tokens {cfg.min_new_tokens} must be in [0, --max-new-tokens "
+                          f"{cfg.max_new_tokens}]")
     if cfg.temperature < 0:
         raise ConfigError(f"--temperature {cfg.temperature} must be >= 0 (0 means greedy)")
     if not 0 < cfg.top_p <= 1:
