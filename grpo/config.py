@@ -87,17 +87,17 @@ def _base_type(f):
     return (args[0], True) if args and type(None) in args else (t, False)
 
 
-_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def _convert(f, text: str, where: str):
     base, optional = _base_type(f)
     if optional and text.lower() in ("", "none", "auto"):
         return None
-    if base is bool:
-        if text.lower() not in _BOOLS:
-            raise ConfigError(f"{where} {text!r} is not a valid bool: use true or false (1/0, yes/no, on/off)")
-        return _BOOLS[text.lower()]
+    if base is bool:   # bool("false") is True: spell the values out
+        if text.lower() not in BOOLS:
+            raise ConfigError(f"{where} {text!r} is not a valid bool (true/false, 1/0, yes/no, on/off)")
+        return BOOLS[text.lower()]
     try:
         value = base(text)
     except ValueError:
@@ -118,9 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "GRPO_<FLAG> from the environment (CLI > environment > default).")
     for name, f in FIELDS.items():
         shown = f.default if f.default is not None else "derived"
-        bare = {"nargs": "?", "const": "true"} if f.type is bool else {}  # `--flag` alone means true
-        p.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=name.upper(), **bare,
-                       help=f"{f.metadata['help']} [{env_name(name)}; default {shown}]")
+        # a bool flag alone means true: --eval-only, or --eval-only false
+        extra = {"nargs": "?", "const": "true"} if f.type is bool else {}
+        p.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
+                       help=f"{f.metadata['help']} [{env_name(name)}; default {shown}]", **extra)
     return p
 
 

@@ -168,13 +168,22 @@ def generate(model, prompt_ids, prompt_mask, *, eos_id: int, max_new_tokens: int
     drawn before min_new_tokens (its probability still counts in the recorded logprob).
     """
     autocast = autocast or torch.autocast(prompt_ids.device.type, enabled=False)
+    with autocast:  # entered once: autocast keeps its bf16 copies of the weights for the whole loop
+        return _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperature, top_k, top_p,
+                         min_new_tokens)
+
+
+def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperature, top_k, top_p, min_new_tokens):
     batch = prompt_ids.shape[0]
-    with autocast:
-        out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
-                    position_ids=position_ids_from_mask(prompt_mask), use_cache=True, logits_to_keep=1)
-    decoder = (_GPT2Decoder if _GPT2Decoder.fits(model) else _HFDecoder)(
-        model, out.past_key_values, prompt_mask, max_new_tokens)
-    logits = out.logits[:, -1]
+    # the rows of a group share their prompt: each distinct one is prefilled once, then its KV is copied
+    prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
+    width = prompt_ids.shape[1]
+    out = model(input_ids=prompts[:, :width], attention_mask=prompts[:, width:],
+                position_ids=position_ids_from_mask(prompts[:, width:]), use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_select_indices(inverse)  # back to one row per completion, in the batch's order
+    decoder = (_GPT2Decoder if _GPT2Decoder.fits(model) else _HFDecoder)(model, cache, prompt_mask, max_new_tokens)
+    logits = out.logits[inverse, -1]
     done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     tokens = torch.full((batch, max_new_tokens), eos_id, dtype=torch.long, device=prompt_ids.device)
     logprobs = torch.zeros((batch, max_new_tokens), device=prompt_ids.device)
@@ -186,8 +195,7 @@ def generate(model, prompt_ids, prompt_mask, *, eos_id: int, max_new_tokens: int
         done |= token == eos_id
         if step + 1 == max_new_tokens or (step + 1 >= min_new_tokens and bool(done.all())):
             break
-        with autocast:
-            logits = decoder(token, step)
+        logits = decoder(token, step)
     completion_ids, logprobs = tokens[:, :step + 1], logprobs[:, :step + 1]
     return completion_ids, completion_mask(completion_ids, eos_id), logprobs
 
