@@ -54,7 +54,7 @@ def main(argv=None):
     except (TaskError, ModelLoadError) as e:
         usage_error(str(e))
     if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/loss.py)
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.activation_checkpointing_enable({"use_reentrant": False})
     # the reference is a frozen copy of the starting policy on the same device, only when used
     reference = frozen_copy(policy) if cfg.kl_coef > 0 else None
     eos = tokenizer.eos_token_id
