@@ -143,7 +143,7 @@ class _GPT2Decoder:
         scores_n = (q @ kn[:, :, :step + 1].transpose(-1, -2)) * scale  # [B, H, 1, new]
         width = scores_p.shape[-1]
         scores_p = scores_p.transpose(1, 2).reshape(batch, heads, 1, width)
-        probs = torch.softmax(torch.cat([scores_p, scores_n], -1), dim=-1)
+        probs = torch.softmax(torch.cat([scores_p, scores_n], -1), dim=-1, dtype=torch.float32).to(vn.dtype)
         probs_p = probs[..., :width].reshape(self.groups, self.group, heads, width).transpose(1, 2)
         out = (probs_p @ vp).transpose(1, 2).reshape(batch, heads, 1, dim)
         return out + probs[..., width:] @ vn[:, :, :step + 1]
