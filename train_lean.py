@@ -42,6 +42,9 @@ def main(argv=None):
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
     # bf16 autocast over fp32 weights: the matmuls run in bf16, the weights and AdamW state stay fp32.
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
+    if cfg.dtype == "bf16" and device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        print("train_lean.py: warning: this CPU has no native bf16 (AVX512-BF16 or AMX): bf16 matmuls are "
+              "emulated, many times slower than fp32 (see BENCHMARKS.md); prefer --dtype fp32", file=sys.stderr)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)

@@ -70,9 +70,23 @@ def summarize(records, batch):
     return out
 
 
+def model_flops_per_step(path, batch=64, new_tokens=144):
+    """A lower bound of a step's model FLOPs: 10 N per completion token (2 N sampling, 2 N reference,
+    6 N forward + backward), N = the weights a token passes (12 L E^2 + head V E); prompt tokens and
+    attention left out."""
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    n = 12 * c["n_layer"] * c["n_embd"] ** 2 + c["vocab_size"] * c["n_embd"]
+    return 10 * n * batch * new_tokens
+
+
+def _num(v, digits):
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
 def table(results, systems):
     lines = ["| model | dtype | system | samples/s | tokens/s | vs TRL | generation s | reward s | reference s "
-             "| training s | step s | peak MB | steps |", "|" + "---|" * 13]
+             "| training s | step s | peak MB | model TFLOP/s | MFU | steps |", "|" + "---|" * 15]
     for (model, dtype), by_system in results.items():
         trl = by_system.get("trl", {}).get("samples_per_s")
         for system in systems:
@@ -82,7 +96,8 @@ def table(results, systems):
             ratio = f"{r['samples_per_s'] / trl:.2f}x" if trl else "-"
             lines.append(f"| {model} | {dtype} | {system} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.0f} | {ratio} "
                          f"| {r['gen_time_s']:.2f} | {r['score_time_s']:.3f} | {r['ref_time_s']:.2f} "
-                         f"| {r['train_time_s']:.2f} | {r['step_time_s']:.2f} | {r['peak_mb']:.0f} | {r['steps']} |")
+                         f"| {r['train_time_s']:.2f} | {r['step_time_s']:.2f} | {r['peak_mb']:.0f} "
+                         f"| {_num(r.get('model_tflops_per_s'), 3)} | {_num(r.get('mfu'), 3)} | {r['steps']} |")
     return "\n".join(lines)
 
 
@@ -100,6 +115,8 @@ def main():
     ap.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", sys.executable),
                     help="interpreter of a venv with requirements-bench.txt (TRL) [TRL_PYTHON]")
     ap.add_argument("--ours-args", default="", help="extra flags for train_lean.py, e.g. --gradient-checkpointing")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the device's peak TFLOP/s for the MFU column (H100 SXM dense bf16: 989)")
     ap.add_argument("--model-root", default=os.path.join(REPO, "out", "bench-models"))
     ap.add_argument("--out", default=os.path.join(REPO, "out", "bench"))
     args = ap.parse_args()
@@ -110,7 +127,7 @@ def main():
     env.pop("PYTHONPATH", None)
     systems = [s for s in args.systems.split(",") if s]
     os.makedirs(args.out, exist_ok=True)
-    raw, results = {}, {}
+    raw, results, failed = {}, {}, {}
     for name in args.models.split(","):
         path = model_dir(name, args.model_root)
         for dtype in args.dtypes.split(","):
@@ -118,12 +135,23 @@ def main():
             raw[key] = {s: [] for s in systems}
             for rnd in range(args.rounds):
                 for system in systems:
-                    recs = run_once(system, args, path, dtype, env)
+                    try:
+                        recs = run_once(system, args, path, dtype, env)
+                    except RuntimeError as e:  # e.g. killed for memory: report it, keep the others
+                        print(f"[{name} {dtype} round {rnd + 1}/{args.rounds}] {e}", flush=True)
+                        failed.setdefault(key, {})[system] = str(e).splitlines()[0]
+                        continue
                     raw[key][system] += recs
                     print(f"[{name} {dtype} round {rnd + 1}/{args.rounds}] {system}: "
                           + " ".join(f"{r['samples_per_s']:.2f}" for r in recs) + " samples/s", flush=True)
-            results[key] = {s: summarize(raw[key][s], 64) for s in systems}
+            results[key] = {s: summarize(raw[key][s], 64) for s in systems if raw[key][s]}
+            flops = model_flops_per_step(path, 64, args.new_tokens) if os.path.isdir(path) else None
+            for r in results[key].values():  # MFU against --peak-tflops (CUDA runs; e.g. 989 for H100 bf16)
+                r["model_tflops_per_s"] = flops / r["step_time_s"] / 1e12 if flops else None
+                r["mfu"] = r["model_tflops_per_s"] / args.peak_tflops if flops and args.peak_tflops else None
     text = table(results, systems)
+    for (m, d), why in failed.items():
+        text += "".join(f"\n{m} {d} {s}: {w}" for s, w in why.items())
     print(text)
     import torch
     meta = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
@@ -132,7 +160,8 @@ def main():
             "threads": args.threads or torch.get_num_threads(), "torch": torch.__version__}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "results": {f"{m}/{d}": v for (m, d), v in results.items()},
-                   "raw": {f"{m}/{d}": v for (m, d), v in raw.items()}}, f, indent=1)
+                   "raw": {f"{m}/{d}": v for (m, d), v in raw.items()},
+                   "failed": {f"{m}/{d}": v for (m, d), v in failed.items()}}, f, indent=1)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(f"{meta}\n\n{text}\n")
 
