@@ -27,12 +27,13 @@ MOVE_CATEGORY_WEIGHT = {"mate": 20, "draw": 10, "promotion": 5, "en-passant": 10
                         "check": 1.5, "capture": 1.5, "quiet": 1.5}
 
 
-def _heuristic_move(board: chess.Board, rng: random.Random, temperature: float) -> chess.Move:
-    """A legal move from a softmax over a cheap one-ply score (no push: this runs every ply)."""
-    moves = list(board.legal_moves)
+def _heuristic_move(board: chess.Board, moves: list[chess.Move], rng: random.Random,
+                    temperature: float) -> chess.Move:
+    """One of the legal `moves`, from a softmax over a cheap one-ply score (no push: runs every ply)."""
     if temperature <= 0 or len(moves) == 1:
         return rng.choice(moves)
     them = not board.turn
+    attacked: dict[int, bool] = {}
     best, best_key = moves[0], float("-inf")
     for move in moves:
         mover = board.piece_type_at(move.from_square)
@@ -44,7 +45,9 @@ def _heuristic_move(board: chess.Board, rng: random.Random, temperature: float) 
             score += PIECE_VALUE[move.promotion] - 1
         if board.is_castling(move):
             score += 1.5
-        if board.is_attacked_by(them, move.to_square):
+        if move.to_square not in attacked:
+            attacked[move.to_square] = board.is_attacked_by(them, move.to_square)
+        if attacked[move.to_square]:
             score -= PIECE_VALUE[mover] * 0.8
         # Gumbel-max: sampling from softmax(score / temperature) without normalising.
         key = score / temperature - _log_neg_log(rng)
@@ -61,9 +64,12 @@ def _play(board: chess.Board, plies: int, rng: random.Random) -> None:
     """Play up to `plies` heuristic moves, stopping early at a game's end."""
     temperature = rng.choice([0.0, 0.5, 1.0, 2.0])   # from uniform random play to fairly greedy
     for _ in range(plies):
-        if board.is_game_over():
+        moves = list(board.legal_moves)
+        # The game-over test without is_game_over(), which would generate the moves again.
+        if (not moves or board.is_insufficient_material() or board.halfmove_clock >= 150
+                or (board.halfmove_clock >= 16 and board.is_fivefold_repetition())):
             return
-        board.push(_heuristic_move(board, rng, temperature))
+        board.push(_heuristic_move(board, moves, rng, temperature))
 
 
 def _game_board(rng: random.Random) -> chess.Board:

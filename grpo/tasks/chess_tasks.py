@@ -111,15 +111,18 @@ class ChessEnvTask:
         out = []
         while len(out) < n:
             board, move = random_transition(rng)
-            if position_key(board.fen()) in self.held_out:
-                continue
-            prompt = env_prompt(board.fen(), move.uci(), history(board, move))
-            self._expected[prompt] = expected_env_completion(board, move.uci())
-            self._expected.move_to_end(prompt)
-            if len(self._expected) > self._expected_cache:
-                self._expected.popitem(last=False)
-            out.append(prompt)
+            if position_key(board.fen()) not in self.held_out:
+                out.append(self.prompt_for(board, move))
         return out
+
+    def prompt_for(self, board, move) -> str:
+        """The A: prompt for playing `move` in `board`; its answer is remembered with the game."""
+        prompt = env_prompt(board.fen(), move.uci(), history(board, move))
+        self._expected[prompt] = expected_env_completion(board, move.uci())
+        self._expected.move_to_end(prompt)
+        if len(self._expected) > self._expected_cache:
+            self._expected.popitem(last=False)
+        return prompt
 
     def expected(self, prompt: str) -> str | None:
         """The exact completion for an A: prompt, or None when the prompt holds no valid position."""
