@@ -83,7 +83,7 @@ class EnginePool:
                     infos = engine.analyse(board, chess.engine.Limit(depth=self.depth),
                                            multipv=self.multipv, game=object())
                     break
-                except (chess.engine.EngineError, chess.engine.EngineTerminatedError, OSError):
+                except Exception:  # noqa: BLE001 - a killed engine surfaces as CancelledError too
                     if attempt == self.retries:
                         raise
                     engine = self._restart(engine)
@@ -116,7 +116,7 @@ class EnginePool:
         return list(self._idle.queue)
 
     def close(self) -> None:
-        self._workers.shutdown(wait=True)
+        self._workers.shutdown(wait=True, cancel_futures=True)   # pending prefetches are moot
         while not self._idle.empty():
             try:
                 self._idle.get().quit()
