@@ -112,6 +112,17 @@ def parse_policy_completion(completion: str) -> PolicyAnswer:
     return PolicyAnswer(moves, evals, best, layout_ok, order_ok)
 
 
+def policy_format_checks(answer: PolicyAnswer) -> list[bool]:
+    """The format of a P: answer, check by check: markers in order, 1-5 distinct UCI candidates,
+    one number per candidate, one UCI best move, and the data's exact column layout."""
+    moves, evals = answer.moves or [], answer.evals or []
+    return [answer.order_ok,
+            1 <= len(moves) <= 5 and len(set(moves)) == len(moves) and all(map(is_uci, moves)),
+            bool(moves) and len(evals) == len(moves) and None not in evals,
+            answer.best is not None and is_uci(answer.best),
+            answer.layout_ok]
+
+
 def split_policy_line(line: str) -> tuple[str, str]:
     """A P: data line split into (prompt, completion): the prompt runs up to, not including, M:."""
     cut = line.index("M:")

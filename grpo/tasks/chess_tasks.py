@@ -36,7 +36,7 @@ from grpo.tasks.chess_data import read_rookworld
 from grpo.tasks.chess_engine import INSTALL_HINT, EnginePool, find_stockfish
 from grpo.tasks.chess_format import (
     REWARD_DRAW, REWARD_ILLEGAL, REWARD_MATE, REWARD_MOVE, env_prompt, expected_env_completion,
-    is_uci, legal_move, parse_board, parse_env_prompt, parse_policy_completion, policy_prompt,
+    legal_move, parse_board, parse_env_prompt, parse_policy_completion, policy_format_checks, policy_prompt,
     prompt_fen)
 from grpo.tasks.chess_positions import history, random_board, random_transition
 
@@ -230,11 +230,7 @@ def policy_components(board, analysis, completion: str) -> tuple[dict[str, float
     answer = parse_policy_completion(completion[:MAX_COMPLETION_CHARS])
     moves = answer.moves or []
     evals = answer.evals or []
-    checks = [answer.order_ok,
-              1 <= len(moves) <= 5 and len(set(moves)) == len(moves) and all(map(is_uci, moves)),
-              bool(moves) and len(evals) == len(moves) and None not in evals,
-              answer.best is not None and is_uci(answer.best),
-              answer.layout_ok]
+    checks = policy_format_checks(answer)
     top = list(analysis.moves)
     best = legal_move(board, answer.best)
     if best is None:
