@@ -293,3 +293,9 @@ class ChessMixTask:
         for task in (self.policy, self.env):
             if task is not None:
                 task.close()
+
+
+# The config fields each chess task takes (train_lean.py passes these to get_task).
+OPTIONS = {"chess": ("task_mix", "data", "stockfish_path", "stockfish_depth"),
+           "chess-policy": ("data", "stockfish_path", "stockfish_depth"),
+           "chess-env": ("data",)}
