@@ -1,17 +1,20 @@
 """Seeded chess positions and transitions from python-chess alone: an unlimited offline source.
 
-Three scenarios, drawn per sample, give the spread the tasks need:
-- game:       a game from the start position, played by a noisy one-ply heuristic (captures,
-              promotions, castling, a little randomness), stopped at a ply drawn from opening,
-              middlegame or endgame ranges. Most positions come from here.
-- endgame:    a random legal few-piece position (kings, a few pieces, pawns near promotion),
-              sometimes with a halfmove clock close to the 75-move limit. Mates, stalemates,
-              insufficient material and 75-move draws are common here and rare in games.
-- repetition: a game that then shuffles pieces back and forth until a fivefold repetition.
+Four scenarios, drawn per sample, give the spread the tasks need:
+- game (55%):       a game from the start position, played by a noisy one-ply heuristic (captures,
+                    promotions, castling; temperature drawn per game, from uniformly random to
+                    fairly greedy), stopped at a ply drawn from opening (0-16), middlegame (17-60) or
+                    endgame (61-180) ranges.
+- endgame (20%):    a random legal position with two kings and up to five pieces (pawns often one step
+                    from promotion), sometimes with a halfmove clock near the 75-move limit, or with
+                    an en-passant capture available.
+- decisive (15%):   an endgame position where some move ends the game: mates in one, stalemates,
+                    insufficient material and 75-move draws, rare in games, become common.
+- repetition (10%): a game, then pieces shuffled back and forth towards a fivefold repetition.
 
-For A: the move played is drawn by category (mate, stalemate/draw, promotion, castling,
-en passant, check, capture, quiet) so that rare events are well represented, and about one
-move in eight is illegal (several kinds). Everything depends only on the rng passed in.
+For A: the move played is drawn by category (mate, draw, promotion, castling, en passant, check,
+capture, quiet; rare ones weighted up), and about one move in eight is illegal (self-check, the
+opponent's piece, a bad promotion, or any from-to pair). Everything depends only on the rng given.
 """
 import math
 import random
