@@ -1,21 +1,29 @@
 """The chess tasks through train_lean.py: reward components and eval records in the JSONL, --eval-only,
-and the start-up errors (exit 2, one line)."""
+and the start-up errors (exit 2, one line). In-process (main(argv)): a subprocess would spend most of
+its time importing torch again; test_train.py covers the command line itself."""
 import os
 
 import pytest
 
+import train_lean
 from grpo.tasks.chess_engine import find_stockfish
-from test_train import records, run
+from test_train import records
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in [k for k in os.environ if k.startswith("GRPO_")]:
+        monkeypatch.delenv(name)
 
 SMALL = ["--batch-size", "8", "--group-size", "4", "--max-new-tokens", "8", "--eval-samples", "3"]
 
 
-def test_chess_run_logs_components_and_evals(tiny_model_dir, tmp_path):
+def test_chess_run_logs_components_and_evals(tiny_model_dir, tmp_path, capsys, clean_env):
     task = "chess" if find_stockfish() else "chess-env"   # without an engine, the A: half still runs
     mix = ["--task-mix", "0.5", "--stockfish-depth", "6"] if task == "chess" else []
-    proc = run(["--model", tiny_model_dir, "--task", task, "--steps", "2", "--eval-interval", "1",
-                "--out-dir", str(tmp_path), *mix, *SMALL], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    train_lean.main(["--model", tiny_model_dir, "--task", task, "--steps", "2", "--eval-interval", "1",
+                     "--out-dir", str(tmp_path), *mix, *SMALL])
+    stdout = capsys.readouterr().out
     recs = records(tmp_path / "metrics.jsonl")
     evals = [r for r in recs if r.get("kind") == "eval"]
     steps = [r for r in recs if "kind" not in r]
@@ -29,16 +37,17 @@ def test_chess_run_logs_components_and_evals(tiny_model_dir, tmp_path):
     seen = set().union(*steps)
     assert env_keys <= seen
     assert policy_keys <= seen or task == "chess-env"
-    assert "eval at step 0" in proc.stdout and "A: exact-completion accuracy" in proc.stdout
+    assert "eval at step 0" in stdout and "A: exact-completion accuracy" in stdout
 
 
-def test_eval_only_prints_the_table(tiny_model_dir, tmp_path):
+def test_eval_only_prints_the_table(tiny_model_dir, tmp_path, capsys, clean_env):
     # needs no task object and no engine: the held-out set carries its answers
-    proc = run(["--eval-only", "--model", tiny_model_dir, "--stockfish-path", "/nonexistent",
-                "--task", "chess", "--out-dir", str(tmp_path), *SMALL], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "greedy on 3 P: + 3 A: held-out items" in proc.stdout
-    assert "P: legal-move rate" in proc.stdout and "step 1/" not in proc.stdout
+    train_lean.main(["--eval-only", "--model", tiny_model_dir, "--stockfish-path", "/nonexistent",
+                     "--task", "chess", "--out-dir", str(tmp_path), *SMALL])
+    stdout = capsys.readouterr().out
+    assert "greedy on 3 P: + 3 A: held-out items" in stdout
+    assert "P: legal-move rate" in stdout and "step 1/" not in stdout
+    assert not os.path.exists(tmp_path / "metrics.jsonl")   # nothing overwritten without --log-file
 
 
 @pytest.mark.parametrize("args, message", [
@@ -48,11 +57,8 @@ def test_eval_only_prints_the_table(tiny_model_dir, tmp_path):
     (["--task", "chess", "--task-mix", "1.5"], "--task-mix 1.5 must be in [0, 1]"),
     (["--task", "chess-env", "--data", "no-such-file.txt"], "--data no-such-file.txt: file not found"),
 ])
-def test_chess_usage_errors_exit_2_with_one_line(args, message, tmp_path, capsys, monkeypatch):
-    # in-process: every one of these is caught before a model is loaded
-    import train_lean
-    for name in [k for k in os.environ if k.startswith("GRPO_")]:
-        monkeypatch.delenv(name)
+def test_chess_usage_errors_exit_2_with_one_line(args, message, tmp_path, capsys, clean_env):
+    # every one of these is caught before a model is loaded
     with pytest.raises(SystemExit) as exit_:
         train_lean.main(["--model", "unused", "--out-dir", str(tmp_path), "--log-level", "warning", *args])
     err = capsys.readouterr().err
