@@ -6,7 +6,7 @@ import signal
 import chess
 import pytest
 
-from grpo.tasks import TaskError
+from grpo.tasks import TaskError, score
 from grpo.tasks.chess_engine import find_stockfish
 from grpo.tasks.chess_format import parse_board, policy_completion, policy_prompt, prompt_fen
 from grpo.tasks.chess_positions import random_board
@@ -150,5 +150,9 @@ def test_mixture_draws_both_kinds_and_dispatches(task):
         env = next(p for p in prompts if p.startswith("A: "))
         assert mix.reward(env, mix.env.expected(env)) == pytest.approx(1.0)
         assert "env_fen" in mix.reward_breakdown(env, "") and "policy_best" not in mix.reward_breakdown(env, "")
+        # logged means are per kind: one exact A: answer and three P: ones give env_exact 1, not 0.25
+        policy = [p for p in prompts if p.startswith("P: ")][:3]
+        _, means, errors = score(mix, [env] + policy, [mix.env.expected(env)] + ["junk"] * 3)
+        assert means["env_exact"] == 1.0 and means["policy_legal"] == 0.0 and not errors
     finally:
         mix.close()
