@@ -27,6 +27,7 @@ P: (scored against Stockfish: fixed depth, multi-PV 5)
 """
 import difflib
 import functools
+import json
 import os
 import random
 from collections import OrderedDict
@@ -60,7 +61,6 @@ def position_key(fen: str) -> str:
 
 def held_out_positions(path: str = EVAL_SET) -> set[str]:
     """Positions of the committed evaluation set; generated training prompts avoid them."""
-    import json
     if not os.path.exists(path):
         return set()
     with open(path, encoding="utf-8") as f:
