@@ -15,17 +15,44 @@ import time
 import numpy as np
 import torch
 
-from grpo import config, log, memory
+from grpo import config, evaluate, log, memory
 from grpo.advantages import group_advantages
 from grpo.loss import completion_logprobs, grpo_loss
 from grpo.model import ModelLoadError, frozen_copy, load_policy, load_tokenizer
 from grpo.rollout import decode_completions, encode_prompts, generate, left_pad, logprob_temperature
 from grpo.tasks import TaskError, get_task, score
+from grpo.tasks.chess_tasks import OPTIONS as CHESS_OPTIONS
 
 
 def usage_error(message: str):
     print(f"train_lean.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def task_options(cfg, sources) -> dict:
+    """The config fields the chosen task takes (chess tasks only); a flag it would ignore is an error."""
+    wanted = CHESS_OPTIONS.get(cfg.task, ())
+    for name in CHESS_OPTIONS["chess"]:
+        if name not in wanted and sources[name] == "cli":
+            raise config.ConfigError(f"{config.flag(name)} does not apply to --task {cfg.task}")
+    return {name: getattr(cfg, name) for name in wanted}
+
+
+@torch.no_grad()
+def greedy_eval(policy, tokenizer, items, step, *, prepend_bos, max_new_tokens, batch, autocast, device) -> dict:
+    """Greedy completions for the held-out items, scored; prints the table and returns the JSONL record."""
+    t0 = time.perf_counter()
+    eos = tokenizer.eos_token_id
+    texts = []
+    for s in range(0, len(items), batch):
+        ids, mask = left_pad(encode_prompts(tokenizer, [i["prompt"] for i in items[s:s + batch]], prepend_bos),
+                             eos, device)
+        out_ids, out_mask, _ = generate(policy, ids, mask, eos_id=eos, max_new_tokens=max_new_tokens,
+                                        temperature=0.0, autocast=autocast)
+        texts += decode_completions(tokenizer, out_ids, out_mask, eos)
+    result = evaluate.metrics(items, texts)
+    print(evaluate.table(result, step), flush=True)
+    return {"kind": "eval", "step": step, **result, "eval_time_s": time.perf_counter() - t0}
 
 
 def main(argv=None):
@@ -47,16 +74,33 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)
 
     # ---- model, reference, task ------------------------------------------------------------------
+    # The held-out set carries its own answers, so evaluation needs neither the task nor an engine.
+    evaluating = cfg.eval_only or cfg.eval_interval > 0
+    if cfg.eval_interval > 0 and not cfg.eval_only and cfg.task not in CHESS_OPTIONS:
+        usage_error(f"--eval-interval evaluates on the held-out chess set: use a chess task, not --task {cfg.task}")
     try:
-        task = get_task(cfg.task)
+        task = None if cfg.eval_only else get_task(cfg.task, **task_options(cfg, sources))
         tokenizer = load_tokenizer(cfg.model)
         policy = load_policy(cfg.model, device)
-    except (TaskError, ModelLoadError) as e:
+    except (TaskError, ModelLoadError, config.ConfigError) as e:
         usage_error(str(e))
-    # the reference is a frozen copy of the starting policy on the same device, only when used
-    reference = frozen_copy(policy) if cfg.kl_coef > 0 else None
     eos = tokenizer.eos_token_id
     prepend_bos = cfg.prompt_bos == "on" or (cfg.prompt_bos == "auto" and tokenizer.bos_token_id == eos)
+    if evaluating:
+        eval_items = evaluate.select(evaluate.load_eval_set(), evaluate.eval_kinds(cfg.task), cfg.eval_samples)
+
+        def run_eval(step):
+            return greedy_eval(policy, tokenizer, eval_items, step, prepend_bos=prepend_bos,
+                               max_new_tokens=cfg.max_new_tokens, batch=layout["generation_batch"],
+                               autocast=autocast, device=device)
+    if cfg.eval_only:
+        record = run_eval(0)
+        if cfg.log_file:
+            with log.open_jsonl(cfg.log_file) as f:
+                log.write(f, record)
+        return
+    # the reference is a frozen copy of the starting policy on the same device, only when used
+    reference = frozen_copy(policy) if cfg.kl_coef > 0 else None
     temperature = logprob_temperature(cfg.temperature)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -68,6 +112,8 @@ def main(argv=None):
     G, B = cfg.group_size, layout["completions_per_device"]
     gen_batch, mini, micro = layout["generation_batch"], layout["mini_batch_per_device"], layout["micro_batch"]
 
+    if evaluating:   # where the run starts from
+        log.write(metrics_file, run_eval(0))
     from tqdm import tqdm
     bar = tqdm(range(1, cfg.steps + 1), desc="steps", disable=not sys.stderr.isatty(), file=sys.stderr)
     for step in bar:
@@ -168,6 +214,8 @@ def main(argv=None):
                                              "completion_tokens": n, "logprob_sum": s})
         if verbose:
             (tqdm.write if not bar.disable else print)(log.step_line(rec, cfg.steps))
+        if evaluating and step % cfg.eval_interval == 0:
+            log.write(metrics_file, run_eval(step))
     metrics_file.close()
     if completions_file is not None:
         completions_file.close()

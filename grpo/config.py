@@ -28,6 +28,18 @@ class Config:
     task: str = opt("toy", "built-in task name, path/to/file.py:Name or module:Name")
     prompt_bos: str = opt("auto", "start each prompt with the tokenizer's BOS/EOS token "
                           "(auto: on when BOS == EOS, as in GPT-2)", ["auto", "on", "off"])
+    # chess tasks (grpo/tasks/chess_tasks.py)
+    task_mix: float = opt(0.75, "--task chess: share of P: (policy) prompts; the rest are A: (environment)")
+    data: typing.Optional[str] = opt(None, "chess: RookWorld-format text file to draw prompts from "
+                                     "(default: generated positions)")
+    stockfish_path: typing.Optional[str] = opt(None, "chess: Stockfish binary (default: stockfish on PATH, "
+                                               "then /usr/games/stockfish)")
+    stockfish_depth: int = opt(10, "chess: Stockfish search depth of the P: reward (multi-PV 5)")
+    # held-out chess evaluation (grpo/evaluate.py)
+    eval_interval: int = opt(0, "greedy evaluation on the held-out chess set before training and every "
+                             "N steps (0: off)")
+    eval_samples: int = opt(100, "held-out items per kind (P:, A:) in each evaluation (the set has 100 each)")
+    eval_only: bool = opt(False, "evaluate --model on the held-out chess set, print the table and exit")
     # batch arithmetic (see batch_layout)
     batch_size: int = opt(64, "completions per step, global across devices")
     group_size: int = opt(8, "completions per prompt; prompts per step = batch / group")
@@ -83,10 +95,17 @@ def _base_type(f):
     return (args[0], True) if args and type(None) in args else (t, False)
 
 
+BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def _convert(f, text: str, where: str):
     base, optional = _base_type(f)
     if optional and text.lower() in ("", "none", "auto"):
         return None
+    if base is bool:   # bool("false") is True: spell the values out
+        if text.lower() not in BOOLS:
+            raise ConfigError(f"{where} {text!r} is not a valid bool (true/false, 1/0, yes/no, on/off)")
+        return BOOLS[text.lower()]
     try:
         value = base(text)
     except ValueError:
@@ -107,8 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "GRPO_<FLAG> from the environment (CLI > environment > default).")
     for name, f in FIELDS.items():
         shown = f.default if f.default is not None else "derived"
+        # a bool flag alone means true: --eval-only, or --eval-only false
+        extra = {"nargs": "?", "const": "true"} if f.type is bool else {}
         p.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
-                       help=f"{f.metadata['help']} [{env_name(name)}; default {shown}]")
+                       help=f"{f.metadata['help']} [{env_name(name)}; default {shown}]", **extra)
     return p
 
 
@@ -138,7 +159,8 @@ def _multiples(value: int, of: int) -> str:
 
 def batch_layout(cfg: Config, world: int = 1) -> dict:
     """Check every size rule and return the derived sizes (per device and global)."""
-    for name in ("batch_size", "group_size", "ppo_epochs", "logprob_chunk_size", "max_new_tokens", "steps"):
+    for name in ("batch_size", "group_size", "ppo_epochs", "logprob_chunk_size", "max_new_tokens", "steps",
+                 "stockfish_depth", "eval_samples"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)} must be at least 1")
     for name in ("mini_batch_size", "micro_batch_size", "generation_batch_size"):
@@ -178,7 +200,9 @@ def batch_layout(cfg: Config, world: int = 1) -> dict:
         v = getattr(cfg, name)
         if v is not None and v <= 0:
             raise ConfigError(f"{flag(name)} {v} must be > 0")
-    for name in ("kl_coef", "weight_decay", "max_grad_norm"):
+    if not 0 <= cfg.task_mix <= 1:
+        raise ConfigError(f"--task-mix {cfg.task_mix} must be in [0, 1] (the share of P: prompts)")
+    for name in ("kl_coef", "weight_decay", "max_grad_norm", "eval_interval"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)} must be >= 0")
     per_device = cfg.batch_size // world
