@@ -18,11 +18,12 @@ class ConfigError(ValueError):
     """A bad flag, value or combination (exit code 2, one line, no traceback)."""
 
 
-def opt(default, help, choices=None, const=None, path=None):
+def opt(default, help, choices=None, const=None, path=None, auto=False):
     """A field. With const the flag may be given bare (`--resume` means `--resume latest`); path="in" marks
     a file the run reads and path="out" one it writes (a file, or with the name out_dir a folder), which
-    check_paths tests before anything heavy is loaded."""
-    return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path})
+    check_paths tests before anything heavy is loaded; auto=True keeps the value "auto" as itself."""
+    return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
+                                            "auto": auto})
 
 
 @dataclass
@@ -37,10 +38,9 @@ class Config:
     group_size: int = opt(8, "completions per prompt; prompts per step = batch / group")
     mini_batch_size: typing.Optional[int] = opt(None, "completions per optimizer update (default: batch)")
     ppo_epochs: int = opt(1, "passes over each step's rollouts")
-    # a str so that "auto" survives parsing; batch_layout checks that it is a number or auto
-    micro_batch_size: typing.Optional[str] = opt(None, "completions per forward/backward on one device "
-                                                 "(default: mini / devices, no accumulation; auto: the largest "
-                                                 "that fits in memory, probed before training)")
+    micro_batch_size: typing.Optional[typing.Union[int, str]] = opt(
+        None, "completions per forward/backward on one device (default: mini / devices, no accumulation; "
+        "auto: the largest that fits in memory, probed before training)", auto=True)
     generation_batch_size: typing.Optional[int] = opt(None, "completions sampled at once on one device "
                                                       "(default: all of the device's share)")
     logprob_chunk_size: int = opt(2048, "token rows of the vocabulary log-softmax computed at once")
@@ -99,8 +99,9 @@ def _base_type(f):
 
 def _convert(f, text: str, where: str):
     base, optional = _base_type(f)
-    # "auto" for an optional number means "derive it"; a text field keeps it as a value of its own
-    if optional and (text.lower() in ("", "none") or (text.lower() == "auto" and base is not str)):
+    if f.metadata.get("auto") and text.lower() == "auto":
+        return "auto"
+    if optional and text.lower() in ("", "none", "auto"):
         return None
     try:
         value = base(text)
@@ -161,12 +162,7 @@ def batch_layout(cfg: Config, world: int = 1) -> dict:
     if cfg.save_interval < 0:
         raise ConfigError(f"--save-interval {cfg.save_interval} must be >= 0 (0: no periodic checkpoints)")
     micro_auto = cfg.micro_batch_size == "auto"
-    micro_given = None
-    if cfg.micro_batch_size is not None and not micro_auto:
-        try:
-            micro_given = int(cfg.micro_batch_size)
-        except ValueError:
-            raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size!r} is not a whole number or auto") from None
+    micro_given = None if micro_auto else cfg.micro_batch_size
     for name, v in (("mini_batch_size", cfg.mini_batch_size), ("micro_batch_size", micro_given),
                     ("generation_batch_size", cfg.generation_batch_size)):
         if v is not None and v < 1:
