@@ -100,10 +100,10 @@ def main(argv=None):
         # training; AdamW's two moments do not exist before the first update, so a stand-in holds their place
         longest = max(map(len, encode_prompts(tokenizer, task.prompts(layout["prompts_per_step"], random.Random(
             cfg.seed * 1_000_003 + start_step + 1)), prepend_bos))) + cfg.max_new_tokens
-        moments = None if optimizer.state else sum(2 * p.numel() for p in params)
+        moments = 0 if optimizer.state else sum(2 * p.numel() for p in params)
 
         def fits(m):
-            stand_in = torch.empty(moments or 0, device=device)
+            stand_in = torch.empty(moments, device=device)
             ids = torch.full((m, longest), eos, device=device)
             logp = completion_logprobs(policy, ids, torch.ones_like(ids), cfg.max_new_tokens, temperature,
                                        cfg.logprob_chunk_size, autocast)
@@ -155,7 +155,8 @@ def main(argv=None):
             if cfg.log_completions:
                 log.keep_until(cfg.log_completions, start_step)
         metrics_file = log.open_jsonl(metrics_path, append=bool(resume_from))
-        completions_file = log.open_jsonl(cfg.log_completions, append=bool(resume_from)) if cfg.log_completions else None
+        if cfg.log_completions:
+            completions_file = log.open_jsonl(cfg.log_completions, append=bool(resume_from))
     seen_errors = set()
     exit_code = 0
 
@@ -185,9 +186,10 @@ def main(argv=None):
                                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                        top_k=cfg.top_k, top_p=cfg.top_p, autocast=autocast))
             T = max(c[0].shape[1] for c in chunks)
-            completion_ids = torch.cat([torch.nn.functional.pad(c[0], (0, T - c[0].shape[1]), value=eos) for c in chunks])
-            completion_mask = torch.cat([torch.nn.functional.pad(c[1], (0, T - c[1].shape[1])) for c in chunks])
-            old_logp = torch.cat([torch.nn.functional.pad(c[2], (0, T - c[2].shape[1])) for c in chunks])
+            pad = torch.nn.functional.pad
+            completion_ids = torch.cat([pad(c[0], (0, T - c[0].shape[1]), value=eos) for c in chunks])
+            completion_mask = torch.cat([pad(c[1], (0, T - c[1].shape[1])) for c in chunks])
+            old_logp = torch.cat([pad(c[2], (0, T - c[2].shape[1])) for c in chunks])
             texts = decode_completions(tokenizer, completion_ids, completion_mask, eos)
             t_gen = time.perf_counter()
 

@@ -21,12 +21,11 @@ import torch.distributed as dist
 def init(device_choice: str):
     """Join the process group if launched by torchrun; return (rank, world size, device)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available() and device_choice in ("auto", "cuda")
+    cuda = device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
     if world == 1:
-        device = torch.device(("cuda" if cuda else "cpu") if device_choice == "auto" else device_choice)
-        return 0, 1, device
+        return 0, 1, torch.device(("cuda" if cuda else "cpu") if device_choice == "auto" else device_choice)
     local_rank = int(os.environ["LOCAL_RANK"])
-    if cuda:
+    if cuda:  # one GPU per process, whatever cuda:N says
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:

@@ -57,7 +57,8 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model_dir, tmp_pat
     # a checkpoint is a plain transformers folder
     model = AutoModelForCausalLM.from_pretrained(os.path.join(cut, final))
     tok = AutoTokenizer.from_pretrained(os.path.join(cut, final))
-    assert torch.equal(model.state_dict()["lm_head.weight"], b["transformer.wte.weight"]) and tok.eos_token_id is not None
+    assert torch.equal(model.state_dict()["lm_head.weight"], b["transformer.wte.weight"])
+    assert tok.eos_token_id is not None
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
