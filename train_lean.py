@@ -181,7 +181,7 @@ def main(argv=None):
             for s in range(0, B, gen_batch):
                 # sampling is seeded by (seed, step, the chunk's first global row): the rollouts do not depend
                 # on the number of devices (for the same --generation-batch-size) nor on a resume
-                torch.manual_seed(hash((cfg.seed, step, row0 + s)) % 2**63)
+                torch.manual_seed((cfg.seed * 1_000_003 + step) * 1_000_003 + row0 + s)
                 chunks.append(generate(policy, prompt_ids[s:s + gen_batch], prompt_mask[s:s + gen_batch], eos_id=eos,
                                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                        top_k=cfg.top_k, top_p=cfg.top_p, autocast=autocast))

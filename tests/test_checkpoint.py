@@ -85,3 +85,14 @@ def test_latest_skips_half_written_and_incomplete_checkpoints(tmp_path):
     assert checkpoint.latest(str(tmp_path)) == str(folder / "step_000002")
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in"):
         checkpoint.resolve(str(tmp_path / "elsewhere"), str(tmp_path))
+
+
+def test_rng_states_round_trip_through_a_saved_file(tmp_path):
+    import random
+
+    import numpy as np
+    states = checkpoint.rng_states()
+    torch.save(states, tmp_path / "rng.pt")
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    checkpoint.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
