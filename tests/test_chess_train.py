@@ -52,10 +52,12 @@ def test_eval_only_prints_the_table(tiny_model_dir, tmp_path, capsys, clean_env)
 
 @pytest.mark.parametrize("args, message", [
     (["--task", "chess-policy", "--stockfish-path", "/nonexistent/stockfish"], "use --task chess-env"),
-    (["--task", "toy", "--data", "x.txt"], "--data does not apply to --task toy"),
+    (["--task", "toy", "--data", __file__], "--data does not apply to --task toy"),
     (["--task", "toy", "--eval-interval", "2"], "use a chess task"),
     (["--task", "chess", "--task-mix", "1.5"], "--task-mix 1.5 must be in [0, 1]"),
-    (["--task", "chess-env", "--data", "no-such-file.txt"], "--data no-such-file.txt: file not found"),
+    (["--task", "chess-env", "--data", "no-such-file.txt"], "--data no-such-file.txt: no such file"),
+    (["--task", "chess-env", "--data", os.path.join(os.path.dirname(__file__), "..", "README.md")],
+     "lines are not RookWorld P:/A: samples"),
 ])
 def test_chess_usage_errors_exit_2_with_one_line(args, message, tmp_path, capsys, clean_env):
     # every one of these is caught before a model is loaded

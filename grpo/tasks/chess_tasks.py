@@ -73,6 +73,10 @@ def _read_data(path: str):
     if not os.path.isfile(path):
         raise TaskError(f"--data {path}: file not found")
     data = read_rookworld(path)
+    kept = len(data.policy) + len(data.env)
+    if data.skipped > kept:  # most lines unusable: the wrong file, not a few bad lines
+        raise TaskError(f"--data {path}: {data.skipped} of {data.skipped + kept} lines are not RookWorld "
+                        f"P:/A: samples: pass a RookWorld-format text file (see README, Chess)")
     print(data.summary(path), flush=True)
     return data
 
