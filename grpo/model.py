@@ -30,6 +30,8 @@ def load_tokenizer(name_or_path: str):
 
 def load_policy(name_or_path: str, device: str):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar says nothing useful here
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
     except (OSError, ValueError) as e:

@@ -1,0 +1,223 @@
+"""Configuration: one dataclass that is the CLI, the GRPO_<FLAG> environment overrides and the defaults.
+
+Precedence: command line > environment > default. `load(argv)` returns the config plus where each
+value came from; `batch_layout(cfg, world)` checks every divisibility rule before anything heavy is
+loaded and returns the derived sizes. User errors raise ConfigError with one line that names the
+bad value and a fix; train_lean.py prints it and exits with code 2.
+"""
+import argparse
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A bad flag, value or combination (exit code 2, one line, no traceback)."""
+
+
+def opt(default, help, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class Config:
+    # model and task
+    model: str = opt("out/tiny", "hub id or local folder of a causal LM (AutoModelForCausalLM)")
+    task: str = opt("toy", "built-in task name, path/to/file.py:Name or module:Name")
+    prompt_bos: str = opt("auto", "start each prompt with the tokenizer's BOS/EOS token "
+                          "(auto: on when BOS == EOS, as in GPT-2)", ["auto", "on", "off"])
+    # batch arithmetic (see batch_layout)
+    batch_size: int = opt(64, "completions per step, global across devices")
+    group_size: int = opt(8, "completions per prompt; prompts per step = batch / group")
+    mini_batch_size: typing.Optional[int] = opt(None, "completions per optimizer update (default: batch)")
+    ppo_epochs: int = opt(1, "passes over each step's rollouts")
+    micro_batch_size: typing.Optional[int] = opt(None, "completions per forward/backward on one device "
+                                                 "(default: mini / devices, no accumulation)")
+    generation_batch_size: typing.Optional[int] = opt(None, "completions sampled at once on one device "
+                                                      "(default: all of the device's share)")
+    logprob_chunk_size: int = opt(2048, "token rows of the vocabulary log-softmax computed at once")
+    # sampling
+    max_new_tokens: int = opt(144, "new tokens per completion at most")
+    temperature: float = opt(1.0, "sampling temperature; 0 means greedy")
+    top_k: int = opt(0, "sample from the k most likely tokens (0: off)")
+    top_p: float = opt(1.0, "nucleus sampling threshold (1: off)")
+    # algorithm
+    learning_rate: float = opt(1e-5, "AdamW learning rate")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    max_grad_norm: float = opt(1.0, "gradient-norm clipping")
+    clip_range: float = opt(0.2, "PPO clip range (low side, and high side unless --clip-range-high)")
+    clip_range_high: typing.Optional[float] = opt(None, "PPO clip range on the high side (default: --clip-range)")
+    kl_coef: float = opt(0.02, "k3 KL penalty against the frozen reference (0: no reference model)")
+    scale_rewards: str = opt("group", "divide advantages by the group's std, the batch's, or not at all",
+                             ["group", "batch", "none"])
+    loss_agg: str = opt("token-mean", "average the loss over all completion tokens of a mini-batch, "
+                        "or per sequence first", ["token-mean", "seq-mean"])
+    # run control
+    steps: int = opt(20, "training steps")
+    seed: int = opt(0, "seed for prompts, sampling and initialisation")
+    device: str = opt("auto", "auto (CUDA when present), cpu, cuda or cuda:N")
+    dtype: str = opt("fp32", "compute dtype; bf16 uses autocast over fp32 weights and optimizer state",
+                     ["fp32", "bf16"])
+    out_dir: str = opt("out", "folder for logs (and checkpoints)")
+    log_file: typing.Optional[str] = opt(None, "JSONL metrics, one object per step (default: OUT_DIR/metrics.jsonl)")
+    log_completions: typing.Optional[str] = opt(None, "JSONL file with every sampled completion")
+    log_level: str = opt("info", "console verbosity", ["debug", "info", "warning"])
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return "GRPO_" + name.upper()
+
+
+def _base_type(f):
+    t = f.type
+    args = typing.get_args(t)
+    return (args[0], True) if args and type(None) in args else (t, False)
+
+
+def _convert(f, text: str, where: str):
+    base, optional = _base_type(f)
+    if optional and text.lower() in ("", "none", "auto"):
+        return None
+    try:
+        value = base(text)
+    except ValueError:
+        raise ConfigError(f"{where} {text!r} is not a valid {base.__name__}") from None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{where} {text!r} is not one of {', '.join(choices)}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump: ConfigError is printed by the caller
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="train_lean.py", allow_abbrev=False, description="GRPO on a small causal LM. Every flag also reads "
+                "GRPO_<FLAG> from the environment (CLI > environment > default).")
+    for name, f in FIELDS.items():
+        shown = f.default if f.default is not None else "derived"
+        p.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
+                       help=f"{f.metadata['help']} [{env_name(name)}; default {shown}]")
+    return p
+
+
+def load(argv=None, environ=None):
+    """Parse argv and environ into (Config, {field: 'cli' | 'env' | 'default'})."""
+    argv = sys.argv[1:] if argv is None else argv
+    environ = os.environ if environ is None else environ
+    given = vars(build_parser().parse_args(argv))
+    values, sources = {}, {}
+    for name, f in FIELDS.items():
+        if name in given:
+            values[name], sources[name] = _convert(f, given[name], flag(name)), "cli"
+        elif env_name(name) in environ:
+            values[name], sources[name] = _convert(f, environ[env_name(name)], env_name(name)), "env"
+        else:
+            values[name], sources[name] = f.default, "default"
+    unknown = sorted(k for k in environ if k.startswith("GRPO_") and k[5:].lower() not in FIELDS)
+    if unknown:
+        raise ConfigError(f"unknown environment variable {unknown[0]}: see train_lean.py --help")
+    return Config(**values), sources
+
+
+def _multiples(value: int, of: int) -> str:
+    low = value // of * of
+    return f"use {low} or {low + of}" if low > 0 else f"use {of}"
+
+
+def batch_layout(cfg: Config, world: int = 1) -> dict:
+    """Check every size rule and return the derived sizes (per device and global)."""
+    for name in ("batch_size", "group_size", "ppo_epochs", "logprob_chunk_size", "max_new_tokens", "steps"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{flag(name)} {getattr(cfg, name)} must be at least 1")
+    for name in ("mini_batch_size", "micro_batch_size", "generation_batch_size"):
+        v = getattr(cfg, name)
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag(name)} {v} must be at least 1")
+    if cfg.group_size < 2:
+        raise ConfigError(f"--group-size {cfg.group_size}: GRPO needs at least 2 completions per prompt")
+    if cfg.batch_size % cfg.group_size:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not a multiple of --group-size "
+                          f"{cfg.group_size}: {_multiples(cfg.batch_size, cfg.group_size)}")
+    prompts = cfg.batch_size // cfg.group_size
+    if prompts % world:
+        raise ConfigError(f"--batch-size {cfg.batch_size} gives {prompts} prompts, which do not split over "
+                          f"{world} devices in whole groups: "
+                          f"{_multiples(cfg.batch_size, cfg.group_size * world)}")
+    mini = cfg.mini_batch_size or cfg.batch_size
+    if cfg.batch_size % mini:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not a multiple of --mini-batch-size {mini}: "
+                          f"use a divisor of {cfg.batch_size}")
+    if mini % world:
+        raise ConfigError(f"--mini-batch-size {mini} does not split over {world} devices: "
+                          f"{_multiples(mini, world)}")
+    mini_per_device = mini // world
+    micro = cfg.micro_batch_size or mini_per_device
+    if mini_per_device % micro:
+        raise ConfigError(f"--micro-batch-size {micro} does not divide the per-device mini-batch "
+                          f"{mini_per_device} (= --mini-batch-size {mini} / {world} devices): "
+                          f"use a divisor of {mini_per_device}")
+    if cfg.temperature < 0:
+        raise ConfigError(f"--temperature {cfg.temperature} must be >= 0 (0 means greedy)")
+    if not 0 < cfg.top_p <= 1:
+        raise ConfigError(f"--top-p {cfg.top_p} must be in (0, 1]")
+    if cfg.top_k < 0:
+        raise ConfigError(f"--top-k {cfg.top_k} must be >= 0 (0 means off)")
+    for name in ("clip_range", "clip_range_high", "learning_rate"):
+        v = getattr(cfg, name)
+        if v is not None and v <= 0:
+            raise ConfigError(f"{flag(name)} {v} must be > 0")
+    for name in ("kl_coef", "weight_decay", "max_grad_norm"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{flag(name)} {getattr(cfg, name)} must be >= 0")
+    per_device = cfg.batch_size // world
+    return {
+        "devices": world,
+        "prompts_per_step": prompts,
+        "completions_per_step": cfg.batch_size,
+        "groups": prompts,
+        "prompts_per_device": prompts // world,
+        "completions_per_device": per_device,
+        "mini_batch": mini,
+        "mini_batch_per_device": mini_per_device,
+        "micro_batch": micro,
+        "grad_accum_steps": mini_per_device // micro,
+        "updates_per_step": cfg.batch_size // mini * cfg.ppo_epochs,
+        "generation_batch": min(cfg.generation_batch_size or per_device, per_device),
+    }
+
+
+def describe(cfg: Config, sources: dict, layout: dict) -> str:
+    """The start-up table: every setting with its source, then the derived batch sizes."""
+    rows = [(flag(n), "derived" if getattr(cfg, n) is None else str(getattr(cfg, n)), sources[n])
+            for n in FIELDS]
+    w = max(len(r[0]) for r in rows)
+    v = max(len(r[1]) for r in rows)
+    lines = ["settings (source: cli > env > default)"]
+    lines += [f"  {a:<{w}}  {b:<{v}}  {c}" for a, b, c in rows]
+    lines.append("batch layout (per device | global)")
+    d = layout
+    table = [
+        ("devices", "", d["devices"]),
+        ("prompts per step", d["prompts_per_device"], d["prompts_per_step"]),
+        ("completions per step", d["completions_per_device"], d["completions_per_step"]),
+        ("groups per step", d["prompts_per_device"], d["groups"]),
+        ("mini-batch (completions per update)", d["mini_batch_per_device"], d["mini_batch"]),
+        ("micro-batch (per forward/backward)", d["micro_batch"], d["micro_batch"] * d["devices"]),
+        ("gradient-accumulation steps", d["grad_accum_steps"], d["grad_accum_steps"]),
+        ("optimizer updates per step", d["updates_per_step"], d["updates_per_step"]),
+        ("generation batch", d["generation_batch"], d["generation_batch"] * d["devices"]),
+    ]
+    lines += [f"  {name:<37} {str(a):>6} | {b}" for name, a, b in table]
+    return "\n".join(lines)

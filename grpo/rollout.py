@@ -1,0 +1,128 @@
+"""Rollout: tokenize prompts, sample completions with a KV cache, keep the sampled ids and logprobs.
+
+The sampled token ids are what the trainer scores; text is decoded only for the reward. Re-tokenising
+decoded text would give different tokens (BPE is not a bijection on what a model can emit), and the
+logprobs would then belong to a sequence the policy never sampled.
+"""
+import torch
+
+from grpo.model import position_ids_from_mask
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature of the distribution whose logprobs are trained on.
+
+    Sampling and training must use the same one, so that the behaviour logprobs recorded while
+    sampling equal the policy's logprobs at the first update (ratio == 1). Greedy decoding has no
+    distribution of its own; its logprobs are taken at temperature 1.
+    """
+    return temperature if temperature > 0 else 1.0
+
+
+def encode_prompts(tokenizer, prompts, prepend_bos: bool) -> list:
+    """Token ids of each prompt; with prepend_bos, the tokenizer's BOS (GPT-2: <|endoftext|>) first."""
+    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    if prepend_bos:
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        ids = [[bos] + row for row in ids]
+    return ids
+
+
+def left_pad(rows, pad_id: int, device=None):
+    """Stack id lists to [B, L], padded on the left, with the attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 up to and including each row's first EOS, 0 after it.
+
+    Built from the position of the first EOS, never from `token == pad`: with pad == EOS (GPT-2)
+    that would mask the EOS the policy chose to emit, so it would never learn to stop.
+    """
+    is_eos = completion_ids == eos_id
+    width = completion_ids.shape[1]
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], width, dtype=torch.long))
+    return (torch.arange(width, device=completion_ids.device)[None, :] <= first[:, None]).long()
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """Draw one token per row; return it with its logprob under the temperature-scaled distribution.
+
+    The logprob is taken before top-k/top-p truncation: it is the policy's own logprob, the same
+    quantity the training forward computes, so the first update is exactly on-policy.
+    """
+    logits = logits.float() / logprob_temperature(temperature)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if temperature == 0:
+        token = logits.argmax(-1)
+    else:
+        filtered = logits
+        if top_k > 0 and top_k < logits.shape[-1]:
+            kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
+            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+        if top_p < 1.0:
+            sorted_logits, order = torch.sort(filtered, descending=True, dim=-1)
+            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+            # drop a token when the tokens ranked above it already hold top_p of the mass
+            drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+            filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        token = torch.multinomial(torch.softmax(filtered, dim=-1), 1).squeeze(-1)
+    return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, prompt_mask, *, eos_id: int, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, autocast=None):
+    """Sample one completion per row of a left-padded prompt batch.
+
+    Returns completion_ids [B, T], completion_mask [B, T] and the sampling logprobs [B, T], where T is
+    the number of decode steps actually run (all rows stop at their first EOS; the loop ends when
+    every row has). Rows that have finished keep receiving EOS, which the mask hides.
+    """
+    autocast = autocast or torch.autocast(prompt_ids.device.type, enabled=False)
+    batch = prompt_ids.shape[0]
+    attention = prompt_mask
+    with autocast:
+        out = model(input_ids=prompt_ids, attention_mask=attention,
+                    position_ids=position_ids_from_mask(attention), use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    logits = out.logits[:, -1]
+    next_position = attention.sum(-1, keepdim=True)  # position of each row's first new token
+    done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+    tokens, logprobs = [], []
+    ones = torch.ones((batch, 1), dtype=attention.dtype, device=attention.device)
+    for _ in range(max_new_tokens):
+        token, logprob = sample_token(logits, temperature, top_k, top_p)
+        token = token.masked_fill(done, eos_id)
+        tokens.append(token)
+        logprobs.append(logprob)
+        done |= token == eos_id
+        if len(tokens) == max_new_tokens or bool(done.all()):
+            break
+        attention = torch.cat([attention, ones], dim=1)
+        with autocast:
+            out = model(input_ids=token[:, None], attention_mask=attention, position_ids=next_position,
+                        past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits = out.logits[:, -1]
+        next_position = next_position + 1
+    completion_ids = torch.stack(tokens, dim=1)
+    return completion_ids, completion_mask(completion_ids, eos_id), torch.stack(logprobs, dim=1)
+
+
+def decode_completions(tokenizer, completion_ids, mask, eos_id: int) -> list:
+    """The text of each completion: its tokens up to, not including, its first EOS."""
+    texts = []
+    for ids, m in zip(completion_ids.tolist(), mask.sum(1).tolist()):
+        ids = ids[:m]
+        if ids and ids[-1] == eos_id:
+            ids = ids[:-1]
+        texts.append(tokenizer.decode(ids, skip_special_tokens=False))
+    return texts
