@@ -18,7 +18,11 @@ stockfish:
 	  (apt-get update -qq && apt-get install -y -qq stockfish) || \
 	  echo "could not install stockfish (needs root): chess-policy tests will skip"
 
-train: install
+# the offline default model: a tiny random GPT-2, written once
+out/tiny/config.json: | install
+	$(PY) -m grpo.model out/tiny
+
+train: install out/tiny/config.json
 	$(PY) train_lean.py $(ARGS)
 
 test: install stockfish

@@ -13,9 +13,24 @@ class ModelLoadError(RuntimeError):
     """A model or tokenizer that cannot be loaded (reported as a usage error)."""
 
 
+def _from_pretrained(cls, name_or_path: str, **kwargs):
+    """cls.from_pretrained, with a one-line ModelLoadError saying why it failed."""
+    looks_local = name_or_path.startswith((".", "/", "~")) or os.path.exists(name_or_path)
+    if looks_local and not os.path.isdir(name_or_path):
+        raise ModelLoadError(f"--model {name_or_path}: no such folder (make one with "
+                             f"`python -m grpo.model {name_or_path}` or give a hub id)")
+    try:
+        return cls.from_pretrained(name_or_path, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        where = "" if looks_local else (" (a hub id needs network access; this machine may be offline: "
+                                        "pass a local folder instead)")
+        raise ModelLoadError(f"cannot load --model {name_or_path}: {first}{where}") from None
+
+
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(name_or_path)
+    tok = _from_pretrained(AutoTokenizer, name_or_path)
     # Left padding: every prompt then ends at the same column, so all rows of a batch start
     # generating at the same index and a completion is simply "everything after the prompt".
     tok.padding_side = "left"
@@ -32,13 +47,7 @@ def load_policy(name_or_path: str, device: str):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar says nothing useful here
-    try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(
-            f"cannot load --model {name_or_path}: {first} (a hub id needs network access, "
-            f"which this machine may not have; pass a local folder instead)") from None
+    model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=torch.float32)
     # fp32 master weights always: bf16 is used through autocast, never as the stored weights,
     # because AdamW updates on bf16 weights round away most of a 1e-5 learning rate.
     model.to(device)

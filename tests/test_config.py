@@ -1,0 +1,95 @@
+import pytest
+
+from grpo.config import Config, ConfigError, batch_layout, describe, load
+
+
+def layout(argv, world=1):
+    cfg, _ = load(argv, environ={})
+    return batch_layout(cfg, world)
+
+
+def test_defaults_are_the_seed_configuration():
+    cfg, sources = load([], environ={})
+    assert (cfg.batch_size, cfg.group_size, cfg.learning_rate, cfg.clip_range, cfg.kl_coef, cfg.max_new_tokens) == \
+        (64, 8, 1e-5, 0.2, 0.02, 144)
+    assert set(sources.values()) == {"default"}
+    d = batch_layout(cfg)
+    assert d["prompts_per_step"] == 8 and d["updates_per_step"] == 1 and d["grad_accum_steps"] == 1
+
+
+def test_derived_sizes():
+    d = layout(["--batch-size", "64", "--mini-batch-size", "32", "--micro-batch-size", "8", "--ppo-epochs", "2"])
+    assert d["updates_per_step"] == 4 and d["grad_accum_steps"] == 4 and d["micro_batch"] == 8
+    d = layout(["--batch-size", "64", "--micro-batch-size", "8"], world=2)
+    assert d["completions_per_device"] == 32 and d["grad_accum_steps"] == 4 and d["prompts_per_device"] == 4
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--batch-size", "60"], 1, "--batch-size 60 is not a multiple of --group-size 8: use 56 or 64"),
+    (["--batch-size", "4"], 1, "--batch-size 4 is not a multiple of --group-size 8: use 8"),
+    (["--group-size", "1"], 1, "--group-size 1: GRPO needs at least 2"),
+    (["--batch-size", "24"], 2, "24 gives 3 prompts, which do not split over 2 devices in whole groups: use 16 or 32"),
+    (["--mini-batch-size", "48"], 1, "--batch-size 64 is not a multiple of --mini-batch-size 48"),
+    (["--micro-batch-size", "24"], 1, "--micro-batch-size 24 does not divide the per-device mini-batch 64"),
+    (["--micro-batch-size", "0"], 1, "--micro-batch-size 0 must be at least 1"),
+    (["--batch-size", "0"], 1, "--batch-size 0 must be at least 1"),
+    (["--steps", "-1"], 1, "--steps -1 must be at least 1"),
+    (["--temperature", "-1"], 1, "--temperature -1.0 must be >= 0"),
+    (["--top-p", "0"], 1, "--top-p 0.0 must be in (0, 1]"),
+    (["--top-k", "-2"], 1, "--top-k -2 must be >= 0"),
+    (["--clip-range", "0"], 1, "--clip-range 0.0 must be > 0"),
+    (["--kl-coef", "-0.1"], 1, "--kl-coef -0.1 must be >= 0"),
+    (["--learning-rate", "0"], 1, "--learning-rate 0.0 must be > 0"),
+])
+def test_batch_rule_violations_name_the_values_and_a_fix(argv, world, message):
+    with pytest.raises(ConfigError) as e:
+        layout(argv, world)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "lots"], "--batch-size 'lots' is not a valid int"),
+    (["--scale-rewards", "rank"], "--scale-rewards 'rank' is not one of group, batch, none"),
+    (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag 1"),
+    (["--batch"], "unrecognized arguments: --batch"),  # no silent abbreviations
+])
+def test_bad_flags_and_values(argv, message):
+    with pytest.raises(ConfigError) as e:
+        load(argv, environ={})
+    assert message in str(e.value)
+
+
+def test_environment_overrides_default_and_cli_overrides_environment():
+    env = {"GRPO_MICRO_BATCH_SIZE": "4", "GRPO_LEARNING_RATE": "3e-5", "GRPO_BATCH_SIZE": "32"}
+    cfg, sources = load(["--batch-size", "16"], environ=env)
+    assert cfg.micro_batch_size == 4 and sources["micro_batch_size"] == "env"
+    assert cfg.learning_rate == 3e-5 and sources["learning_rate"] == "env"
+    assert cfg.batch_size == 16 and sources["batch_size"] == "cli"
+    assert cfg.group_size == 8 and sources["group_size"] == "default"
+
+
+def test_bad_environment_values_name_the_variable():
+    with pytest.raises(ConfigError, match="GRPO_GROUP_SIZE 'eight' is not a valid int"):
+        load([], environ={"GRPO_GROUP_SIZE": "eight"})
+    with pytest.raises(ConfigError, match="unknown environment variable GRPO_BACH_SIZE"):
+        load([], environ={"GRPO_BACH_SIZE": "8"})
+
+
+def test_optional_sizes_accept_auto_as_derived():
+    cfg, _ = load(["--mini-batch-size", "auto"], environ={"GRPO_GENERATION_BATCH_SIZE": "none"})
+    assert cfg.mini_batch_size is None and cfg.generation_batch_size is None
+
+
+def test_every_field_is_a_flag_and_an_env_variable():
+    import dataclasses
+    for f in dataclasses.fields(Config):
+        cfg, sources = load([], environ={"GRPO_" + f.name.upper(): str(f.default) if f.default is not None else ""})
+        assert sources[f.name] == "env"
+
+
+def test_describe_shows_sources_and_sizes():
+    cfg, sources = load(["--batch-size", "32"], environ={"GRPO_SEED": "3"})
+    text = describe(cfg, sources, batch_layout(cfg))
+    assert "--batch-size" in text and "cli" in text and "env" in text and "gradient-accumulation steps" in text
+    assert "prompts per step" in text and "optimizer updates per step" in text

@@ -1,0 +1,142 @@
+import pytest
+import torch
+
+from grpo.loss import completion_logprobs
+from grpo.model import load_policy, load_tokenizer, position_ids_from_mask
+from grpo.rollout import (completion_mask, decode_completions, encode_prompts, generate, left_pad,
+                          sample_token)
+
+
+def _padded(tok, prompt, completion_ids, pad):
+    """One row holding prompt + completion, left-padded by `pad` tokens."""
+    ids = encode_prompts(tok, [prompt], prepend_bos=False)[0] + completion_ids
+    return torch.tensor([[tok.eos_token_id] * pad + ids]), torch.tensor([[0] * pad + [1] * len(ids)])
+
+
+def test_completion_logprobs_do_not_depend_on_left_padding(any_model_dir):
+    tok, model = load_tokenizer(any_model_dir), load_policy(any_model_dir, "cpu")
+    completion = tok("aaab cc", add_special_tokens=False)["input_ids"]
+    unpadded = completion_logprobs(model, *_padded(tok, "Repeat a: ", completion, 0), len(completion), 1.0, 4096)
+    padded = completion_logprobs(model, *_padded(tok, "Repeat a: ", completion, 30), len(completion), 1.0, 4096)
+    assert (unpadded - padded).abs().max().item() <= 1e-5
+
+
+def test_gpt2_without_position_ids_scores_padded_rows_wrong(tiny_model_dir):
+    """The control for the test above: absolute positions make left padding matter."""
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    completion = tok("aaab cc", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():  # no position_ids: the default counts pad columns as positions
+        logp = [torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[0, -len(completion) - 1:-1], -1)
+                for ids, mask in (_padded(tok, "Repeat a: ", completion, pad) for pad in (0, 30))]
+    assert (logp[0] - logp[1]).abs().max().item() > 1e-3
+
+
+def test_greedy_generation_does_not_depend_on_left_padding(any_model_dir):
+    tok, model = load_tokenizer(any_model_dir), load_policy(any_model_dir, "cpu")
+    short = encode_prompts(tok, ["Repeat b: "], prepend_bos=False)[0]
+    long = encode_prompts(tok, ["Repeat c: and a much longer prompt that forces thirty pad tokens"], False)[0]
+    ids, mask = left_pad([short, long, short], tok.eos_token_id)
+    assert mask[0].sum() < mask[1].sum()
+    alone_ids, alone_mask = left_pad([short], tok.eos_token_id)
+    kw = dict(eos_id=-1, max_new_tokens=12, temperature=0.0)
+    batch = generate(model, ids, mask, **kw)
+    alone = generate(model, alone_ids, alone_mask, **kw)
+    assert torch.equal(batch[0][0], alone[0][0])
+    assert (batch[2][0] - alone[2][0]).abs().max().item() <= 1e-5
+
+
+def test_sampling_logprobs_equal_training_logprobs(any_model_dir):
+    """The behaviour logprobs kept from sampling are the policy's: the first update is on-policy."""
+    tok, model = load_tokenizer(any_model_dir), load_policy(any_model_dir, "cpu")
+    prompts = encode_prompts(tok, ["Repeat a: ", "Repeat d: and more"], prepend_bos=True)
+    ids, mask = left_pad(prompts, tok.eos_token_id)
+    torch.manual_seed(1)
+    comp, cmask, sample_logp = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=20,
+                                        temperature=0.7, top_k=50, top_p=0.9)
+    logp = completion_logprobs(model, torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1),
+                               comp.shape[1], 0.7, 4096)
+    assert ((logp - sample_logp).abs() * cmask).max().item() <= 1e-5
+
+
+def test_completion_mask_keeps_first_eos_and_hides_the_rest():
+    eos = 0  # pad == EOS, as with GPT-2
+    ids = torch.tensor([[5, 6, 0, 0, 0],    # EOS at 2: the EOS itself is an action and is kept
+                        [0, 0, 0, 0, 0],    # EOS first
+                        [5, 6, 7, 8, 9],    # never stops: every token counts
+                        [5, 0, 7, 0, 9]])   # tokens after the first EOS are hidden even if not EOS
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    assert torch.equal(completion_mask(ids, eos), expected)
+    # the trap: a mask from `token != pad` would drop the EOS the policy chose to emit
+    assert not torch.equal((ids != eos).long(), expected)
+
+
+def test_generation_stops_each_row_at_its_first_eos(tiny_model_dir):
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    ids, mask = left_pad(encode_prompts(tok, ["Repeat a: ", "Repeat e: "], False), tok.eos_token_id)
+    free, _, _ = generate(model, ids, mask, eos_id=-1, max_new_tokens=10, temperature=0.0)
+    # pretend the token row 0 emits greedily at step 2 is EOS: row 0 must stop there
+    eos = int(free[0, 2])
+    comp, cmask, _ = generate(model, ids, mask, eos_id=eos, max_new_tokens=10, temperature=0.0)
+    first0 = int((free[0] == eos).int().argmax())
+    assert cmask[0].sum().item() == first0 + 1
+    assert (comp[0, first0:] == eos).all()
+    assert torch.equal(comp[0, :first0], free[0, :first0])
+    if not (free[1] == eos).any():  # row 1 never emits it: it runs the full length
+        assert comp.shape[1] == 10 and cmask[1].sum().item() == 10
+    texts = decode_completions(tok, comp, cmask, eos)
+    assert texts[0] == tok.decode(free[0, :first0].tolist())
+
+
+def test_generation_ends_when_every_row_has_finished(tiny_model_dir):
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    ids, mask = left_pad(encode_prompts(tok, ["Repeat a: ", "Repeat a: "], False), tok.eos_token_id)
+    free, _, _ = generate(model, ids, mask, eos_id=-1, max_new_tokens=6, temperature=0.0)
+    comp, _, _ = generate(model, ids, mask, eos_id=int(free[0, 1]), max_new_tokens=50, temperature=0.0)
+    assert comp.shape[1] == int((free[0] == free[0, 1]).int().argmax()) + 1
+
+
+def test_decoded_text_excludes_eos_and_everything_after(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    head, tail = tok("aaab", add_special_tokens=False)["input_ids"], tok("cc", add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([head + [tok.eos_token_id] + tail])
+    assert decode_completions(tok, ids, completion_mask(ids, tok.eos_token_id), tok.eos_token_id) == ["aaab"]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    torch.manual_seed(0)
+    logits = torch.randn(16, 50)
+    best = logits.argmax(-1)
+    assert torch.equal(sample_token(logits, 1.0, 1, 1.0)[0], best)
+    assert torch.equal(sample_token(logits, 1.0, 0, 1e-6)[0], best)
+    greedy, logp = sample_token(logits, 0.0, 0, 1.0)
+    assert torch.equal(greedy, best)
+    assert torch.allclose(logp, torch.log_softmax(logits, -1).max(-1).values)
+
+
+def test_top_p_samples_only_from_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    torch.manual_seed(0)
+    tokens, _ = sample_token(logits, 1.0, 0, 0.7)  # nucleus {0, 1}: 0.5 < 0.7 <= 0.8
+    assert set(tokens.tolist()) == {0, 1}
+    tokens, _ = sample_token(logits, 1.0, 3, 1.0)
+    assert set(tokens.tolist()) == {0, 1, 2}
+
+
+def test_prompts_can_start_with_bos(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    plain, with_bos = encode_prompts(tok, ["Repeat a: "], False)[0], encode_prompts(tok, ["Repeat a: "], True)[0]
+    assert with_bos == [tok.eos_token_id] + plain
+
+
+def test_position_ids_count_only_real_tokens():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sampling_follows_the_tempered_distribution(temperature):
+    logits = torch.tensor([[2.0, 1.0, 0.0]]).repeat(20000, 1)
+    torch.manual_seed(0)
+    tokens, _ = sample_token(logits, temperature, 0, 1.0)
+    freq = torch.bincount(tokens, minlength=3).float() / len(tokens)
+    assert torch.allclose(freq, torch.softmax(logits[0] / temperature, -1), atol=0.015)

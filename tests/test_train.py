@@ -1,0 +1,104 @@
+"""End to end: the real train_lean.py on a tiny real model, through its command line."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+STEP_KEYS = {"step", "reward_mean", "reward_std", "frac_zero_std", "loss", "kl", "clip_frac", "ratio_mean",
+             "grad_norm", "completion_len_mean", "step_time_s", "gen_time_s", "train_time_s", "samples_per_s",
+             "tokens_per_s", "rss_mb"}
+
+
+def run(args, cwd, env=None):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, os.path.join(REPO, "train_lean.py"), *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    proc = run(["--model", tiny_model_dir, "--steps", "2", "--max-new-tokens", "16", "--out-dir", str(out),
+                "--log-completions", str(out / "completions.jsonl")], cwd=out)
+    return proc, out
+
+
+def test_two_steps_write_every_key(two_steps):
+    proc, out = two_steps
+    assert proc.returncode == 0, proc.stderr
+    recs = records(out / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2]
+    for r in recs:
+        assert STEP_KEYS <= set(r), STEP_KEYS - set(r)
+        assert r["kl"] >= 0 and 0 <= r["frac_zero_std"] <= 1
+    # one update per step, on-policy: the ratio is 1 and nothing is clipped
+    assert abs(recs[0]["ratio_mean"] - 1) < 1e-5 and recs[0]["clip_frac"] == 0
+    assert "prompts per step" in proc.stdout and "step 2/2" in proc.stdout
+
+
+def test_completions_log_has_one_record_per_completion(two_steps):
+    _, out = two_steps
+    recs = records(out / "completions.jsonl")
+    assert len(recs) == 128
+    for r in recs:
+        assert set(r) == {"step", "prompt", "completion", "reward", "completion_tokens", "logprob_sum"}
+        assert 1 <= r["completion_tokens"] <= 16 and r["logprob_sum"] < 0
+        assert r["prompt"].startswith("Repeat ")
+
+
+def test_same_seed_same_run(tiny_model_dir, tmp_path, two_steps):
+    _, first = two_steps
+    proc = run(["--model", tiny_model_dir, "--steps", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path)],
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    keys = ("reward_mean", "loss", "kl", "grad_norm", "completion_len_mean")
+    assert [[r[k] for k in keys] for r in records(tmp_path / "metrics.jsonl")] == \
+        [[r[k] for k in keys] for r in records(first / "metrics.jsonl")]
+
+
+def test_rotary_model_with_accumulation_and_env_overrides(tiny_rotary_dir, tmp_path):
+    proc = run(["--model", tiny_rotary_dir, "--steps", "1", "--batch-size", "16", "--group-size", "4",
+                "--mini-batch-size", "8", "--ppo-epochs", "2", "--out-dir", str(tmp_path)], cwd=tmp_path,
+               env={"GRPO_MICRO_BATCH_SIZE": "4", "GRPO_MAX_NEW_TOKENS": "8", "GRPO_DTYPE": "bf16"})
+    assert proc.returncode == 0, proc.stderr
+    assert "gradient-accumulation steps" in proc.stdout
+    rec = records(tmp_path / "metrics.jsonl")[0]
+    assert rec["completion_len_mean"] <= 8
+
+
+def test_user_task_file_on_the_command_line(tiny_model_dir, tmp_path):
+    (tmp_path / "short.py").write_text(
+        "class Short:\n    name = 'short'\n    def prompts(self, n, rng): return ['Say: '] * n\n"
+        "    def reward(self, p, c): return -float(len(c))\n")
+    proc = run(["--model", tiny_model_dir, "--task", f"{tmp_path / 'short.py'}:Short", "--steps", "1",
+                "--batch-size", "8", "--max-new-tokens", "4", "--out-dir", str(tmp_path)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert records(tmp_path / "metrics.jsonl")[0]["reward_mean"] < 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-size", "60"], "--batch-size 60 is not a multiple of --group-size 8: use 56 or 64"),
+    (["--steps", "two"], "--steps 'two' is not a valid int"),
+    (["--task", "nope"], "unknown task 'nope'"),
+    (["--model", "./no-such-folder"], "no such folder"),
+])
+def test_user_errors_exit_2_with_one_line(args, message, tmp_path):
+    proc = run(args + ["--out-dir", str(tmp_path)], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_env_values_are_validated_like_flags(tmp_path):
+    proc = run(["--out-dir", str(tmp_path)], cwd=tmp_path, env={"GRPO_BATCH_SIZE": "60"})
+    assert proc.returncode == 2 and "--batch-size 60 is not a multiple" in proc.stderr
