@@ -413,7 +413,10 @@ def run_size(args, train, batch, device, budget_mb):
 
 def sweep(args, train):
     """Run each batch size; returns the sweep summary (rows, fit, budget, largest batch)."""
-    group = int(trainer_setting(train, "--group-size", 8))
+    try:
+        group = int(trainer_setting(train, "--group-size", 8))
+    except ValueError:
+        raise UsageError(f"--group-size must be an integer, got {trainer_setting(train, '--group-size', 8)!r}") from None
     if any(b % group for b in args.sweep):
         raise UsageError(f"every batch size must be a multiple of the group size {group} "
                          f"(completions per step = prompts x group size)")
@@ -514,7 +517,11 @@ def main(argv):
         failed = returncode != 0 and not interrupted
         code = (EXIT_LEAK if report["verdict"] == "LEAK" else
                 EXIT_UNJUDGED if report["verdict"] != "ok" or failed else EXIT_OK)
+        # The trainer rejecting its flags before its first step is the user's usage error too.
+        if failed and returncode == EXIT_USAGE and not records:
+            code = EXIT_USAGE
         print({EXIT_OK: "verdict: no leak", EXIT_LEAK: "verdict: LEAK",
+               EXIT_USAGE: "verdict: not judged (the trainer rejected its flags)",
                EXIT_UNJUDGED: "verdict: not judged" + (" (the trainer failed)" if failed else
                                                       " (too few records after the warm-up)")}[code])
         summary = dict(mode="log" if args.from_log else "watch", source=args.from_log, command=train,
