@@ -22,10 +22,19 @@ stockfish:
 out/tiny/config.json: | install
 	$(PY) -m grpo.model out/tiny
 
+# The benchmark's peer (TRL) lives in its own venv, never in .venv; torch stays at the pin.
+.venv-bench/.installed: requirements.txt requirements-bench.txt
+	$(PYTHON) -m venv .venv-bench
+	.venv-bench/bin/python -m pip install -q -r requirements-bench.txt
+	touch $@
+
+bench: install .venv-bench/.installed
+	$(PY) bench/run.py --trl-python .venv-bench/bin/python $(ARGS)
+
 train: install out/tiny/config.json
 	$(PY) train_lean.py $(ARGS)
 
 test: install stockfish
 	$(PY) -m pytest -q tests $(ARGS)
 
-.PHONY: install stockfish train test
+.PHONY: install stockfish train test bench

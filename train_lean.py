@@ -102,6 +102,8 @@ def main(argv=None):
                                                                else policy)
     except (TaskError, ModelLoadError, config.ConfigError) as e:
         usage_error(str(e))
+    if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/loss.py)
+        policy.activation_checkpointing_enable({"use_reentrant": False})
     eos = tokenizer.eos_token_id
     prepend_bos = cfg.prompt_bos == "on" or (cfg.prompt_bos == "auto" and tokenizer.bos_token_id == eos)
     if evaluating:
@@ -238,7 +240,8 @@ def main(argv=None):
                 torch.manual_seed((cfg.seed * 1_000_003 + step) * 1_000_003 + row0 + s)
                 chunks.append(generate(policy, prompt_ids[s:s + gen_batch], prompt_mask[s:s + gen_batch], eos_id=eos,
                                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                       top_k=cfg.top_k, top_p=cfg.top_p, autocast=autocast))
+                                       top_k=cfg.top_k, top_p=cfg.top_p, min_new_tokens=cfg.min_new_tokens,
+                                       autocast=autocast))
             T = max(c[0].shape[1] for c in chunks)
             pad = torch.nn.functional.pad
             completion_ids = torch.cat([pad(c[0], (0, T - c[0].shape[1]), value=eos) for c in chunks])

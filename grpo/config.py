@@ -57,8 +57,12 @@ class Config:
     generation_batch_size: typing.Optional[int] = opt(None, "completions sampled at once on one device "
                                                       "(default: all of the device's share)")
     logprob_chunk_size: int = opt(2048, "token rows of the vocabulary log-softmax computed at once")
+    gradient_checkpointing: bool = opt(False, "recompute each layer's activations in backward: less memory, "
+                                       "more compute (a bare flag means true)", const="true")
     # sampling
     max_new_tokens: int = opt(144, "new tokens per completion at most")
+    min_new_tokens: int = opt(0, "new tokens every completion gets at least: EOS cannot be sampled before "
+                              "(its probability still counts in the logprobs; 0: off)")
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy")
     top_k: int = opt(0, "sample from the k most likely tokens (0: off)")
     top_p: float = opt(1.0, "nucleus sampling threshold (1: off)")
@@ -211,6 +215,9 @@ def batch_layout(cfg: Config, world: int = 1) -> dict:
         raise ConfigError(f"--micro-batch-size {micro} does not divide the per-device mini-batch "
                           f"{mini_per_device} (= --mini-batch-size {mini} / {world} devices): "
                           f"use a divisor of {mini_per_device}")
+    if not 0 <= cfg.min_new_tokens <= cfg.max_new_tokens:
+        raise ConfigError(f"--min-new-tokens {cfg.min_new_tokens} must be in [0, --max-new-tokens "
+                          f"{cfg.max_new_tokens}]")
     if cfg.temperature < 0:
         raise ConfigError(f"--temperature {cfg.temperature} must be >= 0 (0 means greedy)")
     if not 0 < cfg.top_p <= 1:

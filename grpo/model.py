@@ -50,11 +50,27 @@ def load_policy(name_or_path: str, device: str):
     model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=torch.float32)
     # fp32 master weights always: bf16 is used through autocast, never as the stored weights,
     # because AdamW updates on bf16 weights round away most of a 1e-5 learning rate.
+    _fuse_tanh_gelu(model)
     model.to(device)
     # eval() for the whole run: dropout off, so that a training forward gives exactly the logprobs
     # the sampler saw and the first update of a step is on-policy (ratio == 1).
     model.eval()
     return model
+
+
+def _fuse_tanh_gelu(model) -> None:
+    """Swap GPT-2's gelu_new (the tanh GELU written as eight elementwise ops) for PyTorch's fused
+    kernel of the same function (equal to float rounding, ~2e-7): about half the activation's time
+    in forward and backward. The config says so too, so a saved checkpoint describes the model."""
+    from transformers.activations import ACT2FN, NewGELUActivation
+    swapped = False
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if type(child) is NewGELUActivation:
+                setattr(module, name, ACT2FN["gelu_pytorch_tanh"])
+                swapped = True
+    if swapped and getattr(model.config, "activation_function", None) == "gelu_new":
+        model.config.activation_function = "gelu_pytorch_tanh"
 
 
 def frozen_copy(model):

@@ -1,0 +1,66 @@
+"""What every system in the benchmark shares: the task, the per-step prompt stream, the models."""
+import os
+import random
+
+
+
+
+def get_bench_task(name: str):
+    """chess-a: the chess task's A: (environment) prompts and reward when it is installed, else the
+    bench's own python-chess stand-in; anything else: a task name as train_lean.py --task takes it."""
+    if name == "chess-a":
+        try:
+            from grpo.tasks import get_task
+            return get_task("chess-env")
+        except Exception:  # noqa: BLE001 - the chess task is not in this checkout: use the stand-in
+            from bench.chess_a import ChessA
+            return ChessA()
+    from grpo.tasks import get_task
+    return get_task(name)
+
+
+def task_flag(name: str) -> str:
+    """The --task value that makes train_lean.py use the same task as get_bench_task(name)."""
+    if name != "chess-a":
+        return name
+    task = get_bench_task(name)
+    if type(task).__module__.startswith("grpo.tasks"):
+        return "chess-env"
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "chess_a.py") + ":ChessA"
+
+
+def step_prompts(task, n: int, seed: int, step: int) -> list:
+    """The prompts train_lean.py draws at `step` (its rng is seeded by (seed, step))."""
+    return task.prompts(n, random.Random(seed * 1_000_003 + step))
+
+
+MODELS = {
+    # name: build_tiny_model(...) arguments; the tiny one is the core tests' model
+    "tiny": {},
+    # GPT-2 124M's shape (12 x 768, 12 heads, vocab 50257, context 1024), random weights. The bench's
+    # byte-level tokenizer knows 320 of the ids; the others decode to nothing, which changes no cost
+    # that matters here (the reward only sees text).
+    "gpt2-124m": {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257},
+}
+
+
+def model_dir(name: str, root: str) -> str:
+    """A folder holding the named benchmark model (built once, random weights, seed 0), or `name` itself."""
+    if name not in MODELS:
+        return name
+    path = os.path.join(root, name)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build(path, **MODELS[name])
+    return path
+
+
+def build(path: str, vocab_size: int = 320, **shape):
+    from grpo.model import build_tiny_model
+    build_tiny_model(path, seed=0, **shape)
+    if vocab_size > 320:  # the tokenizer stays small; the model gets the full vocabulary (and its head cost)
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+        config = GPT2Config.from_pretrained(path)
+        config.vocab_size = vocab_size
+        torch.manual_seed(0)
+        GPT2LMHeadModel(config).save_pretrained(path)
