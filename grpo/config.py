@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 import typing
 from dataclasses import dataclass, field
 
@@ -17,8 +18,12 @@ class ConfigError(ValueError):
     """A bad flag, value or combination (exit code 2, one line, no traceback)."""
 
 
-def opt(default, help, choices=None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+def opt(default, help, choices=None, const=None, path=None, auto=False):
+    """A field. With const the flag may be given bare (`--resume` means `--resume latest`); path="in" marks
+    a file the run reads and path="out" one it writes (a file, or with the name out_dir a folder), which
+    check_paths tests before anything heavy is loaded; auto=True keeps the value "auto" as itself."""
+    return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
+                                            "auto": auto})
 
 
 @dataclass
@@ -28,23 +33,37 @@ class Config:
     task: str = opt("toy", "built-in task name, path/to/file.py:Name or module:Name")
     prompt_bos: str = opt("auto", "start each prompt with the tokenizer's BOS/EOS token "
                           "(auto: on when BOS == EOS, as in GPT-2)", ["auto", "on", "off"])
+    # chess tasks (grpo/tasks/chess_tasks.py)
+    task_mix: float = opt(0.75, "--task chess: share of P: (policy) prompts; the rest are A: (environment)")
+    data: typing.Optional[str] = opt(None, "chess: RookWorld-format text file to draw prompts from "
+                                     "(default: generated positions)", path="in")
+    stockfish_path: typing.Optional[str] = opt(None, "chess: Stockfish binary (default: stockfish on PATH, "
+                                               "then /usr/games/stockfish)")
+    stockfish_depth: int = opt(10, "chess: Stockfish search depth of the P: reward (multi-PV 5)")
+    # held-out chess evaluation (grpo/evaluate.py)
+    eval_interval: int = opt(0, "greedy evaluation on the held-out chess set before training and every "
+                             "N steps (0: off)")
+    eval_samples: int = opt(100, "held-out items per kind (P:, A:) in each evaluation (the set has 100 each)")
+    eval_only: bool = opt(False, "evaluate --model on the held-out chess set, print the table and exit",
+                          const="true")
     # batch arithmetic (see batch_layout)
     batch_size: int = opt(64, "completions per step, global across devices")
     group_size: int = opt(8, "completions per prompt; prompts per step = batch / group")
     mini_batch_size: typing.Optional[int] = opt(None, "completions per optimizer update (default: batch)")
     ppo_epochs: int = opt(1, "passes over each step's rollouts")
-    micro_batch_size: typing.Optional[int] = opt(None, "completions per forward/backward on one device "
-                                                 "(default: mini / devices, no accumulation)")
+    micro_batch_size: typing.Optional[typing.Union[int, str]] = opt(
+        None, "completions per forward/backward on one device (default: mini / devices, no accumulation; "
+        "auto: the largest that fits in memory, probed before training)", auto=True)
     generation_batch_size: typing.Optional[int] = opt(None, "completions sampled at once on one device "
                                                       "(default: all of the device's share)")
     logprob_chunk_size: int = opt(2048, "token rows of the vocabulary log-softmax computed at once")
     gradient_checkpointing: bool = opt(False, "recompute each layer's activations in backward: less memory, "
-                                       "more compute (a bare flag means true)")
+                                       "more compute (a bare flag means true)", const="true")
     # sampling
     max_new_tokens: int = opt(144, "new tokens per completion at most")
-    temperature: float = opt(1.0, "sampling temperature; 0 means greedy")
     min_new_tokens: int = opt(0, "new tokens every completion gets at least: EOS cannot be sampled before "
                               "(its probability still counts in the logprobs; 0: off)")
+    temperature: float = opt(1.0, "sampling temperature; 0 means greedy")
     top_k: int = opt(0, "sample from the k most likely tokens (0: off)")
     top_p: float = opt(1.0, "nucleus sampling threshold (1: off)")
     # algorithm
@@ -64,10 +83,18 @@ class Config:
     device: str = opt("auto", "auto (CUDA when present), cpu, cuda or cuda:N")
     dtype: str = opt("fp32", "compute dtype; bf16 uses autocast over fp32 weights and optimizer state",
                      ["fp32", "bf16"])
-    out_dir: str = opt("out", "folder for logs (and checkpoints)")
-    log_file: typing.Optional[str] = opt(None, "JSONL metrics, one object per step (default: OUT_DIR/metrics.jsonl)")
-    log_completions: typing.Optional[str] = opt(None, "JSONL file with every sampled completion")
+    out_dir: str = opt("out", "folder for logs (and checkpoints)", path="out")
+    log_file: typing.Optional[str] = opt(None, "JSONL metrics, one object per step (default: OUT_DIR/metrics.jsonl)",
+                                         path="out")
+    log_completions: typing.Optional[str] = opt(None, "JSONL file with every sampled completion", path="out")
     log_level: str = opt("info", "console verbosity", ["debug", "info", "warning"])
+    # long runs (see grpo/checkpoint.py and grpo/guards.py)
+    save_interval: int = opt(0, "write a checkpoint to OUT_DIR/checkpoints every N steps and at the end "
+                             "(0: only when interrupted or aborted)")
+    keep_checkpoints: int = opt(2, "keep the last K checkpoints")
+    resume: typing.Optional[str] = opt(None, "continue from a checkpoint: bare (or 'latest') for the latest in "
+                                       "OUT_DIR, or a checkpoint / folder path", const="latest")
+    max_nonfinite: int = opt(10, "abort (saving a checkpoint) after this many non-finite updates in a row")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -92,6 +119,8 @@ BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": 
 
 def _convert(f, text: str, where: str):
     base, optional = _base_type(f)
+    if f.metadata.get("auto") and text.lower() == "auto":
+        return "auto"
     if optional and text.lower() in ("", "none", "auto"):
         return None
     if base is bool:   # bool("false") is True: spell the values out
@@ -118,10 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "GRPO_<FLAG> from the environment (CLI > environment > default).")
     for name, f in FIELDS.items():
         shown = f.default if f.default is not None else "derived"
-        # a bool flag alone means true: --eval-only, or --eval-only false
-        extra = {"nargs": "?", "const": "true"} if f.type is bool else {}
-        p.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
-                       help=f"{f.metadata['help']} [{env_name(name)}; default {shown}]", **extra)
+        bare = {"nargs": "?", "const": f.metadata["const"]} if f.metadata["const"] is not None else {}
+        p.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=name.upper(), **bare,
+                       help=f"{f.metadata['help']} [{env_name(name)}; default {shown}]")
     return p
 
 
@@ -151,11 +179,16 @@ def _multiples(value: int, of: int) -> str:
 
 def batch_layout(cfg: Config, world: int = 1) -> dict:
     """Check every size rule and return the derived sizes (per device and global)."""
-    for name in ("batch_size", "group_size", "ppo_epochs", "logprob_chunk_size", "max_new_tokens", "steps"):
+    for name in ("batch_size", "group_size", "ppo_epochs", "logprob_chunk_size", "max_new_tokens", "steps",
+                 "keep_checkpoints", "max_nonfinite", "stockfish_depth", "eval_samples"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)} must be at least 1")
-    for name in ("mini_batch_size", "micro_batch_size", "generation_batch_size"):
-        v = getattr(cfg, name)
+    if cfg.save_interval < 0:
+        raise ConfigError(f"--save-interval {cfg.save_interval} must be >= 0 (0: no periodic checkpoints)")
+    micro_auto = cfg.micro_batch_size == "auto"
+    micro_given = None if micro_auto else cfg.micro_batch_size
+    for name, v in (("mini_batch_size", cfg.mini_batch_size), ("micro_batch_size", micro_given),
+                    ("generation_batch_size", cfg.generation_batch_size)):
         if v is not None and v < 1:
             raise ConfigError(f"{flag(name)} {v} must be at least 1")
     if cfg.group_size < 2:
@@ -176,7 +209,8 @@ def batch_layout(cfg: Config, world: int = 1) -> dict:
         raise ConfigError(f"--mini-batch-size {mini} does not split over {world} devices: "
                           f"{_multiples(mini, world)}")
     mini_per_device = mini // world
-    micro = cfg.micro_batch_size or mini_per_device
+    # auto: start from the whole per-device mini-batch; train_lean probes it down before training
+    micro = micro_given or mini_per_device
     if mini_per_device % micro:
         raise ConfigError(f"--micro-batch-size {micro} does not divide the per-device mini-batch "
                           f"{mini_per_device} (= --mini-batch-size {mini} / {world} devices): "
@@ -194,7 +228,9 @@ def batch_layout(cfg: Config, world: int = 1) -> dict:
         v = getattr(cfg, name)
         if v is not None and v <= 0:
             raise ConfigError(f"{flag(name)} {v} must be > 0")
-    for name in ("kl_coef", "weight_decay", "max_grad_norm"):
+    if not 0 <= cfg.task_mix <= 1:
+        raise ConfigError(f"--task-mix {cfg.task_mix} must be in [0, 1] (the share of P: prompts)")
+    for name in ("kl_coef", "weight_decay", "max_grad_norm", "eval_interval"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)} must be >= 0")
     per_device = cfg.batch_size // world
@@ -208,10 +244,41 @@ def batch_layout(cfg: Config, world: int = 1) -> dict:
         "mini_batch": mini,
         "mini_batch_per_device": mini_per_device,
         "micro_batch": micro,
+        "micro_batch_auto": micro_auto,
         "grad_accum_steps": mini_per_device // micro,
         "updates_per_step": cfg.batch_size // mini * cfg.ppo_epochs,
         "generation_batch": min(cfg.generation_batch_size or per_device, per_device),
     }
+
+
+def check_paths(cfg: Config) -> None:
+    """Every file the run reads exists and is readable; every folder it writes to can be written.
+
+    Checked before anything heavy is loaded, so that a typo costs a second, not a model load.
+    A field opts in with opt(..., path="in" | "out").
+    """
+    for f in dataclasses.fields(cfg):
+        name, value, kind = f.name, getattr(cfg, f.name), f.metadata.get("path")
+        if value is None or kind is None:
+            continue
+        if kind == "in":
+            if not os.path.isfile(value):
+                raise ConfigError(f"{flag(name)} {value}: no such file: check the path")
+            try:
+                with open(value, "rb") as fh:
+                    fh.read(1)
+            except OSError as e:
+                raise ConfigError(f"{flag(name)} {value} cannot be read ({e.strerror}): "
+                                  f"fix its permissions or pass another file") from None
+        else:
+            folder = value if name == "out_dir" else (os.path.dirname(value) or ".")
+            try:
+                os.makedirs(folder, exist_ok=True)
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
+            except OSError as e:
+                raise ConfigError(f"{flag(name)} {value}: cannot write to {folder} ({e.strerror or e}): "
+                                  f"pass a writable folder") from None
 
 
 def describe(cfg: Config, sources: dict, layout: dict) -> str:
@@ -230,8 +297,10 @@ def describe(cfg: Config, sources: dict, layout: dict) -> str:
         ("completions per step", d["completions_per_device"], d["completions_per_step"]),
         ("groups per step", d["prompts_per_device"], d["groups"]),
         ("mini-batch (completions per update)", d["mini_batch_per_device"], d["mini_batch"]),
-        ("micro-batch (per forward/backward)", d["micro_batch"], d["micro_batch"] * d["devices"]),
-        ("gradient-accumulation steps", d["grad_accum_steps"], d["grad_accum_steps"]),
+        ("micro-batch (per forward/backward)", *(("auto", "auto") if d["micro_batch_auto"] else
+                                                  (d["micro_batch"], d["micro_batch"] * d["devices"]))),
+        ("gradient-accumulation steps", *(("auto", "auto") if d["micro_batch_auto"] else
+                                           (d["grad_accum_steps"], d["grad_accum_steps"]))),
         ("optimizer updates per step", d["updates_per_step"], d["updates_per_step"]),
         ("generation batch", d["generation_batch"], d["generation_batch"] * d["devices"]),
     ]

@@ -11,6 +11,17 @@ def open_jsonl(path: str, append: bool = False):
     return open(path, "a" if append else "w", encoding="utf-8", buffering=1)
 
 
+def keep_until(path: str, step: int) -> None:
+    """Drop the records of steps after `step` (a resumed run redoes them); atomic like a checkpoint."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
 def _plain(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None  # JSON has no NaN; null keeps every line parseable by strict readers

@@ -26,6 +26,9 @@ import numpy as np
 
 BUILTIN = {
     "toy": ("grpo.tasks.toy", "ToyTask"),
+    "chess-env": ("grpo.tasks.chess_tasks", "ChessEnvTask"),
+    "chess-policy": ("grpo.tasks.chess_tasks", "ChessPolicyTask"),
+    "chess": ("grpo.tasks.chess_tasks", "ChessMixTask"),
 }
 
 
@@ -81,7 +84,7 @@ def score(task, prompts, completions):
             rewards = [float(r) for r in batched(prompts, completions)]
         except Exception as e:  # noqa: BLE001 - fall back to one at a time
             errors[type(e).__name__] += 1
-    components = Counter()
+    components, reported = Counter(), Counter()
     if rewards is None:
         rewards = []
         for p, c in zip(prompts, completions):
@@ -89,6 +92,7 @@ def score(task, prompts, completions):
                 if breakdown is not None:
                     parts = breakdown(p, c)
                     components.update({k: float(v) for k, v in parts.items()})
+                    reported.update(parts.keys())
                     r = float(parts["reward"]) if "reward" in parts else task.reward(p, c)
                 else:
                     r = float(task.reward(p, c))
@@ -98,6 +102,7 @@ def score(task, prompts, completions):
                 errors[type(e).__name__] += 1
                 r = floor
             rewards.append(r)
-    n = max(len(prompts), 1)
-    means = {k: v / n for k, v in components.items() if k != "reward"}
+    # Each component is averaged over the completions that report it: in a task mixture the
+    # P: components are means over P: completions, not diluted by the A: ones.
+    means = {k: v / reported[k] for k, v in components.items() if k != "reward"}
     return np.asarray(rewards, dtype=np.float32), means, dict(errors)

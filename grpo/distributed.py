@@ -1,0 +1,103 @@
+"""Data parallelism under torchrun: one process per device, each with whole groups of the batch.
+
+    torchrun --nproc_per_node 2 train_lean.py --batch-size 64 ...
+
+Gradients are summed with one all_reduce of a flat buffer per optimizer update, after the
+micro-batches have accumulated, rather than by wrapping the policy in DistributedDataParallel:
+the loss calls the policy's trunk and output head directly (grpo/loss.py), which a DDP wrapper's
+forward would never see; and a single reduction point lets every rank agree on an out-of-memory
+retry or a skipped update before any of them waits on a collective. (DDP's bucketed reduction
+overlaps with backward; at the model sizes this trainer targets that overlap is small.)
+
+Every helper is a no-op in a single process, so train_lean.py reads the same either way.
+"""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init(device_choice: str):
+    """Join the process group if launched by torchrun; return (rank, world size, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
+    if world == 1:
+        return 0, 1, torch.device(("cuda" if cuda else "cpu") if device_choice == "auto" else device_choice)
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:  # one GPU per process, whatever cuda:N says
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    # NCCL between GPUs, gloo between CPU processes
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+    return dist.get_rank(), world, device
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _device():
+    # gloo reduces CPU tensors, NCCL CUDA tensors
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_sum(values: list) -> list:
+    """Element-wise sum over ranks of a list of numbers (float64)."""
+    if not dist.is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on any."""
+    return all_sum([float(flag)])[0] > 0
+
+
+def gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate equally shaped tensors of all ranks along dim 0, in rank order."""
+    if not dist.is_initialized():
+        return t
+    parts = [torch.empty_like(t, device=_device()) for _ in range(world_size())]
+    dist.all_gather(parts, t.to(_device()).contiguous())
+    return torch.cat(parts).to(t.device)
+
+
+def gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (for small things: error counts, log rows)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def sum_gradients(params) -> None:
+    """Sum .grad over ranks in place (one flat buffer): the loss is already divided by global counts."""
+    if not dist.is_initialized():
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset:offset + g.numel()].view_as(g)
+        offset += g.numel()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

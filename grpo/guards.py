@@ -1,0 +1,85 @@
+"""What keeps a long run alive: out-of-memory retries, non-finite updates, and a clean stop on a signal."""
+import gc
+import math
+import signal
+
+import torch
+
+from grpo import distributed
+
+
+def is_oom(e: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or an allocator failure on CPU (a plain RuntimeError)."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and ("out of memory" in str(e) or "can't allocate memory" in str(e)))
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def smaller_micro(micro: int, mini: int):
+    """The largest divisor of the mini-batch at most micro / 2 (or None below 1): accumulation over
+    micro-batches that divide the mini-batch keeps the gradient that of the whole mini-batch."""
+    for m in range(micro // 2, 0, -1):
+        if mini % m == 0:
+            return m
+    return None
+
+
+def shrinking(run, micro: int, mini: int, note):
+    """Return (run(micro), micro), where micro is halved (to a divisor of mini) until run fits in memory.
+
+    `run` must start from a clean slate (zeroed gradients) each call. All ranks agree on each retry,
+    so no rank waits in a collective for one that ran out of memory.
+    """
+    while True:
+        try:
+            result, oom = run(micro), False
+        except Exception as e:  # noqa: BLE001 - anything but an out-of-memory is re-raised
+            if not is_oom(e):
+                raise
+            result, oom = None, True
+        if not distributed.any_rank(oom):
+            return result, micro
+        # the exception (and its frames' tensors) is released by now
+        result = None
+        free_memory()
+        smaller = smaller_micro(micro, mini)
+        if smaller is None:
+            raise torch.OutOfMemoryError("out of memory with a micro-batch of 1: lower --max-new-tokens, "
+                                         "use --dtype bf16 or a smaller model")
+        note(f"out of memory at micro-batch {micro}: freed memory, retrying with {smaller}")
+        micro = smaller
+
+
+def finite(*values: float) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+class StopOnSignal:
+    """SIGINT/SIGTERM set `requested`; the loop finishes its step, saves and exits 0. A second
+    signal stops at once, without saving. Restores the previous handlers on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, note):
+        self.requested, self.note, self.previous = False, note, {}
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+        self.requested = True
+        self.note(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                  f"(send it again to stop without saving)")
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,539 @@
+#!/usr/bin/env python
+"""Watch a training run's memory: does it leak, and what is the biggest batch that fits?
+
+    python monitor_memory.py --steps 200 --batch-size 64 [-- train_lean.py flags]   watch a run
+    python monitor_memory.py --from-log out/metrics.jsonl                           analyse a log
+    python monitor_memory.py --sweep 8,16,32,64,128 [-- train_lean.py flags]        batch sweep
+
+Watching starts train_lean.py as a child process, follows the JSONL log it writes and prints a
+row every --every steps; when the run ends, or on Ctrl-C (which stops the child cleanly), it
+prints the leak analysis of what it saw (grpo/memwatch.py). A sweep runs --steps steps (default
+5) at each batch size, each in a fresh process, and fits memory = fixed + per_sample * batch.
+
+Exit code: 0 no leak, 1 leak, 2 usage error, 3 nothing could be judged (too few steps after the
+warm-up, or the training run failed). A CI job can gate on it.
+"""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from grpo import memwatch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+POLL_S = 0.2            # how often the log is read and the child looked at
+SWEEP_STEPS = 5         # steps per batch size: the first allocates AdamW state, the rest time it
+EXIT_OK, EXIT_LEAK, EXIT_USAGE, EXIT_UNJUDGED = 0, 1, 2, 3
+
+
+class UsageError(Exception):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # One line and exit 2, without argparse's usage block: a CI log should say what was wrong.
+        raise UsageError(message)
+
+
+def positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def nonneg_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def batch_sizes(text):
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, got {text!r}") from None
+    if not sizes or min(sizes) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive batch sizes, got {text!r}")
+    return sorted(set(sizes))
+
+
+def parse_args(argv):
+    """(args, trainer flags): everything after the first `--` goes to train_lean.py untouched."""
+    own, train = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = Parser(prog="monitor_memory.py", description=__doc__.split("\n\n")[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--from-log", metavar="FILE", help="analyse this JSONL log instead of starting a run")
+    mode.add_argument("--sweep", metavar="SIZES", type=batch_sizes,
+                      help="comma-separated batch sizes to run a few steps each")
+    p.add_argument("--steps", type=positive_int,
+                   help=f"steps to train (in a sweep: per batch size, default {SWEEP_STEPS})")
+    p.add_argument("--batch-size", type=positive_int, help="global completions per step")
+    p.add_argument("--every", type=positive_int, default=10, help="print a row every N steps")
+    p.add_argument("--warmup", type=nonneg_int, default=memwatch.WARMUP,
+                   help="records skipped before fitting trends (default %(default)s)")
+    p.add_argument("--leak-mb-per-step", type=positive_float, default=memwatch.LEAK_MB_PER_STEP,
+                   help="LEAK when the slope's whole 95%% interval is above this (default %(default)s)")
+    p.add_argument("--frag-ratio", type=positive_float, default=memwatch.FRAG_RATIO,
+                   help="warn when CUDA reserved / step peak exceeds this (default %(default)s)")
+    p.add_argument("--churn-spread", type=positive_float, default=memwatch.CHURN_SPREAD,
+                   help="warn when the per-step peak's (p90-p10)/median exceeds this (default %(default)s)")
+    p.add_argument("--budget-gb", type=positive_float,
+                   help="memory budget of a sweep (default: the device's total memory; RAM on CPU)")
+    p.add_argument("--work-dir", default=os.path.join("out", "memwatch"),
+                   help="where a sweep's runs write (default %(default)s)")
+    p.add_argument("--summary", metavar="FILE", help="write a JSON summary here")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG plot here")
+    p.add_argument("--trainer", default=os.path.join(HERE, "train_lean.py"),
+                   help="the training script to run (default: train_lean.py next to this file)")
+    args = p.parse_args(own)
+
+    if args.from_log is not None:
+        if train or args.steps or args.batch_size:
+            raise UsageError("--from-log analyses an existing log: it takes no --steps, --batch-size or trainer flags")
+        if not os.path.isfile(args.from_log):
+            raise UsageError(f"--from-log {args.from_log}: no such file")
+        return args, train
+    if not os.path.isfile(args.trainer):
+        raise UsageError(f"trainer {args.trainer} not found")
+    controlled = ["--steps", "--batch-size"] + (["--out-dir", "--log-file"] if args.sweep else [])
+    for flag in controlled:
+        if flag_value(train, flag) is not None:
+            raise UsageError(f"give {flag} to monitor_memory.py, not after --" if flag in ("--steps", "--batch-size")
+                             else f"a sweep sets {flag} for each batch size; leave it out of the trainer flags")
+    if args.sweep and args.batch_size:
+        raise UsageError("--sweep sets the batch size; leave out --batch-size")
+    return args, train
+
+
+def flag_value(argv, flag):
+    """The value of `flag` in a trainer command line (`--flag v` or `--flag=v`), else None."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a[len(flag) + 1:]
+    return None
+
+
+def trainer_setting(train, flag, default):
+    """A trainer setting as the trainer will see it: the flag, else its GRPO_* variable, else default."""
+    value = flag_value(train, flag)
+    if value is None:
+        value = os.environ.get("GRPO_" + flag.lstrip("-").upper().replace("-", "_"))
+    return default if value is None else value
+
+
+# --- reading a log ------------------------------------------------------------------------------
+
+class LogFollower:
+    """Reads the records appended to a JSONL file since the last call, like `tail -f`.
+
+    Only complete lines are parsed (the writer may be half-way through one). Lines already in the
+    file when following starts are skipped unless from_start: a previous run's records in the same
+    file are not this run's, while a resumed run appending to it adds new ones after them. A file
+    that was replaced, shrank, or whose first bytes changed was rewritten from the top by its
+    writer and is read again from the top. (The last test catches a writer that truncates and
+    refills the file past our position between two polls; the size alone would miss it.)
+    """
+
+    HEAD = 4096
+
+    def __init__(self, path, from_start=True):
+        self.path, self.pos, self.partial, self.inode, self.head = path, 0, b"", None, b""
+        if not from_start and os.path.exists(path):
+            with open(path, "rb") as f:
+                self.head = f.read(self.HEAD)
+                self.pos, self.inode = f.seek(0, os.SEEK_END), os.fstat(f.fileno()).st_ino
+
+    def poll(self):
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return []
+        with f:
+            st = os.fstat(f.fileno())
+            rewritten = st.st_ino != self.inode or st.st_size < self.pos or f.read(len(self.head)) != self.head
+            if rewritten:
+                self.pos, self.partial, self.inode, self.head = 0, b"", st.st_ino, b""
+            f.seek(self.pos)
+            data = f.read()
+        self.pos += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        records = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a corrupt or foreign line is not a step; skipping it is all we can do
+            if isinstance(rec, dict):
+                records.append(rec)
+        return records
+
+
+def read_log(path):
+    return LogFollower(path).poll()
+
+
+# --- watching a run -----------------------------------------------------------------------------
+
+def stop_child(child, grace_s=30.0):
+    """SIGINT (the trainer's own clean stop), then SIGTERM, then SIGKILL, each after a grace period.
+
+    A second Ctrl-C while waiting skips to the next signal instead of leaving an orphan behind.
+    """
+    for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
+        if child.poll() is not None:
+            return
+        child.send_signal(sig)
+        try:
+            child.wait(wait_s)
+            return
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            continue
+
+
+class RowPrinter:
+    """Prints the live table: step, RSS, and per CUDA device allocated / reserved / peak."""
+
+    def __init__(self, every):
+        self.every, self.columns, self.first = every, None, True
+
+    def __call__(self, rec):
+        if rec.get("kind", "train") != "train" or "step" not in rec:
+            return
+        if self.columns is None:
+            self.columns = memwatch.series_names([rec])
+            print(f"{'step':>7}" + "".join(f"{c.replace('_mb', ''):>18}" for c in self.columns), flush=True)
+        if self.first or rec["step"] % self.every == 0:
+            cells = "".join(f"{rec[c]:>15.1f} MB" if isinstance(rec.get(c), (int, float)) else f"{'-':>18}"
+                            for c in self.columns)
+            print(f"{rec['step']:>7}{cells}", flush=True)
+            self.first = False
+
+
+def watch(args, train):
+    """Run the trainer as a child, follow its log; returns (records, child return code, interrupted)."""
+    log = flag_value(train, "--log-file")
+    if log is None:
+        out_dir = trainer_setting(train, "--out-dir", "out")
+        log = os.environ.get("GRPO_LOG_FILE") or os.path.join(out_dir, "metrics.jsonl")
+        train = train + ["--log-file", log]
+    cmd = [sys.executable, args.trainer]
+    cmd += ["--steps", str(args.steps)] if args.steps else []
+    cmd += ["--batch-size", str(args.batch_size)] if args.batch_size else []
+    cmd += train
+    os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+    output = os.path.join(os.path.dirname(os.path.abspath(log)), "train_output.txt")
+    print(f"running: {' '.join(cmd)}\nfollowing {log}; trainer output in {output}", flush=True)
+
+    follower = LogFollower(log, from_start=False)
+    show = RowPrinter(args.every)
+    records, interrupted = [], False
+    with open(output, "wb") as out:
+        # Own session: a Ctrl-C at the terminal reaches only this process, which then stops the
+        # child exactly once (a trainer hit by two SIGINTs may abandon its clean shutdown).
+        child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while True:
+                for rec in follower.poll():
+                    records.append(rec)
+                    show(rec)
+                if child.poll() is not None:
+                    break
+                time.sleep(POLL_S)
+        except KeyboardInterrupt:
+            interrupted = True
+            print("\ninterrupted: stopping the trainer", flush=True)
+            stop_child(child)
+    for rec in follower.poll():  # whatever the child wrote while it was stopping
+        records.append(rec)
+        show(rec)
+    if child.returncode != 0 and not interrupted:
+        print(f"the trainer exited with code {child.returncode}; last lines of {output}:")
+        with open(output, errors="replace") as f:
+            print("".join(f.readlines()[-15:]).rstrip())
+    return records, child.returncode, interrupted
+
+
+# --- the leak report ----------------------------------------------------------------------------
+
+def print_report(report):
+    print(f"\nmemory trend after a warm-up of {report['warmup']} records "
+          f"({report['records']} training records"
+          + (f", steps {report['steps'][0]}-{report['steps'][1]})" if report.get("steps") else ")"))
+    print(f"{'series':<22}{'points':>7}{'MB/step':>10}{'95% interval':>22}{'MB per 10k steps':>18}  verdict")
+    for name, s in report["series"].items():
+        if "slope_mb_per_step" in s:
+            interval = f"[{s['slope_low']:+.4f}, {s['slope_high']:+.4f}]"
+            print(f"{name:<22}{s['points']:>7}{s['slope_mb_per_step']:>+10.4f}{interval:>22}"
+                  f"{s['growth_mb_per_10k_steps']:>+18.0f}  {s['verdict']}")
+        else:
+            print(f"{name:<22}{s['points']:>7}{'-':>10}{'-':>22}{'-':>18}  {s['verdict']}")
+    for w in report["warnings"]:
+        print(f"warning: {w}")
+    print(f"LEAK means the whole interval is above {report['leak_mb_per_step']} MB/step.")
+
+
+def plot_run(path, records, report):
+    import matplotlib
+    matplotlib.use("Agg")  # files only: works on a headless CI machine
+    import matplotlib.pyplot as plt
+
+    recs, _ = memwatch.train_records(records)
+    names = list(report["series"])
+    groups = [g for g in ([n for n in names if n == memwatch.RSS], [n for n in names if n != memwatch.RSS]) if g]
+    fig, axes = plt.subplots(len(groups) or 1, 1, figsize=(9, 3.6 * max(len(groups), 1)), squeeze=False)
+    for ax, group in zip(axes[:, 0], groups):
+        for name in group:
+            steps, values = memwatch.series(recs, name)
+            s = report["series"][name]
+            line, = ax.plot(steps, values, lw=1, label=name)
+            if "slope_mb_per_step" in s:
+                x = [s["from_step"], s["to_step"]]
+                ax.plot(x, [s["intercept_mb"] + s["slope_mb_per_step"] * v for v in x], "--", lw=2,
+                        color=line.get_color(),
+                        label=f"Theil-Sen {s['slope_mb_per_step']:+.3f} MB/step ({s['verdict']})")
+        if report["warmup"] and len(recs) > 1:
+            ax.axvspan(recs[0]["step"], recs[min(report["warmup"], len(recs)) - 1]["step"],
+                       color="0.9", label="warm-up (not fitted)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("process RSS (MB)" if group[0] == memwatch.RSS else "CUDA memory (MB)")
+        ax.legend(fontsize=8, loc="best")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_title(f"memory per step: {report['verdict']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- the batch-size sweep -----------------------------------------------------------------------
+
+def sweep_device(train):
+    device = trainer_setting(train, "--device", "auto")
+    if device == "auto":
+        import torch  # only here: the trainer's own rule for "auto"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def device_memory_mb(device):
+    if device == "cuda":
+        import torch
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**20
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+
+
+def rss_mb(pid):
+    """Current RSS of a process from /proc (Linux); None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def run_size(args, train, batch, device, budget_mb):
+    """One sweep point in a fresh process: a row of the table."""
+    out = os.path.join(args.work_dir, f"bs{batch}")
+    log = os.path.join(out, "metrics.jsonl")
+    os.makedirs(out, exist_ok=True)
+    if os.path.exists(log):
+        os.remove(log)  # this sweep's own file from an earlier sweep: its records are not this run's
+    cmd = [sys.executable, args.trainer, "--steps", str(args.steps or SWEEP_STEPS),
+           "--batch-size", str(batch), "--out-dir", out, "--log-file", log] + train
+    output = os.path.join(out, "train_output.txt")
+    row = {"batch_size": batch, "peak_mb": None, "step_time_s": None, "samples_per_s": None}
+    over_budget = interrupted = False
+    with open(output, "wb") as f:
+        child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while child.poll() is None:
+                # On CPU the budget is RAM: a batch that outgrows it is stopped here, before it
+                # drives a shared machine into swap or the kernel's OOM killer picks a victim.
+                rss = rss_mb(child.pid) if device == "cpu" else None
+                if rss is not None and rss > budget_mb:
+                    over_budget = True
+                    child.kill()
+                    child.wait()
+                    break
+                time.sleep(POLL_S / 2)
+        except KeyboardInterrupt:
+            interrupted = True
+            stop_child(child)
+    with open(output, errors="replace") as f:
+        text = f.read()
+    recs, _ = memwatch.train_records(read_log(log))
+    row["exit_code"] = child.returncode
+    # Only a run that ended normally has a peak: one stopped part-way never reached its own.
+    if recs and child.returncode == 0:
+        if device == "cuda":
+            peaks = [v for r in recs for k, v in r.items()
+                     if (m := memwatch.CUDA_KEY.match(k)) and m.group(2) == "peak" and isinstance(v, (int, float))]
+        else:
+            peaks = [r.get("rss_peak_mb", r.get(memwatch.RSS)) for r in recs]
+        peaks = [p for p in peaks if isinstance(p, (int, float))]
+        row["peak_mb"] = max(peaks) if peaks else None
+        # The first step pays for one-off work (allocating optimizer state, warming kernels):
+        # time the rest.
+        timed = recs[1:] or recs
+        for key in ("step_time_s", "samples_per_s"):
+            vals = sorted(r[key] for r in timed if isinstance(r.get(key), (int, float)))
+            row[key] = vals[len(vals) // 2] if vals else None
+    oom = over_budget or child.returncode == -signal.SIGKILL or "out of memory" in text.lower()
+    if interrupted:
+        row["status"] = "stopped"
+    elif oom or (row["peak_mb"] is not None and row["peak_mb"] > budget_mb):
+        row["status"] = "OOM"
+        row["note"] = ("killed at the budget" if over_budget else
+                       "ran, but its peak is over the budget" if child.returncode == 0 else "out of memory")
+    elif child.returncode != 0 or not recs:
+        row["status"] = "FAIL"
+        lines = text.strip().splitlines()
+        row["note"] = f"exit code {child.returncode}: {lines[-1] if lines else 'no output'} (see {output})"
+    else:
+        row["status"] = "OK"
+    return row
+
+
+def sweep(args, train):
+    """Run each batch size; returns the sweep summary (rows, fit, budget, largest batch)."""
+    try:
+        group = int(trainer_setting(train, "--group-size", 8))
+    except ValueError:
+        raise UsageError(f"--group-size must be an integer, got {trainer_setting(train, '--group-size', 8)!r}") from None
+    if any(b % group for b in args.sweep):
+        raise UsageError(f"every batch size must be a multiple of the group size {group} "
+                         f"(completions per step = prompts x group size)")
+    device = sweep_device(train)
+    budget_mb = args.budget_gb * 1024 if args.budget_gb else device_memory_mb(device)
+    print(f"sweep on {device}, budget {budget_mb / 1024:.1f} GiB, {args.steps or SWEEP_STEPS} steps per size", flush=True)
+    print(f"{'batch':>7}{'peak MB':>11}{'step s':>9}{'samples/s':>11}  status", flush=True)
+    rows = []
+    for batch in args.sweep:
+        row = run_size(args, train, batch, device, budget_mb)
+        rows.append(row)
+        fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+        print(f"{batch:>7}{fmt(row['peak_mb'], '>11.0f')}{fmt(row['step_time_s'], '>9.3f')}"
+              f"{fmt(row['samples_per_s'], '>11.1f')}  {row['status']}"
+              + (f" ({row['note']})" if row.get("note") else ""), flush=True)
+        if row["status"] == "stopped":
+            break
+    result = {"device": device, "budget_mb": budget_mb, "group_size": group, "rows": rows}
+    # Every run that finished has a measured peak, one over the budget included.
+    measured = [r for r in rows if r["peak_mb"] is not None]
+    if len({r["batch_size"] for r in measured}) >= 2:
+        fixed, per_sample = memwatch.fit_memory([r["batch_size"] for r in measured], [r["peak_mb"] for r in measured])
+        failed = [r["batch_size"] for r in rows if r["status"] == "OOM"]
+        best = memwatch.largest_batch(fixed, per_sample, budget_mb, group, min(failed) if failed else None)
+        result.update(fixed_mb=fixed, per_sample_mb=per_sample, largest_batch=best)
+        print(f"\nfit: peak memory = {fixed:.0f} MB + {per_sample:.3f} MB x batch")
+        if best is None:
+            print("no batch size fits the budget by this fit" if per_sample > 0 else
+                  "peak memory does not grow with the batch size here: the fit gives no limit")
+        else:
+            biggest = max(r["batch_size"] for r in measured)
+            note = (f" (extrapolated: the largest measured batch is {biggest})" if best > 2 * biggest else "")
+            print(f"largest batch that fits in {budget_mb / 1024:.1f} GiB: {best}{note}")
+    else:
+        print("\nfewer than two batch sizes ran to the end: no fit")
+    return result
+
+
+def plot_sweep(path, result):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["peak_mb"] is not None]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax1.plot([r["batch_size"] for r in rows], [r["peak_mb"] for r in rows], "o", label="measured peak")
+    if "fixed_mb" in result:
+        xs = [min(r["batch_size"] for r in result["rows"]), max(r["batch_size"] for r in result["rows"])]
+        ax1.plot(xs, [result["fixed_mb"] + result["per_sample_mb"] * x for x in xs], "--",
+                 label=f"{result['fixed_mb']:.0f} MB + {result['per_sample_mb']:.2f} MB x batch")
+    for r in result["rows"]:
+        if r["status"] == "OOM":
+            ax1.axvline(r["batch_size"], color="red", ls=":", label=f"OOM at {r['batch_size']}")
+    ax1.set(xscale="log", xlabel="batch size", ylabel="peak memory (MB)",
+            title=f"peak memory ({result['device']}, budget {result['budget_mb'] / 1024:.1f} GiB)")
+    ax1.legend(fontsize=8)
+    timed = [r for r in rows if r["samples_per_s"] is not None]
+    ax2.plot([r["batch_size"] for r in timed], [r["samples_per_s"] for r in timed], "o-")
+    ax2.set(xscale="log", xlabel="batch size", ylabel="samples/s", title="throughput")
+    for ax in (ax1, ax2):
+        ax.set_xticks([r["batch_size"] for r in result["rows"]], [str(r["batch_size"]) for r in result["rows"]])
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+def main(argv):
+    try:
+        args, train = parse_args(argv)
+    except UsageError as e:
+        print(f"monitor_memory.py: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    # A `kill` (SIGTERM) of the monitor stops the child the same clean way a Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    if args.sweep:
+        try:
+            result = sweep(args, train)
+        except UsageError as e:
+            print(f"monitor_memory.py: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        code = EXIT_OK if "fixed_mb" in result or any(r["status"] == "OK" for r in result["rows"]) else EXIT_UNJUDGED
+        if any(r["status"] == "FAIL" for r in result["rows"]):
+            code = EXIT_UNJUDGED
+        summary = dict(mode="sweep", command=train, exit_code=code, **result)
+        if args.plot:
+            plot_sweep(args.plot, result)
+    else:
+        if args.from_log:
+            records, returncode, interrupted = read_log(args.from_log), 0, False
+        else:
+            records, returncode, interrupted = watch(args, train)
+        report = memwatch.analyse(records, args.warmup, args.leak_mb_per_step, args.frag_ratio, args.churn_spread)
+        print_report(report)
+        failed = returncode != 0 and not interrupted
+        code = (EXIT_LEAK if report["verdict"] == "LEAK" else
+                EXIT_UNJUDGED if report["verdict"] != "ok" or failed else EXIT_OK)
+        # The trainer rejecting its flags before its first step is the user's usage error too.
+        if failed and returncode == EXIT_USAGE and not records:
+            code = EXIT_USAGE
+        print({EXIT_OK: "verdict: no leak", EXIT_LEAK: "verdict: LEAK",
+               EXIT_USAGE: "verdict: not judged (the trainer rejected its flags)",
+               EXIT_UNJUDGED: "verdict: not judged" + (" (the trainer failed)" if failed else
+                                                      " (too few records after the warm-up)")}[code])
+        summary = dict(mode="log" if args.from_log else "watch", source=args.from_log, command=train,
+                       trainer_exit_code=None if args.from_log else returncode, interrupted=interrupted,
+                       exit_code=code, **report)
+        if args.plot:
+            plot_run(args.plot, records, report)
+    if args.summary:
+        with open(args.summary, "w") as f:
+            json.dump(summary, f, indent=2)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,141 @@
+"""A: rewards on generated transitions: exact answers score the maximum, any corruption less."""
+import random
+from collections import Counter
+
+import chess
+import pytest
+
+from grpo.tasks.chess_format import env_prompt, parse_env_prompt
+from grpo.tasks.chess_positions import history, random_transition
+from grpo.tasks.chess_tasks import ChessEnvTask, position_key
+
+N_TRANSITIONS = 1000
+
+
+def oracle(board: chess.Board, move: chess.Move) -> str:
+    """The A: completion straight from python-chess's own game-over logic."""
+    if not board.is_legal(move):
+        return f"{board.fen()}+-1.0+0+1"
+    after = board.copy()
+    after.push(move)
+    outcome = after.outcome(claim_draw=False)
+    value = "0.001" if outcome is None else "1.0" if outcome.winner is not None else "0.5"
+    return f"{after.fen()}+{value}+{int(outcome is not None)}+0"
+
+
+def kinds(board: chess.Board, move: chess.Move) -> set[str]:
+    if not board.is_legal(move):
+        return {"illegal"}
+    out = set()
+    if move.promotion:
+        out.add("promote-" + chess.piece_symbol(move.promotion))
+    if board.is_kingside_castling(move):
+        out.add("O-O")
+    if board.is_queenside_castling(move):
+        out.add("O-O-O")
+    if board.is_en_passant(move):
+        out.add("en-passant")
+    after = board.copy()
+    after.push(move)
+    outcome = after.outcome()
+    if outcome:
+        out.add(outcome.termination.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def generated():
+    """Transitions drawn as the task draws them, each with its game, and the task's prompts for them."""
+    task = ChessEnvTask()
+    task.held_out = set()   # no skipped draws, so the replay below sees exactly the task's draws
+    head = task.prompts(100, random.Random(1234))
+    rng = random.Random(1234)
+    samples = []
+    for i in range(N_TRANSITIONS):
+        board, move = random_transition(rng)
+        prompt = task.prompt_for(board, move)
+        assert prompt == env_prompt(board.fen(), move.uci(), history(board, move))
+        if i < len(head):
+            assert prompt == head[i]
+        samples.append((board, move, prompt))
+    return task, samples
+
+
+def test_generated_transitions_cover_the_rules(generated):
+    _, samples = generated
+    seen = Counter(k for board, move, _ in samples for k in kinds(board, move))
+    need = ["illegal", "CHECKMATE", "STALEMATE", "INSUFFICIENT_MATERIAL", "SEVENTYFIVE_MOVES",
+            "FIVEFOLD_REPETITION", "O-O", "O-O-O", "en-passant",
+            "promote-q", "promote-r", "promote-b", "promote-n"]
+    assert all(seen[k] >= 2 for k in need), seen
+    assert 0.05 < seen["illegal"] / len(samples) < 0.25
+
+
+def test_history_is_the_last_ten_moves_ending_with_the_move(generated):
+    _, samples = generated
+    for board, move, prompt in samples:
+        fields = parse_env_prompt(prompt)
+        assert fields.history[-1] == move.uci() and len(fields.history) <= 10
+        assert fields.history[:-1] == [m.uci() for m in board.move_stack][-9:]
+
+
+def test_exact_completion_matches_python_chess_and_scores_the_maximum(generated):
+    task, samples = generated
+    for board, move, prompt in samples:
+        want = oracle(board, move)
+        assert task.expected(prompt) == want
+        parts = task.reward_breakdown(prompt, want)
+        assert parts["reward"] == pytest.approx(1.0) and parts["env_exact"] == 1.0
+        assert task.reward(prompt, want + "\n") == pytest.approx(1.0)   # a trailing newline is no error
+
+
+def test_prompt_alone_gives_the_same_answer_except_fivefold(generated):
+    _, samples = generated
+    fresh = ChessEnvTask()   # knows none of the games
+    for board, move, prompt in samples:
+        if "FIVEFOLD_REPETITION" not in kinds(board, move):
+            assert fresh.expected(prompt) == oracle(board, move)
+
+
+def test_single_character_corruptions_score_less(generated):
+    task, samples = generated
+    rng = random.Random(5)
+    alphabet = "0123456789/+-. abcdefghkKnNpPqQrRwx"
+    for _, _, prompt in samples[:300]:
+        want = task.expected(prompt)
+        for _ in range(6):
+            i = rng.randrange(len(want) + 1)
+            op = rng.choice(["replace", "delete", "insert"])
+            if op == "replace" and i < len(want):
+                bad = want[:i] + rng.choice(alphabet.replace(want[i], "")) + want[i + 1:]
+            elif op == "delete" and i < len(want):
+                bad = want[:i] + want[i + 1:]
+            else:
+                bad = want[:i] + rng.choice(alphabet.replace(" ", "")) + want[i:]
+            assert task.reward(prompt, bad) < 1.0, (prompt, bad)
+
+
+@pytest.mark.parametrize("completion", [
+    "", " ", "x" * 1_000_000, "+" * 100_000, b"\xff\xfe\x80junk\xc3".decode("utf-8", "surrogateescape"),
+    "\x00\u202e\U0001F600", "M: e2e4 E: 0.1 B: e2e4"])
+def test_bad_completions_get_a_low_reward(completion):
+    task = ChessEnvTask()
+    prompt = env_prompt(chess.STARTING_FEN, "e2e4", ["e2e4"])
+    assert 0.0 <= task.reward(prompt, completion) < 0.3
+
+
+@pytest.mark.parametrize("prompt", [
+    "A: not a fen+e2e4+e2e4+", "A: 8/8/8/8/8/8/8/8 w - - 0 1+a1a2+a1a2+", "A: ++", "", "A: ",
+    "P: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1"])
+def test_prompts_that_are_no_position_get_the_minimum(prompt):
+    task = ChessEnvTask()
+    parts = task.reward_breakdown(prompt, "rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1+0.001+0+0")
+    assert parts["reward"] == 0.0
+
+
+def test_held_out_positions_are_never_generated():
+    task = ChessEnvTask()
+    first = task.prompts(30, random.Random(7))
+    task.held_out = {position_key(parse_env_prompt(p).fen) for p in first}
+    again = task.prompts(30, random.Random(7))
+    assert not {position_key(parse_env_prompt(p).fen) for p in again} & task.held_out

@@ -1,0 +1,54 @@
+"""Held-out evaluation: the committed set is sound, and the metrics measure what they say."""
+import chess
+
+from grpo.evaluate import eval_kinds, load_eval_set, metrics, select, table
+from grpo.tasks.chess_format import (
+    expected_env_completion, legal_move, parse_board, parse_env_prompt, policy_completion, policy_prompt)
+from grpo.tasks.chess_tasks import ChessEnvTask, held_out_positions
+
+
+def test_committed_set_is_sound():
+    items = load_eval_set()
+    assert sum(i["kind"] == "P" for i in items) == 100 and sum(i["kind"] == "A" for i in items) == 100
+    for item in items:
+        board = parse_board(item["fen"])
+        if item["kind"] == "P":
+            assert item["prompt"] == policy_prompt(item["fen"])
+            assert 1 <= len(item["moves"]) == len(item["evals"]) <= 5
+            assert all(legal_move(board, m) for m in item["moves"])
+        else:
+            fields = parse_env_prompt(item["prompt"])
+            assert fields.fen == item["fen"]
+            if not item["expected"].endswith("+0.5+1+0"):   # a draw may be a fivefold repetition
+                assert expected_env_completion(chess.Board(fields.fen), fields.move) == item["expected"]
+    assert len(held_out_positions()) == 200 and ChessEnvTask().held_out == held_out_positions()
+
+
+def perfect(item):
+    if item["kind"] == "A":
+        return item["expected"]
+    return policy_completion(item["moves"], item["evals"], item["moves"][0])
+
+
+def test_metrics_of_perfect_partial_and_junk_answers():
+    items = select(load_eval_set(), ("P", "A"), 10)
+    assert [i["kind"] for i in items] == ["P"] * 10 + ["A"] * 10
+    best = metrics(items, [perfect(i) for i in items])
+    assert best == {"p_n": 10, "p_best_move_acc": 1.0, "p_top5_acc": 1.0, "p_legal_rate": 1.0,
+                    "p_format_rate": 1.0, "a_n": 10, "a_next_fen_acc": 1.0, "a_exact_acc": 1.0}
+    second = [policy_completion(i["moves"], i["evals"], i["moves"][-1]) if i["kind"] == "P"
+              else i["expected"][:-1] + ("0" if i["expected"][-1] == "1" else "1") for i in items]
+    partial = metrics(items, second)
+    assert partial["p_best_move_acc"] == 0.0 and partial["p_top5_acc"] == 1.0 and partial["p_format_rate"] == 1.0
+    assert partial["a_next_fen_acc"] == 1.0 and partial["a_exact_acc"] == 0.0
+    junk = metrics(items, ["B: e2e4 junk"] * len(items))
+    assert junk["p_format_rate"] == 0.0 and junk["a_exact_acc"] == 0.0 and junk["a_next_fen_acc"] == 0.0
+    text = table(best, step=0)
+    assert "10 P: + 10 A:" in text and "100.0%" in text
+
+
+def test_kinds_follow_the_task():
+    assert eval_kinds("chess-policy") == ("P",) and eval_kinds("chess-env") == ("A",)
+    assert eval_kinds("chess") == ("P", "A")
+    items = select(load_eval_set(), ("A",), 3)
+    assert "p_n" not in metrics(items, [""] * 3) and "P:" not in table(metrics(items, [""] * 3), 1)

@@ -1,0 +1,67 @@
+"""The chess tasks through train_lean.py: reward components and eval records in the JSONL, --eval-only,
+and the start-up errors (exit 2, one line). In-process (main(argv)): a subprocess would spend most of
+its time importing torch again; test_train.py covers the command line itself."""
+import os
+
+import pytest
+
+import train_lean
+from grpo.tasks.chess_engine import find_stockfish
+from test_train import records
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in [k for k in os.environ if k.startswith("GRPO_")]:
+        monkeypatch.delenv(name)
+
+SMALL = ["--batch-size", "8", "--group-size", "4", "--max-new-tokens", "8", "--eval-samples", "3"]
+
+
+def test_chess_run_logs_components_and_evals(tiny_model_dir, tmp_path, capsys, clean_env):
+    task = "chess" if find_stockfish() else "chess-env"   # without an engine, the A: half still runs
+    mix = ["--task-mix", "0.5", "--stockfish-depth", "6"] if task == "chess" else []
+    train_lean.main(["--model", tiny_model_dir, "--task", task, "--steps", "2", "--eval-interval", "1",
+                     "--out-dir", str(tmp_path), *mix, *SMALL])
+    stdout = capsys.readouterr().out
+    recs = records(tmp_path / "metrics.jsonl")
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    steps = [r for r in recs if "kind" not in r]
+    assert [r["step"] for r in evals] == [0, 1, 2] and [r["step"] for r in steps] == [1, 2]
+    assert recs[0]["kind"] == "eval"   # before training starts
+    for r in evals:
+        assert r["a_n"] == 3 and 0 <= r["a_exact_acc"] <= 1
+        assert (r["p_n"] == 3 and 0 <= r["p_best_move_acc"] <= 1) if task == "chess" else "p_n" not in r
+    env_keys = {"reward_env_format", "reward_env_fen", "reward_env_reward", "reward_env_exact"}
+    policy_keys = {"reward_policy_best", "reward_policy_format", "reward_policy_legal"}
+    seen = set().union(*steps)
+    assert env_keys <= seen
+    assert policy_keys <= seen or task == "chess-env"
+    assert "eval at step 0" in stdout and "A: exact-completion accuracy" in stdout
+
+
+def test_eval_only_prints_the_table(tiny_model_dir, tmp_path, capsys, clean_env):
+    # needs no task object and no engine: the held-out set carries its answers
+    train_lean.main(["--eval-only", "--model", tiny_model_dir, "--stockfish-path", "/nonexistent",
+                     "--task", "chess", "--out-dir", str(tmp_path), *SMALL])
+    stdout = capsys.readouterr().out
+    assert "greedy on 3 P: + 3 A: held-out items" in stdout
+    assert "P: legal-move rate" in stdout and "step 1/" not in stdout
+    assert not os.path.exists(tmp_path / "metrics.jsonl")   # nothing overwritten without --log-file
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--task", "chess-policy", "--stockfish-path", "/nonexistent/stockfish"], "use --task chess-env"),
+    (["--task", "toy", "--data", __file__], "--data does not apply to --task toy"),
+    (["--task", "toy", "--eval-interval", "2"], "use a chess task"),
+    (["--task", "chess", "--task-mix", "1.5"], "--task-mix 1.5 must be in [0, 1]"),
+    (["--task", "chess-env", "--data", "no-such-file.txt"], "--data no-such-file.txt: no such file"),
+    (["--task", "chess-env", "--data", os.path.join(os.path.dirname(__file__), "..", "README.md")],
+     "lines are not RookWorld P:/A: samples"),
+])
+def test_chess_usage_errors_exit_2_with_one_line(args, message, tmp_path, capsys, clean_env):
+    # every one of these is caught before a model is loaded
+    with pytest.raises(SystemExit) as exit_:
+        train_lean.main(["--model", "unused", "--out-dir", str(tmp_path), "--log-level", "warning", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.strip().count("\n") == 0 and message in err

@@ -1,0 +1,77 @@
+"""Bad input: each case exits with code 2 and one line naming the problem and the fix, before heavy work."""
+import dataclasses
+import os
+
+import pytest
+
+from _cli import SMALL, train
+from grpo import config
+
+
+def one_line_error(result):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("train_lean.py: error: "), result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--bogus", "1"], "unrecognized arguments: --bogus"),
+    (["--batch-size", "lots"], "--batch-size 'lots' is not a valid int"),
+    (["--micro-batch-size", "3"], "--micro-batch-size 3 does not divide the per-device mini-batch 8"),
+])
+def test_unknown_flag_or_bad_value(tiny_model_dir, tmp_path, args, expected):
+    line = one_line_error(train("--model", tiny_model_dir, *SMALL, "--out-dir", str(tmp_path), *args))
+    assert expected in line
+
+
+def test_a_model_folder_that_does_not_exist(tmp_path):
+    line = one_line_error(train("--model", str(tmp_path / "no-model"), *SMALL, "--out-dir", str(tmp_path)))
+    assert "no-model: no such folder" in line
+
+
+def test_a_hub_id_that_cannot_be_fetched_says_the_machine_may_be_offline(tmp_path):
+    line = one_line_error(train("--model", "no-such-org/no-such-model", *SMALL, "--out-dir", str(tmp_path)))
+    assert "cannot load --model no-such-org/no-such-model" in line and "offline" in line
+
+
+def test_an_output_folder_that_cannot_be_written(tiny_model_dir, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    line = one_line_error(train("--model", tiny_model_dir, *SMALL, "--out-dir", str(tmp_path / "a-file" / "out")))
+    assert "--out-dir" in line and "cannot write to" in line and "pass a writable folder" in line
+
+
+def test_resume_without_a_checkpoint(tiny_model_dir, tmp_path):
+    line = one_line_error(train("--model", tiny_model_dir, *SMALL, "--out-dir", str(tmp_path), "--resume"))
+    assert f"--resume latest: no checkpoint in {tmp_path}" in line and "run without --resume" in line
+    line = one_line_error(train("--model", tiny_model_dir, *SMALL, "--out-dir", str(tmp_path),
+                                "--resume", str(tmp_path / "nothing-here")))
+    assert "nothing-here" in line
+
+
+def test_an_output_folder_with_an_earlier_runs_checkpoints_needs_resume(tiny_model_dir, tmp_path):
+    (tmp_path / "checkpoints" / "step_000003").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000003" / "trainer_state.pt").write_bytes(b"")
+    line = one_line_error(train("--model", tiny_model_dir, *SMALL, "--out-dir", str(tmp_path)))
+    assert "holds checkpoints of an earlier run: pass --resume" in line
+
+
+# Input files: no flag on this branch reads a data file yet; a field declared with path="in" (such as a
+# task's --data) gets these checks in check_paths, which train_lean.py runs before loading anything.
+@dataclasses.dataclass
+class WithData(config.Config):
+    data: str = config.opt(None, "a data file", path="in")
+
+
+def test_a_missing_or_unreadable_data_file(tmp_path):
+    with pytest.raises(config.ConfigError, match="--data .*missing.txt: no such file"):
+        config.check_paths(WithData(data=str(tmp_path / "missing.txt"), out_dir=str(tmp_path)))
+    with pytest.raises(config.ConfigError, match="no such file"):
+        config.check_paths(WithData(data=str(tmp_path), out_dir=str(tmp_path)))  # a folder is no data file
+    unreadable = tmp_path / "secret.txt"
+    unreadable.write_text("x\n")
+    os.chmod(unreadable, 0)
+    if os.access(unreadable, os.R_OK):
+        pytest.skip("running as root: permissions do not stop reading")
+    with pytest.raises(config.ConfigError, match="cannot be read"):
+        config.check_paths(WithData(data=str(unreadable), out_dir=str(tmp_path)))

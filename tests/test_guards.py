@@ -1,0 +1,131 @@
+"""Guards: out-of-memory retries, --micro-batch-size auto, non-finite updates, rewards that raise.
+
+Run in-process through train_lean.main(argv) so that the test can stand in for the CUDA allocator
+(raising torch.OutOfMemoryError above a batch size) or make one loss non-finite.
+"""
+import os
+
+import pytest
+import torch
+
+import train_lean
+from _cli import SMALL, records, weights
+from grpo.tasks import get_task, score
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Like the subprocess tests: on a busy machine, idle OpenMP threads spinning cost more than they give."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run(tiny_model_dir, out, *extra):
+    train_lean.main(["--model", tiny_model_dir, *SMALL, "--kl-coef", "0", "--out-dir", str(out), *extra])
+    return records(os.path.join(out, "metrics.jsonl"))
+
+
+def fake_allocator(monkeypatch, rows_that_fit: int, let_through: int = 0):
+    """Forwards of more rows than fit raise CUDA's out-of-memory error, after the first `let_through`."""
+    real, big = train_lean.completion_logprobs, []
+
+    def completion_logprobs(model, input_ids, *args, **kwargs):
+        if input_ids.shape[0] > rows_that_fit:
+            big.append(input_ids.shape[0])
+            if len(big) > let_through:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (the test's allocator)")
+        return real(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(train_lean, "completion_logprobs", completion_logprobs)
+
+
+def test_out_of_memory_halves_the_micro_batch_and_redoes_the_step_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    steps = ["--steps", "2", "--save-interval", "2"]
+    plain = run(tiny_model_dir, tmp_path / "plain", "--micro-batch-size", "2", *steps)
+    # micro-batch 4 of a mini-batch of 8: the first micro-batch's backward runs, the second runs out of
+    # memory, so the retry must also throw away the half-accumulated gradient
+    fake_allocator(monkeypatch, rows_that_fit=2, let_through=1)
+    hit = run(tiny_model_dir, tmp_path / "hit", "--micro-batch-size", "4", *steps)
+    assert hit[0]["oom_retries"] == 1 and hit[0]["micro_batch"] == 2 and "oom_retries" not in hit[1]
+    same = ("reward_mean", "loss", "kl", "grad_norm")
+    assert [[r[k] for k in same] for r in hit] == [[r[k] for k in same] for r in plain]
+    a = weights(tmp_path / "plain" / "checkpoints" / "step_000002")
+    b = weights(tmp_path / "hit" / "checkpoints" / "step_000002")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the effective batch, and so the update, is unchanged
+
+
+def test_micro_batch_auto_probes_the_largest_that_fits(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    fake_allocator(monkeypatch, rows_that_fit=2)
+    recs = run(tiny_model_dir, tmp_path, "--micro-batch-size", "auto", "--steps", "1")
+    assert "micro-batch auto: 2 per device" in capsys.readouterr().out
+    assert "oom_retries" not in recs[0]  # found before training, not during it
+
+
+def poison_losses(monkeypatch, bad_calls):
+    real, calls = train_lean.grpo_loss, []
+
+    def grpo_loss(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan") if bad_calls is None or len(calls) in bad_calls else loss), stats
+
+    monkeypatch.setattr(train_lean, "grpo_loss", grpo_loss)
+
+
+def test_a_non_finite_loss_skips_the_update(tiny_model_dir, tmp_path, monkeypatch):
+    poison_losses(monkeypatch, bad_calls={2})  # one micro-batch per step: step 2's loss is NaN
+    recs = run(tiny_model_dir, tmp_path, "--steps", "3", "--save-interval", "1", "--keep-checkpoints", "3")
+    assert [r["skipped_nonfinite"] for r in recs] == [0, 1, 0]
+    w = [weights(tmp_path / "checkpoints" / f"step_00000{s}") for s in (1, 2, 3)]
+    assert all(torch.equal(w[0][k], w[1][k]) for k in w[0])  # step 2 left the weights alone
+    assert not all(torch.equal(w[1][k], w[2][k]) for k in w[0])  # and training went on
+    opt = [torch.load(tmp_path / "checkpoints" / f"step_00000{s}" / "trainer_state.pt")["optimizer"] for s in (1, 2)]
+    assert opt[0]["state"][0]["step"] == opt[1]["state"][0]["step"] == 1  # nor did it touch AdamW's state
+
+
+def test_too_many_non_finite_updates_in_a_row_abort_with_a_checkpoint(tiny_model_dir, tmp_path, monkeypatch,
+                                                                     capsys):
+    poison_losses(monkeypatch, bad_calls=None)
+    with pytest.raises(SystemExit) as e:
+        run(tiny_model_dir, tmp_path, "--steps", "5", "--max-nonfinite", "2")
+    assert e.value.code == 1
+    assert "aborting at step 2: the last 2 optimizer updates had a non-finite" in capsys.readouterr().err
+    start, saved = weights(tiny_model_dir), weights(tmp_path / "checkpoints" / "step_000002")
+    assert all(torch.equal(start[k], saved[k]) for k in saved)
+
+
+def test_a_reward_that_raises_gets_the_minimum_and_is_reported_once_per_kind(tiny_model_dir, tmp_path, capsys):
+    task = tmp_path / "flaky.py"
+    task.write_text(
+        "class Flaky:\n"
+        "    name = 'flaky'\n"
+        "    min_reward = -1.0\n"
+        "    def prompts(self, n, rng):\n"
+        "        return [f'Repeat {rng.choice(\"ab\")}: ' for _ in range(n)]\n"
+        "    def reward(self, prompt, completion):\n"
+        "        raise (ValueError if len(completion) % 2 else KeyError)('no reward for this one')\n")
+    recs = run(tiny_model_dir, tmp_path / "out", "--task", f"{task}:Flaky", "--steps", "3")
+    assert [r["reward_mean"] for r in recs] == [-1.0] * 3
+    assert all(sum(r["reward_errors"].values()) == 8 for r in recs)
+    kinds = set().union(*(r["reward_errors"] for r in recs))
+    out = capsys.readouterr().out
+    assert kinds and all(out.count(f"the task's reward raised {k}") == 1 for k in kinds)
+
+
+def test_empty_enormous_and_invalid_completions_are_scored():
+    class Strict:
+        name, min_reward = "strict", -1.0
+
+        def prompts(self, n, rng):
+            return ["p"] * n
+
+        def reward(self, prompt, completion):
+            return float(len(completion.encode("utf-8")) > 0)  # raises on a lone surrogate
+
+    completions = ["", "a" * 1_000_000, "\ud800 bbb"]
+    rewards, _, errors = score(get_task("toy"), ["Repeat a: "] * 3, completions)
+    assert rewards.tolist() == [0.0, 1.0, 0.0] and errors == {}
+    rewards, _, errors = score(Strict(), ["p"] * 3, completions)
+    assert rewards.tolist() == [0.0, 1.0, -1.0] and errors == {"UnicodeEncodeError": 1}
