@@ -1,6 +1,7 @@
 """What every system in the benchmark shares: the task, the per-step prompt stream, the models."""
 import os
 import random
+import sys
 
 
 
@@ -12,7 +13,8 @@ def get_bench_task(name: str):
         try:
             from grpo.tasks import get_task
             return get_task("chess-env")
-        except Exception:  # noqa: BLE001 - the chess task is not in this checkout: use the stand-in
+        except Exception as e:  # noqa: BLE001 - the chess task is not in this checkout: use the stand-in
+            print(f"bench: chess-env task unavailable ({e}); using bench/chess_a.py", file=sys.stderr)
             from bench.chess_a import ChessA
             return ChessA()
     from grpo.tasks import get_task
