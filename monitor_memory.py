@@ -464,7 +464,9 @@ def plot_sweep(path, result):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     ax1.plot([r["batch_size"] for r in rows], [r["peak_mb"] for r in rows], "o", label="measured peak")
     if "fixed_mb" in result:
-        xs = [min(r["batch_size"] for r in result["rows"]), max(r["batch_size"] for r in result["rows"])]
+        # Many points: the straight line of the fit is a curve on the log batch axis.
+        lo, hi = min(r["batch_size"] for r in result["rows"]), max(r["batch_size"] for r in result["rows"])
+        xs = [lo * (hi / lo) ** (i / 50) for i in range(51)]
         ax1.plot(xs, [result["fixed_mb"] + result["per_sample_mb"] * x for x in xs], "--",
                  label=f"{result['fixed_mb']:.0f} MB + {result['per_sample_mb']:.2f} MB x batch")
     for r in result["rows"]:
