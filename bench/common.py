@@ -1,4 +1,5 @@
 """What every system in the benchmark shares: the task, the per-step prompt stream, the models."""
+import argparse
 import os
 import random
 import sys
@@ -66,3 +67,18 @@ def build(path: str, vocab_size: int = 320, **shape):
         config.vocab_size = vocab_size
         torch.manual_seed(0)
         GPT2LMHeadModel(config).save_pretrained(path)
+
+
+def workload_parser() -> argparse.ArgumentParser:
+    """The flags every system's runner takes: the same workload for ours, TRL and the floor."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--task", default="chess-a")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=144)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    return ap

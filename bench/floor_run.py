@@ -4,7 +4,6 @@ No reward, no reference, no optimizer: what any trainer on this model must at le
 (sampling 64 x 144 tokens and one gradient over the result), with the same dtype handling as the
 trainer (fp32 weights, bf16 autocast for bf16). One JSON record per step.
 """
-import argparse
 import json
 import os
 import resource
@@ -16,23 +15,13 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.common import get_bench_task, step_prompts  # noqa: E402
+from bench.common import get_bench_task, step_prompts, workload_parser  # noqa: E402
 from grpo.model import load_policy, load_tokenizer, position_ids_from_mask  # noqa: E402
 from grpo.rollout import encode_prompts, left_pad  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--task", default="chess-a")
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=144)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = workload_parser().parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)

@@ -10,10 +10,8 @@ The split is measured by wrapping TRL's own methods: generation (tokenize + gene
 reward (our reward function), reference (the reference model's logprob forward); training is the rest
 of the step (the policy forward/backward and the optimizer).
 """
-import argparse
 import json
 import os
-import random
 import resource
 import sys
 import tempfile
@@ -24,21 +22,12 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.common import get_bench_task, step_prompts  # noqa: E402
+from bench.common import get_bench_task, step_prompts, workload_parser  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--task", default="chess-a")
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=144)
+    ap = workload_parser()
     ap.add_argument("--kl-coef", type=float, default=0.02)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     from datasets import Dataset
