@@ -18,14 +18,15 @@ stockfish:
 	  (apt-get update -qq && apt-get install -y -qq stockfish) || \
 	  echo "could not install stockfish (needs root): chess-policy tests will skip"
 
-# the offline default model: a tiny random GPT-2, written once
-out/tiny/config.json: | install
-	$(PY) -m grpo.model out/tiny
-
-train: install out/tiny/config.json
+# The main job: GRPO on the shipped chess model (models/rook-tiny), offline; the P: reward needs Stockfish.
+train: install stockfish
 	$(PY) train_lean.py $(ARGS)
+
+# Rebuild models/rook-tiny from its seed: data, tokenizer, training (about an hour on 2 CPU cores).
+default-model: install stockfish
+	$(PY) scripts/make_default_model.py $(ARGS)
 
 test: install stockfish
 	$(PY) -m pytest -q tests $(ARGS)
 
-.PHONY: install stockfish train test
+.PHONY: install stockfish train default-model test
