@@ -78,11 +78,14 @@ def main(argv=None):
     evaluating = cfg.eval_only or cfg.eval_interval > 0
     if cfg.eval_interval > 0 and not cfg.eval_only and cfg.task not in CHESS_OPTIONS:
         usage_error(f"--eval-interval evaluates on the held-out chess set: use a chess task, not --task {cfg.task}")
+    task = None
     try:
         task = None if cfg.eval_only else get_task(cfg.task, **task_options(cfg, sources))
         tokenizer = load_tokenizer(cfg.model)
         policy = load_policy(cfg.model, device)
     except (TaskError, ModelLoadError, config.ConfigError) as e:
+        if hasattr(task, "close"):   # a chess task's Stockfish processes would keep this process alive
+            task.close()
         usage_error(str(e))
     eos = tokenizer.eos_token_id
     prepend_bos = cfg.prompt_bos == "on" or (cfg.prompt_bos == "auto" and tokenizer.bos_token_id == eos)

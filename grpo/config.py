@@ -63,9 +63,7 @@ class Config:
     top_k: int = opt(0, "sample from the k most likely tokens (0: off)")
     top_p: float = opt(1.0, "nucleus sampling threshold (1: off)")
     # algorithm
-    # 2e-4 suits the shipped 2M-parameter default model (80 steps move its held-out metrics); a 124M
-    # model such as RookWorld-LM wants about 1e-5
-    learning_rate: float = opt(2e-4, "AdamW learning rate (use about 1e-5 for 124M-parameter models)")
+    learning_rate: float = opt(1e-5, "AdamW learning rate")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     max_grad_norm: float = opt(1.0, "gradient-norm clipping")
     clip_range: float = opt(0.2, "PPO clip range (low side, and high side unless --clip-range-high)")
@@ -76,7 +74,7 @@ class Config:
     loss_agg: str = opt("token-mean", "average the loss over all completion tokens of a mini-batch, "
                         "or per sequence first", ["token-mean", "seq-mean"])
     # run control
-    steps: int = opt(80, "training steps (80: about 20 minutes for the default model on 2 busy CPU cores)")
+    steps: int = opt(80, "training steps (80: about 10 minutes for the default model on 2 busy CPU cores)")
     seed: int = opt(0, "seed for prompts, sampling and initialisation")
     device: str = opt("auto", "auto (CUDA when present), cpu, cuda or cuda:N")
     dtype: str = opt("fp32", "compute dtype; bf16 uses autocast over fp32 weights and optimizer state",
