@@ -22,9 +22,11 @@ stockfish:
 train: install stockfish
 	$(PY) train_lean.py $(ARGS)
 
-# Rebuild models/rook-tiny from its seed: data, tokenizer, training (about an hour on 2 CPU cores).
+# Rebuild models/rook-tiny from its seed: data, tokenizer, training, then a second training stage
+# (51 minutes on 2 busy CPU cores).
 default-model: install stockfish
-	$(PY) scripts/make_default_model.py $(ARGS)
+	$(PY) scripts/make_default_model.py
+	$(PY) scripts/make_default_model.py --continue-training --train-steps 700 --lr 7.5e-4
 
 test: install stockfish
 	$(PY) -m pytest -q tests $(ARGS)
