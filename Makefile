@@ -18,10 +18,6 @@ stockfish:
 	  (apt-get update -qq && apt-get install -y -qq stockfish) || \
 	  echo "could not install stockfish (needs root): chess-policy tests will skip"
 
-# the offline default model: a tiny random GPT-2, written once
-out/tiny/config.json: | install
-	$(PY) -m grpo.model out/tiny
-
 # The benchmark's peer (TRL) lives in its own venv, never in .venv; torch stays at the pin.
 .venv-bench/.installed: requirements.txt requirements-bench.txt
 	$(PYTHON) -m venv .venv-bench
@@ -31,10 +27,18 @@ out/tiny/config.json: | install
 bench: install .venv-bench/.installed
 	$(PY) bench/run.py --trl-python .venv-bench/bin/python $(ARGS)
 
-train: install out/tiny/config.json
+
+# The main job: GRPO on the shipped chess model (models/rook-tiny), offline; the P: reward needs Stockfish.
+train: install stockfish
 	$(PY) train_lean.py $(ARGS)
+
+# Rebuild models/rook-tiny from its seed: data, tokenizer, training, then a second training stage
+# (51 minutes on 2 busy CPU cores).
+default-model: install stockfish
+	$(PY) scripts/make_default_model.py
+	$(PY) scripts/make_default_model.py --continue-training --train-steps 700 --lr 7.5e-4
 
 test: install stockfish
 	$(PY) -m pytest -q tests $(ARGS)
 
-.PHONY: install stockfish train test bench
+.PHONY: install stockfish train default-model test bench

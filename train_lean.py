@@ -95,6 +95,7 @@ def main(argv=None):
     evaluating = cfg.eval_only or cfg.eval_interval > 0
     if cfg.eval_interval > 0 and not cfg.eval_only and cfg.task not in CHESS_OPTIONS:
         usage_error(f"--eval-interval evaluates on the held-out chess set: use a chess task, not --task {cfg.task}")
+    task = None
     try:
         task = None if cfg.eval_only else get_task(cfg.task, **task_options(cfg, sources))
         tokenizer = load_tokenizer(resume_from or cfg.model)
@@ -104,6 +105,8 @@ def main(argv=None):
         reference = None if cfg.kl_coef == 0 or cfg.eval_only else frozen_copy(load_policy(cfg.model, device) if resume_from
                                                                else policy)
     except (TaskError, ModelLoadError, config.ConfigError) as e:
+        if hasattr(task, "close"):   # a chess task's Stockfish processes would keep this process alive
+            task.close()
         usage_error(str(e))
     if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/loss.py)
         policy.activation_checkpointing_enable({"use_reentrant": False})

@@ -14,6 +14,11 @@ import typing
 from dataclasses import dataclass, field
 
 
+# The embedded default: a small RookWorld-style chess GPT-2 built by scripts/make_default_model.py.
+# An absolute path, so that the default works from any working directory.
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "rook-tiny")
+
+
 class ConfigError(ValueError):
     """A bad flag, value or combination (exit code 2, one line, no traceback)."""
 
@@ -29,8 +34,10 @@ def opt(default, help, choices=None, const=None, path=None, auto=False):
 @dataclass
 class Config:
     # model and task
-    model: str = opt("out/tiny", "hub id or local folder of a causal LM (AutoModelForCausalLM)")
-    task: str = opt("toy", "built-in task name, path/to/file.py:Name or module:Name")
+    model: str = opt(DEFAULT_MODEL, "hub id or local folder of a causal LM (AutoModelForCausalLM); the default "
+                     "is the shipped chess model, RookWorld-LM itself is jrahn/RookWorld-LM-124M")
+    task: str = opt("chess", "built-in task name (toy, chess, chess-policy, chess-env), "
+                    "path/to/file.py:Name or module:Name")
     prompt_bos: str = opt("auto", "start each prompt with the tokenizer's BOS/EOS token "
                           "(auto: on when BOS == EOS, as in GPT-2)", ["auto", "on", "off"])
     # chess tasks (grpo/tasks/chess_tasks.py)
@@ -78,7 +85,7 @@ class Config:
     loss_agg: str = opt("token-mean", "average the loss over all completion tokens of a mini-batch, "
                         "or per sequence first", ["token-mean", "seq-mean"])
     # run control
-    steps: int = opt(20, "training steps")
+    steps: int = opt(80, "training steps (80: about 10 minutes for the default model on 2 busy CPU cores)")
     seed: int = opt(0, "seed for prompts, sampling and initialisation")
     device: str = opt("auto", "auto (CUDA when present), cpu, cuda or cuda:N")
     dtype: str = opt("fp32", "compute dtype; bf16 uses autocast over fp32 weights and optimizer state",

@@ -6,12 +6,13 @@ so it is reproducible anywhere. Generation (greedy) is the trainer's; everything
 
 P: best-move accuracy (B: is the engine's first choice), top-5 accuracy (B: among the engine's top 5),
    legal-move rate (B: is legal), format rate (every format check of the reward passes).
-A: next-FEN accuracy (the FEN field is exact) and exact-completion accuracy.
+A: format rate (every format check of the A: reward passes: four fields, a valid FEN, one of the four
+   reward values, 0/1 flags), next-FEN accuracy (the FEN field is exact), exact-completion accuracy.
 """
 import json
 
 from grpo.tasks.chess_format import legal_move, parse_board, parse_policy_completion, policy_format_checks
-from grpo.tasks.chess_tasks import EVAL_SET
+from grpo.tasks.chess_tasks import EVAL_SET, env_components
 
 KINDS = {"chess-policy": ("P",), "chess-env": ("A",)}   # any other task: both
 
@@ -49,12 +50,13 @@ def policy_metrics(items: list[dict], completions: list[str]) -> dict:
 
 
 def env_metrics(items: list[dict], completions: list[str]) -> dict:
-    fen, exact = [], []
+    fmt, fen, exact = [], [], []
     for item, completion in zip(items, completions):
         got = completion.rstrip()
+        fmt.append(env_components(item["expected"], completion)["format"] == 1.0)
         fen.append(got.split("+", 1)[0] == item["expected"].split("+", 1)[0])
         exact.append(got == item["expected"])
-    return {"a_n": len(items), "a_next_fen_acc": _rate(fen), "a_exact_acc": _rate(exact)}
+    return {"a_n": len(items), "a_format_rate": _rate(fmt), "a_next_fen_acc": _rate(fen), "a_exact_acc": _rate(exact)}
 
 
 def metrics(items: list[dict], completions: list[str]) -> dict:
@@ -72,7 +74,7 @@ def metrics(items: list[dict], completions: list[str]) -> dict:
 
 ROWS = [("p_best_move_acc", "P: best-move accuracy"), ("p_top5_acc", "P: top-5 accuracy"),
         ("p_legal_rate", "P: legal-move rate"), ("p_format_rate", "P: format rate"),
-        ("a_next_fen_acc", "A: next-FEN accuracy"), ("a_exact_acc", "A: exact-completion accuracy")]
+        ("a_format_rate", "A: format rate"), ("a_next_fen_acc", "A: next-FEN accuracy"), ("a_exact_acc", "A: exact-completion accuracy")]
 
 
 def table(result: dict, step: int) -> str:

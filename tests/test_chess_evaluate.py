@@ -35,7 +35,8 @@ def test_metrics_of_perfect_partial_and_junk_answers():
     assert [i["kind"] for i in items] == ["P"] * 10 + ["A"] * 10
     best = metrics(items, [perfect(i) for i in items])
     assert best == {"p_n": 10, "p_best_move_acc": 1.0, "p_top5_acc": 1.0, "p_legal_rate": 1.0,
-                    "p_format_rate": 1.0, "a_n": 10, "a_next_fen_acc": 1.0, "a_exact_acc": 1.0}
+                    "p_format_rate": 1.0, "a_n": 10, "a_format_rate": 1.0, "a_next_fen_acc": 1.0,
+                    "a_exact_acc": 1.0}
     second = [policy_completion(i["moves"], i["evals"], i["moves"][-1]) if i["kind"] == "P"
               else i["expected"][:-1] + ("0" if i["expected"][-1] == "1" else "1") for i in items]
     partial = metrics(items, second)
@@ -43,6 +44,7 @@ def test_metrics_of_perfect_partial_and_junk_answers():
     assert partial["a_next_fen_acc"] == 1.0 and partial["a_exact_acc"] == 0.0
     junk = metrics(items, ["B: e2e4 junk"] * len(items))
     assert junk["p_format_rate"] == 0.0 and junk["a_exact_acc"] == 0.0 and junk["a_next_fen_acc"] == 0.0
+    assert partial["a_format_rate"] == 1.0 and junk["a_format_rate"] == 0.0
     text = table(best, step=0)
     assert "10 P: + 10 A:" in text and "100.0%" in text
 

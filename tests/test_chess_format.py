@@ -111,3 +111,8 @@ def test_junk_is_not_a_board():
     assert parse_env_prompt("A: a+b+") is None and split_env_line("a+b+c") is None
     answer = parse_policy_completion("\udcff\x00 M: B: E:")
     assert not answer.order_ok and not answer.layout_ok
+
+
+def test_a_move_to_its_own_square_is_not_legal_and_does_not_raise():
+    # "c6c6" is UCI-shaped, but python-chess raises on it; a model can write it (the default model did)
+    assert legal_move(chess.Board(), "e2e2") is None

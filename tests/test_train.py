@@ -28,7 +28,7 @@ def records(path):
 @pytest.fixture(scope="module")
 def two_steps(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    proc = run(["--model", tiny_model_dir, "--steps", "2", "--max-new-tokens", "16", "--out-dir", str(out),
+    proc = run(["--model", tiny_model_dir, "--task", "toy", "--steps", "2", "--max-new-tokens", "16", "--out-dir", str(out),
                 "--log-completions", str(out / "completions.jsonl")], cwd=out)
     return proc, out
 
@@ -58,7 +58,7 @@ def test_completions_log_has_one_record_per_completion(two_steps):
 
 def test_same_seed_same_run(tiny_model_dir, tmp_path, two_steps):
     _, first = two_steps
-    proc = run(["--model", tiny_model_dir, "--steps", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path)],
+    proc = run(["--model", tiny_model_dir, "--task", "toy", "--steps", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path)],
                cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     keys = ("reward_mean", "loss", "kl", "grad_norm", "completion_len_mean")
@@ -67,7 +67,7 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path, two_steps):
 
 
 def test_rotary_model_with_accumulation_and_env_overrides(tiny_rotary_dir, tmp_path):
-    proc = run(["--model", tiny_rotary_dir, "--steps", "1", "--batch-size", "16", "--group-size", "4",
+    proc = run(["--model", tiny_rotary_dir, "--task", "toy", "--steps", "1", "--batch-size", "16", "--group-size", "4",
                 "--mini-batch-size", "8", "--ppo-epochs", "2", "--out-dir", str(tmp_path)], cwd=tmp_path,
                env={"GRPO_MICRO_BATCH_SIZE": "4", "GRPO_MAX_NEW_TOKENS": "8", "GRPO_DTYPE": "bf16"})
     assert proc.returncode == 0, proc.stderr

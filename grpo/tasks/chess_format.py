@@ -46,7 +46,10 @@ def legal_move(board: chess.Board, uci: Optional[str]) -> Optional[chess.Move]:
     """The move if `uci` names a legal move in `board`, else None."""
     if uci is None or not is_uci(uci):
         return None
-    move = chess.Move.from_uci(uci)
+    try:
+        move = chess.Move.from_uci(uci)
+    except ValueError:   # python-chess refuses a move to its own square ("c6c6")
+        return None
     return move if board.is_legal(move) else None
 
 
