@@ -40,12 +40,17 @@ def test_min_new_tokens_masks_eos_but_keeps_its_probability(tiny_model_dir):
     assert ((scored - logp).abs() * cmask).max().item() <= 1e-5
 
 
-def test_shared_prompt_forward_equals_the_plain_one_with_gradients(any_model_dir):
-    tok, model = load_tokenizer(any_model_dir), load_policy(any_model_dir, "cpu")
+def _sampled_inputs(tok, model):
+    """completion_logprobs' arguments for 12 sampled tokens per row of a group batch, and the mask."""
     ids, mask = _group_batch(tok)
     torch.manual_seed(0)
     comp, cmask, _ = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=12)
-    inputs = (torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), comp.shape[1], 1.0, 4096)
+    return (torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), comp.shape[1], 1.0, 4096), cmask
+
+
+def test_shared_prompt_forward_equals_the_plain_one_with_gradients(any_model_dir):
+    tok, model = load_tokenizer(any_model_dir), load_policy(any_model_dir, "cpu")
+    inputs, cmask = _sampled_inputs(tok, model)
     results = []
     for share in (False, True):
         model.zero_grad()
@@ -59,10 +64,7 @@ def test_shared_prompt_forward_equals_the_plain_one_with_gradients(any_model_dir
 
 def test_gradient_checkpointing_gives_the_same_gradients_with_dropout_off(tiny_model_dir):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
-    ids, mask = _group_batch(tok)
-    torch.manual_seed(0)
-    comp, cmask, _ = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=12)
-    inputs = (torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), comp.shape[1], 1.0, 4096)
+    inputs, cmask = _sampled_inputs(tok, model)
     grads = []
     for on in (False, True):
         if on:
