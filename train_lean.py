@@ -102,8 +102,9 @@ def main(argv=None):
         policy = load_policy(resume_from or cfg.model, device)
         # the reference is a frozen copy of the starting policy on the same device, only when used;
         # a resumed run anchors its KL to the starting model too, not to the checkpoint
-        reference = None if cfg.kl_coef == 0 or cfg.eval_only else frozen_copy(load_policy(cfg.model, device) if resume_from
-                                                               else policy)
+        reference = None
+        if cfg.kl_coef > 0 and not cfg.eval_only:
+            reference = frozen_copy(load_policy(cfg.model, device) if resume_from else policy)
     except (TaskError, ModelLoadError, config.ConfigError) as e:
         if hasattr(task, "close"):   # a chess task's Stockfish processes would keep this process alive
             task.close()
@@ -149,6 +150,10 @@ def main(argv=None):
         checkpoint.set_rng_states(state["rng"][rank] if len(state["rng"]) == world else state["rng"][0])
         say(f"resumed from {resume_from} after step {start_step}")
 
+    def step_seed(step):
+        """The seed of a step's prompts and sampling: the prompt stream needs no state to resume."""
+        return cfg.seed * 1_000_003 + step
+
     oom_notes = []  # this step's out-of-memory retries
 
     def on_oom(message):
@@ -159,7 +164,7 @@ def main(argv=None):
         # the largest micro-batch whose forward and backward fit at the longest sequence, found before
         # training; AdamW's two moments do not exist before the first update, so a stand-in holds their place
         longest = max(map(len, encode_prompts(tokenizer, task.prompts(layout["prompts_per_step"], random.Random(
-            cfg.seed * 1_000_003 + start_step + 1)), prepend_bos))) + cfg.max_new_tokens
+            step_seed(start_step + 1))), prepend_bos))) + cfg.max_new_tokens
         moments = 0 if optimizer.state else sum(2 * p.numel() for p in params)
 
         def fits(m):
@@ -232,8 +237,7 @@ def main(argv=None):
             oom_notes.clear()
 
             # ---- rollout: whole groups of completions per prompt, this rank's share of them -------
-            # prompts come from an rng seeded by (seed, step): the stream needs no state to resume
-            prompts = task.prompts(layout["prompts_per_step"], random.Random(cfg.seed * 1_000_003 + step))
+            prompts = task.prompts(layout["prompts_per_step"], random.Random(step_seed(step)))
             prompts = prompts[rank * P:(rank + 1) * P]
             row0 = rank * B  # this rank's first row in the global batch
             row_prompts = [p for p in prompts for _ in range(G)]  # rows of one group are contiguous
@@ -243,7 +247,7 @@ def main(argv=None):
             for s in range(0, B, gen_batch):
                 # sampling is seeded by (seed, step, the chunk's first global row): the rollouts do not depend
                 # on the number of devices (for the same --generation-batch-size) nor on a resume
-                torch.manual_seed((cfg.seed * 1_000_003 + step) * 1_000_003 + row0 + s)
+                torch.manual_seed(step_seed(step) * 1_000_003 + row0 + s)
                 chunks.append(generate(policy, prompt_ids[s:s + gen_batch], prompt_mask[s:s + gen_batch], eos_id=eos,
                                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                        top_k=cfg.top_k, top_p=cfg.top_p, min_new_tokens=cfg.min_new_tokens,
@@ -273,7 +277,7 @@ def main(argv=None):
             # ---- update --------------------------------------------------------------------------
             input_ids = torch.cat([prompt_ids, completion_ids], 1)
             attention = torch.cat([prompt_mask, completion_mask], 1)
-            lengths = attention.sum(1)
+            lengths = attention.sum(1).cpu()  # sorted on the host: no device round trip per mini-batch
             ref_logp = None
             if reference is not None:  # once per row per step, over completion positions only
                 ref_logp, micro = guards.shrinking(lambda m: reference_logprobs(input_ids, attention, T, m),
@@ -286,7 +290,7 @@ def main(argv=None):
                 order = torch.randperm(B) if mini < B else torch.arange(B)
                 for mb in order.split(mini):
                     # micro-batches of similar length waste less compute on padding
-                    mb = mb[torch.argsort(lengths[mb.to(device)].cpu(), stable=True)].to(device)
+                    mb = mb[torch.argsort(lengths[mb], stable=True)].to(device)
                     # the denominator is global, so summing gradients over ranks gives the one-process gradient
                     local = completion_mask[mb].sum().item() if cfg.loss_agg == "token-mean" else len(mb)
                     denominator = max(distributed.all_sum([local])[0], 1)
