@@ -7,7 +7,6 @@ A task is any object with
 and optionally
     reward_breakdown(prompt, completion) -> dict[str, float]   the reward's components
     min_reward: float                                      given to a completion whose scoring raised
-    rewards(prompts, completions) -> list[float]           a faster batched scorer
     close()                                                release engines, pools, files
 
 The trainer draws each step's prompts with an rng seeded by (seed, step), so the prompt stream
@@ -77,31 +76,23 @@ def score(task, prompts, completions):
     floor = float(getattr(task, "min_reward", 0.0))
     errors = Counter()
     breakdown = getattr(task, "reward_breakdown", None)
-    batched = getattr(task, "rewards", None)
-    rewards = None
-    if batched is not None and breakdown is None:
-        try:
-            rewards = [float(r) for r in batched(prompts, completions)]
-        except Exception as e:  # noqa: BLE001 - fall back to one at a time
-            errors[type(e).__name__] += 1
     components, reported = Counter(), Counter()
-    if rewards is None:
-        rewards = []
-        for p, c in zip(prompts, completions):
-            try:
-                if breakdown is not None:
-                    parts = breakdown(p, c)
-                    components.update({k: float(v) for k, v in parts.items()})
-                    reported.update(parts.keys())
-                    r = float(parts["reward"]) if "reward" in parts else task.reward(p, c)
-                else:
-                    r = float(task.reward(p, c))
-                if not np.isfinite(r):
-                    raise FloatingPointError("non-finite reward")
-            except Exception as e:  # noqa: BLE001 - any scoring failure is the completion's fault
-                errors[type(e).__name__] += 1
-                r = floor
-            rewards.append(r)
+    rewards = []
+    for p, c in zip(prompts, completions):
+        try:
+            if breakdown is not None:
+                parts = breakdown(p, c)
+                components.update({k: float(v) for k, v in parts.items()})
+                reported.update(parts.keys())
+                r = float(parts["reward"]) if "reward" in parts else task.reward(p, c)
+            else:
+                r = float(task.reward(p, c))
+            if not np.isfinite(r):
+                raise FloatingPointError("non-finite reward")
+        except Exception as e:  # noqa: BLE001 - any scoring failure is the completion's fault
+            errors[type(e).__name__] += 1
+            r = floor
+        rewards.append(r)
     # Each component is averaged over the completions that report it: in a task mixture the
     # P: components are means over P: completions, not diluted by the A: ones.
     means = {k: v / reported[k] for k, v in components.items() if k != "reward"}
