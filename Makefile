@@ -32,11 +32,9 @@ bench: install .venv-bench/.installed
 train: install stockfish
 	$(PY) train_lean.py $(ARGS)
 
-# Rebuild models/rook-tiny from its seed: data, tokenizer, training, then a second training stage
-# (51 minutes on 2 busy CPU cores).
+# Rebuild models/rook-tiny from its seed: data 14 min, training 54 min on 2 CPU cores with AMX (BENCHMARKS.md).
 default-model: install stockfish
 	$(PY) scripts/make_default_model.py
-	$(PY) scripts/make_default_model.py --continue-training --train-steps 700 --lr 7.5e-4
 
 test: install stockfish
 	$(PY) -m pytest -q tests $(ARGS)

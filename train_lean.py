@@ -92,9 +92,10 @@ def main(argv=None):
 
     # ---- model, reference, task ------------------------------------------------------------------
     # The held-out set carries its own answers, so evaluation needs neither the task nor an engine.
-    evaluating = cfg.eval_only or cfg.eval_interval > 0
-    if cfg.eval_interval > 0 and not cfg.eval_only and cfg.task not in CHESS_OPTIONS:
+    chess = cfg.task in CHESS_OPTIONS
+    if cfg.eval_interval > 0 and sources["eval_interval"] != "default" and not cfg.eval_only and not chess:
         usage_error(f"--eval-interval evaluates on the held-out chess set: use a chess task, not --task {cfg.task}")
+    evaluating = cfg.eval_only or (cfg.eval_interval > 0 and chess)   # the default's evals are for chess tasks
     task = None
     try:
         task = None if cfg.eval_only else get_task(cfg.task, **task_options(cfg, sources))
@@ -351,7 +352,7 @@ def main(argv=None):
                 if verbose:
                     (tqdm.write if not bar.disable else print)(log.step_line(rec, cfg.steps))
 
-            if evaluating and step % cfg.eval_interval == 0:
+            if evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):   # the last step: "after"
                 run_eval(step)
 
             # ---- checkpoint, stop ----------------------------------------------------------------

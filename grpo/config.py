@@ -48,8 +48,8 @@ class Config:
                                                "then /usr/games/stockfish)")
     stockfish_depth: int = opt(10, "chess: Stockfish search depth of the P: reward (multi-PV 5)")
     # held-out chess evaluation (grpo/evaluate.py)
-    eval_interval: int = opt(0, "greedy evaluation on the held-out chess set before training and every "
-                             "N steps (0: off)")
+    eval_interval: int = opt(100, "greedy evaluation on the held-out chess set before training, every N steps "
+                             "and after the last (0: off); by default only for chess tasks")
     eval_samples: int = opt(100, "held-out items per kind (P:, A:) in each evaluation (the set has 100 each)")
     eval_only: bool = opt(False, "evaluate --model on the held-out chess set, print the table and exit",
                           const="true")
@@ -74,7 +74,8 @@ class Config:
     top_k: int = opt(0, "sample from the k most likely tokens (0: off)")
     top_p: float = opt(1.0, "nucleus sampling threshold (1: off)")
     # algorithm
-    learning_rate: float = opt(1e-5, "AdamW learning rate")
+    learning_rate: float = opt(1e-4, "AdamW learning rate (1e-4 suits the shipped 5M-parameter default model; "
+                               "use about 1e-5 for a 124M model such as RookWorld-LM)")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     max_grad_norm: float = opt(1.0, "gradient-norm clipping")
     clip_range: float = opt(0.2, "PPO clip range (low side, and high side unless --clip-range-high)")
@@ -85,7 +86,7 @@ class Config:
     loss_agg: str = opt("token-mean", "average the loss over all completion tokens of a mini-batch, "
                         "or per sequence first", ["token-mean", "seq-mean"])
     # run control
-    steps: int = opt(80, "training steps (80: about 10 minutes for the default model on 2 busy CPU cores)")
+    steps: int = opt(700, "training steps (700: about 20 minutes for the default model on 2 CPU cores)")
     seed: int = opt(0, "seed for prompts, sampling and initialisation")
     device: str = opt("auto", "auto (CUDA when present), cpu, cuda or cuda:N")
     dtype: str = opt("fp32", "compute dtype; bf16 uses autocast over fp32 weights and optimizer state",

@@ -1,14 +1,18 @@
 """Build the embedded default model from a seed, with nothing downloaded: data, tokenizer, GPT-2.
 
-    python scripts/make_default_model.py                       # data and 1,800 steps (41 min, 2 busy cores)
-    python scripts/make_default_model.py --continue-training --train-steps 700 --lr 7.5e-4   # 10 min more:
-                                                               # together, the shipped models/rook-tiny
+    python scripts/make_default_model.py     # the shipped models/rook-tiny: data 14 min, training 54 min (2 cores)
     python scripts/make_default_model.py --out /tmp/toy --work-dir /tmp/toy --policy-positions 200 --env-samples 400 \
         --train-steps 50                                       # the pipeline end to end in a minute
+    python scripts/make_default_model.py --continue-training --from out/default-model/checkpoint --train-steps 1000
+                                                               # a second stage (its own warm-up and cosine)
+
+The data is kept in --work-dir and reused by a later run with the same data arguments; a checkpoint is
+written there every --save-every steps, so a crash loses at most that much training (a second stage from
+it starts a new learning-rate schedule and optimizer: not an exact resume).
 
 1. Data. P: positions come from two sources: games played by Stockfish itself (a softmax over its own
-   multi-PV 5 evaluations, so they look like real games) and the same seeded position generator the
-   chess tasks draw their prompts from (openings to endgames, mates, draws, repetitions). Every P:
+   multi-PV 5 evaluations, so they look like real games; a quarter) and the same seeded position generator
+   the chess tasks draw their prompts from (openings to endgames, mates, draws, repetitions). Every P:
    position is labelled by Stockfish (fixed depth, multi-PV 5, the pool the P: reward uses): M: holds
    the top moves in rank order, E: their evaluations, B: the top move, for either side to move. A:
    samples cost no engine: the moves played in those games, plus generated transitions (rare rules
@@ -18,7 +22,8 @@
 2. Tokenizer. Byte-level BPE over chunks that never cross a space, '+' or '/', so a UCI move, a FEN
    rank or a number is learned as one or two tokens and runs of padding spaces merge.
 3. Model. A small GPT-2 trained with next-token loss on the completion and the closing EOS only (the
-   prompt is context, not target), saved in fp32 with the tokenizer and a build_info.json.
+   prompt is context, not target), bf16 autocast where the CPU has native bf16, saved in fp32 with the
+   tokenizer and a build_info.json.
 """
 import argparse
 import json
@@ -88,8 +93,10 @@ def engine_game(pool: EnginePool, rng: random.Random, held_out: set, max_plies: 
     return policy, env
 
 
-def make_data(seed: int, policy_positions: int, env_samples: int, depth: int, engines: int, log) -> dict:
-    """P: and A: samples: half the P: positions from engine games, half from the task generator."""
+def make_data(seed: int, policy_positions: int, game_share: float, env_samples: int, depth: int, engines: int,
+              log) -> dict:
+    """P: and A: samples: a `game_share` of the P: positions from engine games, the rest (the kind of
+    position the chess tasks prompt with and the held-out set holds) from the task generator."""
     path = find_stockfish()
     if path is None:
         sys.exit("make_default_model.py: Stockfish is needed to label P: samples (apt-get install stockfish)")
@@ -105,33 +112,37 @@ def make_data(seed: int, policy_positions: int, env_samples: int, depth: int, en
                 policy.append((prompt, completion))
 
     t0 = time.time()
-    # generated positions: submitted at once, the pool analyses them while the games below run
+    # Generated positions are queued as they are made: the engines work while this thread goes on
+    # with the A: transitions (python-chess only), then the games take the engines.
     rng = random.Random(f"{seed}-positions")
     boards = []
-    while len(boards) < policy_positions // 2:
+    while len(boards) < round(policy_positions * (1 - game_share)):
         board = random_board(rng)
         if position_key(board.fen()) not in held_out:
+            pool.analyse(board.fen(en_passant="fen"))
             boards.append(board)
-    with ThreadPoolExecutor(max_workers=engines) as games:
-        game_results = games.map(lambda i: engine_game(pool, random.Random(f"{seed}-game-{i}"), held_out),
-                                 range(policy_positions))
-        keep_policy(policy_sample(pool, b)[:2] for b in boards)
-        for i, (game_policy, game_env) in enumerate(game_results):
-            keep_policy(game_policy)
-            env.extend(game_env)
-            if i % 20 == 0:
-                log(f"data: {len(policy)}/{policy_positions} P: positions after {i + 1} games, "
-                    f"{time.time() - t0:.0f}s")
-            if len(policy) >= policy_positions:
-                break
-        games.shutdown(wait=False, cancel_futures=True)   # enough positions: drop the games not started
-        pool.close()   # and end the running ones (their pending analyses are cancelled)
     rng = random.Random(f"{seed}-transitions")
     while len(env) < env_samples:
         board, move = random_transition(rng)
         if position_key(board.fen()) not in held_out:
             env.append(env_sample(board, move))
-    env = env[:env_samples] if len(env) > env_samples else env
+    log(f"data: {len(env)} generated A: transitions, {len(boards)} generated P: positions queued, "
+        f"{time.time() - t0:.0f}s")
+    keep_policy(policy_sample(pool, b)[:2] for b in boards)
+    log(f"data: {len(policy)} generated P: positions labelled, {time.time() - t0:.0f}s")
+    with ThreadPoolExecutor(max_workers=engines) as games:
+        game_results = games.map(lambda i: engine_game(pool, random.Random(f"{seed}-game-{i}"), held_out),
+                                 range(policy_positions))
+        for i, (game_policy, game_env) in enumerate(game_results):
+            if len(policy) >= policy_positions:
+                break
+            keep_policy(game_policy)
+            env.extend(game_env)
+            if i % 20 == 0:
+                log(f"data: {len(policy)}/{policy_positions} P: positions after {i + 1} games, "
+                    f"{time.time() - t0:.0f}s")
+        games.shutdown(wait=False, cancel_futures=True)   # enough positions: drop the games not started
+        pool.close()   # and end the running ones (their pending analyses are cancelled)
     log(f"data: {len(policy)} P: and {len(env)} A: samples in {time.time() - t0:.0f}s")
     return {"P": policy, "A": env, "seconds": time.time() - t0}
 
@@ -165,32 +176,48 @@ def encode(tok, samples: list[tuple[str, str]]) -> list[tuple[list[int], int]]:
 
 # ---------------------------------------------------------------- 3. model
 
-def train_model(rows: list[tuple[list[int], int]], vocab_size: int, args, log, model=None) -> tuple:
+def batches(kinds: list[list[tuple[list[int], int]]], batch_size: int, rng: random.Random):
+    """Endless batches, each of one kind of sample (P: and A: differ in length, so a batch of one kind
+    carries little padding); every epoch is a fresh shuffle of all samples and of the batch order."""
+    while True:
+        epoch = []
+        for rows in kinds:
+            order = rows[:]
+            rng.shuffle(order)
+            epoch += [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        rng.shuffle(epoch)
+        yield from epoch
+
+
+def train_model(kinds: list[list[tuple[list[int], int]]], tok, args, log, model=None) -> tuple:
     """A GPT-2 (new, or `model` continued) trained on completion tokens only; returns it and the loss curve."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(args.seed)
     if model is None:
-        config = GPT2Config(vocab_size=vocab_size, n_positions=args.n_positions, n_embd=args.n_embd,
-                            n_layer=args.n_layer, n_head=args.n_embd // 64, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        config = GPT2Config(vocab_size=len(tok), n_positions=args.n_positions, n_embd=args.n_embd,
+                            n_layer=args.n_layer, n_head=args.n_embd // 32, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0, bos_token_id=tok.eos_token_id,
+                            eos_token_id=tok.eos_token_id)
         model = GPT2LMHeadModel(config)
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, args.train_steps // 50)
     # linear warm-up, then cosine decay to a tenth of the peak
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (
         1 + math.cos(math.pi * min(1.0, s / args.train_steps)))))
-    rng = random.Random(f"{args.seed}-batches-{args.continue_training}")
-    order: list[int] = []
+    stream = batches(kinds, args.batch_size, random.Random(f"{args.seed}-batches-{args.continue_training}"))
+    # bf16 autocast over fp32 weights on a GPU, or where the CPU has native bf16 (AMX / AVX512-BF16): 1.4x
+    # faster here; elsewhere bf16 matmuls are emulated and far slower than fp32 (BENCHMARKS.md, default model)
+    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and (
+        device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    log(f"train: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}, "
+        f"{'bf16 autocast' if bf16 else 'fp32'}, {args.threads} threads")
     curve, t0, seen_tokens = [], time.time(), 0
     model.train()
     for step in range(1, args.train_steps + 1):
-        batch = []
-        for _ in range(args.batch_size):
-            if not order:   # epochs: a fresh shuffle of all samples each time
-                order = list(range(len(rows)))
-                rng.shuffle(order)
-            batch.append(rows[order.pop()])
+        batch = next(stream)
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.zeros((len(batch), width), dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
@@ -199,7 +226,9 @@ def train_model(rows: list[tuple[list[int], int]], vocab_size: int, args, log, m
             input_ids[i, :len(ids)] = torch.tensor(ids)
             attention[i, :len(ids)] = 1
             labels[i, start:len(ids)] = input_ids[i, start:len(ids)]
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                         labels=labels.to(device)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -211,8 +240,25 @@ def train_model(rows: list[tuple[list[int], int]], vocab_size: int, args, log, m
             curve.append({"step": step, "loss": round(loss.item(), 4), "seconds": round(elapsed, 1)})
             log(f"train: step {step}/{args.train_steps} loss {loss.item():.3f} "
                 f"{seen_tokens / elapsed:.0f} tokens/s {elapsed:.0f}s")
+        if step % args.save_every == 0 and step < args.train_steps:
+            # a crash loses at most --save-every steps: --continue-training picks this folder up
+            save(model, tok, os.path.join(args.work_dir, "checkpoint"), {"step": step, "loss_curve": curve})
     model.eval()
     return model, curve
+
+
+def save(model, tok, folder: str, info: dict) -> None:
+    """The model, its tokenizer and build_info.json in `folder`, loadable with from_pretrained."""
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    with open(os.path.join(folder, "build_info.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=1)
+
+
+def read_json(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def greedy_samples(model, tok, samples: list[tuple[str, str]]) -> list[dict]:
@@ -220,7 +266,7 @@ def greedy_samples(model, tok, samples: list[tuple[str, str]]) -> list[dict]:
     from grpo.rollout import encode_prompts, generate, left_pad
     out = []
     for prompt, want in samples:
-        ids, mask = left_pad(encode_prompts(tok, [prompt], True), tok.eos_token_id)
+        ids, mask = left_pad(encode_prompts(tok, [prompt], True), tok.eos_token_id, model.device)
         got, got_mask, _ = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=96, temperature=0)
         text = tok.decode(got[0, :int(got_mask.sum()) - 1])
         out.append({"prompt": prompt, "expected": want, "greedy": text, "exact": text == want})
@@ -232,24 +278,35 @@ def main(argv=None):
     parser.add_argument("--out", default="models/rook-tiny", help="model folder to write")
     parser.add_argument("--work-dir", default="out/default-model", help="where the generated data is kept")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policy-positions", type=int, default=8000, help="P: samples (Stockfish-labelled)")
-    parser.add_argument("--env-samples", type=int, default=16000, help="A: samples (python-chess)")
+    parser.add_argument("--policy-positions", type=int, default=40000, help="P: samples (Stockfish-labelled)")
+    parser.add_argument("--game-share", type=float, default=0.25,
+                        help="share of the P: positions taken from engine games (the rest: the task generator)")
+    parser.add_argument("--env-samples", type=int, default=60000,
+                        help="generated A: samples (python-chess); the moves of the engine games add more")
     parser.add_argument("--depth", type=int, default=8, help="Stockfish depth for the P: labels")
     parser.add_argument("--engines", type=int, default=2, help="Stockfish processes")
     parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=192)
+    parser.add_argument("--n-layer", type=int, default=6)
+    parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--n-positions", type=int, default=256,
                         help="context: the longest prompt plus the trainer's --max-new-tokens (144)")
-    parser.add_argument("--train-steps", type=int, default=1800)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--policy-repeats", type=int, default=2,
+                        help="times each P: sample is seen per epoch (the harder task, and the costlier data)")
+    parser.add_argument("--train-steps", type=int, default=3500)
+    parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1.5e-3)
-    # fp32 on one thread: on the shared 2-core reference machine bf16 autocast ran 50x slower (no AMX
-    # exposed) and two threads 3x slower than one (the other core was busy)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="training matmuls: auto = bf16 autocast where the CPU has native bf16, else fp32")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--save-every", type=int, default=500,
+                        help="steps between checkpoints in WORK_DIR/checkpoint (a crash loses at most these)")
     parser.add_argument("--continue-training", action="store_true",
-                        help="a second stage: train the model in --out further on the data kept in --work-dir")
+                        help="a second stage: train the model in --from further on the data kept in --work-dir")
+    parser.add_argument("--from", dest="start", default=None,
+                        help="with --continue-training: the model folder to start from (default: --out; "
+                             "WORK_DIR/checkpoint after a crash)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.time()
@@ -261,42 +318,42 @@ def main(argv=None):
         log_file.write(line + "\n")
         log_file.flush()
 
-    data_file = os.path.join(args.work_dir, "data.txt")
-    previous = None
-    if args.continue_training:
-        from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
+    # The data depends on these alone; a re-run with the same ones (another model size, say) reuses it.
+    data_args = {k: getattr(args, k) for k in ("seed", "policy_positions", "game_share", "env_samples", "depth")}
+    data_file, data_args_file = os.path.join(args.work_dir, "data.txt"), os.path.join(args.work_dir, "data_args.json")
+    reuse = args.continue_training or (os.path.exists(data_args_file) and read_json(data_args_file) == data_args)
+    if reuse:
         with open(data_file, encoding="utf-8") as f:
             lines = f.read().splitlines()
         data = {"P": [split_policy_line(line) for line in lines if line.startswith("P: ")],
-                "A": [split_env_line(line) for line in lines if line.startswith("A: ")], "seconds": 0}
-        tok = PreTrainedTokenizerFast.from_pretrained(args.out)
-        model = GPT2LMHeadModel.from_pretrained(args.out)
-        with open(os.path.join(args.out, "build_info.json"), encoding="utf-8") as f:
-            previous = json.load(f)
+                "A": [split_env_line(line) for line in lines if line.startswith("A: ")], "seconds": None}
+        log(f"data: {len(data['P'])} P: and {len(data['A'])} A: samples reused from {data_file}")
     else:
-        data = make_data(args.seed, args.policy_positions, args.env_samples, args.depth, args.engines, log)
+        data = make_data(args.seed, args.policy_positions, args.game_share, args.env_samples, args.depth, args.engines, log)
         with open(data_file, "w", encoding="utf-8") as f:
             for prompt, completion in data["P"] + data["A"]:
                 f.write(prompt + completion + "\n")
-        model = None
+        with open(data_args_file, "w", encoding="utf-8") as f:
+            json.dump(data_args, f)
+    model, previous = None, None
+    if args.continue_training:
+        from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
+        start = args.start or args.out
+        tok = PreTrainedTokenizerFast.from_pretrained(start)
+        model = GPT2LMHeadModel.from_pretrained(start)
+        previous = read_json(os.path.join(start, "build_info.json"))
 
     t = time.time()
     samples = data["P"] + data["A"]
     if not args.continue_training:
         tok = train_tokenizer([p + c for p, c in samples], args.vocab_size)
-    rows = encode(tok, samples)
-    n_policy = len(data["P"])
-    per_sample = {kind: round(sum(len(ids) for ids, _ in part) / max(len(part), 1), 1)
-                  for kind, part in (("P", rows[:n_policy]), ("A", rows[n_policy:]))}
-    longest = max(len(ids) for ids, _ in rows)
+    kinds = {kind: encode(tok, data[kind]) for kind in ("P", "A")}
+    per_sample = {kind: round(sum(len(ids) for ids, _ in rows) / max(len(rows), 1), 1) for kind, rows in kinds.items()}
+    longest = max(len(ids) for rows in kinds.values() for ids, _ in rows)
     log(f"tokenizer: {len(tok)} tokens in {time.time() - t:.0f}s; tokens per sample {per_sample}, "
         f"longest {longest} (EOS + prompt + completion + EOS)")
 
-    model, curve = train_model(rows, len(tok), args, log, model)
-    model.config.bos_token_id = model.config.eos_token_id = tok.eos_token_id
-    os.makedirs(args.out, exist_ok=True)
-    model.save_pretrained(args.out)
-    tok.save_pretrained(args.out)
+    model, curve = train_model([kinds["P"]] * args.policy_repeats + [kinds["A"]], tok, args, log, model)
     looks = greedy_samples(model, tok, data["P"][:3] + data["A"][:3])
     for sample in looks:
         log(f"greedy {'exact' if sample['exact'] else 'differs'}: {sample['prompt'][:40]!r}... -> "
@@ -304,18 +361,17 @@ def main(argv=None):
     info = {
         "command": "python scripts/make_default_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "args": vars(args),
-        "samples": {"P": n_policy, "A": len(data["A"])},
+        "samples": {"P": len(data["P"]), "A": len(data["A"])},
         "tokens_per_sample": per_sample,
         "longest_sample_tokens": longest,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "data_seconds": round(data["seconds"]),
+        "data_seconds": data["seconds"] and round(data["seconds"]),   # None: reused from an earlier run
         "build_seconds": round(time.time() - t_start),
         "loss_curve": curve,
     }
     if previous is not None:
         info["previous_stage"] = previous
-    with open(os.path.join(args.out, "build_info.json"), "w", encoding="utf-8") as f:
-        json.dump(info, f, indent=1)
+    save(model, tok, args.out, info)
     log(f"done: {args.out}, {info['parameters'] / 1e6:.1f}M parameters, {info['build_seconds']}s in all")
 
 

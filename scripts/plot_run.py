@@ -1,6 +1,7 @@
 """Plot a run's metrics.jsonl: train reward per step (left) and held-out eval metrics (right).
 
     python scripts/plot_run.py out/default-run/metrics.jsonl docs/default_run.png
+    python scripts/plot_run.py out/run-s0/metrics.jsonl out/run-s1/metrics.jsonl docs/two_seeds.png
 
 Step records give the mean reward (and its P:/A: components where logged); records with
 "kind": "eval" (from --eval-interval) give the held-out accuracies, drawn as points with lines.
@@ -29,37 +30,46 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("metrics")
+    parser.add_argument("metrics", nargs="+", help="metrics.jsonl of one run, or of several (seeds) to compare")
     parser.add_argument("png")
     parser.add_argument("--title", default="GRPO on the default model (python train_lean.py --batch-size 64)")
     parser.add_argument("--window", type=int, default=10, help="steps in the reward's trailing mean")
     args = parser.parse_args(argv)
-    with open(args.metrics, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    steps = [r for r in records if r.get("kind") != "eval"]
-    evals = [r for r in records if r.get("kind") == "eval"]
-
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    x = [r["step"] for r in steps]
-    for key, label in REWARD_LINES:
-        if all(key in r for r in steps):
-            values = [r[key] for r in steps]
-            line, = left.plot(x, values, alpha=0.25)
-            left.plot(x, smooth(values, args.window), color=line.get_color(),
-                      label=f"{label} ({args.window}-step mean)")
-    left.set(xlabel="step", ylabel="train reward", title="train reward (sampled, T=1)")
+    styles = ["-", "--", ":", "-."]
+    n_eval = None
+    for run, path in enumerate(args.metrics):
+        with open(path, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        steps = [r for r in records if r.get("kind") != "eval"]
+        evals = [r for r in records if r.get("kind") == "eval"]
+        # one colour per quantity, one line style per run: the runs' spread is the noise
+        style = styles[run % len(styles)]
+        x = [r["step"] for r in steps]
+        for colour, (key, label) in enumerate(REWARD_LINES):
+            if steps and all(key in r for r in steps):
+                values = [r[key] for r in steps]
+                if len(args.metrics) == 1:
+                    left.plot(x, values, alpha=0.25, color=f"C{colour}")
+                left.plot(x, smooth(values, args.window), color=f"C{colour}", linestyle=style,
+                          label=f"{label} ({args.window}-step mean)" if run == 0 else None)
+        ex = [r["step"] for r in evals]
+        for colour, (key, label) in enumerate(ROWS):
+            if evals and key in evals[0]:
+                right.plot(ex, [100 * r[key] for r in evals], marker="o", markersize=3, color=f"C{colour}",
+                           linestyle=style, label=label if run == 0 else None)
+        n_eval = n_eval or (evals and evals[0])
+    runs = ", ".join(f"{s} {os.path.basename(os.path.dirname(os.path.abspath(p)))}"
+                     for s, p in zip(styles, args.metrics)) if len(args.metrics) > 1 else ""
+    left.set(xlabel="step", ylabel="train reward",
+             title="train reward (sampled, T=1)" + (f"\nline styles: {runs}" if runs else ""))
     left.grid(alpha=0.3)
-    left.legend(fontsize=8)
-
-    ex = [r["step"] for r in evals]
-    for key, label in ROWS:
-        if evals and key in evals[0]:
-            right.plot(ex, [100 * r[key] for r in evals], marker="o", label=label)
+    left.legend(fontsize=7)
     right.set(xlabel="step", ylabel="% of held-out items", ylim=(0, 100),
-              title=f"held-out eval (greedy, {evals[0].get('p_n', 0)} P: + {evals[0].get('a_n', 0)} A:)"
-              if evals else "held-out eval")
+              title=(f"held-out eval (greedy, {n_eval.get('p_n', 0)} P: + {n_eval.get('a_n', 0)} A:)"
+                     if n_eval else "held-out eval") + (f"\nline styles: {runs}" if runs else ""))
     right.grid(alpha=0.3)
-    right.legend(fontsize=8)
+    right.legend(fontsize=7)
     fig.suptitle(args.title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)

@@ -40,6 +40,17 @@ def test_chess_run_logs_components_and_evals(tiny_model_dir, tmp_path, capsys, c
     assert "eval at step 0" in stdout and "A: exact-completion accuracy" in stdout
 
 
+def test_default_run_evaluates_before_and_after_chess_only(tiny_model_dir, tmp_path, clean_env):
+    # no --eval-interval: a chess run still reports held-out metrics before training and after its last
+    # step (3 is not a multiple of the default interval); a toy run, which has no held-out set, none
+    train_lean.main(["--model", tiny_model_dir, "--task", "chess-env", "--steps", "3", "--out-dir",
+                     str(tmp_path / "chess"), *SMALL])
+    assert [r["step"] for r in records(tmp_path / "chess" / "metrics.jsonl") if r.get("kind") == "eval"] == [0, 3]
+    train_lean.main(["--model", tiny_model_dir, "--task", "toy", "--steps", "1", "--out-dir", str(tmp_path / "toy"),
+                     *SMALL])
+    assert not [r for r in records(tmp_path / "toy" / "metrics.jsonl") if r.get("kind") == "eval"]
+
+
 def test_eval_only_prints_the_table(tiny_model_dir, tmp_path, capsys, clean_env):
     # needs no task object and no engine: the held-out set carries its answers
     train_lean.main(["--eval-only", "--model", tiny_model_dir, "--stockfish-path", "/nonexistent",

@@ -11,7 +11,7 @@ def layout(argv, world=1):
 def test_defaults_are_the_seed_configuration():
     cfg, sources = load([], environ={})
     assert (cfg.batch_size, cfg.group_size, cfg.learning_rate, cfg.clip_range, cfg.kl_coef, cfg.max_new_tokens) == \
-        (64, 8, 1e-5, 0.2, 0.02, 144)
+        (64, 8, 1e-4, 0.2, 0.02, 144)
     assert set(sources.values()) == {"default"}
     d = batch_layout(cfg)
     assert d["prompts_per_step"] == 8 and d["updates_per_step"] == 1 and d["grad_accum_steps"] == 1

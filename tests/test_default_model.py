@@ -11,7 +11,6 @@ from grpo import config, evaluate
 from grpo.model import load_policy, load_tokenizer
 from grpo.rollout import decode_completions, encode_prompts, generate, left_pad
 from grpo.tasks.chess_format import is_uci, parse_policy_completion, policy_format_checks
-from grpo.tasks.chess_tasks import env_components
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(REPO, "models", "rook-tiny")
@@ -61,26 +60,31 @@ def test_tokenizer_keeps_moves_and_padding_whole(shipped):
     assert tok.decode(tok(item["prompt"], add_special_tokens=False)["input_ids"]) == item["prompt"]
 
 
-def test_greedy_completions_of_held_out_prompts_are_well_formed(shipped):
+# The README's "before GRPO" column (greedy, the whole held-out set), in percent. A rebuilt or replaced
+# model must come with a new table: this test is what keeps the two together.
+README_BEFORE = {"p_best_move_acc": 7, "p_top5_acc": 19, "p_legal_rate": 31, "p_format_rate": 0,
+                 "a_format_rate": 65, "a_next_fen_acc": 1, "a_exact_acc": 1}
+
+
+def test_held_out_metrics_are_the_ones_the_readme_reports(shipped):
     tok, model = shipped
     items = evaluate.load_eval_set()
-    policy = [i for i in items if i["kind"] == "P"][:8]
-    env = [i for i in items if i["kind"] == "A"][:8]
     eos = tok.eos_token_id
-    ids, mask = left_pad(encode_prompts(tok, [i["prompt"] for i in policy + env], True), eos)
-    out, out_mask, _ = generate(model, ids, mask, eos_id=eos, max_new_tokens=96, temperature=0)
-    texts = decode_completions(tok, out, out_mask, eos)
-    policy_ok = []
-    for text in texts[:8]:
-        # the column layout, one UCI move per candidate with one number each, a UCI best move. (Not
-        # checked: distinct candidates; greedy decoding of this small model often repeats one.)
-        answer = parse_policy_completion(text)
-        assert answer.order_ok and is_uci(answer.best), text
-        policy_ok.append(answer.layout_ok and len(answer.moves) == len(answer.evals) and None not in answer.evals
-                         and all(map(is_uci, answer.moves)))
-    assert sum(policy_ok) >= 5, texts[:8]
-    env_ok = [env_components(i["expected"], t)["format"] == 1.0 for i, t in zip(env, texts[8:])]
-    assert sum(env_ok) >= 6, texts[8:]
+    texts = []
+    for start in range(0, len(items), 50):
+        chunk = items[start:start + 50]
+        ids, mask = left_pad(encode_prompts(tok, [i["prompt"] for i in chunk], True), eos)
+        out, out_mask, _ = generate(model, ids, mask, eos_id=eos, max_new_tokens=144, temperature=0)
+        texts += decode_completions(tok, out, out_mask, eos)
+    got = evaluate.metrics(items, texts)
+    # 3 points of slack: another CPU's float rounding may flip an argmax or two
+    assert all(abs(100 * got[k] - v) <= 3 for k, v in README_BEFORE.items()), got
+    # every P: answer has its markers in order and a UCI best move; the layout, the numbers and UCI
+    # candidates are right in most (the distinct-candidates check is what fails: see README)
+    answers = [parse_policy_completion(t) for i, t in zip(items, texts) if i["kind"] == "P"]
+    assert all(a.order_ok and is_uci(a.best) for a in answers)
+    assert sum(a.layout_ok and len(a.moves) == len(a.evals) and None not in a.evals and all(map(is_uci, a.moves))
+               for a in answers) >= 80
 
 
 def test_training_rows_mask_the_prompt_and_tokenise_like_the_trainer():
@@ -114,3 +118,27 @@ def test_policy_labels_give_the_engines_best_move_for_black_too():
     assert all(policy_format_checks(answer))
     assert answer.best == moves[0] == "d5d2"
     assert prompt == "P: " + board.fen().ljust(89)
+
+
+def test_a_build_is_reproducible_from_its_seed_and_reuses_its_data(tmp_path, capsys):
+    from grpo.tasks.chess_engine import find_stockfish
+    if find_stockfish() is None:
+        pytest.skip("Stockfish not installed")
+    from safetensors.torch import load_file
+    script = build_script()
+    tiny = ["--policy-positions", "12", "--env-samples", "24", "--depth", "4", "--train-steps", "4", "--batch-size", "8",
+            "--n-layer", "1", "--n-embd", "32", "--vocab-size", "300", "--save-every", "2", "--log-every", "2"]
+    for name in ("a", "b"):   # two builds from scratch, nothing shared
+        script.main(["--out", str(tmp_path / name), "--work-dir", str(tmp_path / f"work-{name}"), *tiny])
+    data = [(tmp_path / f"work-{name}" / "data.txt").read_text() for name in ("a", "b")]
+    assert data[0] == data[1] and data[0].count("\nP: ") + data[0].startswith("P: ") == 12
+    weights = [load_file(str(tmp_path / name / "model.safetensors")) for name in ("a", "b")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert (tmp_path / "work-a" / "checkpoint" / "model.safetensors").exists()   # what a crash would leave
+    # the same data arguments with another model size: the data is read back, not generated again
+    capsys.readouterr()
+    script.main(["--out", str(tmp_path / "c"), "--work-dir", str(tmp_path / "work-a"), *tiny, "--n-embd", "64"])
+    assert "reused from" in capsys.readouterr().out
+    info = json.load(open(tmp_path / "c" / "build_info.json"))
+    assert info["data_seconds"] is None and info["samples"]["P"] == 12

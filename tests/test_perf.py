@@ -58,8 +58,11 @@ def test_shared_prompt_forward_equals_the_plain_one_with_gradients(any_model_dir
         (logp * cmask).sum().backward()
         results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
     assert ((results[0][0] - results[1][0]).abs() * cmask).max().item() <= 1e-5
+    # per tensor, relative to its norm: float32 summation order differs between the two paths (and between
+    # CPUs: AMX kernels), which an element-wise rtol trips on entries that cancel to near zero; measured
+    # ~4e-7 here, where a wrong attention pattern gives errors of order 1e-1
     for a, b in zip(results[0][1], results[1][1]):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+        assert (a - b).norm() <= 1e-5 * a.norm()
 
 
 def test_gradient_checkpointing_gives_the_same_gradients_with_dropout_off(tiny_model_dir):

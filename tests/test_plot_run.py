@@ -1,0 +1,34 @@
+"""scripts/plot_run.py: one run's or several runs' metrics.jsonl -> one PNG (reward left, held-out right)."""
+import importlib.util
+import json
+import os
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "plot_run.py")
+
+
+def plot_run():
+    spec = importlib.util.spec_from_file_location("plot_run", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_run(folder, offset):
+    os.makedirs(folder)
+    evals = [{"kind": "eval", "step": s, "p_n": 2, "a_n": 2, "p_legal_rate": 0.3 + offset, "a_format_rate": 0.6}
+             for s in (0, 4)]
+    steps = [{"step": s, "reward_mean": 0.3 + offset + 0.01 * s, "reward_policy_legal": 0.2} for s in range(1, 5)]
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in [evals[0], *steps, evals[1]])
+    return os.path.join(folder, "metrics.jsonl")
+
+
+def test_one_run_and_two_seeds_make_pngs(tmp_path, capsys):
+    script = plot_run()
+    one, two = tmp_path / "one.png", tmp_path / "two.png"
+    a, b = write_run(tmp_path / "seed0", 0.0), write_run(tmp_path / "seed1", 0.05)
+    script.main([a, str(one)])
+    script.main([a, b, str(two), "--window", "2"])
+    for png in (one, two):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert capsys.readouterr().out.split() == [str(one), str(two)]
