@@ -208,7 +208,7 @@ def train_model(kinds: list[list[tuple[list[int], int]]], tok, args, log, model=
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (
         1 + math.cos(math.pi * min(1.0, s / args.train_steps)))))
     stream = batches(kinds, args.batch_size, random.Random(f"{args.seed}-batches-{args.continue_training}"))
-    # bf16 autocast over fp32 weights on a GPU, or where the CPU has native bf16 (AMX / AVX512-BF16): 1.4x
+    # bf16 autocast over fp32 weights on a GPU, or where the CPU has native bf16 (AMX / AVX512-BF16): 1.09x
     # faster here; elsewhere bf16 matmuls are emulated and far slower than fp32 (BENCHMARKS.md, default model)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and (
         device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
