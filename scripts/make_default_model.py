@@ -321,7 +321,7 @@ def main(argv=None):
     # The data depends on these alone; a re-run with the same ones (another model size, say) reuses it.
     data_args = {k: getattr(args, k) for k in ("seed", "policy_positions", "game_share", "env_samples", "depth")}
     data_file, data_args_file = os.path.join(args.work_dir, "data.txt"), os.path.join(args.work_dir, "data_args.json")
-    reuse = args.continue_training or (os.path.exists(data_args_file) and read_json(data_args_file) == data_args)
+    reuse = os.path.exists(data_args_file) and read_json(data_args_file) == data_args
     if reuse:
         with open(data_file, encoding="utf-8") as f:
             lines = f.read().splitlines()

@@ -142,3 +142,9 @@ def test_a_build_is_reproducible_from_its_seed_and_reuses_its_data(tmp_path, cap
     assert "reused from" in capsys.readouterr().out
     info = json.load(open(tmp_path / "c" / "build_info.json"))
     assert info["data_seconds"] is None and info["samples"]["P"] == 12
+    # a second stage trains that model further on the same data and records where it started
+    script.main(["--out", str(tmp_path / "d"), "--work-dir", str(tmp_path / "work-a"), *tiny,
+                 "--continue-training", "--from", str(tmp_path / "c"), "--train-steps", "2"])
+    info = json.load(open(tmp_path / "d" / "build_info.json"))
+    assert info["previous_stage"]["args"]["n_embd"] == 64 and info["args"]["train_steps"] == 2
+    assert load_file(str(tmp_path / "d" / "model.safetensors"))["transformer.wte.weight"].shape[1] == 64
