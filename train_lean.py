@@ -23,7 +23,7 @@ from grpo import checkpoint, config, distributed, evaluate, guards, log, memory
 from grpo.advantages import group_advantages
 from grpo.loss import completion_logprobs, grpo_loss
 from grpo.model import ModelLoadError, frozen_copy, load_policy, load_tokenizer
-from grpo.rollout import decode_completions, encode_prompts, generate, left_pad, logprob_temperature
+from grpo.rollout import decode_completions, encode_prompts, generate, greedy_completions, left_pad, logprob_temperature
 from grpo.tasks import TaskError, get_task, score
 from grpo.tasks.chess_tasks import OPTIONS as CHESS_OPTIONS
 
@@ -47,14 +47,8 @@ def task_options(cfg, sources) -> dict:
 def greedy_eval(policy, tokenizer, items, step, *, prepend_bos, max_new_tokens, batch, autocast, device) -> dict:
     """Greedy completions for the held-out items, scored; prints the table and returns the JSONL record."""
     t0 = time.perf_counter()
-    eos = tokenizer.eos_token_id
-    texts = []
-    for s in range(0, len(items), batch):
-        ids, mask = left_pad(encode_prompts(tokenizer, [i["prompt"] for i in items[s:s + batch]], prepend_bos),
-                             eos, device)
-        out_ids, out_mask, _ = generate(policy, ids, mask, eos_id=eos, max_new_tokens=max_new_tokens,
-                                        temperature=0.0, autocast=autocast)
-        texts += decode_completions(tokenizer, out_ids, out_mask, eos)
+    texts = greedy_completions(policy, tokenizer, [i["prompt"] for i in items], prepend_bos=prepend_bos,
+                               max_new_tokens=max_new_tokens, batch=batch, device=device, autocast=autocast)
     result = evaluate.metrics(items, texts)
     print(evaluate.table(result, step), flush=True)
     return {"kind": "eval", "step": step, **result, "eval_time_s": time.perf_counter() - t0}

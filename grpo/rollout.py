@@ -232,3 +232,16 @@ def decode_completions(tokenizer, completion_ids, mask, eos_id: int) -> list:
             ids = ids[:-1]
         texts.append(tokenizer.decode(ids, skip_special_tokens=False))
     return texts
+
+
+def greedy_completions(model, tokenizer, prompts: list, *, prepend_bos: bool, max_new_tokens: int, batch: int,
+                       device=None, autocast=None) -> list:
+    """The greedy completion text of each prompt, `batch` prompts at a time (evaluation, not training)."""
+    eos = tokenizer.eos_token_id
+    texts = []
+    for s in range(0, len(prompts), batch):
+        ids, mask = left_pad(encode_prompts(tokenizer, prompts[s:s + batch], prepend_bos), eos, device)
+        out_ids, out_mask, _ = generate(model, ids, mask, eos_id=eos, max_new_tokens=max_new_tokens,
+                                        temperature=0.0, autocast=autocast)
+        texts += decode_completions(tokenizer, out_ids, out_mask, eos)
+    return texts

@@ -263,14 +263,11 @@ def read_json(path: str):
 
 def greedy_samples(model, tok, samples: list[tuple[str, str]]) -> list[dict]:
     """Greedy completions of a few training prompts: a quick look that the format was learned."""
-    from grpo.rollout import encode_prompts, generate, left_pad
-    out = []
-    for prompt, want in samples:
-        ids, mask = left_pad(encode_prompts(tok, [prompt], True), tok.eos_token_id, model.device)
-        got, got_mask, _ = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=96, temperature=0)
-        text = tok.decode(got[0, :int(got_mask.sum()) - 1])
-        out.append({"prompt": prompt, "expected": want, "greedy": text, "exact": text == want})
-    return out
+    from grpo.rollout import greedy_completions
+    texts = greedy_completions(model, tok, [p for p, _ in samples], prepend_bos=True, max_new_tokens=96,
+                               batch=len(samples), device=model.device)
+    return [{"prompt": prompt, "expected": want, "greedy": text, "exact": text == want}
+            for (prompt, want), text in zip(samples, texts)]
 
 
 def main(argv=None):

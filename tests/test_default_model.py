@@ -9,7 +9,7 @@ import torch
 
 from grpo import config, evaluate
 from grpo.model import load_policy, load_tokenizer
-from grpo.rollout import decode_completions, encode_prompts, generate, left_pad
+from grpo.rollout import encode_prompts, greedy_completions
 from grpo.tasks.chess_format import is_uci, parse_policy_completion, policy_format_checks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,13 +69,9 @@ README_BEFORE = {"p_best_move_acc": 7, "p_top5_acc": 19, "p_legal_rate": 31, "p_
 def test_held_out_metrics_are_the_ones_the_readme_reports(shipped):
     tok, model = shipped
     items = evaluate.load_eval_set()
-    eos = tok.eos_token_id
-    texts = []
-    for start in range(0, len(items), 50):
-        chunk = items[start:start + 50]
-        ids, mask = left_pad(encode_prompts(tok, [i["prompt"] for i in chunk], True), eos)
-        out, out_mask, _ = generate(model, ids, mask, eos_id=eos, max_new_tokens=144, temperature=0)
-        texts += decode_completions(tok, out, out_mask, eos)
+    # what `python train_lean.py --eval-only` decodes: BOS first, 144 new tokens, batches of 64
+    texts = greedy_completions(model, tok, [i["prompt"] for i in items], prepend_bos=True, max_new_tokens=144,
+                               batch=64)
     got = evaluate.metrics(items, texts)
     # 3 points of slack: another CPU's float rounding may flip an argmax or two
     assert all(abs(100 * got[k] - v) <= 3 for k, v in README_BEFORE.items()), got
