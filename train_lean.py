@@ -307,6 +307,7 @@ def main(argv=None):
             # ---- log -----------------------------------------------------------------------------
             n_tokens = distributed.all_sum([completion_mask.sum().item()])[0]
             step_time = t_end - t_start
+            memory.release_free_heap()   # else RSS ratchets up to the largest step's peak (grpo/memory.py)
             rec = {
                 "step": step,
                 "reward_mean": all_rewards.mean().item(),

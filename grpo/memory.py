@@ -1,4 +1,5 @@
 """Memory readings for the per-step log: process RSS, and on CUDA allocated / reserved / peak."""
+import ctypes
 import os
 import resource
 
@@ -19,6 +20,26 @@ def rss_mb() -> float:
 def peak_rss_mb() -> float:
     """Peak RSS of this process so far (ru_maxrss is in KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim   # glibc; musl, macOS and Windows have none
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing).
+
+    glibc keeps the pages freed after a step's transient peak (a batch whose completions ran long), so
+    without this RSS ratchets up to the largest peak so far and reads as a leak in monitor_memory.py;
+    called once per step, before the memory snapshot, RSS is what the process still holds."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def reset_peak(device: torch.device) -> None:

@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo.tasks.chess_engine import EnginePool, find_stockfish  # noqa: E402
-from grpo.tasks.chess_format import (env_prompt, expected_env_completion, policy_completion,  # noqa: E402
-                                     policy_prompt, split_env_line, split_policy_line)
+from grpo.tasks.chess_format import (env_prompt, expected_env_completion, parse_policy_completion,  # noqa: E402
+                                     policy_completion, policy_prompt, split_env_line, split_policy_line)
 from grpo.tasks.chess_positions import history, random_board, random_transition  # noqa: E402
 from grpo.tasks.chess_tasks import held_out_positions, position_key  # noqa: E402
 
@@ -58,7 +58,7 @@ def policy_sample(pool: EnginePool, board: chess.Board) -> tuple[str, str, list[
     fen = board.fen(en_passant="fen")    # the data writes the en-passant square after every double push
     analysis = pool.analyse(fen).result()
     moves, evals = list(analysis.moves), list(analysis.evals)
-    # Rank order (the format allows any order): the first candidate is then B:, which is easy to learn.
+    # The data file keeps the engine's rank order; the training text reorders (uci_order)
     return policy_prompt(fen), policy_completion(moves, evals, moves[0]), moves, evals
 
 
@@ -145,6 +145,17 @@ def make_data(seed: int, policy_positions: int, game_share: float, env_samples: 
         pool.close()   # and end the running ones (their pending analyses are cancelled)
     log(f"data: {len(policy)} P: and {len(env)} A: samples in {time.time() - t0:.0f}s")
     return {"P": policy, "A": env, "seconds": time.time() - t0}
+
+
+def uci_order(completion: str) -> str:
+    """The same P: answer with its candidates (each with its evaluation) in UCI string order, B: unchanged.
+
+    The format gives the order no meaning. In rank order B: is a copy of the first candidate, but a small
+    model's greedy list then repeats its favourite move (no answer of the rank-order model listed five
+    distinct moves: BENCHMARKS.md); an ascending list makes a repeat break the pattern it was taught."""
+    answer = parse_policy_completion(completion)
+    pairs = sorted(zip(answer.moves, answer.evals))
+    return policy_completion([m for m, _ in pairs], [e for _, e in pairs], answer.best)
 
 
 # ---------------------------------------------------------------- 2. tokenizer
@@ -289,6 +300,8 @@ def main(argv=None):
                         help="context: the longest prompt plus the trainer's --max-new-tokens (144)")
     parser.add_argument("--policy-repeats", type=int, default=2,
                         help="times each P: sample is seen per epoch (the harder task, and the costlier data)")
+    parser.add_argument("--candidate-order", choices=["uci", "rank"], default="uci",
+                        help="order of the M: candidates in the training text: UCI string order, or the engine's rank")
     parser.add_argument("--train-steps", type=int, default=3500)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1.5e-3)
@@ -340,6 +353,8 @@ def main(argv=None):
         model = GPT2LMHeadModel.from_pretrained(start)
         previous = read_json(os.path.join(start, "build_info.json"))
 
+    if args.candidate_order == "uci":
+        data["P"] = [(prompt, uci_order(completion)) for prompt, completion in data["P"]]
     t = time.time()
     samples = data["P"] + data["A"]
     if not args.continue_training:

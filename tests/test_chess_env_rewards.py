@@ -7,7 +7,7 @@ import pytest
 
 from grpo.tasks.chess_format import env_prompt, parse_env_prompt
 from grpo.tasks.chess_positions import history, random_transition
-from grpo.tasks.chess_tasks import ChessEnvTask, position_key
+from grpo.tasks.chess_tasks import ChessEnvTask, env_components, position_key
 
 N_TRANSITIONS = 1000
 
@@ -113,6 +113,20 @@ def test_single_character_corruptions_score_less(generated):
             else:
                 bad = want[:i] + rng.choice(alphabet.replace(" ", "")) + want[i:]
             assert task.reward(prompt, bad) < 1.0, (prompt, bad)
+
+
+def test_fen_similarity_counts_only_for_a_valid_position():
+    # 1. e4 from the start: the exact FEN, a valid near miss (the pawn on e3), and a broken one that
+    # looks closer still (one character dropped, so a rank holds seven squares)
+    want = "rnbqkbnr/pppppppp/8/8/4P3/8/PPPP1PPP/RNBQKBNR b KQkq - 0 1+0.001+0+0"
+    near = "rnbqkbnr/pppppppp/8/8/8/4P3/PPPP1PPP/RNBQKBNR b KQkq - 0 1+0.001+0+0"
+    broken = "rnbqkbnr/pppppppp/8/8/4P2/8/PPPP1PPP/RNBQKBNR b KQkq - 0 1+0.001+0+0"
+    assert env_components(want, want)["fen"] == 1.0
+    assert 0.7 < env_components(want, near)["fen"] < 0.8
+    assert env_components(want, broken)["fen"] == 0.0
+    task = ChessEnvTask()
+    prompt = env_prompt(chess.STARTING_FEN, "e2e4", ["e2e4"])
+    assert task.reward(prompt, broken) < task.reward(prompt, near) - 0.3
 
 
 @pytest.mark.parametrize("completion", [

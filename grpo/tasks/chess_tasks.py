@@ -5,8 +5,11 @@ own analysis (P:) gets 1.0. Weights, and why:
 
 A: (computed with python-chess alone)
     format      0.1   four '+'-separated fields: a FEN, one of the four reward values, two 0/1 flags
-    new FEN     0.5   1 if exact, else 0.8 x character similarity (difflib ratio): a near miss
-                      earns something, but never as much as the exact FEN
+    new FEN     0.5   1 if exact; else, if it is a valid position, 0.8 x character similarity
+                      (difflib ratio): a near miss earns something, never as much as the exact
+                      FEN; a FEN that is no valid position earns nothing here (with the similarity
+                      credit, an unreadable FEN lost only 0.02 against a valid one, and RL traded
+                      valid FENs for similar-looking broken ones: BENCHMARKS.md, default model)
     reward      0.2   the reward field, as a string (so "1" for "1.0" does not count)
     terminated  0.1
     truncated   0.1
@@ -162,6 +165,8 @@ def env_components(expected: str, completion: str) -> dict[str, float]:
                    terminated in ("0", "1"), truncated in ("0", "1")]
     if fen == want[0]:
         fen_credit = 1.0
+    elif not well_formed[1]:
+        fen_credit = 0.0
     else:
         fen_credit = FEN_SIMILARITY_SHARE * difflib.SequenceMatcher(None, fen[:200], want[0], autojunk=False).ratio()
     return {"format": sum(well_formed) / len(well_formed), "fen": fen_credit,
