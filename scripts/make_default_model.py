@@ -185,22 +185,71 @@ def encode(tok, samples: list[tuple[str, str]]) -> list[tuple[list[int], int]]:
     return [([eos] + p + c + [eos], 1 + len(p)) for p, c in zip(prompts, completions)]
 
 
+def repeated_candidates(completion: list[int], pieces: list[str]) -> list[int]:
+    """Indices of the tokens in a P: completion's M: field that begin a candidate the same way an earlier
+    one began (" b8c6 b8c6"): the repeats of a small model's greedy list. `pieces` is each token's text."""
+    seen, repeats = set(), []
+    for j, token in enumerate(completion):
+        piece = pieces[token]
+        if piece.strip() in ("E:", "B:"):
+            break
+        if len(piece) >= 3 and piece[0] == " " and piece[1] in "abcdefgh" and piece[2] in "12345678":
+            if token in seen:
+                repeats.append(j)
+            seen.add(token)
+    return repeats
+
+
 # ---------------------------------------------------------------- 3. model
 
-def batches(kinds: list[list[tuple[list[int], int]]], batch_size: int, rng: random.Random):
-    """Endless batches, each of one kind of sample (P: and A: differ in length, so a batch of one kind
-    carries little padding); every epoch is a fresh shuffle of all samples and of the batch order."""
+def batches(kinds: list[tuple[str, list[tuple[list[int], int]]]], batch_size: int, rng: random.Random):
+    """Endless (kind, batch) pairs, each batch of one kind of sample (P: and A: differ in length, so a batch
+    of one kind carries little padding); every epoch is a fresh shuffle of all samples and of the batch order."""
     while True:
         epoch = []
-        for rows in kinds:
+        for kind, rows in kinds:
             order = rows[:]
             rng.shuffle(order)
-            epoch += [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+            epoch += [(kind, order[i:i + batch_size]) for i in range(0, len(order), batch_size)]
         rng.shuffle(epoch)
         yield from epoch
 
 
-def train_model(kinds: list[list[tuple[list[int], int]]], tok, args, log, model=None) -> tuple:
+def own_repeats_loss(model, batch, pieces: list[str], eos: int, device, autocast) -> tuple:
+    """Unlikelihood (Welleck et al., 2019) on the model's own greedy M: lists: the mean -log(1 - p) of each
+    token that repeats a candidate already listed, at the place the model chose it (None when nothing
+    repeats), and the number of such tokens.
+
+    Teacher forcing alone does not cure the repeats: after the engine's own (distinct) candidates the model
+    gives a repeat little probability (2.5% on average); it repeats after its own guesses, which the data
+    never shows it. So the prompts of `batch` are decoded greedily through the M: field and the repeats
+    found there are pushed down."""
+    from grpo.rollout import generate, left_pad
+    prompts = [ids[:start] for ids, start in batch]
+    model.eval()
+    with torch.no_grad():
+        ids, mask = left_pad(prompts, eos, device)
+        completions, _, _ = generate(model, ids, mask, eos_id=eos, max_new_tokens=16, temperature=0.0,
+                                     autocast=autocast)
+    model.train()
+    rows = [p + c for p, c in zip(prompts, completions.tolist())]
+    targets = [(i, len(p) + j - 1, c[j]) for i, (p, c) in enumerate(zip(prompts, completions.tolist()))
+               for j in repeated_candidates(c, pieces)]
+    if not targets:
+        return None, 0
+    input_ids = torch.full((len(rows), max(map(len, rows))), eos, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):   # right padding: positions start at 0 in every row
+        input_ids[i, :len(row)] = torch.tensor(row)
+        attention[i, :len(row)] = 1
+    with autocast:
+        logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
+    row, position, token = (torch.tensor(column, device=device) for column in zip(*targets))
+    p = logits[row, position].float().softmax(-1).gather(1, token[:, None]).squeeze(1)
+    return -torch.log1p(-p.clamp(max=1 - 1e-6)).mean(), len(targets)
+
+
+def train_model(kinds: list[tuple[str, list[tuple[list[int], int]]]], tok, args, log, model=None) -> tuple:
     """A GPT-2 (new, or `model` continued) trained on completion tokens only; returns it and the loss curve."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -226,9 +275,11 @@ def train_model(kinds: list[list[tuple[list[int], int]]], tok, args, log, model=
     log(f"train: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}, "
         f"{'bf16 autocast' if bf16 else 'fp32'}, {args.threads} threads")
     curve, t0, seen_tokens = [], time.time(), 0
+    pieces = [tok.decode([i]) for i in range(len(tok))]   # each token's text, to find repeated candidates
+    decoded, repeated = 0, 0   # greedy P: lists decoded for the unlikelihood loss, and the repeats in them
     model.train()
     for step in range(1, args.train_steps + 1):
-        batch = next(stream)
+        kind, batch = next(stream)
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.zeros((len(batch), width), dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
@@ -237,9 +288,16 @@ def train_model(kinds: list[list[tuple[list[int], int]]], tok, args, log, model=
             input_ids[i, :len(ids)] = torch.tensor(ids)
             attention[i, :len(ids)] = 1
             labels[i, start:len(ids)] = input_ids[i, start:len(ids)]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+        with autocast:
             loss = model(input_ids=input_ids.to(device), attention_mask=attention.to(device),
                          labels=labels.to(device)).loss
+        if kind == "P" and args.unlikelihood > 0:
+            repeats, count = own_repeats_loss(model, batch[:args.unlikelihood_rows], pieces, tok.eos_token_id,
+                                              device, autocast)
+            decoded, repeated = decoded + min(len(batch), args.unlikelihood_rows), repeated + count
+            if repeats is not None:
+                loss = loss + args.unlikelihood * repeats
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -249,8 +307,12 @@ def train_model(kinds: list[list[tuple[list[int], int]]], tok, args, log, model=
         if step % args.log_every == 0 or step == args.train_steps:
             elapsed = time.time() - t0
             curve.append({"step": step, "loss": round(loss.item(), 4), "seconds": round(elapsed, 1)})
+            if decoded:
+                curve[-1]["repeats_per_greedy_list"] = round(repeated / decoded, 3)
             log(f"train: step {step}/{args.train_steps} loss {loss.item():.3f} "
-                f"{seen_tokens / elapsed:.0f} tokens/s {elapsed:.0f}s")
+                f"{seen_tokens / elapsed:.0f} tokens/s {elapsed:.0f}s"
+                + (f", {repeated / decoded:.2f} repeated candidates per greedy P: list" if decoded else ""))
+            decoded, repeated = 0, 0
         if step % args.save_every == 0 and step < args.train_steps:
             # a crash loses at most --save-every steps: --continue-training picks this folder up
             save(model, tok, os.path.join(args.work_dir, "checkpoint"), {"step": step, "loss_curve": curve})
@@ -302,6 +364,11 @@ def main(argv=None):
                         help="times each P: sample is seen per epoch (the harder task, and the costlier data)")
     parser.add_argument("--candidate-order", choices=["uci", "rank"], default="uci",
                         help="order of the M: candidates in the training text: UCI string order, or the engine's rank")
+    parser.add_argument("--unlikelihood", type=float, default=1.0,
+                        help="weight of the loss against the repeated M: candidates of the model's own greedy "
+                             "lists (0: off)")
+    parser.add_argument("--unlikelihood-rows", type=int, default=16,
+                        help="P: prompts per batch decoded greedily for that loss")
     parser.add_argument("--train-steps", type=int, default=3500)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1.5e-3)
@@ -365,7 +432,7 @@ def main(argv=None):
     log(f"tokenizer: {len(tok)} tokens in {time.time() - t:.0f}s; tokens per sample {per_sample}, "
         f"longest {longest} (EOS + prompt + completion + EOS)")
 
-    model, curve = train_model([kinds["P"]] * args.policy_repeats + [kinds["A"]], tok, args, log, model)
+    model, curve = train_model([("P", kinds["P"])] * args.policy_repeats + [("A", kinds["A"])], tok, args, log, model)
     looks = greedy_samples(model, tok, data["P"][:3] + data["A"][:3])
     for sample in looks:
         log(f"greedy {'exact' if sample['exact'] else 'differs'}: {sample['prompt'][:40]!r}... -> "

@@ -97,6 +97,18 @@ def test_training_rows_mask_the_prompt_and_tokenise_like_the_trainer():
         assert tok.decode(ids[start:-1]) == completion
 
 
+def test_repeated_candidates_are_found_in_the_m_field_only(shipped):
+    script = build_script()
+    tok, _ = shipped   # the build's own tokenizer
+    pieces = [tok.decode([i]) for i in range(len(tok))]
+    completion = "M: b8c6 b8c6 g6h7 a7a8q a7a8q g6h7     E: 0.1 0.1 0.1 0.1     B: b8c6"
+    ids = tok(completion, add_special_tokens=False)["input_ids"]
+    found = script.repeated_candidates(ids, pieces)
+    # the second b8c6, the second a7a8q and the second g6h7 (however each splits into tokens); B: is no repeat
+    assert [tok.decode(ids[j]) for j in found] == [" b8c6", " a7a8", tok.decode(tok(" g6h7")["input_ids"][0])]
+    assert script.repeated_candidates(tok("M: a1a2 b1b2 c1c2     E: 0 0 0     B: a1a2")["input_ids"], pieces) == []
+
+
 def test_policy_labels_give_the_engines_best_move_for_black_too():
     from grpo.tasks.chess_engine import EnginePool, find_stockfish
     path = find_stockfish()
@@ -116,14 +128,26 @@ def test_policy_labels_give_the_engines_best_move_for_black_too():
     assert prompt == "P: " + board.fen().ljust(89)
 
 
+def test_training_text_lists_candidates_in_uci_order_each_with_its_evaluation():
+    script = build_script()
+    ranked = "M: f7f8q d1e2 d1c1 d1d2 d1c2     E: 6.51 6.49 6.48 -0.5 6.36                B: f7f8q"
+    ordered = script.uci_order(ranked)
+    answer, before = parse_policy_completion(ordered), parse_policy_completion(ranked)
+    assert answer.moves == ["d1c1", "d1c2", "d1d2", "d1e2", "f7f8q"]
+    assert dict(zip(answer.moves, answer.evals)) == dict(zip(before.moves, before.evals))
+    assert answer.best == "f7f8q" and all(policy_format_checks(answer))
+    assert len(ordered) == len(ranked)   # the column layout is kept
+
+
 def test_a_build_is_reproducible_from_its_seed_and_reuses_its_data(tmp_path, capsys):
     from grpo.tasks.chess_engine import find_stockfish
     if find_stockfish() is None:
         pytest.skip("Stockfish not installed")
     from safetensors.torch import load_file
     script = build_script()
-    tiny = ["--policy-positions", "12", "--env-samples", "24", "--depth", "4", "--train-steps", "4", "--batch-size", "8",
-            "--n-layer", "1", "--n-embd", "32", "--vocab-size", "300", "--save-every", "2", "--log-every", "2"]
+    tiny = ["--policy-positions", "12", "--env-samples", "24", "--depth", "4", "--train-steps", "8", "--batch-size", "8",
+            "--n-layer", "1", "--n-embd", "32", "--vocab-size", "300", "--save-every", "2", "--log-every", "2",
+            "--policy-repeats", "6"]
     for name in ("a", "b"):   # two builds from scratch, nothing shared
         script.main(["--out", str(tmp_path / name), "--work-dir", str(tmp_path / f"work-{name}"), *tiny])
     data = [(tmp_path / f"work-{name}" / "data.txt").read_text() for name in ("a", "b")]
@@ -132,6 +156,9 @@ def test_a_build_is_reproducible_from_its_seed_and_reuses_its_data(tmp_path, cap
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert (tmp_path / "work-a" / "checkpoint" / "model.safetensors").exists()   # what a crash would leave
+    # the unlikelihood loss decoded the model's own P: lists (and stays reproducible with it)
+    curve = json.load(open(tmp_path / "a" / "build_info.json"))["loss_curve"]
+    assert any("repeats_per_greedy_list" in point for point in curve)
     # the same data arguments with another model size: the data is read back, not generated again
     capsys.readouterr()
     script.main(["--out", str(tmp_path / "c"), "--work-dir", str(tmp_path / "work-a"), *tiny, "--n-embd", "64"])

@@ -13,7 +13,7 @@ import torch
 
 from _cli import SMALL, TRAIN, env, records, train, weights
 
-ARGS = [*SMALL, "--batch-size", "16", "--group-size", "4", "--steps", "2", "--save-interval", "2",
+ARGS = [*SMALL, "--task", "toy", "--batch-size", "16", "--group-size", "4", "--steps", "2", "--save-interval", "2",
         "--scale-rewards", "batch", "--seed", "3"]
 
 
