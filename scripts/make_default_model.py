@@ -1,6 +1,7 @@
 """Build the embedded default model from a seed, with nothing downloaded: data, tokenizer, GPT-2.
 
-    python scripts/make_default_model.py     # the shipped models/rook-tiny: data 14 min, training 54 min (2 cores)
+    make default-model                       # the shipped models/rook-tiny: this script three times (Makefile), 2 h 20 min
+    python scripts/make_default_model.py     # one stage: data 14 min, 3,500 training steps (2 cores)
     python scripts/make_default_model.py --out /tmp/toy --work-dir /tmp/toy --policy-positions 200 --env-samples 400 \
         --train-steps 50                                       # the pipeline end to end in a minute
     python scripts/make_default_model.py --continue-training --from out/default-model/checkpoint --train-steps 1000
@@ -23,7 +24,9 @@ it starts a new learning-rate schedule and optimizer: not an exact resume).
    rank or a number is learned as one or two tokens and runs of padding spaces merge.
 3. Model. A small GPT-2 trained with next-token loss on the completion and the closing EOS only (the
    prompt is context, not target), bf16 autocast where the CPU has native bf16, saved in fp32 with the
-   tokenizer and a build_info.json.
+   tokenizer and a build_info.json. The training text lists the P: candidates in UCI order (uci_order),
+   and on P: batches an unlikelihood loss pushes down the candidates the model's own greedy lists repeat
+   (own_repeats_loss): without the two, no greedy answer listed five distinct moves.
 """
 import argparse
 import json

@@ -62,8 +62,8 @@ def test_tokenizer_keeps_moves_and_padding_whole(shipped):
 
 # The README's "before GRPO" column (greedy, the whole held-out set), in percent. A rebuilt or replaced
 # model must come with a new table: this test is what keeps the two together.
-README_BEFORE = {"p_best_move_acc": 7, "p_top5_acc": 19, "p_legal_rate": 31, "p_format_rate": 0,
-                 "a_format_rate": 65, "a_next_fen_acc": 1, "a_exact_acc": 1}
+README_BEFORE = {"p_best_move_acc": 5, "p_top5_acc": 31, "p_legal_rate": 51, "p_format_rate": 87,
+                 "a_format_rate": 87, "a_next_fen_acc": 4, "a_exact_acc": 4}
 
 
 def test_held_out_metrics_are_the_ones_the_readme_reports(shipped):
@@ -75,10 +75,11 @@ def test_held_out_metrics_are_the_ones_the_readme_reports(shipped):
     got = evaluate.metrics(items, texts)
     # 3 points of slack: another CPU's float rounding may flip an argmax or two
     assert all(abs(100 * got[k] - v) <= 3 for k, v in README_BEFORE.items()), got
-    # every P: answer has its markers in order and a UCI best move; the layout, the numbers and UCI
-    # candidates are right in most (the distinct-candidates check is what fails: see README)
+    # every P: answer has its markers in order and a UCI best move; the candidates are distinct in all
+    # but a few (the unlikelihood loss of the build), and the exact column layout is what fails most
     answers = [parse_policy_completion(t) for i, t in zip(items, texts) if i["kind"] == "P"]
     assert all(a.order_ok and is_uci(a.best) for a in answers)
+    assert sum(len(set(a.moves)) == len(a.moves) for a in answers) >= 95
     assert sum(a.layout_ok and len(a.moves) == len(a.evals) and None not in a.evals and all(map(is_uci, a.moves))
                for a in answers) >= 80
 
