@@ -1,6 +1,6 @@
 """Build the embedded default model from a seed, with nothing downloaded: data, tokenizer, GPT-2.
 
-    make default-model                       # the shipped models/rook-tiny: this script three times (Makefile), 2 h 20 min
+    make default-model                       # the shipped models/rook-tiny: this script three times (Makefile), 2 h 17 min
     python scripts/make_default_model.py     # one stage: data 14 min, 3,500 training steps (2 cores)
     python scripts/make_default_model.py --out /tmp/toy --work-dir /tmp/toy --policy-positions 200 --env-samples 400 \
         --train-steps 50                                       # the pipeline end to end in a minute
