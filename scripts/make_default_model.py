@@ -205,6 +205,16 @@ def repeated_candidates(completion: list[int], pieces: list[str]) -> list[int]:
 
 # ---------------------------------------------------------------- 3. model
 
+def right_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack id lists to [B, L], padded on the right (positions start at 0 in every row), with the mask."""
+    input_ids = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)] = torch.tensor(row)
+        attention[i, :len(row)] = 1
+    return input_ids, attention
+
+
 def batches(kinds: list[tuple[str, list[tuple[list[int], int]]]], batch_size: int, rng: random.Random):
     """Endless (kind, batch) pairs, each batch of one kind of sample (P: and A: differ in length, so a batch
     of one kind carries little padding); every epoch is a fresh shuffle of all samples and of the batch order."""
@@ -235,16 +245,11 @@ def own_repeats_loss(model, batch, pieces: list[str], eos: int, device, autocast
         completions, _, _ = generate(model, ids, mask, eos_id=eos, max_new_tokens=16, temperature=0.0,
                                      autocast=autocast)
     model.train()
-    rows = [p + c for p, c in zip(prompts, completions.tolist())]
     targets = [(i, len(p) + j - 1, c[j]) for i, (p, c) in enumerate(zip(prompts, completions.tolist()))
                for j in repeated_candidates(c, pieces)]
     if not targets:
         return None, 0
-    input_ids = torch.full((len(rows), max(map(len, rows))), eos, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    for i, row in enumerate(rows):   # right padding: positions start at 0 in every row
-        input_ids[i, :len(row)] = torch.tensor(row)
-        attention[i, :len(row)] = 1
+    input_ids, attention = right_pad([p + c for p, c in zip(prompts, completions.tolist())], eos)
     with autocast:
         logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
     row, position, token = (torch.tensor(column, device=device) for column in zip(*targets))
@@ -283,13 +288,9 @@ def train_model(kinds: list[tuple[str, list[tuple[list[int], int]]]], tok, args,
     model.train()
     for step in range(1, args.train_steps + 1):
         kind, batch = next(stream)
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.zeros((len(batch), width), dtype=torch.long)
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (ids, start) in enumerate(batch):   # right padding: positions start at 0 in every row
-            input_ids[i, :len(ids)] = torch.tensor(ids)
-            attention[i, :len(ids)] = 1
+        input_ids, attention = right_pad([ids for ids, _ in batch], 0)
+        labels = torch.full_like(input_ids, -100)
+        for i, (ids, start) in enumerate(batch):
             labels[i, start:len(ids)] = input_ids[i, start:len(ids)]
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
         with autocast:
