@@ -33,8 +33,8 @@ train: install stockfish
 	$(PY) train_lean.py $(ARGS)
 
 # Rebuild models/rook-tiny from its seed, in the three stages that made it (BENCHMARKS.md, default model):
-# data 14 min + 54 min of training with the candidates in rank order, 39 min more in UCI order, then
-# 30 min with the unlikelihood loss on repeated candidates; about 2 h 17 min on 2 CPU cores with AMX.
+# data 14 min + 24 min of training with the candidates in rank order, 17 min more in UCI order, then
+# 15 min with the unlikelihood loss on repeated candidates; about 1 h 10 min on 2 CPU cores with AMX.
 default-model: install stockfish
 	$(PY) scripts/make_default_model.py --out out/rook-tiny-1 --candidate-order rank --unlikelihood 0
 	$(PY) scripts/make_default_model.py --continue-training --from out/rook-tiny-1 --out out/rook-tiny-2 \

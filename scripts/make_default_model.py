@@ -1,7 +1,7 @@
 """Build the embedded default model from a seed, with nothing downloaded: data, tokenizer, GPT-2.
 
-    make default-model                       # the shipped models/rook-tiny: this script three times (Makefile), 2 h 17 min
-    python scripts/make_default_model.py     # one stage: data 14 min, 3,500 training steps (2 cores)
+    make default-model                       # the shipped models/rook-tiny: this script three times (Makefile), 1 h 10 min
+    python scripts/make_default_model.py     # one stage: data 14 min, 3,500 training steps in 24 min (2 cores)
     python scripts/make_default_model.py --out /tmp/toy --work-dir /tmp/toy --policy-positions 200 --env-samples 400 \
         --train-steps 50                                       # the pipeline end to end in a minute
     python scripts/make_default_model.py --continue-training --from out/default-model/checkpoint --train-steps 1000
@@ -217,7 +217,10 @@ def right_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 def batches(kinds: list[tuple[str, list[tuple[list[int], int]]]], batch_size: int, rng: random.Random):
     """Endless (kind, batch) pairs, each batch of one kind of sample (P: and A: differ in length, so a batch
-    of one kind carries little padding); every epoch is a fresh shuffle of all samples and of the batch order."""
+    of one kind carries little padding); every epoch is a fresh shuffle of all samples and of the batch order.
+
+    Batches of like length would drop the remaining padding (a quarter of the tokens: 1.1x a step), but
+    they train far worse: length goes with content here (BENCHMARKS.md, default model)."""
     while True:
         epoch = []
         for kind, rows in kinds:
@@ -263,12 +266,16 @@ def train_model(kinds: list[tuple[str, list[tuple[list[int], int]]]], tok, args,
 
     torch.manual_seed(args.seed)
     if model is None:
+        # gelu_pytorch_tanh is GPT-2's tanh GELU as one kernel (gelu_new spells it in eight): 1.3x a step here
         config = GPT2Config(vocab_size=len(tok), n_positions=args.n_positions, n_embd=args.n_embd,
                             n_layer=args.n_layer, n_head=args.n_embd // 32, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0, bos_token_id=tok.eos_token_id,
-                            eos_token_id=tok.eos_token_id)
+                            attn_pdrop=0.0, activation_function="gelu_pytorch_tanh",
+                            bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
         model = GPT2LMHeadModel(config)
     device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    # On a CPU, SDPA's backward under bf16 autocast took 42% of a step on these short rows; plain matmul
+    # attention makes the step 1.6x faster (BENCHMARKS.md, default model). A GPU keeps SDPA.
+    model.set_attn_implementation("eager" if device.type == "cpu" else "sdpa")
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, args.train_steps // 50)
@@ -276,8 +283,9 @@ def train_model(kinds: list[tuple[str, list[tuple[list[int], int]]]], tok, args,
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (
         1 + math.cos(math.pi * min(1.0, s / args.train_steps)))))
     stream = batches(kinds, args.batch_size, random.Random(f"{args.seed}-batches-{args.continue_training}"))
-    # bf16 autocast over fp32 weights on a GPU, or where the CPU has native bf16 (AMX / AVX512-BF16): 1.09x
-    # faster here; elsewhere bf16 matmuls are emulated and far slower than fp32 (BENCHMARKS.md, default model)
+    # bf16 autocast over fp32 weights on a GPU, or where the CPU has native bf16 (AMX / AVX512-BF16): 2x
+    # faster here with plain attention; elsewhere bf16 matmuls are emulated and far slower than fp32
+    # (BENCHMARKS.md, default model)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and (
         device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     log(f"train: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}, "

@@ -62,8 +62,8 @@ def test_tokenizer_keeps_moves_and_padding_whole(shipped):
 
 # The README's "before GRPO" column (greedy, the whole held-out set), in percent. A rebuilt or replaced
 # model must come with a new table: this test is what keeps the two together.
-README_BEFORE = {"p_best_move_acc": 5, "p_top5_acc": 31, "p_legal_rate": 51, "p_format_rate": 87,
-                 "a_format_rate": 87, "a_next_fen_acc": 4, "a_exact_acc": 4}
+README_BEFORE = {"p_best_move_acc": 7, "p_top5_acc": 23, "p_legal_rate": 46, "p_format_rate": 84,
+                 "a_format_rate": 87, "a_next_fen_acc": 8, "a_exact_acc": 7}
 
 
 def test_held_out_metrics_are_the_ones_the_readme_reports(shipped):
@@ -79,7 +79,7 @@ def test_held_out_metrics_are_the_ones_the_readme_reports(shipped):
     # but a few (the unlikelihood loss of the build), and the exact column layout is what fails most
     answers = [parse_policy_completion(t) for i, t in zip(items, texts) if i["kind"] == "P"]
     assert all(a.order_ok and is_uci(a.best) for a in answers)
-    assert sum(len(set(a.moves)) == len(a.moves) for a in answers) >= 95
+    assert sum(len(set(a.moves)) == len(a.moves) for a in answers) >= 90
     assert sum(a.layout_ok and len(a.moves) == len(a.evals) and None not in a.evals and all(map(is_uci, a.moves))
                for a in answers) >= 80
 
@@ -96,6 +96,21 @@ def test_training_rows_mask_the_prompt_and_tokenise_like_the_trainer():
         # the trainer's prompt ids (BOS first) are exactly the row's context part
         assert ids[:start] == encode_prompts(tok, [prompt], True)[0]
         assert tok.decode(ids[start:-1]) == completion
+
+
+def test_plain_attention_the_cpu_build_trains_with_gives_sdpa_logits_under_right_padding():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    script = build_script()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                       activation_function="gelu_pytorch_tanh")).eval()
+    input_ids, attention = script.right_pad([[1, 2, 3, 4, 5, 6], [7, 8, 9]], 0)
+    logits = {}
+    for implementation in ("eager", "sdpa"):
+        model.set_attn_implementation(implementation)
+        logits[implementation] = model(input_ids=input_ids, attention_mask=attention).logits
+    real = attention.bool()
+    torch.testing.assert_close(logits["eager"][real], logits["sdpa"][real], atol=1e-5, rtol=1e-5)
 
 
 def test_repeated_candidates_are_found_in_the_m_field_only(shipped):
