@@ -65,9 +65,12 @@ def policy_prompt(fen: str) -> str:
 
 
 def policy_completion(moves: list[str], evals: list[float], best: str) -> str:
-    return ("M: " + " ".join(moves).ljust(MOVES_WIDTH)
-            + "E: " + " ".join(format_eval(e) for e in evals).ljust(EVALS_WIDTH)
-            + "B: " + best)
+    return policy_layout(moves, [format_eval(e) for e in evals], best)
+
+
+def policy_layout(moves: list[str], evals: list[str], best: str) -> str:
+    """A P: answer from its fields as written (evaluations as strings), in the data's column layout."""
+    return "M: " + " ".join(moves).ljust(MOVES_WIDTH) + "E: " + " ".join(evals).ljust(EVALS_WIDTH) + "B: " + best
 
 
 def prompt_fen(prompt: str) -> str:
@@ -109,9 +112,7 @@ def parse_policy_completion(completion: str) -> PolicyAnswer:
     evals = [_to_float(t) for t in fields["E"].split()] if "E" in fields else None
     best_tokens = fields["B"].split() if "B" in fields else []
     best = best_tokens[0] if len(best_tokens) == 1 else None
-    layout_ok = (order_ok and best is not None and text == (
-        "M: " + " ".join(moves).ljust(MOVES_WIDTH)
-        + "E: " + " ".join(fields["E"].split()).ljust(EVALS_WIDTH) + "B: " + best))
+    layout_ok = order_ok and best is not None and text == policy_layout(moves, fields["E"].split(), best)
     return PolicyAnswer(moves, evals, best, layout_ok, order_ok)
 
 
