@@ -9,17 +9,20 @@ random tokens of a fixed shape (the mean sample is 45 P: / 61 A: tokens), after 
 """
 import argparse
 import itertools
+import os
+import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from make_default_model import model_config  # noqa: E402   the build's own model shape
+
 
 def step_seconds(attention: str, activation: str, dtype: str, args) -> float:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=256, n_embd=args.n_embd, n_layer=args.n_layer,
-                                       n_head=args.n_embd // 32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                       activation_function=activation, bos_token_id=0, eos_token_id=0))
+    model = GPT2LMHeadModel(model_config(2048, 0, 256, args.n_embd, args.n_layer, activation))
     model.set_attn_implementation(attention)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

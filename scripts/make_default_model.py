@@ -260,18 +260,25 @@ def own_repeats_loss(model, batch, pieces: list[str], eos: int, device, autocast
     return -torch.log1p(-p.clamp(max=1 - 1e-6)).mean(), len(targets)
 
 
+def model_config(vocab_size: int, eos_id: int, n_positions: int, n_embd: int, n_layer: int,
+                 activation: str = "gelu_pytorch_tanh"):
+    """The GPT-2 shape the build trains: heads of 32 dimensions, no dropout, EOS as BOS.
+
+    gelu_pytorch_tanh is GPT-2's tanh GELU as one kernel (gelu_new spells it in eight): 1.3x a step here;
+    bench/build_step.py passes the other activation to compare."""
+    from transformers import GPT2Config
+    return GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
+                      n_head=n_embd // 32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                      activation_function=activation, bos_token_id=eos_id, eos_token_id=eos_id)
+
+
 def train_model(kinds: list[tuple[str, list[tuple[list[int], int]]]], tok, args, log, model=None) -> tuple:
     """A GPT-2 (new, or `model` continued) trained on completion tokens only; returns it and the loss curve."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     torch.manual_seed(args.seed)
     if model is None:
-        # gelu_pytorch_tanh is GPT-2's tanh GELU as one kernel (gelu_new spells it in eight): 1.3x a step here
-        config = GPT2Config(vocab_size=len(tok), n_positions=args.n_positions, n_embd=args.n_embd,
-                            n_layer=args.n_layer, n_head=args.n_embd // 32, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0, activation_function="gelu_pytorch_tanh",
-                            bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-        model = GPT2LMHeadModel(config)
+        model = GPT2LMHeadModel(model_config(len(tok), tok.eos_token_id, args.n_positions, args.n_embd, args.n_layer))
     device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     # On a CPU, SDPA's backward under bf16 autocast took 42% of a step on these short rows; plain matmul
     # attention makes the step 1.6x faster (BENCHMARKS.md, default model). A GPU keeps SDPA.
