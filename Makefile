@@ -36,10 +36,10 @@ train: install stockfish
 # data 14 min + 24 min of training with the candidates in rank order, 17 min more in UCI order, then
 # 15 min with the unlikelihood loss on repeated candidates; about 1 h 10 min on 2 CPU cores with AMX.
 default-model: install stockfish
-	$(PY) scripts/make_default_model.py --out out/rook-tiny-1 --candidate-order rank --unlikelihood 0
-	$(PY) scripts/make_default_model.py --continue-training --from out/rook-tiny-1 --out out/rook-tiny-2 \
+	$(PY) tasks/rookworld/build_model.py --out out/rook-tiny-1 --candidate-order rank --unlikelihood 0
+	$(PY) tasks/rookworld/build_model.py --continue-training --from out/rook-tiny-1 --out out/rook-tiny-2 \
 	  --train-steps 2500 --lr 7.5e-4 --unlikelihood 0
-	$(PY) scripts/make_default_model.py --continue-training --from out/rook-tiny-2 --out models/rook-tiny \
+	$(PY) tasks/rookworld/build_model.py --continue-training --from out/rook-tiny-2 --out models/rook-tiny \
 	  --train-steps 1500 --lr 5e-4
 
 test: install stockfish

@@ -19,13 +19,14 @@ from collections import Counter
 import numpy as np
 import torch
 
-from grpo import checkpoint, config, distributed, evaluate, guards, log, memory
+from grpo import checkpoint, config, distributed, guards, log, memory
+from tasks.rookworld import evaluate
 from grpo.advantages import group_advantages
 from grpo.loss import completion_logprobs, grpo_loss
 from grpo.model import ModelLoadError, frozen_copy, load_policy, load_tokenizer
 from grpo.rollout import decode_completions, encode_prompts, generate, greedy_completions, left_pad, logprob_temperature
-from grpo.tasks import TaskError, get_task, score
-from grpo.tasks.chess_tasks import OPTIONS as CHESS_OPTIONS
+from grpo.task import TaskError, get_task, score
+from tasks.rookworld.task import OPTIONS as CHESS_OPTIONS
 
 
 def usage_error(message: str):

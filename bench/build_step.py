@@ -1,4 +1,4 @@
-"""Seconds per training step of the default-model build (scripts/make_default_model.py), by attention
+"""Seconds per training step of the default-model build (tasks/rookworld/build_model.py), by attention
 kernel, activation and compute dtype: what chose plain attention and the fused GELU for CPU builds.
 
     .venv/bin/python bench/build_step.py                          # the shipped shape, 64 rows of 56 tokens
@@ -15,8 +15,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from make_default_model import model_config  # noqa: E402   the build's own model shape
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tasks.rookworld.build_model import model_config  # noqa: E402   the build's own model shape
 
 
 def step_seconds(attention: str, activation: str, dtype: str, args) -> float:

@@ -12,13 +12,13 @@ def get_bench_task(name: str):
     bench's own python-chess stand-in; anything else: a task name as train_lean.py --task takes it."""
     if name == "chess-a":
         try:
-            from grpo.tasks import get_task
+            from grpo.task import get_task
             return get_task("chess-env")
         except Exception as e:  # noqa: BLE001 - the chess task is not in this checkout: use the stand-in
             print(f"bench: chess-env task unavailable ({e}); using bench/chess_a.py", file=sys.stderr)
             from bench.chess_a import ChessA
             return ChessA()
-    from grpo.tasks import get_task
+    from grpo.task import get_task
     return get_task(name)
 
 
@@ -27,7 +27,7 @@ def task_flag(name: str) -> str:
     if name != "chess-a":
         return name
     task = get_bench_task(name)
-    if type(task).__module__.startswith("grpo.tasks"):
+    if type(task).__module__.startswith("tasks."):
         return "chess-env"
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "chess_a.py") + ":ChessA"
 
@@ -58,7 +58,8 @@ def model_dir(name: str, root: str) -> str:
 
 
 def build(path: str, vocab_size: int = 320, **shape):
-    from grpo.model import build_tiny_model
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from make_tiny_model import build_tiny_model
     build_tiny_model(path, seed=0, **shape)
     if vocab_size > 320:  # the tokenizer stays small; the model gets the full vocabulary (and its head cost)
         import torch

@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 
 
-# The embedded default: a small RookWorld-style chess GPT-2 built by scripts/make_default_model.py.
+# The embedded default: a small RookWorld-style chess GPT-2 built by tasks/rookworld/build_model.py.
 # An absolute path, so that the default works from any working directory.
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "rook-tiny")
 

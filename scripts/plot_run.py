@@ -17,7 +17,7 @@ matplotlib.use("Agg")   # files only: no display on a server
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo.evaluate import ROWS  # noqa: E402
+from tasks.rookworld.evaluate import ROWS  # noqa: E402
 
 REWARD_LINES = [("reward_mean", "reward (all)"), ("reward_policy_legal", "P: share of legal B: moves"),
                 ("reward_policy_best", "P: best-move credit"), ("reward_env_format", "A: format credit")]

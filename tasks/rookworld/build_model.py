@@ -1,10 +1,10 @@
 """Build the embedded default model from a seed, with nothing downloaded: data, tokenizer, GPT-2.
 
     make default-model                       # the shipped models/rook-tiny: this script three times (Makefile), 1 h 10 min
-    python scripts/make_default_model.py     # one stage: data 14 min, 3,500 training steps in 24 min (2 cores)
-    python scripts/make_default_model.py --out /tmp/toy --work-dir /tmp/toy --policy-positions 200 --env-samples 400 \
+    python tasks/rookworld/build_model.py     # one stage: data 14 min, 3,500 training steps in 24 min (2 cores)
+    python tasks/rookworld/build_model.py --out /tmp/toy --work-dir /tmp/toy --policy-positions 200 --env-samples 400 \
         --train-steps 50                                       # the pipeline end to end in a minute
-    python scripts/make_default_model.py --continue-training --from out/default-model/checkpoint --train-steps 1000
+    python tasks/rookworld/build_model.py --continue-training --from out/default-model/checkpoint --train-steps 1000
                                                                # a second stage (its own warm-up and cosine)
 
 The data is kept in --work-dir and reused by a later run with the same data arguments; a checkpoint is
@@ -18,7 +18,7 @@ it starts a new learning-rate schedule and optimizer: not an exact resume).
    the top moves in rank order, E: their evaluations, B: the top move, for either side to move. A:
    samples cost no engine: the moves played in those games, plus generated transitions (rare rules
    and illegal moves weighted up), each answered by python-chess. Positions of the held-out
-   evaluation set are excluded. All text is built by grpo.tasks.chess_format, so it is byte-identical
+   evaluation set are excluded. All text is built by tasks.rookworld.format, so it is byte-identical
    to what the tasks prompt with.
 2. Tokenizer. Byte-level BPE over chunks that never cross a space, '+' or '/', so a UCI move, a FEN
    rank or a number is learned as one or two tokens and runs of padding spaces merge.
@@ -40,12 +40,12 @@ from concurrent.futures import ThreadPoolExecutor
 import chess
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo.tasks.chess_engine import EnginePool, find_stockfish  # noqa: E402
-from grpo.tasks.chess_format import (env_prompt, expected_env_completion, parse_policy_completion,  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tasks.rookworld.engine import EnginePool, find_stockfish  # noqa: E402
+from tasks.rookworld.format import (env_prompt, expected_env_completion, parse_policy_completion,  # noqa: E402
                                      policy_completion, policy_prompt, split_env_line, split_policy_line)
-from grpo.tasks.chess_positions import history, random_board, random_transition  # noqa: E402
-from grpo.tasks.chess_tasks import held_out_positions, position_key  # noqa: E402
+from tasks.rookworld.positions import history, random_board, random_transition  # noqa: E402
+from tasks.rookworld.task import held_out_positions, position_key  # noqa: E402
 
 EOS = "<|endoftext|>"
 # One pre-token: an optional leading space or '/' then anything but space, '+' or '/' (a move, a FEN
@@ -457,7 +457,7 @@ def main(argv=None):
         log(f"greedy {'exact' if sample['exact'] else 'differs'}: {sample['prompt'][:40]!r}... -> "
             f"{sample['greedy']!r}")
     info = {
-        "command": "python scripts/make_default_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python tasks/rookworld/build_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "args": vars(args),
         "samples": {"P": len(data["P"]), "A": len(data["A"])},
         "tokens_per_sample": per_sample,

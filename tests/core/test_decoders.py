@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import grpo.rollout as rollout
+import grpo.decoders as decoders
 from grpo.loss import completion_logprobs
 from grpo.model import load_policy, load_tokenizer
 from grpo.rollout import encode_prompts, generate, left_pad, sample_token
@@ -17,13 +17,13 @@ def _group_batch(tok, group=4):
 @pytest.mark.parametrize("order", ["groups", "interleaved"])
 def test_gpt2_decoder_matches_the_models_own_forward(tiny_model_dir, monkeypatch, order):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
-    assert rollout._GPT2Decoder.fits(model)
+    assert decoders.GPT2Decoder.fits(model)
     ids, mask = _group_batch(tok)
     if order == "interleaved":  # rows of a group not contiguous: the decoder keeps one prompt copy per row
         ids, mask = ids[[0, 4, 1, 5, 2, 6, 3, 7]], mask[[0, 4, 1, 5, 2, 6, 3, 7]]
     kw = dict(eos_id=tok.eos_token_id, max_new_tokens=16, temperature=0.0)
     fast = generate(model, ids, mask, **kw)
-    monkeypatch.setattr(rollout._GPT2Decoder, "fits", staticmethod(lambda m: False))
+    monkeypatch.setattr(decoders.GPT2Decoder, "fits", staticmethod(lambda m: False))
     plain = generate(model, ids, mask, **kw)
     assert torch.equal(fast[0], plain[0])
     assert (fast[2] - plain[2]).abs().max().item() <= 1e-5

@@ -6,11 +6,13 @@ import signal
 import chess
 import pytest
 
-from grpo.tasks import TaskError, score
-from grpo.tasks.chess_engine import find_stockfish
-from grpo.tasks.chess_format import parse_board, policy_completion, policy_prompt, prompt_fen, split_policy_line
-from grpo.tasks.chess_positions import random_board
-from grpo.tasks.chess_tasks import ChessMixTask, ChessPolicyTask
+from grpo.task import TaskError, score
+from tasks.rookworld.engine import find_stockfish
+from tasks.rookworld.format import parse_board, policy_completion, policy_prompt, prompt_fen, split_policy_line
+from tasks.rookworld.positions import random_board
+from tasks.rookworld.task import ChessMixTask, ChessPolicyTask
+
+from helpers import ROOK_VAL
 
 DEPTH = 8   # shallower than training's default: the properties do not depend on depth
 
@@ -161,8 +163,7 @@ def test_mixture_draws_both_kinds_and_dispatches(task):
 def test_real_data_answers_agree_with_the_engine(task):
     """The data's own answers, scored: evaluations agree for both colours (same sign convention: side
     to move), and the documented defect shows: black's B: is the data's worst candidate."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "..", "shared", "data", "rook_val_400.txt")
+    path = ROOK_VAL
     if not os.path.exists(path):
         pytest.skip("../shared/data/rook_val_400.txt is absent (it is not part of the repository)")
     with open(path, encoding="utf-8") as f:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import train_lean
-from _cli import SMALL, records, weights
-from grpo.tasks import get_task, score
+from helpers import SMALL, records, weights
+from grpo.task import get_task, score
 
 
 @pytest.fixture(autouse=True)

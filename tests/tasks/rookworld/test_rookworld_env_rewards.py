@@ -5,9 +5,9 @@ from collections import Counter
 import chess
 import pytest
 
-from grpo.tasks.chess_format import env_prompt, parse_env_prompt
-from grpo.tasks.chess_positions import history, random_transition
-from grpo.tasks.chess_tasks import ChessEnvTask, env_components, position_key
+from tasks.rookworld.format import env_prompt, parse_env_prompt
+from tasks.rookworld.positions import history, random_transition
+from tasks.rookworld.task import ChessEnvTask, env_components, position_key
 
 N_TRANSITIONS = 1000
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from _cli import SMALL, TRAIN, env, records, train, weights
+from helpers import SMALL, TRAIN, env, records, train, weights
 from grpo import checkpoint
 
 

@@ -4,11 +4,11 @@ import random
 
 import pytest
 
-from grpo.tasks import TaskError
-from grpo.tasks.chess_data import read_rookworld
-from grpo.tasks.chess_tasks import ChessEnvTask
+from grpo.task import TaskError
+from tasks.rookworld.data import read_rookworld
+from tasks.rookworld.task import ChessEnvTask
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOK_VAL
 A_LINE = ("8/2k2b2/R1p4r/3p1p2/P7/2P2B1P/5PPK/4R3 w - - 1 31+a6a5+f7e7 h5f3 e6f7 b1b6 h8h6 a1e1 e7d8 "
           "b6a6 d8c7 a6a5+8/2k2b2/2p4r/R2p1p2/P7/2P2B1P/5PPK/4R3 b - - 2 31+0.001+0+0")
 P_LINE = ("P: 2b3k1/Q4rqn/p2p4/4p3/p6p/2PP3P/BP3PP1/R5K1 b - - 0 34                                    "
@@ -48,7 +48,7 @@ def test_task_draws_prompts_from_the_file(tmp_path, capsys):
 
 
 def test_real_file_reads_without_loss():
-    path = os.path.join(REPO, "..", "shared", "data", "rook_val_400.txt")
+    path = ROOK_VAL
     if not os.path.exists(path):
         pytest.skip("../shared/data/rook_val_400.txt is absent (it is not part of the repository)")
     data = read_rookworld(path)

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from _cli import SMALL, TRAIN, env, records, train, weights
+from helpers import SMALL, TRAIN, env, records, train, weights
 
 ARGS = [*SMALL, "--task", "toy", "--batch-size", "16", "--group-size", "4", "--steps", "2", "--save-interval", "2",
         "--scale-rewards", "batch", "--seed", "3"]

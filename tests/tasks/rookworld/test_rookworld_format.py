@@ -4,16 +4,16 @@ import os
 import chess
 import pytest
 
-from grpo.tasks.chess_format import (
+from tasks.rookworld.format import (
     expected_env_completion, legal_move, parse_board, parse_env_prompt, parse_policy_completion,
     policy_completion, policy_prompt, prompt_fen, split_env_line, split_policy_line)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOK_VAL
 
 
 @pytest.fixture(scope="module")
 def rook_val_lines():
-    path = os.path.join(REPO, "..", "shared", "data", "rook_val_400.txt")
+    path = ROOK_VAL
     if not os.path.exists(path):
         pytest.skip("../shared/data/rook_val_400.txt is absent (it is not part of the repository)")
     with open(path, encoding="utf-8") as f:

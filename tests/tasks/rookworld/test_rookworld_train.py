@@ -6,14 +6,10 @@ import os
 import pytest
 
 import train_lean
-from grpo.tasks.chess_engine import find_stockfish
-from test_train import records
+from tasks.rookworld.engine import find_stockfish
+from helpers import REPO, read_jsonl as records
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    for name in [k for k in os.environ if k.startswith("GRPO_")]:
-        monkeypatch.delenv(name)
 
 SMALL = ["--batch-size", "8", "--group-size", "4", "--max-new-tokens", "8", "--eval-samples", "3"]
 
@@ -67,7 +63,7 @@ def test_eval_only_prints_the_table(tiny_model_dir, tmp_path, capsys, clean_env)
     (["--task", "toy", "--eval-interval", "2"], "use a chess task"),
     (["--task", "chess", "--task-mix", "1.5"], "--task-mix 1.5 must be in [0, 1]"),
     (["--task", "chess-env", "--data", "no-such-file.txt"], "--data no-such-file.txt: no such file"),
-    (["--task", "chess-env", "--data", os.path.join(os.path.dirname(__file__), "..", "README.md")],
+    (["--task", "chess-env", "--data", os.path.join(REPO, "README.md")],
      "lines are not RookWorld P:/A: samples"),
 ])
 def test_chess_usage_errors_exit_2_with_one_line(args, message, tmp_path, capsys, clean_env):

@@ -1,6 +1,6 @@
 """Held-out chess evaluation: metrics from (item, completion) pairs, and the table that shows them.
 
-The set (data/chess_eval.jsonl, made by scripts/make_eval_set.py) carries its own answers: engine
+The set (tasks/rookworld/eval_set.jsonl, made by tasks/rookworld/make_eval_set.py) carries its own answers: engine
 analysis for P: items, the exact completion for A: items. Evaluating needs no engine and no network,
 so it is reproducible anywhere. Generation (greedy) is the trainer's; everything here is pure.
 
@@ -11,8 +11,8 @@ A: format rate (every format check of the A: reward passes: four fields, a valid
 """
 import json
 
-from grpo.tasks.chess_format import legal_move, parse_board, parse_policy_completion, policy_format_checks
-from grpo.tasks.chess_tasks import EVAL_SET, env_components
+from tasks.rookworld.format import legal_move, parse_board, parse_policy_completion, policy_format_checks
+from tasks.rookworld.task import EVAL_SET, env_components
 
 KINDS = {"chess-policy": ("P",), "chess-env": ("A",)}   # any other task: both
 

@@ -1,10 +1,10 @@
 """Held-out evaluation: the committed set is sound, and the metrics measure what they say."""
 import chess
 
-from grpo.evaluate import eval_kinds, load_eval_set, metrics, select, table
-from grpo.tasks.chess_format import (
+from tasks.rookworld.evaluate import eval_kinds, load_eval_set, metrics, select, table
+from tasks.rookworld.format import (
     expected_env_completion, legal_move, parse_board, parse_env_prompt, policy_completion, policy_prompt)
-from grpo.tasks.chess_tasks import ChessEnvTask, held_out_positions
+from tasks.rookworld.task import ChessEnvTask, held_out_positions
 
 
 def test_committed_set_is_sound():

@@ -24,10 +24,10 @@ from collections import Counter
 import numpy as np
 
 BUILTIN = {
-    "toy": ("grpo.tasks.toy", "ToyTask"),
-    "chess-env": ("grpo.tasks.chess_tasks", "ChessEnvTask"),
-    "chess-policy": ("grpo.tasks.chess_tasks", "ChessPolicyTask"),
-    "chess": ("grpo.tasks.chess_tasks", "ChessMixTask"),
+    "toy": ("tasks.toy", "ToyTask"),
+    "chess-env": ("tasks.rookworld.task", "ChessEnvTask"),
+    "chess-policy": ("tasks.rookworld.task", "ChessPolicyTask"),
+    "chess": ("tasks.rookworld.task", "ChessMixTask"),
 }
 
 

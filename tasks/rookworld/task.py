@@ -35,14 +35,14 @@ import os
 import random
 from collections import OrderedDict
 
-from grpo.tasks import TaskError
-from grpo.tasks.chess_data import read_rookworld
-from grpo.tasks.chess_engine import INSTALL_HINT, EnginePool, find_stockfish
-from grpo.tasks.chess_format import (
+from grpo.task import TaskError
+from tasks.rookworld.data import read_rookworld
+from tasks.rookworld.engine import INSTALL_HINT, EnginePool, find_stockfish
+from tasks.rookworld.format import (
     REWARD_DRAW, REWARD_ILLEGAL, REWARD_MATE, REWARD_MOVE, env_prompt, expected_env_completion,
     legal_move, parse_board, parse_env_prompt, parse_policy_completion, policy_format_checks, policy_prompt,
     prompt_fen)
-from grpo.tasks.chess_positions import history, random_board, random_transition
+from tasks.rookworld.positions import history, random_board, random_transition
 
 ENV_WEIGHTS = {"format": 0.1, "fen": 0.5, "reward": 0.2, "terminated": 0.1, "truncated": 0.1}
 FEN_SIMILARITY_SHARE = 0.8
@@ -53,7 +53,7 @@ assert POLICY_WEIGHTS["format"] < POLICY_WEIGHTS["best"] * LEGAL_CREDIT, "illega
 
 MAX_COMPLETION_CHARS = 2000   # longer completions are judged on their start (keeps scoring O(1))
 DEFAULT_TASK_MIX = 0.75       # share of P: prompts in --task chess (README: why)
-EVAL_SET = os.path.join(os.path.dirname(__file__), "..", "..", "data", "chess_eval.jsonl")
+EVAL_SET = os.path.join(os.path.dirname(__file__), "eval_set.jsonl")
 
 
 def position_key(fen: str) -> str:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO, read_jsonl as records
 
 STEP_KEYS = {"step", "reward_mean", "reward_std", "frac_zero_std", "loss", "kl", "clip_frac", "ratio_mean",
              "grad_norm", "completion_len_mean", "step_time_s", "gen_time_s", "train_time_s", "samples_per_s",
@@ -20,9 +20,6 @@ def run(args, cwd, env=None):
                           capture_output=True, text=True, timeout=300)
 
 
-def records(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
-"""Regenerate the committed held-out chess set: data/chess_eval.jsonl.
+"""Regenerate the committed held-out chess set: tasks/rookworld/eval_set.jsonl.
 
-    .venv/bin/python scripts/make_eval_set.py            # 100 P: + 100 A: items, seed 20261122
+    .venv/bin/python tasks/rookworld/make_eval_set.py            # 100 P: + 100 A: items, seed 20261122
 
 P: items: generated positions with Stockfish's top 5 (multi-PV 5, fixed depth, cleared hash per
 position, one thread: the same output on any machine with the same Stockfish). A: items: generated
@@ -13,12 +13,12 @@ import os
 import random
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from grpo.tasks.chess_engine import EnginePool, find_stockfish  # noqa: E402
-from grpo.tasks.chess_format import env_prompt, expected_env_completion, policy_prompt  # noqa: E402
-from grpo.tasks.chess_positions import history, random_board, random_transition  # noqa: E402
-from grpo.tasks.chess_tasks import EVAL_SET, position_key  # noqa: E402
+from tasks.rookworld.engine import EnginePool, find_stockfish  # noqa: E402
+from tasks.rookworld.format import env_prompt, expected_env_completion, policy_prompt  # noqa: E402
+from tasks.rookworld.positions import history, random_board, random_transition  # noqa: E402
+from tasks.rookworld.task import EVAL_SET, position_key  # noqa: E402
 
 
 def main():

@@ -7,7 +7,7 @@ lines are skipped and counted (blank lines are neither).
 """
 from dataclasses import dataclass, field
 
-from grpo.tasks.chess_format import is_uci, parse_board, parse_env_prompt, prompt_fen, split_env_line
+from tasks.rookworld.format import is_uci, parse_board, parse_env_prompt, prompt_fen, split_env_line
 
 
 @dataclass

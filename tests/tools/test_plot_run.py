@@ -3,7 +3,9 @@ import importlib.util
 import json
 import os
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "plot_run.py")
+from helpers import REPO
+
+SCRIPT = os.path.join(REPO, "scripts", "plot_run.py")
 
 
 def plot_run():

@@ -3,8 +3,8 @@ import random
 import numpy as np
 import pytest
 
-from grpo.tasks import TaskError, get_task, score
-from grpo.tasks.toy import ToyTask
+from grpo.task import TaskError, get_task, score
+from tasks.toy import ToyTask
 
 
 def test_toy_task_prompts_are_seeded_and_rewards_verifiable():
@@ -25,15 +25,15 @@ def test_user_task_from_a_file(tmp_path):
 
 
 def test_user_task_from_a_module():
-    assert isinstance(get_task("grpo.tasks.toy:ToyTask"), ToyTask)
+    assert isinstance(get_task("tasks.toy:ToyTask"), ToyTask)
 
 
 @pytest.mark.parametrize("name, message", [
     ("nope", "unknown task 'nope'"),
     ("missing.py:X", "file missing.py not found"),
-    ("grpo.tasks.toy:Nope", "has no attribute Nope"),
+    ("tasks.toy:Nope", "has no attribute Nope"),
     ("no_such_module:X", "cannot import no_such_module"),
-    ("grpo.tasks.toy:LETTERS", "has no 'name'"),
+    ("tasks.toy:LETTERS", "has no 'name'"),
 ])
 def test_bad_task_names(name, message):
     with pytest.raises(TaskError, match=message):

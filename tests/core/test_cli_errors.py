@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from _cli import SMALL, train
+from helpers import SMALL, train
 from grpo import config
 
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO as ROOT
 MONITOR = os.path.join(ROOT, "monitor_memory.py")
-FAKE = os.path.join(ROOT, "tests", "fake_trainer.py")
+FAKE = os.path.join(ROOT, "tests", "tools", "fake_trainer.py")
 TRAINER = os.path.join(ROOT, "train_lean.py")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -158,7 +158,7 @@ needs_trainer = pytest.mark.skipif(not os.path.isfile(TRAINER), reason="train_le
 # count in RSS).
 LEAKY_TASK = '''
 import numpy as np
-from grpo.tasks.toy import ToyTask
+from tasks.toy import ToyTask
 
 LEAK_MB = {leak_mb}
 

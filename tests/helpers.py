@@ -1,0 +1,66 @@
+"""What the tests share: paths, the tiny model builders, the real command line, reading what a run wrote.
+
+Fixtures live in conftest.py; everything a test imports comes from here, never from another test file.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "train_lean.py")
+# 400 real RookWorld lines beside the repository (never copied into it); tests that read them skip without
+ROOK_VAL = os.path.join(REPO, "..", "shared", "data", "rook_val_400.txt")
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from make_tiny_model import build_tiny_model  # noqa: E402,F401  (re-exported for the fixtures)
+
+# tiny and fast: 4 prompts x 2 completions, short completions, a learning rate that moves the weights, and
+# no held-out evaluation (the default task is chess, which evaluates by default: tests of it are elsewhere)
+SMALL = ["--batch-size", "8", "--group-size", "2", "--max-new-tokens", "12", "--learning-rate", "1e-3",
+         "--eval-interval", "0", "--log-level", "info"]
+# timings and memory differ between runs; everything else in a record must not
+VOLATILE = ("_time_s", "samples_per_s", "tokens_per_s", "rss_mb", "rss_peak_mb")
+
+
+def build_tiny_llama(path: str, tokenizer_dir: str) -> str:
+    """A random-init 2-layer Llama (rotary positions, grouped-query attention) with the tokenizer of tokenizer_dir."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=512, bos_token_id=tok.eos_token_id,
+                                         eos_token_id=tok.eos_token_id, attention_dropout=0.1))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def env(**extra):
+    """One thread, so float reductions run in the same order in every process; no hub access."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_")}
+    e.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=REPO, **extra)
+    return e
+
+
+def train(*args, timeout=120, **kw):
+    """train_lean.py in a subprocess, one thread, no GRPO_ variables from the caller's environment."""
+    return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, env=env(),
+                          timeout=timeout, **kw)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def records(path):
+    """A run's records without the keys that differ between identical runs (timings, memory)."""
+    return [{k: v for k, v in r.items() if not k.endswith(VOLATILE)} for r in read_jsonl(path)]
+
+
+def weights(checkpoint_dir):
+    return load_file(os.path.join(checkpoint_dir, "model.safetensors"))
