@@ -12,13 +12,13 @@ def get_bench_task(name: str):
     bench's own python-chess stand-in; anything else: a task name as train_lean.py --task takes it."""
     if name == "chess-a":
         try:
-            from grpo.task import get_task
+            from tasks import get_task
             return get_task("chess-env")
         except Exception as e:  # noqa: BLE001 - the chess task is not in this checkout: use the stand-in
             print(f"bench: chess-env task unavailable ({e}); using bench/chess_a.py", file=sys.stderr)
             from bench.chess_a import ChessA
             return ChessA()
-    from grpo.task import get_task
+    from tasks import get_task
     return get_task(name)
 
 

@@ -15,6 +15,8 @@ import shutil
 import numpy as np
 import torch
 
+from grpo import distributed
+
 SUBDIR = "checkpoints"
 STATE = "trainer_state.pt"
 _NAME = re.compile(r"step_(\d+)$")
@@ -51,6 +53,11 @@ def _checkpoints(folder: str) -> list:
         if m and os.path.isfile(os.path.join(folder, name, STATE)):
             found.append((int(m.group(1)), os.path.join(folder, name)))
     return sorted(found)
+
+
+def step_of(path: str) -> int:
+    """The step a checkpoint folder was written after (its name says so)."""
+    return int(_NAME.match(os.path.basename(os.path.normpath(path))).group(1))
 
 
 def latest(path: str):
@@ -90,6 +97,29 @@ def save(out_dir: str, step: int, policy, tokenizer, state: dict, keep: int) -> 
         if name.startswith(".tmp-"):
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     return final
+
+
+def save_run(out_dir: str, step: int, policy, tokenizer, optimizer, nonfinite_streak: int, config: dict,
+             keep: int):
+    """Every rank's RNG states gathered, then rank 0 writes the checkpoint and returns its path (None elsewhere)."""
+    rngs = distributed.gather_objects(rng_states())
+    path = None
+    if distributed.is_main():
+        path = save(out_dir, step, policy, tokenizer, {"optimizer": optimizer.state_dict(), "rng": rngs,
+                                                        "nonfinite_streak": nonfinite_streak, "config": config}, keep)
+    distributed.barrier()
+    return path
+
+
+def save_model(folder: str, policy, tokenizer) -> str:
+    """The trained model as a plain Hugging Face folder (from_pretrained loads it), written atomically."""
+    tmp = folder.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.rename(tmp, folder)
+    return folder
 
 
 def load_state(path: str) -> dict:

@@ -1,9 +1,11 @@
 """Configuration: one dataclass that is the CLI, the GRPO_<FLAG> environment overrides and the defaults.
 
-Precedence: command line > environment > default. `load(argv)` returns the config plus where each
-value came from; `batch_layout(cfg, world)` checks every divisibility rule before anything heavy is
-loaded and returns the derived sizes. User errors raise ConfigError with one line that names the
-bad value and a fix; train_lean.py prints it and exits with code 2.
+Precedence: command line > environment > default. The chosen task may bring an options dataclass of its
+own (grpo/task.py); its fields become flags and overrides in the same way, for that task only.
+`load(argv)` returns the config, the task's options and where each value came from;
+`batch_layout(cfg, world)` checks every size rule before anything heavy is loaded and returns the
+derived sizes. User errors raise ConfigError with one line that names the bad value and a fix;
+train_lean.py prints it and exits with code 2.
 """
 import argparse
 import dataclasses
@@ -13,14 +15,23 @@ import tempfile
 import typing
 from dataclasses import dataclass, field
 
+from grpo import task as tasks
 
-# The embedded default: a small RookWorld-style chess GPT-2 built by tasks/rookworld/build_model.py.
-# An absolute path, so that the default works from any working directory.
+
+# The shipped default model (models/rook-tiny, built by the default task's own script). An absolute
+# path, so that the default works from any working directory.
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "rook-tiny")
 
 
 class ConfigError(ValueError):
     """A bad flag, value or combination (exit code 2, one line, no traceback)."""
+
+
+class Loaded(typing.NamedTuple):
+    cfg: "Config"
+    options: typing.Any       # an instance of the task's options dataclass, or None
+    sources: dict             # field name -> "cli" | "env" | "default", the task's options included
+    task: typing.Any          # the class or object --task names, imported, not yet built
 
 
 def opt(default, help, choices=None, const=None, path=None, auto=False):
@@ -36,22 +47,14 @@ class Config:
     # model and task
     model: str = opt(DEFAULT_MODEL, "hub id or local folder of a causal LM (AutoModelForCausalLM); the default "
                      "is the shipped chess model, RookWorld-LM itself is jrahn/RookWorld-LM-124M")
-    task: str = opt("chess", "built-in task name (toy, chess, chess-policy, chess-env), "
-                    "path/to/file.py:Name or module:Name")
+    task: typing.Optional[str] = opt(None, "a built-in task (tasks/__init__.py), path/to/file.py:Name or "
+                                     "module:Name; a task with options adds its own flags (see --task T --help)")
     prompt_bos: str = opt("auto", "start each prompt with the tokenizer's BOS/EOS token "
                           "(auto: on when BOS == EOS, as in GPT-2)", ["auto", "on", "off"])
-    # chess tasks (grpo/tasks/chess_tasks.py)
-    task_mix: float = opt(0.75, "--task chess: share of P: (policy) prompts; the rest are A: (environment)")
-    data: typing.Optional[str] = opt(None, "chess: RookWorld-format text file to draw prompts from "
-                                     "(default: generated positions)", path="in")
-    stockfish_path: typing.Optional[str] = opt(None, "chess: Stockfish binary (default: stockfish on PATH, "
-                                               "then /usr/games/stockfish)")
-    stockfish_depth: int = opt(10, "chess: Stockfish search depth of the P: reward (multi-PV 5)")
-    # held-out chess evaluation (grpo/evaluate.py)
-    eval_interval: int = opt(100, "greedy evaluation on the held-out chess set before training, every N steps "
-                             "and after the last (0: off); by default only for chess tasks")
-    eval_samples: int = opt(100, "held-out items per kind (P:, A:) in each evaluation (the set has 100 each)")
-    eval_only: bool = opt(False, "evaluate --model on the held-out chess set, print the table and exit",
+    # the task's held-out evaluation (its evaluate(complete), greedy decoding)
+    eval_interval: int = opt(100, "evaluate before training, every N steps and after the last (0: off); "
+                             "by default only for a task that has evaluate()")
+    eval_only: bool = opt(False, "evaluate --model with the task's evaluate(), print the results and exit",
                           const="true")
     # batch arithmetic (see batch_layout)
     batch_size: int = opt(64, "completions per step, global across devices")
@@ -86,17 +89,19 @@ class Config:
     loss_agg: str = opt("token-mean", "average the loss over all completion tokens of a mini-batch, "
                         "or per sequence first", ["token-mean", "seq-mean"])
     # run control
-    steps: int = opt(700, "training steps (700: about 20 minutes for the default model on 2 CPU cores)")
+    steps: int = opt(700, "training steps")
     seed: int = opt(0, "seed for prompts, sampling and initialisation")
     device: str = opt("auto", "auto (CUDA when present), cpu, cuda or cuda:N")
-    dtype: str = opt("fp32", "compute dtype; bf16 uses autocast over fp32 weights and optimizer state "
-                     "(on CPU: 1.04x faster and RSS grows for 100+ steps, BENCHMARKS.md)", ["fp32", "bf16"])
-    out_dir: str = opt("out", "folder for logs (and checkpoints)", path="out")
+    dtype: str = opt("fp32", "compute dtype; bf16 uses autocast over fp32 weights and optimizer state (on a "
+                     "CPU without native bf16 it is emulated and slower than fp32)", ["fp32", "bf16"])
+    out_dir: str = opt("out", "folder for logs, checkpoints and the trained model", path="out")
     log_file: typing.Optional[str] = opt(None, "JSONL metrics, one object per step (default: OUT_DIR/metrics.jsonl)",
                                          path="out")
     log_completions: typing.Optional[str] = opt(None, "JSONL file with every sampled completion", path="out")
     log_level: str = opt("info", "console verbosity", ["debug", "info", "warning"])
     # long runs (see grpo/checkpoint.py and grpo/guards.py)
+    save_final: bool = opt(True, "save the trained model at the end as a Hugging Face folder, OUT_DIR/model",
+                           const="true")
     save_interval: int = opt(0, "write a checkpoint to OUT_DIR/checkpoints every N steps and at the end "
                              "(0: only when interrupted or aborted)")
     keep_checkpoints: int = opt(2, "keep the last K checkpoints")
@@ -105,7 +110,17 @@ class Config:
     max_nonfinite: int = opt(10, "abort (saving a checkpoint) after this many non-finite updates in a row")
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+def fields_of(cls) -> dict:
+    """name -> dataclass Field, with its type resolved (a task may write `from __future__ import annotations`)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        f.type = hints.get(f.name, f.type)
+        out[f.name] = f
+    return out
+
+
+FIELDS = fields_of(Config)
 
 
 def flag(name: str) -> str:
@@ -117,9 +132,10 @@ def env_name(name: str) -> str:
 
 
 def _base_type(f):
-    t = f.type
-    args = typing.get_args(t)
-    return (args[0], True) if args and type(None) in args else (t, False)
+    args = typing.get_args(f.type)
+    if args and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return f.type, False
 
 
 BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -140,6 +156,8 @@ def _convert(f, text: str, where: str):
     except ValueError:
         raise ConfigError(f"{where} {text!r} is not a valid {base.__name__}") from None
     choices = f.metadata.get("choices")
+    if choices and isinstance(value, str) and value not in choices and value.lower() in choices:
+        value = value.lower()   # --log-level INFO means info
     if choices and value not in choices:
         raise ConfigError(f"{where} {text!r} is not one of {', '.join(choices)}")
     return value
@@ -150,34 +168,77 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(task_name: str = "", task_fields: dict = None) -> argparse.ArgumentParser:
     p = _Parser(prog="train_lean.py", allow_abbrev=False, description="GRPO on a small causal LM. Every flag also reads "
                 "GRPO_<FLAG> from the environment (CLI > environment > default).")
-    for name, f in FIELDS.items():
-        shown = f.default if f.default is not None else "derived"
-        bare = {"nargs": "?", "const": f.metadata["const"]} if f.metadata["const"] is not None else {}
-        p.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=name.upper(), **bare,
-                       help=f"{f.metadata['help']} [{env_name(name)}; default {shown}]")
+    groups = [(p, FIELDS)]
+    if task_fields:
+        groups.append((p.add_argument_group(f"options of --task {task_name}"), task_fields))
+    for group, fields in groups:
+        for name, f in fields.items():
+            default = f.default if f.default is not dataclasses.MISSING else None
+            shown = default if default is not None else "derived"
+            const = f.metadata.get("const")
+            bare = {"nargs": "?", "const": const} if const is not None else {}
+            group.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=name.upper(), **bare,
+                               help=f"{f.metadata.get('help', '')} [{env_name(name)}; default {shown}]")
     return p
 
 
-def load(argv=None, environ=None):
-    """Parse argv and environ into (Config, {field: 'cli' | 'env' | 'default'})."""
-    argv = sys.argv[1:] if argv is None else argv
-    environ = os.environ if environ is None else environ
-    given = vars(build_parser().parse_args(argv))
+def _read(fields: dict, given: dict, environ) -> tuple[dict, dict]:
+    """Each field's value and its source: the command line, else the environment, else the default."""
     values, sources = {}, {}
-    for name, f in FIELDS.items():
+    for name, f in fields.items():
         if name in given:
             values[name], sources[name] = _convert(f, given[name], flag(name)), "cli"
         elif env_name(name) in environ:
             values[name], sources[name] = _convert(f, environ[env_name(name)], env_name(name)), "env"
-        else:
+        elif f.default is not dataclasses.MISSING:
             values[name], sources[name] = f.default, "default"
-    unknown = sorted(k for k in environ if k.startswith("GRPO_") and k[5:].lower() not in FIELDS)
+        elif f.default_factory is not dataclasses.MISSING:
+            values[name], sources[name] = f.default_factory(), "default"
+        else:
+            raise ConfigError(f"{flag(name)} is required by the task")
+    return values, sources
+
+
+def load(argv=None, environ=None, builtin: dict = None, default_task: str = None) -> Loaded:
+    """Parse argv and environ into the Config, the chosen task's options and each value's source.
+
+    The task is found first (--task, else GRPO_TASK, else default_task; builtin maps short names to
+    "module:Attribute"), because its options add flags. Raises ConfigError (or task.TaskError)."""
+    argv = sys.argv[1:] if argv is None else argv
+    environ = os.environ if environ is None else environ
+    first = _Parser(add_help=False, allow_abbrev=False)
+    first.add_argument("--task")
+    task_name = first.parse_known_args(argv)[0].task or environ.get(env_name("task")) or default_task
+    if not task_name:
+        raise ConfigError("no --task given: pass --task NAME, path/to/file.py:Name or module:Name")
+    target = tasks.resolve(task_name, builtin or {})
+    options_cls = tasks.options_type(target)
+    task_fields = fields_of(options_cls) if options_cls else {}
+    clash = sorted(FIELDS.keys() & task_fields.keys())
+    if clash:
+        raise tasks.TaskError(f"--task {task_name}: its option {clash[0]!r} has the name of a trainer setting "
+                              f"({flag(clash[0])}): rename it")
+    given, extra = build_parser(task_name, task_fields).parse_known_args(argv)
+    if extra:
+        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}: {extra[0]} does not apply to --task "
+                          f"{task_name} (see train_lean.py --task {task_name} --help)")
+    given = vars(given)
+    values, sources = _read(FIELDS, given, environ)
+    option_values, option_sources = _read(task_fields, given, environ)
+    known = FIELDS.keys() | task_fields.keys()
+    unknown = sorted(k for k in environ if k.startswith("GRPO_") and k[5:].lower() not in known)
     if unknown:
-        raise ConfigError(f"unknown environment variable {unknown[0]}: see train_lean.py --help")
-    return Config(**values), sources
+        raise ConfigError(f"unknown environment variable {unknown[0]}: not a setting of train_lean.py nor of "
+                          f"--task {task_name} (see train_lean.py --task {task_name} --help)")
+    values["task"] = task_name
+    try:
+        options = options_cls(**option_values) if options_cls else None
+    except (TypeError, ValueError) as e:   # the options' own checks (__post_init__) say what is wrong
+        raise ConfigError(str(e).splitlines()[0] if str(e) else f"bad options for --task {task_name}") from None
+    return Loaded(Config(**values), options, {**sources, **option_sources}, target)
 
 
 def _multiples(value: int, of: int) -> str:
@@ -185,10 +246,27 @@ def _multiples(value: int, of: int) -> str:
     return f"use {low} or {low + of}" if low > 0 else f"use {of}"
 
 
-def batch_layout(cfg: Config, world: int = 1) -> dict:
-    """Check every size rule and return the derived sizes (per device and global)."""
+@dataclass(frozen=True)
+class Layout:
+    """The batch arithmetic of a run: how a step's completions split over devices, updates and passes."""
+    devices: int
+    prompts_per_step: int           # = groups per step
+    prompts_per_device: int
+    completions_per_step: int       # = --batch-size
+    completions_per_device: int
+    mini_batch: int                 # completions per optimizer update, global
+    mini_batch_per_device: int
+    micro_batch: int                # completions per forward/backward on one device (auto: where probing starts)
+    micro_batch_auto: bool
+    grad_accum_steps: int
+    updates_per_step: int
+    generation_batch: int           # completions sampled at once on one device
+
+
+def batch_layout(cfg: Config, world: int = 1) -> Layout:
+    """Check every size and range rule and return the derived sizes (per device and global)."""
     for name in ("batch_size", "group_size", "ppo_epochs", "logprob_chunk_size", "max_new_tokens", "steps",
-                 "keep_checkpoints", "max_nonfinite", "stockfish_depth", "eval_samples"):
+                 "keep_checkpoints", "max_nonfinite"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)} must be at least 1")
     if cfg.save_interval < 0:
@@ -236,37 +314,25 @@ def batch_layout(cfg: Config, world: int = 1) -> dict:
         v = getattr(cfg, name)
         if v is not None and v <= 0:
             raise ConfigError(f"{flag(name)} {v} must be > 0")
-    if not 0 <= cfg.task_mix <= 1:
-        raise ConfigError(f"--task-mix {cfg.task_mix} must be in [0, 1] (the share of P: prompts)")
     for name in ("kl_coef", "weight_decay", "max_grad_norm", "eval_interval"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)} must be >= 0")
     per_device = cfg.batch_size // world
-    return {
-        "devices": world,
-        "prompts_per_step": prompts,
-        "completions_per_step": cfg.batch_size,
-        "groups": prompts,
-        "prompts_per_device": prompts // world,
-        "completions_per_device": per_device,
-        "mini_batch": mini,
-        "mini_batch_per_device": mini_per_device,
-        "micro_batch": micro,
-        "micro_batch_auto": micro_auto,
-        "grad_accum_steps": mini_per_device // micro,
-        "updates_per_step": cfg.batch_size // mini * cfg.ppo_epochs,
-        "generation_batch": min(cfg.generation_batch_size or per_device, per_device),
-    }
+    return Layout(devices=world, prompts_per_step=prompts, prompts_per_device=prompts // world,
+                  completions_per_step=cfg.batch_size, completions_per_device=per_device, mini_batch=mini,
+                  mini_batch_per_device=mini_per_device, micro_batch=micro, micro_batch_auto=micro_auto,
+                  grad_accum_steps=mini_per_device // micro, updates_per_step=cfg.batch_size // mini * cfg.ppo_epochs,
+                  generation_batch=min(cfg.generation_batch_size or per_device, per_device))
 
 
-def check_paths(cfg: Config) -> None:
-    """Every file the run reads exists and is readable; every folder it writes to can be written.
+def check_paths(settings) -> None:
+    """Every file a run reads exists and is readable; every folder it writes to can be written.
 
-    Checked before anything heavy is loaded, so that a typo costs a second, not a model load.
-    A field opts in with opt(..., path="in" | "out").
+    Checked before anything heavy is loaded, so that a typo costs a second, not a model load. A field of
+    the Config or of a task's options opts in with opt(..., path="in" | "out"); settings may be None.
     """
-    for f in dataclasses.fields(cfg):
-        name, value, kind = f.name, getattr(cfg, f.name), f.metadata.get("path")
+    for f in dataclasses.fields(settings) if settings is not None else ():
+        name, value, kind = f.name, getattr(settings, f.name), f.metadata.get("path")
         if value is None or kind is None:
             continue
         if kind == "in":
@@ -289,28 +355,31 @@ def check_paths(cfg: Config) -> None:
                                   f"pass a writable folder") from None
 
 
-def describe(cfg: Config, sources: dict, layout: dict) -> str:
-    """The start-up table: every setting with its source, then the derived batch sizes."""
-    rows = [(flag(n), "derived" if getattr(cfg, n) is None else str(getattr(cfg, n)), sources[n])
-            for n in FIELDS]
+def describe(cfg: Config, options, sources: dict, layout: Layout) -> str:
+    """The start-up table: every setting with its source (the task's options after the trainer's), then
+    the derived batch sizes."""
+    settings = [(cfg, name) for name in FIELDS]
+    settings += [(options, f.name) for f in dataclasses.fields(options)] if options is not None else []
+    rows = [(flag(n), "derived" if getattr(obj, n) is None else str(getattr(obj, n)), sources[n]) for obj, n in settings]
     w = max(len(r[0]) for r in rows)
     v = max(len(r[1]) for r in rows)
     lines = ["settings (source: cli > env > default)"]
-    lines += [f"  {a:<{w}}  {b:<{v}}  {c}" for a, b, c in rows]
+    lines += [f"  {a:<{w}}  {b:<{v}}  {c}" for a, b, c in rows[:len(FIELDS)]]
+    if options is not None:
+        lines.append(f"options of --task {cfg.task}")
+        lines += [f"  {a:<{w}}  {b:<{v}}  {c}" for a, b, c in rows[len(FIELDS):]]
     lines.append("batch layout (per device | global)")
     d = layout
+    auto = d.micro_batch_auto
     table = [
-        ("devices", "", d["devices"]),
-        ("prompts per step", d["prompts_per_device"], d["prompts_per_step"]),
-        ("completions per step", d["completions_per_device"], d["completions_per_step"]),
-        ("groups per step", d["prompts_per_device"], d["groups"]),
-        ("mini-batch (completions per update)", d["mini_batch_per_device"], d["mini_batch"]),
-        ("micro-batch (per forward/backward)", *(("auto", "auto") if d["micro_batch_auto"] else
-                                                  (d["micro_batch"], d["micro_batch"] * d["devices"]))),
-        ("gradient-accumulation steps", *(("auto", "auto") if d["micro_batch_auto"] else
-                                           (d["grad_accum_steps"], d["grad_accum_steps"]))),
-        ("optimizer updates per step", d["updates_per_step"], d["updates_per_step"]),
-        ("generation batch", d["generation_batch"], d["generation_batch"] * d["devices"]),
+        ("devices", "", d.devices),
+        ("prompts (groups) per step", d.prompts_per_device, d.prompts_per_step),
+        ("completions per step", d.completions_per_device, d.completions_per_step),
+        ("mini-batch (completions per update)", d.mini_batch_per_device, d.mini_batch),
+        ("micro-batch (per forward/backward)", *(("auto", "auto") if auto else (d.micro_batch, d.micro_batch * d.devices))),
+        ("gradient-accumulation steps", *(("auto", "auto") if auto else (d.grad_accum_steps, d.grad_accum_steps))),
+        ("optimizer updates per step", d.updates_per_step, d.updates_per_step),
+        ("generation batch", d.generation_batch, d.generation_batch * d.devices),
     ]
     lines += [f"  {name:<37} {str(a):>6} | {b}" for name, a, b in table]
     return "\n".join(lines)

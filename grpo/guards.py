@@ -55,6 +55,17 @@ def shrinking(run, micro: int, mini: int, note):
         micro = smaller
 
 
+class OomNotes:
+    """The out-of-memory retries of the current step: said as they happen, counted in the step's record."""
+
+    def __init__(self, say):
+        self.say, self.notes = say, []
+
+    def __call__(self, message: str) -> None:
+        self.notes.append(message)
+        self.say(message)
+
+
 def finite(*values: float) -> bool:
     return all(math.isfinite(v) for v in values)
 

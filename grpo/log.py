@@ -2,6 +2,10 @@
 import json
 import math
 import os
+import sys
+from collections import Counter
+
+from grpo import distributed
 
 
 def open_jsonl(path: str, append: bool = False):
@@ -9,6 +13,30 @@ def open_jsonl(path: str, append: bool = False):
     if folder:
         os.makedirs(folder, exist_ok=True)
     return open(path, "a" if append else "w", encoding="utf-8", buffering=1)
+
+
+def say(enabled: bool, message: str) -> None:
+    """A console line (the trainer binds enabled: rank 0 and --log-level info or debug)."""
+    if enabled:
+        print(message, flush=True)
+
+
+def warn(message: str) -> None:
+    print(f"train_lean.py: warning: {message}", file=sys.stderr, flush=True)
+
+
+def open_run_logs(metrics_path: str, completions_path, resume_step, stack) -> tuple:
+    """The metrics and completions JSONL files, closed by stack. A resumed run first drops the records of
+    steps after its checkpoint: they belong to the killed run's lost future, and the resumed run redoes them."""
+    files = []
+    for path in (metrics_path, completions_path):
+        if path is None:
+            files.append(None)
+            continue
+        if resume_step is not None:
+            keep_until(path, resume_step)
+        files.append(stack.enter_context(open_jsonl(path, append=resume_step is not None)))
+    return tuple(files)
 
 
 def keep_until(path: str, step: int) -> None:
@@ -36,6 +64,59 @@ STEP_FIELDS = [("reward_mean", "reward {:.3f}"), ("loss", "loss {:+.4f}"), ("kl"
                ("clip_frac", "clip {:.3f}"), ("grad_norm", "gnorm {:.3f}"),
                ("completion_len_mean", "len {:.1f}"), ("samples_per_s", "{:.1f} samples/s"),
                ("step_time_s", "{:.2f}s"), ("rss_mb", "rss {:.0f}MB"), ("cuda_peak_mb", "peak {:.0f}MB")]
+
+
+def over_ranks(components: dict, errors: dict) -> tuple[dict, dict]:
+    """The reward components averaged and the reward errors summed over all devices."""
+    gathered = distributed.gather_objects((components, errors))
+    means = {k: sum(c.get(k, 0.0) for c, _ in gathered) / len(gathered) for k in gathered[0][0]}
+    return means, dict(sum((Counter(e) for _, e in gathered), Counter()))
+
+
+def write_completions(f, step: int, rollout, rewards) -> None:
+    """Every device's completions with their rewards, written by rank 0 (f is None on the others)."""
+    lengths = rollout.completion_mask.sum(1).tolist()
+    logprob_sums = (rollout.old_logp * rollout.completion_mask).sum(1).tolist()
+    parts = distributed.gather_objects(list(zip(rollout.prompts, rollout.texts, lengths, logprob_sums)))
+    if f is None:
+        return
+    for (prompt, text, n, s), r in zip([row for part in parts for row in part], rewards.tolist()):
+        write(f, {"step": step, "prompt": prompt, "completion": text, "reward": r, "completion_tokens": n,
+                  "logprob_sum": s})
+
+
+def step_record(step: int, rewards, frac_zero_std: float, totals: dict, n_tokens: float, times: dict,
+                components: dict, errors: dict, oom_retries: int, micro: int, memory: dict) -> dict:
+    """The JSONL record of one training step (rewards over the global batch, statistics summed over devices)."""
+    tokens, updates = max(totals["tokens"], 1), max(totals["updates"], 1)
+    batch = len(rewards)
+    rec = {
+        "step": step,
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item(),
+        "frac_zero_std": frac_zero_std,
+        "loss": totals["loss"] / updates,
+        "kl": totals["kl"] / tokens,
+        "clip_frac": totals["clip"] / tokens,
+        "ratio_mean": totals["ratio"] / tokens,
+        "grad_norm": totals["grad_norm"] / updates,
+        "skipped_nonfinite": totals["skipped"],
+        "completion_len_mean": n_tokens / batch,
+        "step_time_s": times["step"],
+        "gen_time_s": times["gen"],
+        "score_time_s": times["score"],
+        "ref_time_s": times["ref"],
+        "train_time_s": times["train"],
+        "samples_per_s": batch / times["step"],
+        "tokens_per_s": n_tokens / times["step"],
+        **{f"reward_{k}": v for k, v in components.items()},
+        **memory,
+    }
+    if errors:
+        rec["reward_errors"] = errors
+    if oom_retries:
+        rec["oom_retries"], rec["micro_batch"] = oom_retries, micro
+    return rec
 
 
 def step_line(rec: dict, steps: int) -> str:

@@ -1,9 +1,11 @@
-"""Rollout: tokenize prompts, sample completions with a KV cache, keep the sampled ids and logprobs.
+"""Rollout: tokenize prompts, sample groups of completions with a KV cache, keep the sampled ids and logprobs.
 
 The sampled token ids are what the trainer scores; text is decoded only for the reward. Re-tokenising
 decoded text would give different tokens (BPE is not a bijection on what a model can emit), and the
 logprobs would then belong to a sequence the policy never sampled.
 """
+from dataclasses import dataclass
+
 import torch
 
 from grpo.decoders import decoder_for
@@ -133,6 +135,54 @@ def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperatur
         logits = decoder(token, step)
     completion_ids, logprobs = tokens[:, :step + 1], logprobs[:, :step + 1]
     return completion_ids, completion_mask(completion_ids, eos_id), logprobs
+
+
+@dataclass
+class Rollout:
+    """One step's sampled batch on this device; the rows of a group are contiguous.
+
+    input_ids = prompt_ids + completion_ids and attention = prompt_mask + completion_mask, side by side:
+    the prompts left-padded to a common width, the completions right-padded with EOS after each row's
+    first EOS (the mask hides it)."""
+    prompts: list            # the prompt of each row
+    texts: list              # each completion decoded, for the reward only (never re-tokenised)
+    input_ids: torch.Tensor          # [B, prompt width + T]
+    attention: torch.Tensor          # [B, prompt width + T]
+    completion_mask: torch.Tensor    # [B, T]
+    old_logp: torch.Tensor           # [B, T] the sampling logprobs
+
+    @property
+    def completion_len(self) -> int:
+        return self.completion_mask.shape[1]
+
+
+def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_bos: bool, generation_batch: int,
+                  seed: int, first_row: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                  min_new_tokens: int, autocast, device) -> Rollout:
+    """group_size completions of each prompt, generation_batch rows at a time.
+
+    Each chunk's sampling is seeded by seed and the chunk's first row in the global batch (first_row plus
+    its offset here): the rollouts depend neither on the number of devices (for the same generation batch) nor on
+    a resume."""
+    eos = tokenizer.eos_token_id
+    prompt_ids, prompt_mask = left_pad(encode_prompts(tokenizer, prompts, prepend_bos), eos, device)
+    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
+    chunks = []
+    for s in range(0, prompt_ids.shape[0], generation_batch):
+        torch.manual_seed(seed * 1_000_003 + first_row + s)
+        chunks.append(generate(policy, prompt_ids[s:s + generation_batch], prompt_mask[s:s + generation_batch],
+                               eos_id=eos, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                               top_p=top_p, min_new_tokens=min_new_tokens, autocast=autocast))
+    width = max(c[0].shape[1] for c in chunks)
+    pad = torch.nn.functional.pad
+    completion_ids = torch.cat([pad(c[0], (0, width - c[0].shape[1]), value=eos) for c in chunks])
+    completion_mask = torch.cat([pad(c[1], (0, width - c[1].shape[1])) for c in chunks])
+    old_logp = torch.cat([pad(c[2], (0, width - c[2].shape[1])) for c in chunks])
+    return Rollout(prompts=[p for p in prompts for _ in range(group_size)],
+                   texts=decode_completions(tokenizer, completion_ids, completion_mask, eos),
+                   input_ids=torch.cat([prompt_ids, completion_ids], 1),
+                   attention=torch.cat([prompt_mask, completion_mask], 1),
+                   completion_mask=completion_mask, old_logp=old_logp)
 
 
 def decode_completions(tokenizer, completion_ids, mask, eos_id: int) -> list:

@@ -1,20 +1,26 @@
-"""Tasks: where prompts come from and how completions are scored.
+"""The task protocol: where prompts come from, how completions are scored, and how a task is found.
 
 A task is any object with
     name: str
     prompts(n: int, rng: random.Random) -> list[str]      n prompts, drawn with rng
     reward(prompt: str, completion: str) -> float          a verifiable reward
 and optionally
-    reward_breakdown(prompt, completion) -> dict[str, float]   the reward's components
-    min_reward: float                                      given to a completion whose scoring raised
-    close()                                                release engines, pools, files
+    reward_breakdown(prompt, completion) -> dict[str, float]   the reward's components (and "reward")
+    min_reward: float                     given to a completion whose scoring raised or was not finite
+    options                               a dataclass type: its fields become flags (--field-name) and
+                                          GRPO_FIELD_NAME overrides when this task is chosen, validated and
+                                          shown like the trainer's own; the task is built as Task(**options)
+    evaluate(complete) -> dict[str, float]    held-out metrics; complete(prompts) -> list[str] is the
+                                          trainer's greedy decoding of the policy being trained
+    close()                               release engines, pools, files
 
-The trainer draws each step's prompts with an rng seeded by (seed, step), so the prompt stream
-needs no state of its own: a resumed run draws exactly the prompts the killed one would have.
+The trainer draws each step's prompts with an rng seeded by (seed, step), so the prompt stream needs no
+state of its own: a resumed run draws exactly the prompts the killed one would have.
 
-`get_task("toy")` returns a built-in task; `get_task("path/to/file.py:Name")` or
-`get_task("package.module:Name")` loads a user's own (a class is called with no arguments).
+--task takes a built-in name (the trainer passes the registry of tasks/__init__.py), path/to/file.py:Name
+or package.module:Name. Name may be a class (built with the task's options) or a ready object.
 """
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -23,48 +29,89 @@ from collections import Counter
 
 import numpy as np
 
-BUILTIN = {
-    "toy": ("tasks.toy", "ToyTask"),
-    "chess-env": ("tasks.rookworld.task", "ChessEnvTask"),
-    "chess-policy": ("tasks.rookworld.task", "ChessPolicyTask"),
-    "chess": ("tasks.rookworld.task", "ChessMixTask"),
-}
-
 
 class TaskError(ValueError):
-    """A task name that cannot be resolved (reported as a usage error)."""
+    """A task that cannot be found, built or run as configured (reported as a usage error)."""
 
 
-def get_task(name: str, **options):
-    """Resolve a task name to a task object. options go to built-in task constructors."""
-    if name in BUILTIN:
-        module_name, attr = BUILTIN[name]
-        return getattr(importlib.import_module(module_name), attr)(**options)
-    if ":" not in name:
-        raise TaskError(f"unknown task {name!r}: use one of {', '.join(sorted(BUILTIN))} "
+def resolve(name: str, builtin: dict):
+    """The class or object that --task NAME names, imported but not built.
+
+    builtin maps short names to "module:Attribute" strings."""
+    spec = builtin.get(name, name)
+    if ":" not in spec:
+        raise TaskError(f"unknown task {name!r}: use one of {', '.join(sorted(builtin))} "
                         f"or path/to/file.py:Name or module:Name")
-    where, attr = name.rsplit(":", 1)
-    if where.endswith(".py"):
-        if not os.path.isfile(where):
-            raise TaskError(f"--task {name}: file {where} not found")
-        module_name = "grpo_user_task_" + os.path.splitext(os.path.basename(where))[0]
-        spec = importlib.util.spec_from_file_location(module_name, where)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise TaskError(f"--task {name}: cannot import {where} ({e})") from None
+    where, attr = spec.rsplit(":", 1)
+    try:
+        module = _load_file(where, name) if where.endswith(".py") else importlib.import_module(where)
+    except TaskError:
+        raise
+    except ImportError as e:
+        raise TaskError(f"--task {name}: cannot import {where} ({e})") from None
+    except Exception as e:  # noqa: BLE001 - a user's file that fails on import is a usage error, not a crash
+        raise TaskError(f"--task {name}: importing {where} raised {type(e).__name__}: {e}") from None
     if not hasattr(module, attr):
         raise TaskError(f"--task {name}: {where} has no attribute {attr}")
-    obj = getattr(module, attr)
-    task = obj() if isinstance(obj, type) else obj
+    return getattr(module, attr)
+
+
+def _load_file(path: str, name: str):
+    if not os.path.isfile(path):
+        raise TaskError(f"--task {name}: file {path} not found")
+    module_name = "grpo_user_task_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def options_type(target):
+    """The task's options dataclass, or None when it takes none."""
+    options = getattr(target, "options", None)
+    if options is None:
+        return None
+    if not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+        raise TaskError(f"the task's options must be a dataclass type, not {options!r}")
+    return options
+
+
+def build(target, options=None, name: str = ""):
+    """The task object: a class is called with its options (a dataclass instance or a dict) as keywords;
+    an object is used as it is."""
+    if isinstance(target, type):
+        if dataclasses.is_dataclass(options):
+            options = dataclasses.asdict(options)
+        try:
+            task = target(**(options or {}))
+        except TaskError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise TaskError(f"--task {name}: cannot build the task ({type(e).__name__}: {e})") from None
+    else:
+        task = target
     for need in ("name", "prompts", "reward"):
         if not hasattr(task, need):
-            raise TaskError(f"--task {name}: the task has no {need!r} (see grpo/tasks/__init__.py)")
+            close(task)
+            raise TaskError(f"--task {name}: the task has no {need!r} (see grpo/task.py)")
     return task
+
+
+def close(task) -> None:
+    """Release what the task holds (its optional close())."""
+    if hasattr(task, "close"):
+        task.close()
+
+
+def _number(value) -> float:
+    """A reward as a finite float; a string, None or NaN is the task's bug, counted like an exception."""
+    if isinstance(value, (str, bytes, bool)) or value is None:
+        raise TypeError(f"reward is a {type(value).__name__}, not a number")
+    value = float(value)
+    if not np.isfinite(value):
+        raise FloatingPointError("non-finite reward")
+    return value
 
 
 def score(task, prompts, completions):
@@ -84,16 +131,14 @@ def score(task, prompts, completions):
                 parts = breakdown(p, c)
                 components.update({k: float(v) for k, v in parts.items()})
                 reported.update(parts.keys())
-                r = float(parts["reward"]) if "reward" in parts else task.reward(p, c)
+                r = _number(parts["reward"] if "reward" in parts else task.reward(p, c))
             else:
-                r = float(task.reward(p, c))
-            if not np.isfinite(r):
-                raise FloatingPointError("non-finite reward")
+                r = _number(task.reward(p, c))
         except Exception as e:  # noqa: BLE001 - any scoring failure is the completion's fault
             errors[type(e).__name__] += 1
             r = floor
         rewards.append(r)
     # Each component is averaged over the completions that report it: in a task mixture the
-    # P: components are means over P: completions, not diluted by the A: ones.
+    # components of one kind are means over that kind's completions, not diluted by the others.
     means = {k: v / reported[k] for k, v in components.items() if k != "reward"}
     return np.asarray(rewards, dtype=np.float32), means, dict(errors)

@@ -4,20 +4,17 @@
     python scripts/plot_run.py out/run-s0/metrics.jsonl out/run-s1/metrics.jsonl docs/two_seeds.png
 
 Step records give the mean reward (and its P:/A: components where logged); records with
-"kind": "eval" (from --eval-interval) give the held-out accuracies, drawn as points with lines.
+"kind": "eval" (from --eval-interval) give the task's held-out metrics (every fractional one), drawn as
+points with lines.
 """
 import argparse
 import json
 import os
-import sys
 
 import matplotlib
 
 matplotlib.use("Agg")   # files only: no display on a server
 import matplotlib.pyplot as plt  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tasks.rookworld.evaluate import ROWS  # noqa: E402
 
 REWARD_LINES = [("reward_mean", "reward (all)"), ("reward_policy_legal", "P: share of legal B: moves"),
                 ("reward_policy_best", "P: best-move credit"), ("reward_env_format", "A: format credit")]
@@ -26,6 +23,12 @@ REWARD_LINES = [("reward_mean", "reward (all)"), ("reward_policy_legal", "P: sha
 def smooth(values: list[float], window: int) -> list[float]:
     """Trailing mean: single steps of 8 prompts are noisy, the trend is what the plot is for."""
     return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
+
+def eval_metrics(evals: list[dict]) -> list[str]:
+    """The eval records' rates: float values in [0, 1] (counts and timings are not drawn)."""
+    first = evals[0] if evals else {}
+    return [k for k, v in first.items() if isinstance(v, float) and 0 <= v <= 1 and not k.endswith("_time_s")]
 
 
 def main(argv=None):
@@ -37,7 +40,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = ["-", "--", ":", "-."]
-    n_eval = None
     for run, path in enumerate(args.metrics):
         with open(path, encoding="utf-8") as f:
             records = [json.loads(line) for line in f if line.strip()]
@@ -54,20 +56,17 @@ def main(argv=None):
                 left.plot(x, smooth(values, args.window), color=f"C{colour}", linestyle=style,
                           label=f"{label} ({args.window}-step mean)" if run == 0 else None)
         ex = [r["step"] for r in evals]
-        for colour, (key, label) in enumerate(ROWS):
-            if evals and key in evals[0]:
-                right.plot(ex, [100 * r[key] for r in evals], marker="o", markersize=3, color=f"C{colour}",
-                           linestyle=style, label=label if run == 0 else None)
-        n_eval = n_eval or (evals and evals[0])
+        for colour, key in enumerate(eval_metrics(evals)):
+            right.plot(ex, [r[key] for r in evals], marker="o", markersize=3, color=f"C{colour}",
+                       linestyle=style, label=key if run == 0 else None)
     runs = ", ".join(f"{s} {os.path.basename(os.path.dirname(os.path.abspath(p)))}"
                      for s, p in zip(styles, args.metrics)) if len(args.metrics) > 1 else ""
     left.set(xlabel="step", ylabel="train reward",
              title="train reward (sampled, T=1)" + (f"\nline styles: {runs}" if runs else ""))
     left.grid(alpha=0.3)
     left.legend(fontsize=7)
-    right.set(xlabel="step", ylabel="% of held-out items", ylim=(0, 100),
-              title=(f"held-out eval (greedy, {n_eval.get('p_n', 0)} P: + {n_eval.get('a_n', 0)} A:)"
-                     if n_eval else "held-out eval") + (f"\nline styles: {runs}" if runs else ""))
+    right.set(xlabel="step", ylabel="share of held-out items", ylim=(0, 1),
+              title="held-out eval (greedy)" + (f"\nline styles: {runs}" if runs else ""))
     right.grid(alpha=0.3)
     right.legend(fontsize=7)
     fig.suptitle(args.title)

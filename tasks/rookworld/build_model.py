@@ -45,7 +45,8 @@ from tasks.rookworld.engine import EnginePool, find_stockfish  # noqa: E402
 from tasks.rookworld.format import (env_prompt, expected_env_completion, parse_policy_completion,  # noqa: E402
                                      policy_completion, policy_prompt, split_env_line, split_policy_line)
 from tasks.rookworld.positions import history, random_board, random_transition  # noqa: E402
-from tasks.rookworld.task import held_out_positions, position_key  # noqa: E402
+from tasks.rookworld.evaluate import held_out_positions  # noqa: E402
+from tasks.rookworld.format import position_key  # noqa: E402
 
 EOS = "<|endoftext|>"
 # One pre-token: an optional leading space or '/' then anything but space, '+' or '/' (a move, a FEN

@@ -1,4 +1,4 @@
-"""Held-out chess evaluation: metrics from (item, completion) pairs, and the table that shows them.
+"""Held-out chess evaluation: the committed set, and metrics from (item, completion) pairs.
 
 The set (tasks/rookworld/eval_set.jsonl, made by tasks/rookworld/make_eval_set.py) carries its own answers: engine
 analysis for P: items, the exact completion for A: items. Evaluating needs no engine and no network,
@@ -10,15 +10,20 @@ A: format rate (every format check of the A: reward passes: four fields, a valid
    reward values, 0/1 flags), next-FEN accuracy (the FEN field is exact), exact-completion accuracy.
 """
 import json
+import os
 
-from tasks.rookworld.format import legal_move, parse_board, parse_policy_completion, policy_format_checks
-from tasks.rookworld.task import EVAL_SET, env_components
+from tasks.rookworld.format import legal_move, parse_board, parse_policy_completion, policy_format_checks, position_key
+from tasks.rookworld.rewards import env_components
 
-KINDS = {"chess-policy": ("P",), "chess-env": ("A",)}   # any other task: both
+EVAL_SET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval_set.jsonl")
 
 
-def eval_kinds(task_name: str) -> tuple[str, ...]:
-    return KINDS.get(task_name, ("P", "A"))
+def held_out_positions(path: str = EVAL_SET) -> set[str]:
+    """Positions of the committed evaluation set; generated training prompts avoid them."""
+    if not os.path.exists(path):
+        return set()
+    with open(path, encoding="utf-8") as f:
+        return {position_key(json.loads(line)["fen"]) for line in f if line.strip()}
 
 
 def load_eval_set(path: str = EVAL_SET) -> list[dict]:
@@ -72,13 +77,8 @@ def metrics(items: list[dict], completions: list[str]) -> dict:
     return out
 
 
-ROWS = [("p_best_move_acc", "P: best-move accuracy"), ("p_top5_acc", "P: top-5 accuracy"),
-        ("p_legal_rate", "P: legal-move rate"), ("p_format_rate", "P: format rate"),
-        ("a_format_rate", "A: format rate"), ("a_next_fen_acc", "A: next-FEN accuracy"), ("a_exact_acc", "A: exact-completion accuracy")]
-
-
-def table(result: dict, step: int) -> str:
-    counts = " + ".join(f"{result[k]} {name}" for k, name in (("p_n", "P:"), ("a_n", "A:")) if k in result)
-    lines = [f"eval at step {step}: greedy on {counts} held-out items"]
-    lines += [f"  {label:<30} {100 * result[key]:6.1f}%" for key, label in ROWS if key in result]
-    return "\n".join(lines)
+def evaluate(complete, kinds: tuple[str, ...], per_kind: int) -> dict:
+    """Greedy completions of the first per_kind held-out items of each kind (complete: the trainer's
+    decoding), scored against the answers the set carries."""
+    items = select(load_eval_set(), kinds, per_kind)
+    return metrics(items, complete([item["prompt"] for item in items]))

@@ -190,3 +190,9 @@ def split_env_line(line: str) -> Optional[tuple[str, str]]:
     if len(parts) != 7:
         return None
     return "A: " + "+".join(parts[:3]) + "+", "+".join(parts[3:])
+
+
+def position_key(fen: str) -> str:
+    """A position's identity without its move clocks (and en-passant notation style)."""
+    board = parse_board(fen)
+    return " ".join(board.fen().split()[:4]) if board else fen

@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tasks.rookworld.engine import EnginePool, find_stockfish  # noqa: E402
 from tasks.rookworld.format import env_prompt, expected_env_completion, policy_prompt  # noqa: E402
 from tasks.rookworld.positions import history, random_board, random_transition  # noqa: E402
-from tasks.rookworld.task import EVAL_SET, position_key  # noqa: E402
+from tasks.rookworld.evaluate import EVAL_SET  # noqa: E402
+from tasks.rookworld.format import position_key  # noqa: E402
 
 
 def main():

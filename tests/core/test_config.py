@@ -1,6 +1,14 @@
 import pytest
 
-from grpo.config import Config, ConfigError, batch_layout, describe, load
+import tasks
+from grpo import config
+from grpo.config import Config, ConfigError, batch_layout, describe
+
+
+def load(argv, environ):
+    """The trainer's settings (the default task's options aside) and their sources."""
+    loaded = config.load(argv, environ, tasks.BUILTIN, tasks.DEFAULT)
+    return loaded.cfg, loaded.sources
 
 
 def layout(argv, world=1):
@@ -12,16 +20,16 @@ def test_defaults_are_the_seed_configuration():
     cfg, sources = load([], environ={})
     assert (cfg.batch_size, cfg.group_size, cfg.learning_rate, cfg.clip_range, cfg.kl_coef, cfg.max_new_tokens) == \
         (64, 8, 1e-4, 0.2, 0.02, 144)
-    assert set(sources.values()) == {"default"}
+    assert set(sources.values()) == {"default"} and cfg.task == tasks.DEFAULT
     d = batch_layout(cfg)
-    assert d["prompts_per_step"] == 8 and d["updates_per_step"] == 1 and d["grad_accum_steps"] == 1
+    assert d.prompts_per_step == 8 and d.updates_per_step == 1 and d.grad_accum_steps == 1
 
 
 def test_derived_sizes():
     d = layout(["--batch-size", "64", "--mini-batch-size", "32", "--micro-batch-size", "8", "--ppo-epochs", "2"])
-    assert d["updates_per_step"] == 4 and d["grad_accum_steps"] == 4 and d["micro_batch"] == 8
+    assert d.updates_per_step == 4 and d.grad_accum_steps == 4 and d.micro_batch == 8
     d = layout(["--batch-size", "64", "--micro-batch-size", "8"], world=2)
-    assert d["completions_per_device"] == 32 and d["grad_accum_steps"] == 4 and d["prompts_per_device"] == 4
+    assert d.completions_per_device == 32 and d.grad_accum_steps == 4 and d.prompts_per_device == 4
 
 
 @pytest.mark.parametrize("argv, world, message", [
@@ -89,7 +97,8 @@ def test_every_field_is_a_flag_and_an_env_variable():
 
 
 def test_describe_shows_sources_and_sizes():
-    cfg, sources = load(["--batch-size", "32"], environ={"GRPO_SEED": "3"})
-    text = describe(cfg, sources, batch_layout(cfg))
+    loaded = config.load(["--batch-size", "32", "--task", "chess-env"], {"GRPO_SEED": "3"}, tasks.BUILTIN)
+    text = describe(loaded.cfg, loaded.options, loaded.sources, batch_layout(loaded.cfg))
     assert "--batch-size" in text and "cli" in text and "env" in text and "gradient-accumulation steps" in text
-    assert "prompts per step" in text and "optimizer updates per step" in text
+    assert "prompts (groups) per step" in text and "optimizer updates per step" in text
+    assert "options of --task chess-env" in text and "--eval-samples" in text

@@ -8,9 +8,11 @@ import os
 import pytest
 import torch
 
+import grpo.update
 import train_lean
 from helpers import SMALL, records, weights
-from grpo.task import get_task, score
+from grpo.task import score
+from tasks import get_task
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +33,7 @@ def run(tiny_model_dir, out, *extra):
 
 def fake_allocator(monkeypatch, rows_that_fit: int, let_through: int = 0):
     """Forwards of more rows than fit raise CUDA's out-of-memory error, after the first `let_through`."""
-    real, big = train_lean.completion_logprobs, []
+    real, big = grpo.update.completion_logprobs, []
 
     def completion_logprobs(model, input_ids, *args, **kwargs):
         if input_ids.shape[0] > rows_that_fit:
@@ -40,7 +42,7 @@ def fake_allocator(monkeypatch, rows_that_fit: int, let_through: int = 0):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (the test's allocator)")
         return real(model, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(train_lean, "completion_logprobs", completion_logprobs)
+    monkeypatch.setattr(grpo.update, "completion_logprobs", completion_logprobs)
 
 
 def test_out_of_memory_halves_the_micro_batch_and_redoes_the_step_exactly(tiny_model_dir, tmp_path, monkeypatch):
@@ -66,14 +68,14 @@ def test_micro_batch_auto_probes_the_largest_that_fits(tiny_model_dir, tmp_path,
 
 
 def poison_losses(monkeypatch, bad_calls):
-    real, calls = train_lean.grpo_loss, []
+    real, calls = grpo.update.grpo_loss, []
 
     def grpo_loss(*args, **kwargs):
         loss, stats = real(*args, **kwargs)
         calls.append(1)
         return (loss * float("nan") if bad_calls is None or len(calls) in bad_calls else loss), stats
 
-    monkeypatch.setattr(train_lean, "grpo_loss", grpo_loss)
+    monkeypatch.setattr(grpo.update, "grpo_loss", grpo_loss)
 
 
 def test_a_non_finite_loss_skips_the_update(tiny_model_dir, tmp_path, monkeypatch):

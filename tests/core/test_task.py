@@ -3,7 +3,8 @@ import random
 import numpy as np
 import pytest
 
-from grpo.task import TaskError, get_task, score
+from grpo.task import TaskError, score
+from tasks import get_task
 from tasks.toy import ToyTask
 
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import REPO, read_jsonl as records
 
@@ -40,7 +41,19 @@ def test_two_steps_write_every_key(two_steps):
         assert r["kl"] >= 0 and 0 <= r["frac_zero_std"] <= 1
     # one update per step, on-policy: the ratio is 1 and nothing is clipped
     assert abs(recs[0]["ratio_mean"] - 1) < 1e-5 and recs[0]["clip_frac"] == 0
-    assert "prompts per step" in proc.stdout and "step 2/2" in proc.stdout
+    assert "prompts (groups) per step" in proc.stdout and "step 2/2" in proc.stdout
+
+
+def test_a_default_run_keeps_the_trained_model(two_steps, tiny_model_dir):
+    # no save flag: the trained weights are a plain Hugging Face folder, and they moved from the start
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    proc, out = two_steps
+    assert f"saved the trained model to {out / 'model'}" in proc.stdout
+    trained = AutoModelForCausalLM.from_pretrained(out / "model")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert AutoTokenizer.from_pretrained(out / "model").eos_token_id == AutoTokenizer.from_pretrained(tiny_model_dir).eos_token_id
+    moved = [not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), start.state_dict().values())]
+    assert any(moved) and trained.config.vocab_size == start.config.vocab_size
 
 
 def test_completions_log_has_one_record_per_completion(two_steps):

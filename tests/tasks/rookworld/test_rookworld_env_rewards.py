@@ -7,7 +7,9 @@ import pytest
 
 from tasks.rookworld.format import env_prompt, parse_env_prompt
 from tasks.rookworld.positions import history, random_transition
-from tasks.rookworld.task import ChessEnvTask, env_components, position_key
+from tasks.rookworld.format import position_key
+from tasks.rookworld.rewards import env_components
+from tasks.rookworld.task import ChessEnvTask
 
 N_TRANSITIONS = 1000
 

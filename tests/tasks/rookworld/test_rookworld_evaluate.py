@@ -1,10 +1,10 @@
 """Held-out evaluation: the committed set is sound, and the metrics measure what they say."""
 import chess
 
-from tasks.rookworld.evaluate import eval_kinds, load_eval_set, metrics, select, table
+from tasks.rookworld.evaluate import held_out_positions, load_eval_set, metrics, select
 from tasks.rookworld.format import (
     expected_env_completion, legal_move, parse_board, parse_env_prompt, policy_completion, policy_prompt)
-from tasks.rookworld.task import ChessEnvTask, held_out_positions
+from tasks.rookworld.task import ChessEnvTask, ChessMixTask, ChessPolicyTask
 
 
 def test_committed_set_is_sound():
@@ -45,12 +45,21 @@ def test_metrics_of_perfect_partial_and_junk_answers():
     junk = metrics(items, ["B: e2e4 junk"] * len(items))
     assert junk["p_format_rate"] == 0.0 and junk["a_exact_acc"] == 0.0 and junk["a_next_fen_acc"] == 0.0
     assert partial["a_format_rate"] == 1.0 and junk["a_format_rate"] == 0.0
-    text = table(best, step=0)
-    assert "10 P: + 10 A:" in text and "100.0%" in text
 
 
-def test_kinds_follow_the_task():
-    assert eval_kinds("chess-policy") == ("P",) and eval_kinds("chess-env") == ("A",)
-    assert eval_kinds("chess") == ("P", "A")
-    items = select(load_eval_set(), ("A",), 3)
-    assert "p_n" not in metrics(items, [""] * 3) and "P:" not in table(metrics(items, [""] * 3), 1)
+def test_each_task_evaluates_its_kinds_through_the_trainers_decoding():
+    # evaluate(complete): the task hands its held-out prompts to complete() and scores what comes back
+    by_prompt = {i["prompt"]: perfect(i) for i in load_eval_set()}
+    asked = []
+
+    def complete(prompts):
+        asked.append(len(prompts))
+        return [by_prompt[p] for p in prompts]
+
+    env = ChessEnvTask(eval_samples=4).evaluate(complete)
+    assert env == {"a_n": 4, "a_format_rate": 1.0, "a_next_fen_acc": 1.0, "a_exact_acc": 1.0}
+    policy = ChessPolicyTask(stockfish_path="/nonexistent", eval_samples=3)   # evaluating needs no engine
+    assert policy.evaluate(complete)["p_best_move_acc"] == 1.0 and "a_n" not in policy.evaluate(complete)
+    mix = ChessMixTask(task_mix=1.0, stockfish_path="/nonexistent", eval_samples=2).evaluate(complete)
+    assert mix["p_n"] == 2 and mix["a_n"] == 2   # both kinds, whatever the training mix
+    assert asked == [4, 3, 3, 4]

@@ -37,13 +37,13 @@ def positions(task):
             prompt = policy_prompt(board.fen(en_passant="fen"))
             out.append(prompt)
     for prompt in out:
-        task.pool.analyse(prompt_fen(prompt))   # analyse all at once, as prompts() does
+        task.engines().analyse(prompt_fen(prompt))   # analyse all at once, as prompts() does
     return out
 
 
 def answer(task, prompt, best):
     """The engine's own analysis as the answer, with `best` as B:."""
-    analysis = task.pool.analyse(prompt_fen(prompt)).result()
+    analysis = task.engines().analyse(prompt_fen(prompt)).result()
     return policy_completion(list(analysis.moves), list(analysis.evals), best)
 
 
@@ -61,7 +61,7 @@ def an_illegal_move(board: chess.Board) -> str:
 def test_engine_best_beats_top5_beats_legal_beats_illegal_beats_garbage(task, positions):
     for prompt in positions:
         board = parse_board(prompt_fen(prompt))
-        top = list(task.pool.analyse(prompt_fen(prompt)).result().moves)
+        top = list(task.engines().analyse(prompt_fen(prompt)).result().moves)
         assert len(top) == 5
         other = next(m.uci() for m in board.legal_moves if m.uci() not in top)
         scores = [task.reward(prompt, answer(task, prompt, m)) for m in top]
@@ -78,7 +78,7 @@ def test_engine_best_beats_top5_beats_legal_beats_illegal_beats_garbage(task, po
 
 def test_answer_parts_earn_partial_credit(task, positions):
     prompt = positions[0]
-    analysis = task.pool.analyse(prompt_fen(prompt)).result()
+    analysis = task.engines().analyse(prompt_fen(prompt)).result()
     best = analysis.moves[0]
     full = task.reward_breakdown(prompt, answer(task, prompt, best))
     wrong_evals = task.reward_breakdown(
@@ -125,22 +125,26 @@ def test_prompts_that_are_no_position_get_the_minimum(task, prompt):
 
 
 def test_dead_engine_is_restarted_and_the_position_retried(task):
-    engine = task.pool.engines()[0]
+    engine = task.engines().engines()[0]
     os.kill(engine.transport.get_pid(), signal.SIGKILL)
-    before = task.pool.restarts
+    before = task.engines().restarts
     fen = "r1bqkbnr/pppp1ppp/2n5/4p3/4P3/5N2/PPPP1PPP/RNBQKB1R w KQkq - 2 3"
     assert task.reward(policy_prompt(fen), "B: f1b5") > 0.1
-    assert task.pool.restarts == before + 1
+    assert task.engines().restarts == before + 1
 
 
-def test_missing_engine_is_a_one_line_usage_error():
+def test_missing_engine_is_a_one_line_usage_error_when_prompts_are_drawn():
+    # building the task needs no engine (evaluating needs none); drawing P: prompts does
+    task = ChessPolicyTask(stockfish_path="/nonexistent/stockfish")
     with pytest.raises(TaskError) as err:
-        ChessPolicyTask(stockfish_path="/nonexistent/stockfish")
+        task.prompts(2, random.Random(0))
     message = str(err.value)
     assert "\n" not in message and "--task chess-env" in message and "install" in message
     with pytest.raises(TaskError):
-        ChessMixTask(stockfish_path="/nonexistent/stockfish")
-    ChessMixTask(task_mix=0.0, stockfish_path="/nonexistent/stockfish").close()   # A: only: no engine
+        ChessMixTask(stockfish_path="/nonexistent/stockfish").prompts(8, random.Random(0))
+    mix = ChessMixTask(task_mix=0.0, stockfish_path="/nonexistent/stockfish")   # A: only: no engine
+    assert all(p.startswith("A: ") for p in mix.prompts(4, random.Random(0)))
+    mix.close()
 
 
 def test_mixture_draws_both_kinds_and_dispatches(task):
@@ -169,7 +173,7 @@ def test_real_data_answers_agree_with_the_engine(task):
     with open(path, encoding="utf-8") as f:
         lines = [split_policy_line(line.rstrip("\n")) for line in f][:40]
     for prompt, _ in lines:
-        task.pool.analyse(prompt_fen(prompt))
+        task.engines().analyse(prompt_fen(prompt))
     by_side = {"w": [], "b": []}
     for prompt, completion in lines:
         by_side[prompt_fen(prompt).split()[1]].append(task.reward_breakdown(prompt, completion))

@@ -33,34 +33,35 @@ def test_chess_run_logs_components_and_evals(tiny_model_dir, tmp_path, capsys, c
     seen = set().union(*steps)
     assert env_keys <= seen
     assert policy_keys <= seen or task == "chess-env"
-    assert "eval at step 0" in stdout and "A: exact-completion accuracy" in stdout
+    assert "eval at step 0" in stdout and "a_exact_acc" in stdout
 
 
-def test_default_run_evaluates_before_and_after_chess_only(tiny_model_dir, tmp_path, clean_env):
+def test_default_run_evaluates_before_and_after_only_a_task_with_evaluate(tiny_model_dir, tmp_path, clean_env):
     # no --eval-interval: a chess run still reports held-out metrics before training and after its last
-    # step (3 is not a multiple of the default interval); a toy run, which has no held-out set, none
+    # step (3 is not a multiple of the default interval); a toy run, whose task has no evaluate(), none
     train_lean.main(["--model", tiny_model_dir, "--task", "chess-env", "--steps", "3", "--out-dir",
                      str(tmp_path / "chess"), *SMALL])
     assert [r["step"] for r in records(tmp_path / "chess" / "metrics.jsonl") if r.get("kind") == "eval"] == [0, 3]
     train_lean.main(["--model", tiny_model_dir, "--task", "toy", "--steps", "1", "--out-dir", str(tmp_path / "toy"),
-                     *SMALL])
+                     *SMALL[:-2]])
     assert not [r for r in records(tmp_path / "toy" / "metrics.jsonl") if r.get("kind") == "eval"]
 
 
 def test_eval_only_prints_the_table(tiny_model_dir, tmp_path, capsys, clean_env):
-    # needs no task object and no engine: the held-out set carries its answers
+    # needs no engine: the held-out set carries its answers
     train_lean.main(["--eval-only", "--model", tiny_model_dir, "--stockfish-path", "/nonexistent",
                      "--task", "chess", "--out-dir", str(tmp_path), *SMALL])
     stdout = capsys.readouterr().out
-    assert "greedy on 3 P: + 3 A: held-out items" in stdout
-    assert "P: legal-move rate" in stdout and "step 1/" not in stdout
+    assert "eval at step 0" in stdout and "p_n              3" in stdout and "a_n              3" in stdout
+    assert "p_legal_rate" in stdout and "step 1/" not in stdout
     assert not os.path.exists(tmp_path / "metrics.jsonl")   # nothing overwritten without --log-file
 
 
 @pytest.mark.parametrize("args, message", [
     (["--task", "chess-policy", "--stockfish-path", "/nonexistent/stockfish"], "use --task chess-env"),
     (["--task", "toy", "--data", __file__], "--data does not apply to --task toy"),
-    (["--task", "toy", "--eval-interval", "2"], "use a chess task"),
+    (["--task", "toy", "--eval-interval", "2"], "--eval-interval: --task toy has no evaluate(complete) method"),
+    (["--task", "toy", "--eval-only"], "--eval-only: --task toy has no evaluate(complete) method"),
     (["--task", "chess", "--task-mix", "1.5"], "--task-mix 1.5 must be in [0, 1]"),
     (["--task", "chess-env", "--data", "no-such-file.txt"], "--data no-such-file.txt: no such file"),
     (["--task", "chess-env", "--data", os.path.join(REPO, "README.md")],
