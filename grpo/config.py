@@ -45,8 +45,8 @@ def opt(default, help, choices=None, const=None, path=None, auto=False):
 @dataclass
 class Config:
     # model and task
-    model: str = opt(DEFAULT_MODEL, "hub id or local folder of a causal LM (AutoModelForCausalLM); the default "
-                     "is the shipped chess model, RookWorld-LM itself is jrahn/RookWorld-LM-124M")
+    model: str = opt(DEFAULT_MODEL, "hub id or local folder of a causal LM (AutoModelForCausalLM); the default is "
+                     "the shipped models/rook-tiny, whose full-size sibling is jrahn/RookWorld-LM-124M")
     task: typing.Optional[str] = opt(None, "a built-in task (tasks/__init__.py), path/to/file.py:Name or "
                                      "module:Name; a task with options adds its own flags (see --task T --help)")
     prompt_bos: str = opt("auto", "start each prompt with the tokenizer's BOS/EOS token "
