@@ -56,7 +56,9 @@ def kl_penalised_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: to
     logp are the policy's logprobs of the sampled tokens when they were sampled (the rollout's
     old_logp), ref_logp the reference's, mask the completion mask: the penalty is a fixed part of
     the reward, computed once per rollout. k1 gives the unbiased gradient (module doc). Subtract it
-    before group_advantages, so the group baseline and scaling see the penalised reward.
+    before group_advantages, so the group baseline and scaling see the penalised reward. With
+    scale_rewards "group", a group whose task rewards are all equal is then scaled by the std of its
+    KL penalties alone: its advantages come out of unit size, whatever kl_coef is.
     """
     kl = kl_estimate(logp.detach().float(), ref_logp.detach().float(), estimator)
     return rewards.float() - kl_coef * (kl * mask.float()).sum(1)

@@ -40,7 +40,8 @@ class _TensorBoard:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ReportError("--report-to tensorboard needs the tensorboard package: pip install tensorboard") from None
+            raise ReportError("--report-to tensorboard needs the tensorboard package: "
+                              "pip install tensorboard") from None
         self.writer = SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"))
 
     def log(self, record: dict, step: int) -> None:
