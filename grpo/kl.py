@@ -57,8 +57,9 @@ def kl_penalised_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: to
     old_logp), ref_logp the reference's, mask the completion mask: the penalty is a fixed part of
     the reward, computed once per rollout. k1 gives the unbiased gradient (module doc). Subtract it
     before group_advantages, so the group baseline and scaling see the penalised reward. With
-    scale_rewards "group", a group whose task rewards are all equal is then scaled by the std of its
-    KL penalties alone: its advantages come out of unit size, whatever kl_coef is.
+    scale_rewards "group", a group whose task rewards are all equal has advantages made of its KL
+    penalties divided by their own spread: of unit size, however small kl_coef, once that spread is
+    well above group_advantages' eps.
     """
     kl = kl_estimate(logp.detach().float(), ref_logp.detach().float(), estimator)
     return rewards.float() - kl_coef * (kl * mask.float()).sum(1)
