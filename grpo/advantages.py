@@ -2,6 +2,16 @@
 import torch
 
 
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[groups] bool: whether a group's rewards are not all equal (only such a group has advantages).
+
+    Rows of one group are contiguous. Exact equality, not a tolerance: a group is uninformative
+    exactly when group_advantages sets its advantages to 0.
+    """
+    r = rewards.float().view(-1, group_size)
+    return r.max(1).values != r.min(1).values
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4):
     """(r - mean of its group) / (std + eps). Rows of one group are contiguous.
 
@@ -20,6 +30,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         adv = adv / (rewards.float().std() + eps)
     elif scale != "none":
         raise ValueError(f"scale_rewards {scale!r}")
-    zero = (r.max(1, keepdim=True).values - r.min(1, keepdim=True).values) == 0
+    zero = ~informative_groups(rewards, group_size)[:, None]
     adv = adv.masked_fill(zero, 0.0)
     return adv.reshape(-1), zero.float().mean().item()

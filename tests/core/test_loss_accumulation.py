@@ -1,0 +1,98 @@
+"""Every loss knob keeps gradient accumulation exact: 8 micro-batches of 8 give the gradient of one batch of
+64, and 2 gloo ranks of 32 rows each, their gradients summed, give the one-process gradient.
+
+The batch is real: 64 completions sampled from the tiny GPT-2 (rollout64), with sampling logprobs moved
+off-policy so that ratios spread out and every clip (low, high, sequence, dual) binds somewhere.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from grad_worker import KNOBS, MAX_NEW_TOKENS, TEMPERATURE, minibatch_gradient
+from grpo.loss import completion_logprobs, grpo_loss, importance_ratio, loss_denominator
+from helpers import env
+
+
+@pytest.fixture(scope="module")
+def batch(rollout64):
+    model, inputs, attention, cmask, old, adv = rollout64
+    torch.manual_seed(2)
+    with torch.no_grad():
+        logp = completion_logprobs(model, inputs, attention, cmask.shape[1], TEMPERATURE, 4096)
+    return {"inputs": inputs, "attention": attention, "cmask": cmask, "adv": adv,
+            "old": old + 0.3 * torch.randn_like(old) * cmask, "ref": logp + 0.2 * torch.randn_like(logp) * cmask}
+
+
+def relative(a, b):
+    return ((a - b).norm() / a.norm()).item()
+
+
+@pytest.mark.parametrize("name", list(KNOBS))
+def test_eight_micro_batches_give_the_gradient_of_one_batch(rollout64, batch, name):
+    model = rollout64[0]
+    whole = minibatch_gradient(model, batch, KNOBS[name], micro=64)
+    accumulated = minibatch_gradient(model, batch, KNOBS[name], micro=8)
+    assert whole.norm() > 0
+    assert relative(whole, accumulated) <= 1e-5
+
+
+def test_the_batch_exercises_every_clip(rollout64, batch):
+    """The control of the tests above: each knob's branch is taken on this batch, so each was compared."""
+    model = rollout64[0]
+    cmask = batch["cmask"]
+    with torch.no_grad():
+        logp = completion_logprobs(model, batch["inputs"], batch["attention"], cmask.shape[1], TEMPERATURE, 4096)
+    for knobs in (KNOBS["token-mean"], KNOBS["dual clip"], KNOBS["gspo token-mean"]):
+        _, stats = grpo_loss(logp, batch["old"], batch["adv"], cmask, 1.0, **knobs)
+        assert 0 < stats["clip_low"] and 0 < stats["clip_high"], knobs
+        assert stats["clip"] < stats["tokens"]
+    _, stats = grpo_loss(logp, batch["old"], batch["adv"], cmask, 1.0, **KNOBS["dual clip"])
+    assert stats["clip_dual"] > 0
+    # sequence ratios: some sequences inside the GSPO clip range, some outside it
+    seq = importance_ratio(logp, batch["old"], cmask, "sequence").squeeze(1)
+    assert ((seq - 1).abs() < 0.02).any() and ((seq - 1).abs() > 0.03).any()
+
+
+def test_a_threshold_per_micro_batch_is_a_different_gradient(rollout64, batch):
+    """The trap: the top-entropy threshold must come from the whole mini-batch, not each micro-batch."""
+    model = rollout64[0]
+    knobs = KNOBS["top entropy token-mean"]
+    whole = minibatch_gradient(model, batch, knobs, micro=64)
+    wrong = minibatch_gradient(model, batch, knobs, micro=8, threshold_per_micro_batch=True)
+    assert relative(whole, wrong) > 1e-3
+
+
+def test_dr_grpo_denominator_is_the_same_whatever_the_lengths(batch):
+    cmask = batch["cmask"]
+    assert loss_denominator(cmask, "dr-grpo", MAX_NEW_TOKENS) == 64 * MAX_NEW_TOKENS
+    assert loss_denominator(torch.ones_like(cmask), "dr_grpo", MAX_NEW_TOKENS) == 64 * MAX_NEW_TOKENS
+
+
+def test_two_gloo_ranks_sum_to_the_one_process_gradient(rollout64, batch, tiny_model_dir, tmp_path):
+    batch_file, out_file, init_file = tmp_path / "batch.pt", tmp_path / "grads.pt", tmp_path / "rendezvous"
+    torch.save(batch, batch_file)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grad_worker.py")
+    ranks = [subprocess.Popen([sys.executable, worker, str(rank), "2", str(init_file), tiny_model_dir, str(batch_file),
+                               str(out_file)], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    for p in ranks:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    summed = torch.load(out_file)
+    assert set(summed) == set(KNOBS)
+    for name, knobs in KNOBS.items():
+        one = minibatch_gradient(rollout64[0], batch, knobs, micro=8)
+        assert relative(one, summed[name]) <= 1e-5, name
+
+
+def test_every_knob_changes_the_gradient(rollout64, batch):
+    """Another control: no knob is silently ignored (each gives a gradient of its own)."""
+    model = rollout64[0]
+    grads = {name: minibatch_gradient(model, batch, knobs, micro=64) for name, knobs in KNOBS.items()}
+    names = list(grads)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert relative(grads[a], grads[b]) > 1e-4, (a, b)

@@ -1,0 +1,301 @@
+"""Each loss knob against its formula, on small hand-made tensors (expected values written out or looped naively)."""
+import math
+
+import pytest
+import torch
+
+from grpo.kl import k3_kl, kl_estimate, kl_penalised_rewards
+from grpo.loss import (completion_logprobs, grpo_loss, importance_ratio, loss_denominator, normalise_loss_agg,
+                       top_entropy_threshold)
+from grpo.model import position_ids_from_mask
+
+# two sequences of 3 and 2 tokens (the last position of the second is padding)
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+OLD = torch.zeros(2, 3)
+LOGP = torch.tensor([[0.1, -0.1, 0.3], [0.2, 0.0, 9.0]])  # 9.0 sits under the mask: it must not count
+ADV = torch.tensor([1.0, -2.0])
+
+
+def leaf(t):
+    return t.clone().requires_grad_(True)
+
+
+# ---- aggregation -------------------------------------------------------------------------------------------
+
+def test_loss_agg_names_and_trl_aliases():
+    assert [normalise_loss_agg(n) for n in ("token-mean", "seq-mean", "dr-grpo")] == ["token-mean", "seq-mean",
+                                                                                      "dr-grpo"]
+    assert normalise_loss_agg("dapo") == normalise_loss_agg("bnpo") == "token-mean"
+    assert normalise_loss_agg("grpo") == "seq-mean"
+    assert normalise_loss_agg("dr_grpo") == "dr-grpo"
+    with pytest.raises(ValueError, match="'sum' is not one of token-mean, seq-mean, dr-grpo") as e:
+        normalise_loss_agg("sum")
+    assert "\n" not in str(e.value)
+
+
+def test_denominators():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])  # the third row carries no loss
+    assert loss_denominator(mask, "token-mean", 10) == 4
+    assert loss_denominator(mask, "seq-mean", 10) == 2
+    assert loss_denominator(mask, "dr-grpo", 10) == 30
+    assert loss_denominator(mask, "grpo", 10) == 2
+
+
+def _per_token_surrogate(logp, adv, mask, eps_low=0.2, eps_high=0.2):
+    """Naive loop: -min(r A, clip(r) A) per masked token, as a list of (row, col, value)."""
+    out = []
+    for i in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            if mask[i, t]:
+                r = math.exp(float(logp[i, t]))
+                c = min(max(r, 1 - eps_low), 1 + eps_high)
+                out.append((i, t, -min(r * float(adv[i]), c * float(adv[i]))))
+    return out
+
+
+def test_three_aggregations_against_a_loop():
+    terms = _per_token_surrogate(LOGP, ADV, MASK)
+    token_sum = sum(v for _, _, v in terms)
+    rows = [[v for i, _, v in terms if i == row] for row in range(2)]
+    loss, _ = grpo_loss(LOGP, OLD, ADV, MASK, 5.0)
+    assert loss.item() == pytest.approx(token_sum / 5, rel=1e-6)
+    loss, _ = grpo_loss(LOGP, OLD, ADV, MASK, 2.0, loss_agg="seq-mean")
+    assert loss.item() == pytest.approx((sum(rows[0]) / 3 + sum(rows[1]) / 2) / 2, rel=1e-6)
+    loss, _ = grpo_loss(LOGP, OLD, ADV, MASK, 2 * 4.0, loss_agg="dr-grpo")  # 2 sequences x max_new_tokens 4
+    assert loss.item() == pytest.approx(token_sum / 8, rel=1e-6)
+    # TRL names give the same numbers
+    assert grpo_loss(LOGP, OLD, ADV, MASK, 2.0, loss_agg="grpo")[0].item() == pytest.approx(
+        (sum(rows[0]) / 3 + sum(rows[1]) / 2) / 2, rel=1e-6)
+
+
+def test_defaults_are_the_token_mean_k3_loss():
+    ref = torch.tensor([[0.0, 0.2, -0.1], [0.5, 0.1, 0.0]])
+    loss, stats = grpo_loss(LOGP, OLD, ADV, MASK, 5.0, ref_logp=ref, kl_coef=0.1)
+    expected = 0.0
+    for i, t, v in _per_token_surrogate(LOGP, ADV, MASK):
+        d = float(ref[i, t] - LOGP[i, t])
+        expected += v + 0.1 * (math.exp(d) - d - 1)
+    assert loss.item() == pytest.approx(expected / 5, rel=1e-6)
+    assert set(stats) >= {"kl", "clip", "ratio", "tokens", "clip_low", "clip_high", "entropy"}
+
+
+# ---- clipping statistics -----------------------------------------------------------------------------------
+
+def test_clip_low_and_high_are_counted_apart():
+    # ratios e^.5 (above 1.2), e^-.5 (below 0.8), 1, and under the mask e^.5
+    logp = torch.tensor([[0.5, -0.5, 0.0], [0.5, -0.5, 0.5]])
+    adv = torch.tensor([1.0, -1.0])
+    _, stats = grpo_loss(logp, torch.zeros(2, 3), adv, torch.tensor([[1, 1, 1], [1, 1, 0]]), 1.0)
+    # row 0 (A > 0): the high ratio is clipped, the low one not; row 1 (A < 0): the low one is clipped
+    assert stats["clip_high"] == 1 and stats["clip_low"] == 1 and stats["clip"] == 2
+    assert stats["tokens"] == 5
+    assert stats["ratio"] == pytest.approx(2 * math.exp(0.5) + 2 * math.exp(-0.5) + 1, rel=1e-6)
+
+
+# ---- GSPO ----------------------------------------------------------------------------------------------------
+
+def test_sequence_ratio_is_the_exp_of_the_mean_token_log_ratio():
+    ratio = importance_ratio(LOGP, OLD, MASK, "sequence")
+    assert ratio.shape == (2, 1)
+    assert ratio[0, 0].item() == pytest.approx(math.exp((0.1 - 0.1 + 0.3) / 3), rel=1e-6)
+    assert ratio[1, 0].item() == pytest.approx(math.exp((0.2 + 0.0) / 2), rel=1e-6)
+    with pytest.raises(ValueError):
+        importance_ratio(LOGP, OLD, MASK, "group")
+
+
+def test_gspo_loss_and_gradient_by_hand():
+    """Both rows have the sequence ratio s = e^0.1 (mean token log-ratio 0.1); A = 1 and -2.
+
+    Inside the clip range, token-mean over 5 tokens: loss = (3 (-s) + 2 (2 s)) / 5, and a row-0 token's
+    gradient is 3 x (-1) x (d s / d logp = s / 3) / 5 = -s / 5; a row-1 token's 2 x 2 x (s / 2) / 5.
+    """
+    s = math.exp(0.1)
+    logp = leaf(torch.tensor([[0.1, 0.1, 0.1], [0.0, 0.2, 5.0]]))
+    loss, stats = grpo_loss(logp, OLD, torch.tensor([1.0, -2.0]), MASK, 5.0, importance_level="sequence",
+                            clip_low=0.05, clip_high=0.2)
+    assert loss.item() == pytest.approx((3 * -s + 2 * 2 * s) / 5, rel=1e-6)
+    loss.backward()
+    assert torch.allclose(logp.grad[0], torch.full((3,), -s / 5))
+    assert torch.allclose(logp.grad[1, :2], torch.full((2,), 2 * s / 5))
+    assert logp.grad[1, 2] == 0
+    # a high range of 0.05 clips row 0 (A > 0, s > 1.05) as a whole; row 1 (A < 0) keeps -s A, the larger
+    logp.grad = None
+    loss, stats = grpo_loss(logp, OLD, torch.tensor([1.0, -2.0]), MASK, 5.0, importance_level="sequence",
+                            clip_low=0.05, clip_high=0.05)
+    assert loss.item() == pytest.approx((3 * -1.05 + 2 * 2 * s) / 5, rel=1e-6)
+    loss.backward()
+    assert torch.equal(logp.grad[0], torch.zeros(3))
+    assert stats["clip_high"] == 3 and stats["clip"] == 3  # every token of the clipped sequence
+
+
+# ---- dual clip -----------------------------------------------------------------------------------------------
+
+def test_dual_clip_bounds_negative_advantages():
+    # ratios 4, 2, 0.5 with A = -1 and C = 3; a fourth token with A = +1 and ratio 4
+    logp = leaf(torch.log(torch.tensor([[4.0, 2.0, 0.5], [4.0, 1.0, 1.0]])))
+    adv = torch.tensor([-1.0, 1.0])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    loss, stats = grpo_loss(logp, torch.zeros(2, 3), adv, mask, 1.0, dual_clip=3.0)
+    # A = -1: min(max(r, clip(r)), C): r=4 -> max(4, 1.2) = 4, bounded to 3; r=2 -> 2; r=0.5 -> max(0.5, 0.8)
+    # = 0.8 (clipped low). A = +1, r=4: -min(4, 1.2) = -1.2 (clipped high)
+    assert loss.item() == pytest.approx(3 + 2 + 0.8 - 1.2, rel=1e-6)
+    loss.backward()
+    # the bounded token and the clipped ones get no gradient; r=2 gets d(r)/d logp = r = 2
+    assert logp.grad[0].tolist() == pytest.approx([0.0, 2.0, 0.0])
+    assert logp.grad[1, 0] == 0
+    assert stats["clip_dual"] == 1 and stats["clip_low"] == 1 and stats["clip_high"] == 1
+    # without it, the r=4 token costs 4 and carries gradient
+    loss, _ = grpo_loss(logp, torch.zeros(2, 3), adv, mask, 1.0)
+    assert loss.item() == pytest.approx(4 + 2 + 0.8 - 1.2, rel=1e-6)
+    for bad in (1.0, 0.5):
+        with pytest.raises(ValueError, match="must be > 1"):
+            grpo_loss(logp, torch.zeros(2, 3), adv, mask, 1.0, dual_clip=bad)
+
+
+# ---- KL ------------------------------------------------------------------------------------------------------
+
+def test_kl_estimators_by_formula():
+    logp = torch.tensor([-1.0, -2.0, -0.5])
+    ref = torch.tensor([-1.5, -1.0, -0.5])
+    d = [-0.5, 1.0, 0.0]  # ref - logp
+    assert kl_estimate(logp, ref, "k1").tolist() == pytest.approx([0.5, -1.0, 0.0])
+    assert kl_estimate(logp, ref, "k2").tolist() == pytest.approx([0.125, 0.5, 0.0])
+    assert kl_estimate(logp, ref, "k3").tolist() == pytest.approx([math.exp(x) - x - 1 for x in d])
+    assert torch.equal(kl_estimate(logp, ref, "k3"), k3_kl(logp, ref))
+    with pytest.raises(ValueError, match="not one of k1, k2, k3"):
+        kl_estimate(logp, ref, "k4")
+
+
+def test_kl_estimator_in_the_loss():
+    ref = torch.tensor([[0.0, 0.2, -0.1], [0.5, 0.1, 0.0]])
+    zero_adv = torch.zeros(2)
+    for estimator, f in (("k1", lambda lp, r: lp - r), ("k2", lambda lp, r: 0.5 * (lp - r) ** 2)):
+        loss, stats = grpo_loss(LOGP, OLD, zero_adv, MASK, 5.0, ref_logp=ref, kl_coef=0.1, kl_estimator=estimator)
+        expected = sum(0.1 * f(float(LOGP[i, t]), float(ref[i, t])) for i in range(2) for t in range(3) if MASK[i, t])
+        assert loss.item() == pytest.approx(expected / 5, rel=1e-6), estimator
+        # the logged kl stays the k3 estimate
+        k3 = sum(math.exp(float(ref[i, t] - LOGP[i, t])) - float(ref[i, t] - LOGP[i, t]) - 1
+                 for i in range(2) for t in range(3) if MASK[i, t])
+        assert stats["kl"] == pytest.approx(k3, rel=1e-6)
+
+
+def test_kl_in_the_reward_is_subtracted_per_sequence_and_detached():
+    rewards = torch.tensor([1.0, 0.5])
+    logp = leaf(torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -9.0]]))
+    ref = torch.tensor([[-1.5, -1.0, -3.0], [-1.0, -0.5, 0.0]])
+    out = kl_penalised_rewards(rewards, logp, ref, MASK, 0.1)
+    # k1 sums: row 0: 0.5 - 1 + 0 = -0.5; row 1: 0.5 + 0 (the third token is masked)
+    assert out.tolist() == pytest.approx([1.0 + 0.05, 0.5 - 0.05])
+    assert not out.requires_grad
+    k3 = kl_penalised_rewards(rewards, logp, ref, MASK, 0.1, "k3")
+    sums = [math.exp(-0.5) + 0.5 - 1 + math.exp(1) - 2, math.exp(-0.5) + 0.5 - 1]
+    assert k3.tolist() == pytest.approx([1.0 - 0.1 * sums[0], 0.5 - 0.1 * sums[1]])
+
+
+def _exact_gradients(n=5, seed=0):
+    """A one-token policy over n tokens: the exact expected gradient of each KL placement, and the KL gradients."""
+    torch.manual_seed(seed)
+    theta = torch.randn(n, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(n), 0)
+
+    def grad(f):
+        (g,) = torch.autograd.grad(f(), theta)
+        return g
+
+    def expect_loss(estimator):  # E_{y ~ pi}[grad estimator(y)], the sample weights not differentiated
+        def f():
+            logp = torch.log_softmax(theta, 0)
+            return (logp.exp().detach() * kl_estimate(logp, ref, estimator)).sum()
+        return f
+
+    def k1_in_reward():  # E_{y ~ pi}[-reward_penalty(y) * grad log pi(y)] with the penalty detached
+        logp = torch.log_softmax(theta, 0)
+        return (logp.exp().detach() * kl_estimate(logp, ref, "k1").detach() * logp).sum()
+
+    def reverse_kl():
+        logp = torch.log_softmax(theta, 0)
+        return (logp.exp() * (logp - ref)).sum()
+
+    def forward_kl():
+        logp = torch.log_softmax(theta, 0)
+        return (ref.exp() * (ref - logp)).sum()
+
+    return {"k1 reward": grad(k1_in_reward), "k1 loss": grad(expect_loss("k1")), "k2 loss": grad(expect_loss("k2")),
+            "k3 loss": grad(expect_loss("k3")), "reverse": grad(reverse_kl), "forward": grad(forward_kl)}
+
+
+def test_which_kl_placement_gives_which_gradient():
+    """The claims of grpo/kl.py's docstring, exactly, on a small categorical policy."""
+    g = _exact_gradients()
+    assert torch.allclose(g["k1 reward"], g["reverse"], atol=1e-6)   # unbiased for KL(pi || ref)
+    assert torch.allclose(g["k2 loss"], g["reverse"], atol=1e-6)     # per position, on-policy
+    assert torch.allclose(g["k3 loss"], g["forward"], atol=1e-6)     # the gradient of KL(ref || pi)
+    assert not torch.allclose(g["k3 loss"], g["reverse"], atol=1e-3)
+    assert torch.allclose(g["k1 loss"], torch.zeros(5), atol=1e-6)  # no regularisation in expectation
+
+
+# ---- entropy -------------------------------------------------------------------------------------------------
+
+def test_entropies_are_those_of_the_full_softmax(rollout64):
+    model, inputs, attention, cmask, _, _ = rollout64
+    T = cmask.shape[1]
+    rows = slice(0, 16)
+    with torch.no_grad():
+        logits = model(input_ids=inputs[rows], attention_mask=attention[rows],
+                       position_ids=position_ids_from_mask(attention[rows])).logits[:, -T - 1:-1].float() / 1.5
+    p = torch.softmax(logits, -1)
+    direct = -(p * torch.log(p)).sum(-1)
+    results = []
+    for chunk in (10**6, 37):  # one chunk, and many (checkpointed) chunks
+        model.zero_grad(set_to_none=True)
+        logp, entropy = completion_logprobs(model, inputs[rows], attention[rows], T, 1.5, chunk, with_entropy=True)
+        assert torch.allclose(entropy, direct, atol=1e-4)
+        (entropy * cmask[rows]).sum().backward()
+        results.append((logp.detach(), model.get_output_embeddings().weight.grad.clone()))
+        assert torch.equal(logp.detach(), completion_logprobs(model, inputs[rows], attention[rows], T, 1.5,
+                                                              chunk).detach())
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-5)
+    assert ((results[0][1] - results[1][1]).norm() / results[0][1].norm()).item() <= 1e-5
+
+
+def test_entropy_bonus_is_subtracted_under_the_aggregation():
+    entropy = leaf(torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 100.0]]))
+    zero = torch.zeros(2)
+    loss, stats = grpo_loss(LOGP, OLD, zero, MASK, 5.0, entropy=entropy, entropy_coef=0.1)
+    assert loss.item() == pytest.approx(-0.1 * 15 / 5)
+    assert stats["entropy"] == 15
+    loss.backward()
+    assert torch.allclose(entropy.grad, torch.tensor([[-0.02] * 3, [-0.02, -0.02, 0.0]]))
+    loss, _ = grpo_loss(LOGP, OLD, zero, MASK, 2.0, entropy=entropy, entropy_coef=0.1, loss_agg="seq-mean")
+    assert loss.item() == pytest.approx(-0.1 * (6 / 3 + 9 / 2) / 2)
+    with pytest.raises(ValueError, match="with_entropy=True"):
+        grpo_loss(LOGP, OLD, zero, MASK, 5.0, entropy_coef=0.1)
+
+
+def test_top_entropy_threshold_keeps_the_top_share():
+    values = torch.tensor([0.5, 0.1, 0.9, 0.3, 0.7, 0.2, 1.0, 0.4, 0.8, 0.6])
+    assert top_entropy_threshold(values, 0.2) == pytest.approx(0.9)   # keeps 1.0 and 0.9
+    assert top_entropy_threshold(values, 0.25) == pytest.approx(0.8)  # ceil(2.5) = 3 tokens
+    assert top_entropy_threshold(values, 1.0) == pytest.approx(0.1)   # every token
+    assert top_entropy_threshold(values, 0.0) == pytest.approx(1.0)   # the highest one only
+    assert top_entropy_threshold(torch.arange(30.0), 0.1) == 27.0     # 0.1 x 30 is 3 tokens, not 4
+    assert top_entropy_threshold(torch.tensor([2.0, 2.0, 1.0]), 0.1) == 2.0  # one asked for, both ties kept
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError):
+            top_entropy_threshold(values, bad)
+
+
+def test_top_entropy_mask_keeps_kl_and_entropy_on_every_token():
+    logp = leaf(LOGP)
+    ref = torch.tensor([[0.0, 0.2, -0.1], [0.5, 0.1, 0.0]])
+    pg_mask = torch.tensor([[True, False, False], [False, True, False]])
+    loss, stats = grpo_loss(logp, OLD, ADV, MASK, 5.0, ref_logp=ref, kl_coef=0.1, pg_mask=pg_mask)
+    expected = 0.0
+    for i, t, v in _per_token_surrogate(LOGP, ADV, MASK):
+        d = float(ref[i, t] - LOGP[i, t])
+        expected += v * bool(pg_mask[i, t]) + 0.1 * (math.exp(d) - d - 1)
+    assert loss.item() == pytest.approx(expected / 5, rel=1e-6)
+    loss.backward()
+    # a masked-out token's gradient is its KL term's alone: 0.1 (1 - e^d) / 5
+    d = float(ref[0, 1] - LOGP[0, 1])
+    assert logp.grad[0, 1].item() == pytest.approx(0.1 * (1 - math.exp(d)) / 5, rel=1e-5)
