@@ -23,10 +23,12 @@ import torch
 from tqdm import tqdm
 
 import tasks
-from grpo import checkpoint, config, distributed, evaluate, guards, log, memory
+from grpo import checkpoint, config, distributed, dynamic_sampling, evaluate, guards, log, memory, report
 from grpo import task as task_lib
 from grpo.advantages import group_advantages
+from grpo.kl import kl_penalised_rewards
 from grpo.model import ModelLoadError, frozen_copy, load_policy, load_tokenizer
+from grpo.overlong import overlong_penalty
 from grpo.rollout import encode_prompts, sample_groups
 from grpo.update import probe_micro_batch, reference_logprobs, update
 
@@ -54,14 +56,9 @@ def configure(argv):
         if resume_from is None and checkpoint.latest(os.path.join(cfg.out_dir, checkpoint.SUBDIR)):
             raise config.ConfigError(f"--out-dir {cfg.out_dir} holds checkpoints of an earlier run: pass --resume "
                                      f"to continue it, or another --out-dir to start afresh")
-        can_evaluate = hasattr(loaded.task, "evaluate")
-        asked = cfg.eval_only or (cfg.eval_interval > 0 and loaded.sources["eval_interval"] != "default")
-        if asked and not can_evaluate:
-            raise config.ConfigError(f"{'--eval-only' if cfg.eval_only else '--eval-interval'}: --task {cfg.task} "
-                                     f"has no evaluate(complete) method (grpo/task.py says how to add one)")
     except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
         usage_error(str(e))
-    return loaded, layout, resume_from, can_evaluate and (cfg.eval_only or cfg.eval_interval > 0)
+    return loaded, layout, resume_from, hasattr(loaded.task, "evaluate") and (cfg.eval_only or cfg.eval_interval > 0)
 
 
 def main(argv=None):
@@ -131,15 +128,25 @@ def main(argv=None):
             oom.notes.clear()
             say(f"micro-batch auto: {micro} per device ({micro * world} global) fits at {longest} tokens, "
                 f"{mini // micro} gradient-accumulation steps")
+        settings = {**dataclasses.asdict(cfg), **(dataclasses.asdict(loaded.options) if loaded.options else {})}
         metrics_file, completions_file = log.open_run_logs(
             cfg.log_file or os.path.join(cfg.out_dir, "metrics.jsonl"), cfg.log_completions,
             start_step if resume_from else None, stack) if main_rank else (None, None)
+        try:  # TensorBoard or W&B as well, on rank 0 (--report-to)
+            reporter = report.open_reporter(cfg.report_to if main_rank else "none", cfg.out_dir, settings)
+        except report.ReportError as e:
+            usage_error(str(e))
+        stack.callback(reporter.close)
         if evaluating and start_step == 0:  # where the run starts from
-            evaluate.run(task, complete, 0, metrics_file)
+            evaluate.run(task, complete, 0, metrics_file, reporter)
         seen_errors, exit_code = set(), 0
-        settings = {**dataclasses.asdict(cfg), **(dataclasses.asdict(loaded.options) if loaded.options else {})}
         bar = tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", initial=start_step, total=cfg.steps,
                    disable=not (main_rank and sys.stderr.isatty()), file=sys.stderr)
+
+        sample = functools.partial(sample_groups, policy, tokenizer, group_size=G, prepend_bos=prepend_bos,
+                                   generation_batch=layout.generation_batch, max_new_tokens=cfg.max_new_tokens,
+                                   temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                   min_new_tokens=cfg.min_new_tokens, autocast=autocast, device=device)
 
         with guards.StopOnSignal(say) as stop:
             for step in bar:
@@ -148,20 +155,25 @@ def main(argv=None):
                 oom.notes.clear()
 
                 # ---- prompts: the step's groups, this rank's share of them ---------------------------
-                prompts = task.prompts(layout.prompts_per_step, random.Random(step_seed(cfg.seed, step)))
-                prompts = prompts[rank * P:(rank + 1) * P]
+                rng = random.Random(step_seed(cfg.seed, step))
+                prompts = task.prompts(layout.prompts_per_step, rng)[rank * P:(rank + 1) * P]
 
                 # ---- rollout: G completions per prompt, sampled ids and logprobs kept --------------
-                rollout = sample_groups(policy, tokenizer, prompts, group_size=G, prepend_bos=prepend_bos,
-                                        generation_batch=layout.generation_batch, seed=step_seed(cfg.seed, step),
-                                        first_row=rank * B, max_new_tokens=cfg.max_new_tokens,
-                                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                                        min_new_tokens=cfg.min_new_tokens, autocast=autocast, device=device)
+                rollout = sample(prompts, seed=step_seed(cfg.seed, step), first_row=rank * B)
                 t_gen = time.perf_counter()
 
                 # ---- rewards: the task scores the decoded text; a failing reward gets min_reward ----
                 rewards, components, errors = task_lib.score(task, rollout.prompts, rollout.texts)
-                all_rewards = distributed.gather_rows(torch.from_numpy(rewards))
+                rewards, extra = torch.from_numpy(rewards), {}
+                if cfg.dynamic_sampling:  # more of the step's prompts until the groups' rewards differ
+                    rollout, rewards, components, errors, extra = dynamic_sampling.fill(
+                        rollout, rewards, components, errors, task=task, rng=rng, sample=sample,
+                        seed=step_seed(cfg.seed, step), rank=rank, world=world, group_size=G,
+                        max_rounds=cfg.max_sampling_rounds, pad_id=eos)
+                if cfg.overlong_buffer:  # DAPO's soft penalty on completions near the length limit
+                    rewards = rewards + overlong_penalty(rollout.completion_mask.sum(1).cpu(), cfg.max_new_tokens,
+                                                         cfg.overlong_buffer, cfg.overlong_penalty)
+                all_rewards = distributed.gather_rows(rewards)
                 components, errors = log.over_ranks(components, errors)
                 for kind in sorted(errors.keys() - seen_errors):  # once per kind; counts go in every record
                     say(f"step {step}: the task's reward raised {kind}; such completions get the task's "
@@ -169,36 +181,44 @@ def main(argv=None):
                 seen_errors |= errors.keys()
                 t_score = time.perf_counter()
 
-                # ---- advantages: each completion against its group (--scale-rewards batch: all ranks') ---
-                all_advantages, frac_zero_std = group_advantages(all_rewards, G, cfg.scale_rewards)
-                advantages = all_advantages[rank * B:(rank + 1) * B].to(device)
-
-                # ---- update: reference logprobs once per row, then clipped PPO + KL ------------------
+                # ---- reference logprobs, once per row: the KL penalty in the loss or in the reward ----
                 ref_logp = None
                 if reference is not None:
                     ref_logp, micro = guards.shrinking(functools.partial(
                         reference_logprobs, reference, rollout, cfg=cfg, autocast=autocast), micro, mini, oom)
+                train_rewards = all_rewards
+                if cfg.kl_in == "reward" and ref_logp is not None:
+                    train_rewards = distributed.gather_rows(kl_penalised_rewards(
+                        rewards.to(device), rollout.old_logp, ref_logp, rollout.completion_mask, cfg.kl_coef,
+                        cfg.kl_estimator).cpu())
+                    extra["kl_reward_penalty"] = (all_rewards - train_rewards).mean().item()
                 t_ref = time.perf_counter()
+
+                # ---- advantages: each completion against its group (--scale-rewards batch: all ranks') ---
+                all_advantages, frac_zero_std = group_advantages(train_rewards, G, cfg.scale_rewards)
+                advantages = all_advantages[rank * B:(rank + 1) * B].to(device)
+
+                # ---- update: clipped PPO surrogate (+ KL, entropy), mini-batches of micro-batches ------
                 totals, micro, nonfinite_streak = update(policy, optimizer, rollout, advantages, ref_logp,
                                                          layout=layout, micro=micro, cfg=cfg, autocast=autocast,
                                                          on_oom=oom, nonfinite_streak=nonfinite_streak)
                 t_end = time.perf_counter()
 
                 # ---- log: one JSON record and one console line per step ------------------------------
-                n_tokens = distributed.all_sum([rollout.completion_mask.sum().item()])[0]
                 memory.release_free_heap()  # else RSS ratchets up to the largest step's peak (grpo/memory.py)
                 times = {"step": t_end - t_start, "gen": t_gen - t_start, "score": t_score - t_gen,
                          "ref": t_ref - t_score, "train": t_end - t_ref}
-                rec = log.step_record(step, all_rewards, frac_zero_std, totals, n_tokens, times, components,
-                                      errors, len(oom.notes), micro, memory.snapshot(device))
+                extra.update(log.batch_stats(rollout, all_rewards, G, components, errors, oom.notes, micro))
+                rec = log.step_record(step, all_rewards, frac_zero_std, totals, times, extra, memory.snapshot(device))
                 if cfg.log_completions:
                     log.write_completions(completions_file, step, rollout, all_rewards)
                 if main_rank:
                     log.write(metrics_file, rec)
+                    reporter.log(rec, step)
                     if cfg.log_level != "warning":
                         (tqdm.write if not bar.disable else print)(log.step_line(rec, cfg.steps))
                 if evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):  # the last step: "after"
-                    evaluate.run(task, complete, step, metrics_file)
+                    evaluate.run(task, complete, step, metrics_file, reporter)
 
                 # ---- checkpoint, stop ----------------------------------------------------------------
                 stopping = distributed.any_rank(stop.requested)

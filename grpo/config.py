@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 
 from grpo import task as tasks
+from grpo.loss import normalise_loss_agg
 
 
 # The shipped default model (models/rook-tiny, built by the default task's own script). An absolute
@@ -86,8 +87,29 @@ class Config:
     kl_coef: float = opt(0.02, "k3 KL penalty against the frozen reference (0: no reference model)")
     scale_rewards: str = opt("group", "divide advantages by the group's std, the batch's, or not at all",
                              ["group", "batch", "none"])
-    loss_agg: str = opt("token-mean", "average the loss over all completion tokens of a mini-batch, "
-                        "or per sequence first", ["token-mean", "seq-mean"])
+    loss_agg: str = opt("token-mean", "loss normaliser: token-mean (over the mini-batch's tokens), seq-mean (each "
+                        "sequence's mean, then over sequences) or dr-grpo (over max-new-tokens x sequences); TRL's "
+                        "names also work: dapo and bnpo = token-mean, grpo = seq-mean, dr_grpo = dr-grpo")
+    importance_level: str = opt("token", "importance ratio per token (PPO/GRPO) or per sequence (GSPO: the "
+                                "exp of the mean log-ratio, clipped per sequence; use clip ranges of a few 1e-4, "
+                                "such as 3e-4 low and 4e-4 high)", ["token", "sequence"])
+    dual_clip: typing.Optional[float] = opt(None, "dual-clip PPO: for negative advantages the loss is at most "
+                                            "C x |A| (C > 1, e.g. 3; default off)")
+    kl_estimator: str = opt("k3", "KL estimator: k1 (log-ratio), k2 (half its square) or k3 (exp(d) - d - 1); "
+                            "k1 belongs in the reward, k2 and k3 in the loss (grpo/kl.py says why)", ["k1", "k2", "k3"])
+    kl_in: str = opt("loss", "where the KL penalty goes: per token in the loss, or per sequence subtracted from "
+                     "the reward before the advantages", ["loss", "reward"])
+    entropy_coef: float = opt(0.0, "entropy bonus: the loss minus this x the mean token entropy (0: off)")
+    top_entropy_quantile: float = opt(1.0, "only this share of a mini-batch's tokens, the highest-entropy ones, "
+                                      "carry the policy-gradient loss (1: all)")
+    dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal and sample more prompts "
+                                 "until the batch is full of groups that carry a signal", const="true")
+    max_sampling_rounds: int = opt(4, "--dynamic-sampling: extra generation rounds per step at most")
+    mask_truncated: bool = opt(False, "completions cut off at --max-new-tokens (no EOS) carry no loss", const="true")
+    overlong_buffer: int = opt(0, "DAPO's soft overlong penalty: the last N tokens before --max-new-tokens "
+                               "lower the reward linearly, down to -overlong-penalty at the limit (0: off)")
+    overlong_penalty: float = opt(1.0, "the reward lost by a completion that reaches --max-new-tokens "
+                                  "(with --overlong-buffer)")
     # run control
     steps: int = opt(700, "training steps")
     seed: int = opt(0, "seed for prompts, sampling and initialisation")
@@ -99,6 +121,8 @@ class Config:
                                          path="out")
     log_completions: typing.Optional[str] = opt(None, "JSONL file with every sampled completion", path="out")
     log_level: str = opt("info", "console verbosity", ["debug", "info", "warning"])
+    report_to: str = opt("none", "also send every record to TensorBoard (OUT_DIR/tensorboard) or Weights & Biases "
+                         "(offline unless WANDB_MODE says otherwise; OUT_DIR/wandb)", ["none", "tensorboard", "wandb"])
     # long runs (see grpo/checkpoint.py and grpo/guards.py)
     save_final: bool = opt(True, "save the trained model at the end as a Hugging Face folder, OUT_DIR/model",
                            const="true")
@@ -235,6 +259,15 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
                           f"--task {task_name} (see train_lean.py --task {task_name} --help)")
     values["task"] = task_name
     try:
+        values["loss_agg"] = normalise_loss_agg(values["loss_agg"])
+    except ValueError:
+        raise ConfigError(f"--loss-agg {values['loss_agg']!r} is not one of token-mean, seq-mean, dr-grpo "
+                          f"(or TRL's dapo, bnpo, grpo, dr_grpo)") from None
+    asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")
+    if asked and not hasattr(target, "evaluate"):
+        raise ConfigError(f"{'--eval-only' if values['eval_only'] else '--eval-interval'}: --task {task_name} "
+                          f"has no evaluate(complete) method (grpo/task.py says how to add one)")
+    try:
         options = options_cls(**option_values) if options_cls else None
     except (TypeError, ValueError) as e:   # the options' own checks (__post_init__) say what is wrong
         raise ConfigError(str(e).splitlines()[0] if str(e) else f"bad options for --task {task_name}") from None
@@ -314,7 +347,14 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
         v = getattr(cfg, name)
         if v is not None and v <= 0:
             raise ConfigError(f"{flag(name)} {v} must be > 0")
-    for name in ("kl_coef", "weight_decay", "max_grad_norm", "eval_interval"):
+    if cfg.dual_clip is not None and cfg.dual_clip <= 1:
+        raise ConfigError(f"--dual-clip {cfg.dual_clip} must be > 1 (the bound is C x |A|)")
+    if not 0 < cfg.top_entropy_quantile <= 1:
+        raise ConfigError(f"--top-entropy-quantile {cfg.top_entropy_quantile} must be in (0, 1] (1: every token)")
+    if not 0 <= cfg.overlong_buffer <= cfg.max_new_tokens:
+        raise ConfigError(f"--overlong-buffer {cfg.overlong_buffer} must be in [0, --max-new-tokens {cfg.max_new_tokens}]")
+    for name in ("kl_coef", "weight_decay", "max_grad_norm", "eval_interval", "entropy_coef", "overlong_penalty",
+                 "max_sampling_rounds"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)} must be >= 0")
     per_device = cfg.batch_size // world

@@ -17,8 +17,9 @@ def completer(policy, tokenizer, *, prepend_bos: bool, max_new_tokens: int, batc
                              max_new_tokens=max_new_tokens, batch=batch, device=device, autocast=autocast)
 
 
-def run(task, complete, step: int, metrics_file=None) -> dict | None:
-    """Rank 0 evaluates, prints the table and logs the record; the other ranks wait for it."""
+def run(task, complete, step: int, metrics_file=None, reporter=None) -> dict | None:
+    """Rank 0 evaluates, prints the table and logs the record (to the JSONL file and the --report-to
+    reporter); the other ranks wait for it."""
     record = None
     if distributed.is_main():
         t0 = time.perf_counter()
@@ -27,6 +28,8 @@ def run(task, complete, step: int, metrics_file=None) -> dict | None:
         print(table(record), flush=True)
         if metrics_file is not None:
             log.write(metrics_file, record)
+        if reporter is not None:
+            reporter.log(record, step)
     distributed.barrier()
     return record
 

@@ -6,6 +6,7 @@ import sys
 from collections import Counter
 
 from grpo import distributed
+from grpo.stats import group_reward_std, length_stats
 
 
 def open_jsonl(path: str, append: bool = False):
@@ -61,7 +62,7 @@ def write(f, record: dict) -> None:
 
 
 STEP_FIELDS = [("reward_mean", "reward {:.3f}"), ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"),
-               ("clip_frac", "clip {:.3f}"), ("grad_norm", "gnorm {:.3f}"),
+               ("clip_frac", "clip {:.3f}"), ("entropy", "ent {:.2f}"), ("grad_norm", "gnorm {:.3f}"),
                ("completion_len_mean", "len {:.1f}"), ("samples_per_s", "{:.1f} samples/s"),
                ("step_time_s", "{:.2f}s"), ("rss_mb", "rss {:.0f}MB"), ("cuda_peak_mb", "peak {:.0f}MB")]
 
@@ -85,12 +86,25 @@ def write_completions(f, step: int, rollout, rewards) -> None:
                   "logprob_sum": s})
 
 
-def step_record(step: int, rewards, frac_zero_std: float, totals: dict, n_tokens: float, times: dict,
-                components: dict, errors: dict, oom_retries: int, micro: int, memory: dict) -> dict:
-    """The JSONL record of one training step (rewards over the global batch, statistics summed over devices)."""
+def batch_stats(rollout, rewards, group_size: int, components: dict, errors: dict, oom_notes: list, micro: int) -> dict:
+    """What a step's record says about its batch (every device's rows): completion lengths and the share cut
+    off, the reward's spread within groups and its components, reward errors, out-of-memory retries."""
+    lengths = distributed.gather_rows(rollout.completion_mask.sum(1).cpu())
+    truncated = distributed.gather_rows(rollout.truncated.long().cpu())
+    out = {**length_stats(lengths, truncated), "reward_std_group": group_reward_std(rewards, group_size),
+           **{f"reward_{k}": v for k, v in components.items()}}
+    if errors:
+        out["reward_errors"] = errors
+    if oom_notes:
+        out["oom_retries"], out["micro_batch"] = len(oom_notes), micro
+    return out
+
+
+def step_record(step: int, rewards, frac_zero_std: float, totals: dict, times: dict, extra: dict, memory: dict) -> dict:
+    """The JSONL record of one training step: rewards over the global batch, loss statistics summed over
+    devices (ratios per loss token), timings, the caller's extra keys (lengths, rewards' parts) and memory."""
     tokens, updates = max(totals["tokens"], 1), max(totals["updates"], 1)
-    batch = len(rewards)
-    rec = {
+    return {
         "step": step,
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item(),
@@ -98,25 +112,23 @@ def step_record(step: int, rewards, frac_zero_std: float, totals: dict, n_tokens
         "loss": totals["loss"] / updates,
         "kl": totals["kl"] / tokens,
         "clip_frac": totals["clip"] / tokens,
+        "clip_low_frac": totals["clip_low"] / tokens,
+        "clip_high_frac": totals["clip_high"] / tokens,
+        "clip_dual_frac": totals["clip_dual"] / tokens,
         "ratio_mean": totals["ratio"] / tokens,
+        "entropy": totals["entropy"] / tokens,
         "grad_norm": totals["grad_norm"] / updates,
         "skipped_nonfinite": totals["skipped"],
-        "completion_len_mean": n_tokens / batch,
+        **extra,
         "step_time_s": times["step"],
         "gen_time_s": times["gen"],
         "score_time_s": times["score"],
         "ref_time_s": times["ref"],
         "train_time_s": times["train"],
-        "samples_per_s": batch / times["step"],
-        "tokens_per_s": n_tokens / times["step"],
-        **{f"reward_{k}": v for k, v in components.items()},
+        "samples_per_s": len(rewards) / times["step"],
+        "tokens_per_s": extra["completion_len_mean"] * len(rewards) / times["step"],
         **memory,
     }
-    if errors:
-        rec["reward_errors"] = errors
-    if oom_retries:
-        rec["oom_retries"], rec["micro_batch"] = oom_retries, micro
-    return rec
 
 
 def step_line(rec: dict, steps: int) -> str:

@@ -10,6 +10,7 @@ import torch
 
 from grpo.decoders import decoder_for
 from grpo.model import position_ids_from_mask
+from grpo.overlong import truncated_rows
 
 
 def logprob_temperature(temperature: float) -> float:
@@ -150,10 +151,36 @@ class Rollout:
     attention: torch.Tensor          # [B, prompt width + T]
     completion_mask: torch.Tensor    # [B, T]
     old_logp: torch.Tensor           # [B, T] the sampling logprobs
+    truncated: torch.Tensor          # [B] bool: stopped by max_new_tokens before an EOS
 
     @property
     def completion_len(self) -> int:
         return self.completion_mask.shape[1]
+
+
+def _pad_sides(t: torch.Tensor, width: int, P: int, T: int, value: int) -> torch.Tensor:
+    """t [B, width + completion]: its first width columns left-padded to P, the rest right-padded to T."""
+    pad = torch.nn.functional.pad
+    return torch.cat([pad(t[:, :width], (P - width, 0), value=value),
+                      pad(t[:, width:], (0, T - (t.shape[1] - width)), value=value)], 1)
+
+
+def select_rows(rollouts: list, rows: torch.Tensor, pad_id: int) -> Rollout:
+    """Rows of several rollouts (indices into their rows in order) as one Rollout: prompts re-padded on the
+    left and completions on the right to the widest of them; the padding is masked and positions come
+    from the mask, so every row's logprobs are unchanged."""
+    widths = [r.input_ids.shape[1] - r.completion_len for r in rollouts]
+    P, T = max(widths), max(r.completion_len for r in rollouts)
+    pad = torch.nn.functional.pad
+    pick = rows.tolist()
+    prompts = [p for r in rollouts for p in r.prompts]
+    texts = [t for r in rollouts for t in r.texts]
+    return Rollout(prompts=[prompts[i] for i in pick], texts=[texts[i] for i in pick],
+                   input_ids=torch.cat([_pad_sides(r.input_ids, w, P, T, pad_id) for r, w in zip(rollouts, widths)])[rows],
+                   attention=torch.cat([_pad_sides(r.attention, w, P, T, 0) for r, w in zip(rollouts, widths)])[rows],
+                   completion_mask=torch.cat([pad(r.completion_mask, (0, T - r.completion_len)) for r in rollouts])[rows],
+                   old_logp=torch.cat([pad(r.old_logp, (0, T - r.completion_len)) for r in rollouts])[rows],
+                   truncated=torch.cat([r.truncated for r in rollouts])[rows])
 
 
 def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_bos: bool, generation_batch: int,
@@ -182,7 +209,8 @@ def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_
                    texts=decode_completions(tokenizer, completion_ids, completion_mask, eos),
                    input_ids=torch.cat([prompt_ids, completion_ids], 1),
                    attention=torch.cat([prompt_mask, completion_mask], 1),
-                   completion_mask=completion_mask, old_logp=old_logp)
+                   completion_mask=completion_mask, old_logp=old_logp,
+                   truncated=truncated_rows(completion_ids, completion_mask, eos))
 
 
 def decode_completions(tokenizer, completion_ids, mask, eos_id: int) -> list:
