@@ -26,11 +26,10 @@ CUDA_KEY = re.compile(r"^(cuda\w*?)_(allocated|reserved|peak)_mb$")
 
 # Defaults for the thresholds (all overridable from the command line).
 #
-# LEAK_MB_PER_STEP = 0.25: the issue asks that a leak of about 1 MB/step over 200 steps always
-# trips and a clean run never does. A 1 MB/step leak fitted over 180 post-warm-up steps has a
+# LEAK_MB_PER_STEP = 0.25: a leak of about 1 MB/step over 200 steps must always trip and a clean run
+# never. A 1 MB/step leak fitted over 180 post-warm-up steps has a
 # confidence interval of a few hundredths of a MB/step around 1.0, far above 0.25. A clean run's
-# slope is zero within noise (the 500-step tiny-model run in BENCHMARKS.md fits about 0.00
-# MB/step), and for noise to put the *lower* end of the interval above 0.25 it would have to
+# slope is zero within noise, and for noise to put the *lower* end of the interval above 0.25 it would have to
 # fake a steady 0.25 MB/step climb over the whole window. 0.25 MB/step is still 2.5 GB per
 # 10,000 steps, so anything below it is small enough to leave to the projected-growth column.
 LEAK_MB_PER_STEP = 0.25

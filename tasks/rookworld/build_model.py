@@ -155,8 +155,8 @@ def uci_order(completion: str) -> str:
     """The same P: answer with its candidates (each with its evaluation) in UCI string order, B: unchanged.
 
     The format gives the order no meaning. In rank order B: is a copy of the first candidate, but a small
-    model's greedy list then repeats its favourite move (no answer of the rank-order model listed five
-    distinct moves: BENCHMARKS.md); an ascending list makes a repeat break the pattern it was taught."""
+    model's greedy list then repeats its favourite move (a rank-order build listed five distinct moves in
+    none of its answers); an ascending list makes a repeat break the pattern it was taught."""
     answer = parse_policy_completion(completion)
     pairs = sorted(zip(answer.moves, answer.evals))
     return policy_completion([m for m, _ in pairs], [e for _, e in pairs], answer.best)
@@ -221,7 +221,7 @@ def batches(kinds: list[tuple[str, list[tuple[list[int], int]]]], batch_size: in
     of one kind carries little padding); every epoch is a fresh shuffle of all samples and of the batch order.
 
     Batches of like length would drop the remaining padding (a quarter of the tokens: 1.1x a step), but
-    they train far worse: length goes with content here (BENCHMARKS.md, default model)."""
+    they train far worse: length goes with content here."""
     while True:
         epoch = []
         for kind, rows in kinds:
@@ -281,8 +281,8 @@ def train_model(kinds: list[tuple[str, list[tuple[list[int], int]]]], tok, args,
     if model is None:
         model = GPT2LMHeadModel(model_config(len(tok), tok.eos_token_id, args.n_positions, args.n_embd, args.n_layer))
     device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
-    # On a CPU, SDPA's backward under bf16 autocast took 42% of a step on these short rows; plain matmul
-    # attention makes the step 1.6x faster (BENCHMARKS.md, default model). A GPU keeps SDPA.
+    # On a CPU, SDPA's backward under bf16 autocast dominates a step on these short rows, and plain matmul
+    # attention is faster (bench/build_step.py measures it). A GPU keeps SDPA.
     model.set_attn_implementation("eager" if device.type == "cpu" else "sdpa")
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -291,9 +291,8 @@ def train_model(kinds: list[tuple[str, list[tuple[list[int], int]]]], tok, args,
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (
         1 + math.cos(math.pi * min(1.0, s / args.train_steps)))))
     stream = batches(kinds, args.batch_size, random.Random(f"{args.seed}-batches-{args.continue_training}"))
-    # bf16 autocast over fp32 weights on a GPU, or where the CPU has native bf16 (AMX / AVX512-BF16): 2x
-    # faster here with plain attention; elsewhere bf16 matmuls are emulated and far slower than fp32
-    # (BENCHMARKS.md, default model)
+    # bf16 autocast over fp32 weights on a GPU, or where the CPU has native bf16 (AMX / AVX512-BF16);
+    # elsewhere bf16 matmuls are emulated and far slower than fp32
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and (
         device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     log(f"train: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}, "

@@ -7,9 +7,9 @@ A: (computed with python-chess alone)
     format      0.1   four '+'-separated fields: a FEN, one of the four reward values, two 0/1 flags
     new FEN     0.5   1 if exact; else, if it is a valid position, 0.8 x character similarity
                       (difflib ratio): a near miss earns something, never as much as the exact
-                      FEN; a FEN that is no valid position earns nothing here (with the similarity
-                      credit, an unreadable FEN lost only 0.02 against a valid one, and RL traded
-                      valid FENs for similar-looking broken ones: BENCHMARKS.md, default model)
+                      FEN; a FEN that is no valid position earns nothing here (were it paid by
+                      similarity, an unreadable FEN would lose almost nothing against a valid one,
+                      and RL trades valid FENs for similar-looking broken ones)
     reward      0.2   the reward field, as a string (so "1" for "1.0" does not count)
     terminated  0.1
     truncated   0.1

@@ -4,7 +4,7 @@ import pytest
 
 from grpo import memwatch as mw
 
-STEPS = np.arange(1, 201, dtype=float)  # a 200-step run, as in the issue
+STEPS = np.arange(1, 201, dtype=float)  # a 200-step run
 
 
 def noisy(values, sd=3.0, seed=0):

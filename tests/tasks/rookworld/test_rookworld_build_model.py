@@ -62,7 +62,7 @@ def test_tokenizer_keeps_moves_and_padding_whole(shipped):
     assert tok.decode(tok(item["prompt"], add_special_tokens=False)["input_ids"]) == item["prompt"]
 
 
-# The README's "before GRPO" column (greedy, the whole held-out set), in percent. A rebuilt or replaced
+# The "before GRPO" column of README.md and docs/chess.md (greedy, the whole held-out set), in percent. A rebuilt or replaced
 # model must come with a new table: this test is what keeps the two together.
 README_BEFORE = {"p_best_move_acc": 7, "p_top5_acc": 23, "p_legal_rate": 46, "p_format_rate": 84,
                  "a_format_rate": 87, "a_next_fen_acc": 8, "a_exact_acc": 7}
