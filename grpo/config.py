@@ -9,6 +9,7 @@ train_lean.py prints it and exits with code 2.
 """
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import tempfile
@@ -179,6 +180,8 @@ def _convert(f, text: str, where: str):
         value = base(text)
     except ValueError:
         raise ConfigError(f"{where} {text!r} is not a valid {base.__name__}") from None
+    if base is float and not math.isfinite(value):
+        raise ConfigError(f"{where} {text!r} is not a finite number")
     choices = f.metadata.get("choices")
     if choices and isinstance(value, str) and value not in choices and value.lower() in choices:
         value = value.lower()   # --log-level INFO means info

@@ -1,0 +1,146 @@
+"""Bad input, tried systematically: every flag of the trainer (and of the chess task's options) with a
+value of the wrong type, out of range or empty, plus missing, unreadable or wrong files, a folder that is
+no model and task files that fail. Each must exit with code 2 and one line naming the flag or file, with
+no traceback, before a model is loaded. README.md states how many cases this table holds."""
+import dataclasses
+import os
+import re
+import typing
+
+import pytest
+
+import tasks
+import train_lean
+from grpo import config
+from helpers import REPO
+from tasks.rookworld.task import MixOptions
+
+
+def wrong_values(f) -> list:
+    """Values no field of f's type accepts: another type, and empty where the field is not optional."""
+    base, optional = config._base_type(f)
+    if f.metadata.get("choices"):
+        return ["bogus"] + ([] if optional else [""])
+    if base is bool:
+        return ["maybe", ""]
+    if base is int:
+        return ["x", "1.5"] + ([] if optional else [""])
+    if base is float:
+        return ["x", "nan", "inf"] + ([] if optional else [""])
+    return []
+
+
+# (flag, value, what the line must say): ranges and rules each field has
+RANGES = [
+    ("--batch-size", "0", "at least 1"), ("--batch-size", "-8", "at least 1"), ("--group-size", "1", "at least 2"),
+    ("--group-size", "0", "at least 1"), ("--mini-batch-size", "0", "at least 1"), ("--mini-batch-size", "48", "multiple"),
+    ("--micro-batch-size", "0", "at least 1"), ("--micro-batch-size", "5", "does not divide"),
+    ("--generation-batch-size", "0", "at least 1"), ("--ppo-epochs", "0", "at least 1"),
+    ("--logprob-chunk-size", "0", "at least 1"), ("--max-new-tokens", "0", "at least 1"),
+    ("--min-new-tokens", "-1", "must be in"), ("--min-new-tokens", "999", "must be in"),
+    ("--temperature", "-0.5", ">= 0"), ("--top-k", "-1", ">= 0"), ("--top-p", "0", "(0, 1]"), ("--top-p", "1.5", "(0, 1]"),
+    ("--learning-rate", "0", "> 0"), ("--learning-rate", "-0.0001", "> 0"), ("--weight-decay", "-1", ">= 0"),
+    ("--max-grad-norm", "-1", ">= 0"), ("--clip-range", "0", "> 0"), ("--clip-range-high", "-0.1", "> 0"),
+    ("--kl-coef", "-0.1", ">= 0"), ("--loss-agg", "mean", "not one of"), ("--dual-clip", "1", "> 1"),
+    ("--dual-clip", "0.5", "> 1"), ("--entropy-coef", "-1", ">= 0"), ("--top-entropy-quantile", "0", "(0, 1]"),
+    ("--top-entropy-quantile", "1.5", "(0, 1]"), ("--max-sampling-rounds", "-1", ">= 0"),
+    ("--overlong-buffer", "-1", "must be in"), ("--overlong-buffer", "999", "must be in"),
+    ("--overlong-penalty", "-1", ">= 0"), ("--steps", "0", "at least 1"), ("--eval-interval", "-1", ">= 0"),
+    ("--save-interval", "-1", ">= 0"), ("--keep-checkpoints", "0", "at least 1"), ("--max-nonfinite", "0", "at least 1"),
+    ("--task-mix", "1.5", "[0, 1]"), ("--task-mix", "-0.1", "[0, 1]"), ("--stockfish-depth", "0", "at least 1"),
+    ("--eval-samples", "0", "at least 1"),
+]
+
+
+def cases():
+    fields = {**config.FIELDS, **config.fields_of(MixOptions)}
+    table = [(config.flag(name), value, config.flag(name)) for name, f in fields.items() for value in wrong_values(f)]
+    table += RANGES
+    return table
+
+
+CASES = cases()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    (root / "a-file").write_text("not a folder\n")
+    (root / "empty-model").mkdir()
+    (root / "not-rookworld.txt").write_text("hello\nworld\n")
+    (root / "raises.py").write_text("raise ValueError('broken on import')\n")
+    (root / "no-reward.py").write_text("class T:\n    name = 't'\n    def prompts(self, n, rng): return ['x'] * n\n")
+    (root / "bad-options.py").write_text("class T:\n    options = 3\n")
+    (root / "syntax.py").write_text("def broken(:\n")
+    return root
+
+
+def file_cases(root):
+    return [
+        (["--model", str(root / "nowhere")], "no such folder"),
+        (["--model", str(root / "empty-model"), "--eval-interval", "0"], "cannot load --model"),
+        (["--model", str(root / "a-file")], "--model"),
+        (["--data", str(root / "missing.txt")], "no such file"),
+        (["--data", str(root)], "no such file"),
+        (["--task", "chess-env", "--data", str(root / "not-rookworld.txt")], "not RookWorld P:/A: samples"),
+        (["--out-dir", str(root / "a-file" / "out")], "cannot write to"),
+        (["--log-file", str(root / "a-file" / "m.jsonl")], "cannot write to"),
+        (["--log-completions", str(root / "a-file" / "c.jsonl")], "cannot write to"),
+        (["--resume", str(root / "nowhere")], "no checkpoint"),
+        (["--task", f"{root / 'raises.py'}:T"], "raised ValueError: broken on import"),
+        (["--task", f"{root / 'syntax.py'}:T"], "raised SyntaxError"),
+        (["--task", f"{root / 'missing.py'}:T"], "not found"),
+        (["--task", f"{root / 'no-reward.py'}:T", "--eval-interval", "0"], "has no 'reward'"),
+        (["--task", f"{root / 'no-reward.py'}:Nope"], "has no attribute Nope"),
+        (["--task", f"{root / 'bad-options.py'}:T"], "options must be a dataclass"),
+        (["--task", "no.such.module:T"], "cannot import"),
+        (["--task", "chess", "--stockfish-path", str(root / "nowhere")], "no executable Stockfish"),
+        (["--report-to", "tensorboard"] if not _importable("tensorboard") else ["--report-to", "x"], "--report-to"),
+    ]
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(name) is not None
+
+
+def expect_usage_error(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train_lean.main(argv)
+    out = capsys.readouterr()
+    err = out.err.strip()
+    assert exit_.value.code == 2, (argv, out.err[-500:])
+    assert err.count("\n") == 0 and "Traceback" not in err and err.startswith("train_lean.py: error: "), err
+    assert needle in err, (needle, err)
+
+
+@pytest.mark.parametrize("flag, value, needle", CASES, ids=[f"{f}={v!r}" for f, v, _ in CASES])
+def test_a_bad_value_of_every_flag_exits_2_with_one_line(flag, value, needle, tmp_path, capsys, clean_env):
+    # the chess task's options are flags only when a chess task is chosen (the default, here explicit)
+    expect_usage_error(["--task", "chess", "--model", "unused", "--out-dir", str(tmp_path), flag, value],
+                       needle, capsys)
+
+
+@pytest.mark.parametrize("i", range(19))
+def test_bad_files_and_tasks_exit_2_with_one_line(i, files, tiny_model_dir, tmp_path, capsys, clean_env):
+    args, needle = file_cases(files)[i]
+    base = ["--model", tiny_model_dir, "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4",
+            "--steps", "1", "--out-dir", str(tmp_path), "--log-level", "warning"]
+    if "--task" not in args:
+        base += ["--task", "chess-env"] if "--data" in args else ["--task", "toy"]
+    expect_usage_error(base + args, needle, capsys)
+
+
+def test_the_same_values_from_the_environment_are_caught_alike(tmp_path, capsys, monkeypatch, clean_env):
+    for flag, value, needle in CASES[::7]:
+        monkeypatch.setenv(config.env_name(flag[2:].replace("-", "_")), value)
+        expect_usage_error(["--task", "chess", "--model", "unused", "--out-dir", str(tmp_path)],
+                           needle.replace(flag, config.env_name(flag[2:].replace("-", "_")))
+                           if needle == flag else needle, capsys)
+        monkeypatch.delenv(config.env_name(flag[2:].replace("-", "_")))
+
+
+def test_the_readme_counts_the_cases():
+    total = len(CASES) + 19
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    assert re.search(rf"\b{total} bad inputs\b", readme), total
