@@ -32,9 +32,8 @@ bench: install .venv-bench/.installed
 train: install stockfish
 	$(PY) train_lean.py $(ARGS)
 
-# Rebuild models/rook-tiny from its seed, in the three stages that made it (BENCHMARKS.md, default model):
-# data 14 min + 24 min of training with the candidates in rank order, 17 min more in UCI order, then
-# 15 min with the unlikelihood loss on repeated candidates; about 1 h 10 min on 2 CPU cores with AMX.
+# Rebuild models/rook-tiny from its seed, in the three stages that made it (docs/chess.md says what each does
+# and BENCHMARKS.md how long it takes).
 default-model: install stockfish
 	$(PY) tasks/rookworld/build_model.py --out out/rook-tiny-1 --candidate-order rank --unlikelihood 0
 	$(PY) tasks/rookworld/build_model.py --continue-training --from out/rook-tiny-1 --out out/rook-tiny-2 \
