@@ -18,7 +18,6 @@ import random
 import sys
 import time
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -27,7 +26,7 @@ from grpo import checkpoint, config, distributed, dynamic_sampling, evaluate, gu
 from grpo import task as task_lib
 from grpo.advantages import group_advantages
 from grpo.kl import kl_penalised_rewards
-from grpo.model import ModelLoadError, frozen_copy, load_policy, load_tokenizer
+from grpo.model import ModelLoadError, frozen_copy, load_policy, load_tokenizer, model_autocast
 from grpo.overlong import overlong_penalty
 from grpo.rollout import encode_prompts, sample_groups
 from grpo.update import probe_micro_batch, reference_logprobs, update
@@ -69,14 +68,8 @@ def main(argv=None):
     main_rank = rank == 0  # only rank 0 prints, logs and saves
     say = functools.partial(log.say, main_rank and cfg.log_level != "warning")
     say(config.describe(cfg, loaded.options, loaded.sources, layout))
-    # bf16 autocast over fp32 weights: the matmuls run in bf16, the weights and AdamW state stay fp32.
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
-    if cfg.dtype == "bf16" and device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        log.warn("this CPU has no native bf16 (AVX512-BF16 or AMX): bf16 matmuls are emulated, many times "
-                 "slower than fp32; prefer --dtype fp32")
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    autocast = model_autocast(device, cfg.dtype)   # bf16 matmuls over fp32 weights and AdamW state
+    checkpoint.seed_all(cfg.seed)
     start_step = checkpoint.step_of(resume_from) if resume_from else 0
     G, P, B = cfg.group_size, layout.prompts_per_device, layout.completions_per_device
     mini = layout.mini_batch_per_device

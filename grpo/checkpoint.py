@@ -26,6 +26,13 @@ class CheckpointError(ValueError):
     """A resume path that holds no checkpoint (reported as a usage error)."""
 
 
+def seed_all(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (the run's initial state; a checkpoint keeps their states)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def rng_states() -> dict:
     """The RNG states of Python, NumPy and torch (and CUDA), in types torch.load(weights_only) accepts."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()

@@ -2,7 +2,6 @@
 import json
 import math
 import os
-import sys
 from collections import Counter
 
 from grpo import distributed
@@ -20,10 +19,6 @@ def say(enabled: bool, message: str) -> None:
     """A console line (the trainer binds enabled: rank 0 and --log-level info or debug)."""
     if enabled:
         print(message, flush=True)
-
-
-def warn(message: str) -> None:
-    print(f"train_lean.py: warning: {message}", file=sys.stderr, flush=True)
 
 
 def open_run_logs(metrics_path: str, completions_path, resume_step, stack) -> tuple:

@@ -5,6 +5,7 @@ Nothing here is GPT-2-specific: any AutoModelForCausalLM whose forward takes pos
 """
 import copy
 import os
+import sys
 
 import torch
 
@@ -58,6 +59,16 @@ def load_policy(name_or_path: str, device: str):
     # the sampler saw and the first update of a step is on-policy (ratio == 1).
     model.eval()
     return model
+
+
+def model_autocast(device: torch.device, dtype: str):
+    """The autocast the run computes under: bf16 matmuls over fp32 weights (--dtype bf16), or none.
+
+    Warns where bf16 is emulated: a CPU without AVX512-BF16 or AMX runs bf16 matmuls many times slower."""
+    if dtype == "bf16" and device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        print("train_lean.py: warning: this CPU has no native bf16 (AVX512-BF16 or AMX): bf16 matmuls are "
+              "emulated, many times slower than fp32; prefer --dtype fp32", file=sys.stderr, flush=True)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
 def frozen_copy(model):
