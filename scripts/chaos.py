@@ -63,8 +63,8 @@ def process_alive(pid: int) -> bool:
     return state != "Z"
 
 
-def children(pid: int, name: str) -> list[int]:
-    """The running child processes of `pid` whose command name is `name` (Linux /proc)."""
+def children(pid: int, name: str | None = None) -> list[int]:
+    """The running child processes of `pid` (whose command name is `name`, if given), from /proc."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -75,7 +75,7 @@ def children(pid: int, name: str) -> list[int]:
         except OSError:
             continue
         comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        if comm == name and int(rest[1]) == pid and rest[0] != "Z":
+        if name in (None, comm) and int(rest[1]) == pid and rest[0] != "Z":
             found.append(int(entry))
     return found
 
