@@ -17,7 +17,9 @@ complete). Meanwhile Stockfish engines that the trainer started are SIGKILLed no
 It then compares, and prints: kills survived by moment, engine kills, steps and records compared,
 the bytes of the final model.safetensors that differ, and engines left running by a killed trainer.
 Every per-step and evaluation record must be equal except timings and memory; the final weights
-must be equal byte for byte.
+must be equal byte for byte; every resumed start must say it continued from its checkpoint (a
+trainer that silently started over would end equal too). It also counts the tensors training
+moved, and the mean reward spread: with none, equal weights would prove nothing.
 
 --task chess (Stockfish at a low depth, so the P: rewards really come from the engine) when
 Stockfish is installed, else --task toy (which has no evaluation: no mid-evaluation kills). Without
@@ -141,6 +143,16 @@ def equal_tensors(a: str, b: str) -> tuple[int, int]:
     return same, len(x.keys() | y.keys())
 
 
+def moved_tensors(model_dir: str, trained: str) -> int:
+    """Tensors that training changed: with none, equal final weights would prove nothing."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    end = load_file(trained)
+    return sum(k in start and not torch.equal(start[k], v) for k, v in end.items())
+
+
 # --- the tiny model -----------------------------------------------------------------------------
 
 def teach_pawn_moves(path: str, steps: int, seed: int = 0) -> None:
@@ -229,14 +241,18 @@ class Life:
         self.engine_kills = 0
         self.engines_seen: set[int] = set()
 
-    def plan(self, moment: str) -> tuple[str, int] | None:
-        """A (moment, step) this life can reach, or None when none is left."""
+    def plan(self, moment: str, kills_left: int) -> tuple[str, int] | None:
+        """A (moment, step) this life can reach, or None when there is none.
+
+        The step lies within the next (steps left / kills left) steps, so that the kills spread over
+        the whole run instead of piling up at its end.
+        """
         a = self.args
-        first, last = self.start + 1, a.steps
+        first, last = self.start + 1, min(a.steps, self.start + max(2, (a.steps - self.start) // kills_left))
         if moment == "mid-step":
-            first += 1   # "step t is running" is seen as step t-1's record; the first step has none
+            first += 1   # "step t is running" is seen as step t-1's checkpoint; the first step has none
         if moment == "mid-eval":
-            options = [t for t in range(first, last + 1) if t % a.eval_interval == 0 or t == last]
+            options = [t for t in range(first, last + 1) if t % a.eval_interval == 0 or t == a.steps]
         else:
             options = list(range(first, last + 1))
         return (moment, self.rng.choice(options)) if options else None
@@ -264,8 +280,10 @@ class Life:
         if moment == "mid-save":
             tmp = os.path.join(self.out, "checkpoints", f".tmp-step_{step:06d}")
             return self.ours(tmp) or latest_step(self.out) >= step
+        if moment == "mid-step":   # step-1 is saved, so step `step` has begun
+            return latest_step(self.out) >= step - 1
         done = self.trained()[1]
-        return bool(done) and max(done) >= (step - 1 if moment == "mid-step" else step)
+        return bool(done) and max(done) >= step
 
     def kill_an_engine(self) -> None:
         engines = children(self.proc.pid, "stockfish")
@@ -312,6 +330,11 @@ class Life:
         due = self.args.task != "toy" and (last % self.args.eval_interval == 0 or last == self.args.steps)
         return "mid-eval" if due and last not in evaluated else "mid-step"
 
+    def resumed(self) -> bool:
+        """Whether the trainer said it continued from the checkpoint (else equality proves little)."""
+        with open(self.log_path, errors="replace") as f:
+            return self.start == 0 or f"after step {self.start}" in f.read()
+
     def leftover_engines(self) -> list[int]:
         """Engines of the killed trainer still running after a grace period (there should be none)."""
         wait_until(lambda: not any(map(process_alive, self.engines_seen)), LEFTOVER_WAIT_S)
@@ -332,7 +355,8 @@ def chaos(args, work: str) -> dict:
     while len(kills) < args.kills and latest_step(cut) < args.steps:
         lives += 1
         life = Life(args, cut, os.path.join(work, f"life_{lives}.log"), rng, step_times)
-        target = life.plan(moments[len(kills) % len(moments)]) or life.plan("mid-save")
+        left = args.kills - len(kills)
+        target = life.plan(moments[len(kills) % len(moments)], left) or life.plan("mid-save", left)
         killed = life.run(*target, engine_kills=args.engine_kills - engine_kills)
         engine_kills += life.engine_kills
         if not killed:   # it ended before the moment: finished (no more kills to make), or failed
@@ -340,7 +364,8 @@ def chaos(args, work: str) -> dict:
                 return {"failed": f"chaos life {lives} exited with code {life.proc.returncode} (see {life.log_path})"}
             break
         leftover += life.leftover_engines()
-        kills.append({"aimed": target[0], "step": target[1], "hit": life.classify(), "resumed_from": life.start})
+        kills.append({"aimed": target[0], "step": target[1], "hit": life.classify(), "resumed_from": life.start,
+                      "resume_seen": life.resumed()})
         print(f"kill {len(kills)}: aimed {target[0]} of step {target[1]}, hit {kills[-1]['hit']} "
               f"(this start resumed from step {life.start})", flush=True)
     if latest_step(cut) < args.steps:
@@ -358,16 +383,19 @@ def chaos(args, work: str) -> dict:
         "task": args.task, "steps": args.steps, "kills": len(kills),
         "kills_by_moment": {m: sum(k["hit"] == m for k in kills) for m in MOMENTS + ("start-up",)},
         "engine_kills": engine_kills, "kill_log": kills,
+        "resumes": sum(k["resumed_from"] > 0 for k in kills), "resumes_seen": sum(k["resumed_from"] > 0
+                                                                                  and k["resume_seen"] for k in kills),
         "steps_compared": sum(r.get("kind", "train") == "train" for r in b), "records_compared": len(b),
         "first_differing_record": first_difference,
         "weight_bytes_differing": differing_bytes(os.path.join(ref, final), os.path.join(cut, final)),
         "tensors_equal": same, "tensors": tensors, "engines_left_running": leftover,
+        "tensors_moved": moved_tensors(args.model, os.path.join(ref, final)),
         # how much the comparison could show: rewards that vary within groups move the weights
         "reward_std_mean": sum(r["reward_std"] for r in steps) / len(steps),
         "legal_share_mean": sum(r.get("reward_policy_legal", 0.0) for r in steps) / len(steps),
     }
     summary["equal"] = first_difference is None and summary["weight_bytes_differing"] == 0 and same == tensors \
-        and not leftover
+        and not leftover and summary["resumes_seen"] == summary["resumes"]
     return summary
 
 
@@ -389,7 +417,8 @@ def main(argv=None) -> int:
                    help="chess, built model: fine-tuning steps that make some answers legal (0: none)")
     p.add_argument("--seed", type=int, default=0, help="the runs' seed and the kills' timing")
     p.add_argument("--life-timeout", type=float, default=600, help="seconds one start of the trainer may take")
-    p.add_argument("--work-dir", help="keep everything here (default: a temporary folder, removed after)")
+    p.add_argument("--work-dir", help="keep everything here (default: a temporary folder, removed after a "
+                   "run that ends equal)")
     p.add_argument("--summary", help="write the figures as JSON here")
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "group_size", "max_new_tokens", "eval_interval", "eval_samples",
@@ -411,13 +440,16 @@ def main(argv=None) -> int:
     if os.path.exists(os.path.join(work, "chaos")) or os.path.exists(os.path.join(work, "reference")):
         p.error(f"--work-dir {work} holds an earlier chaos run: pass an empty folder")
     os.makedirs(work, exist_ok=True)
+    summary = {"failed": "interrupted"}
     try:
         if args.model is None:
             args.model = build_model(os.path.join(work, "model"), args.task == "chess", args.teach_steps)
         summary = chaos(args, work)
     finally:
-        if args.work_dir is None:
+        if args.work_dir is None and summary.get("equal"):
             shutil.rmtree(work, ignore_errors=True)
+        else:   # what went wrong is in the runs' logs
+            print(f"chaos.py: the runs are in {work}", file=sys.stderr)
     if args.summary:
         with open(args.summary, "w") as f:
             json.dump(summary, f, indent=2)
@@ -426,14 +458,16 @@ def main(argv=None) -> int:
         return 1
     moments = ", ".join(f"{n} {m}" for m, n in summary["kills_by_moment"].items() if n)
     first = summary["first_differing_record"]
-    print(f"--task {summary['task']}: {summary['kills']} trainer kills survived ({moments}), "
+    print(f"--task {summary['task']}: {summary['kills']} trainer kills survived ({moments}; "
+          f"{summary['resumes_seen']} of {summary['resumes']} resumes continued from their checkpoint), "
           f"{summary['engine_kills']} engine kills; {summary['steps_compared']} steps and "
           f"{summary['records_compared']} records compared, "
           f"{'all equal' if first is None else f'first difference at record {first}'}; "
           f"final weights: {summary['weight_bytes_differing']} bytes differ, "
-          f"{summary['tensors_equal']}/{summary['tensors']} tensors equal; "
+          f"{summary['tensors_equal']}/{summary['tensors']} tensors equal ({summary['tensors_moved']} moved by training); "
           f"engines left running: {len(summary['engines_left_running'])}; "
-          f"mean reward std {summary['reward_std_mean']:.3f}, legal P: answers {summary['legal_share_mean']:.0%}")
+          f"mean reward std {summary['reward_std_mean']:.3f}"
+          + (f", legal P: answers {summary['legal_share_mean']:.0%}" if summary["task"] == "chess" else ""))
     print("EQUAL" if summary["equal"] else "DIFFERENT")
     return 0 if summary["equal"] else 1
 
