@@ -2,18 +2,21 @@
 """Watch a training run's memory: does it leak, and what is the biggest batch that fits?
 
     python monitor_memory.py --steps 200 --batch-size 64 [-- train_lean.py flags]   watch a run
+    python monitor_memory.py 200 64 [-- train_lean.py flags]                        the same, shorter
     python monitor_memory.py --from-log out/metrics.jsonl                           analyse a log
     python monitor_memory.py --sweep 8,16,32,64,128 [-- train_lean.py flags]        batch sweep
 
 Watching starts train_lean.py as a child process, follows the JSONL log it writes and prints a
 row every --every steps; when the run ends, or on Ctrl-C (which stops the child cleanly), it
-prints the leak analysis of what it saw (grpo/memwatch.py). A sweep runs --steps steps (default
+prints the leak analysis of what it saw (grpo/memwatch.py). However the monitor ends (Ctrl-C,
+SIGTERM, SIGHUP, an error of its own), a trainer it started is stopped, not left running. A sweep runs --steps steps (default
 5) at each batch size, each in a fresh process, and fits memory = fixed + per_sample * batch.
 
 Exit code: 0 no leak, 1 leak, 2 usage error, 3 nothing could be judged (too few steps after the
 warm-up, or the training run failed). A CI job can gate on it.
 """
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -81,6 +84,10 @@ def parse_args(argv):
     p.add_argument("--steps", type=positive_int,
                    help=f"steps to train (in a sweep: per batch size, default {SWEEP_STEPS})")
     p.add_argument("--batch-size", type=positive_int, help="global completions per step")
+    # `monitor_memory.py 200 64`, as the seed documents write it: shorthands for the two flags.
+    p.add_argument("steps_given", nargs="?", type=positive_int, metavar="STEPS", help="the same as --steps")
+    p.add_argument("batch_given", nargs="?", type=positive_int, metavar="BATCH_SIZE",
+                   help="the same as --batch-size")
     p.add_argument("--every", type=positive_int, default=10, help="print a row every N steps")
     p.add_argument("--warmup", type=nonneg_int, default=memwatch.WARMUP,
                    help="records skipped before fitting trends (default %(default)s)")
@@ -99,6 +106,12 @@ def parse_args(argv):
     p.add_argument("--trainer", default=os.path.join(HERE, "train_lean.py"),
                    help="the training script to run (default: train_lean.py next to this file)")
     args = p.parse_args(own)
+    for positional, name, flag in (("steps_given", "steps", "--steps"), ("batch_given", "batch_size", "--batch-size")):
+        given, flagged = getattr(args, positional), getattr(args, name)
+        if given is not None and flagged is not None and given != flagged:
+            raise UsageError(f"{name.upper()} {given} and {flag} {flagged} disagree: give it once")
+        if flagged is None:
+            setattr(args, name, given)
 
     if args.from_log is not None:
         if train or args.steps or args.batch_size:
@@ -205,6 +218,22 @@ def stop_child(child, grace_s=30.0):
             continue
 
 
+@contextlib.contextmanager
+def trainer_process(cmd, output):
+    """The trainer as a child process, stopped with stop_child however the block is left.
+
+    Its own session: a Ctrl-C at the terminal reaches only this process, which then stops the child
+    exactly once (a trainer hit by two SIGINTs may abandon its clean shutdown). The same session
+    keeps it from the terminal's SIGHUP, so this process must stop it on every way out: an
+    exception here (a closed stdout, a bad record) would otherwise leave it training unwatched.
+    """
+    child = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield child
+    finally:
+        stop_child(child)
+
+
 class RowPrinter:
     """Prints the live table: step, RSS, and per CUDA device allocated / reserved / peak."""
 
@@ -242,10 +271,7 @@ def watch(args, train):
     follower = LogFollower(log, from_start=False)
     show = RowPrinter(args.every)
     records, interrupted = [], False
-    with open(output, "wb") as out:
-        # Own session: a Ctrl-C at the terminal reaches only this process, which then stops the
-        # child exactly once (a trainer hit by two SIGINTs may abandon its clean shutdown).
-        child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(output, "wb") as out, trainer_process(cmd, out) as child:
         try:
             while True:
                 for rec in follower.poll():
@@ -360,8 +386,7 @@ def run_size(args, train, batch, device, budget_mb):
     output = os.path.join(out, "train_output.txt")
     row = {"batch_size": batch, "peak_mb": None, "step_time_s": None, "samples_per_s": None}
     over_budget = interrupted = False
-    with open(output, "wb") as f:
-        child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(output, "wb") as f, trainer_process(cmd, f) as child:
         try:
             while child.poll() is None:
                 # On CPU the budget is RAM: a batch that outgrows it is stopped here, before it
@@ -494,8 +519,10 @@ def main(argv):
     except UsageError as e:
         print(f"monitor_memory.py: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    # A `kill` (SIGTERM) of the monitor stops the child the same clean way a Ctrl-C does.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # A `kill` (SIGTERM) of the monitor, or its terminal closing (SIGHUP), stops the child the same
+    # clean way a Ctrl-C does.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
 
     if args.sweep:
         try:

@@ -16,6 +16,7 @@ TRAIN = os.path.join(REPO, "train_lean.py")
 ROOK_VAL = os.path.join(REPO, "..", "shared", "data", "rook_val_400.txt")
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from make_tiny_model import build_tiny_model  # noqa: E402,F401  (re-exported for the fixtures)
+from chaos import children, process_alive, wait_until  # noqa: E402,F401  (re-exported: /proc, polling)
 
 # tiny and fast: 4 prompts x 2 completions, short completions, a learning rate that moves the weights, and
 # no held-out evaluation (the default task is chess, which evaluates by default: tests of it are elsewhere)

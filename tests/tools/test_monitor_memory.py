@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from helpers import REPO as ROOT
+from helpers import children, process_alive
 MONITOR = os.path.join(ROOT, "monitor_memory.py")
 FAKE = os.path.join(ROOT, "tests", "tools", "fake_trainer.py")
 TRAINER = os.path.join(ROOT, "train_lean.py")
@@ -35,6 +36,13 @@ def write_log(path, rss):
     ["--trainer", FAKE, "--steps", "5", "--", "--steps", "7"],
     ["--trainer", FAKE, "--sweep", "8,12", "--", "--group-size", "8", "--log-file", "x"],
     ["--trainer", FAKE, "--sweep", "8,12", "--", "--group-size", "8"],
+    ["--trainer", FAKE, "200", "--steps", "100"],                 # STEPS and --steps disagree
+    ["--trainer", FAKE, "200", "64", "--batch-size", "32"],
+    ["--trainer", FAKE, "200", "64", "7"],                        # a third positional
+    ["--trainer", FAKE, "200", "x"],
+    ["--trainer", FAKE, "0"],
+    ["--from-log", "a.jsonl", "200"],
+    ["--trainer", FAKE, "--sweep", "8,16", "5", "8", "--", "--group-size", "8"],
 ])
 def test_usage_errors_exit_2_with_one_line(tmp_path, args):
     (tmp_path / "a.jsonl").write_text("")
@@ -80,6 +88,49 @@ def test_watch_follows_the_child_and_judges_it(tmp_path):
     assert "120 training records" in r.stdout
 
 
+def test_steps_and_batch_size_as_positionals(tmp_path):
+    # `monitor_memory.py 200 64`, the seed documents' usage; the same value given both ways is no conflict
+    r = monitor("--trainer", FAKE, 120, 8, "--steps", 120, "--summary", "s.json", "--", "--log-file", "m.jsonl",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "--steps 120 --batch-size 8 --log-file" in r.stdout.splitlines()[0]
+    assert json.loads((tmp_path / "s.json").read_text())["records"] == 120
+
+
+def watch_forever(tmp_path, **popen):
+    """The monitor watching a fake trainer that would run for minutes; returns (monitor, trainer pid, marker)."""
+    marker = tmp_path / "stopped.txt"
+    p = subprocess.Popen([sys.executable, MONITOR, "--trainer", FAKE, "100000", "--every", "1", "--",
+                          "--log-file", "m.jsonl", "--sleep", "0.005", "--interrupted-marker", str(marker)],
+                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    rows = 0
+    for line in p.stdout:  # wait for evidence of the run, not for a time
+        rows += line.strip()[:1].isdigit()
+        if rows >= 10:
+            break
+    (trainer,) = children(p.pid)
+    return p, trainer, marker
+
+
+def test_an_error_in_the_monitor_still_stops_the_trainer(tmp_path):
+    # A reader that goes away (`monitor_memory.py ... | head`): the next row raises BrokenPipeError
+    p, trainer, marker = watch_forever(tmp_path)
+    p.stdout.close()
+    p.wait(timeout=120)
+    assert p.returncode != 0 and "BrokenPipeError" in p.stderr.read()
+    assert marker.read_text() == "stopped by SIGINT\n"   # the clean stop, not an orphan
+    assert not process_alive(trainer)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_kill_or_a_closed_terminal_stops_the_trainer(tmp_path, sig):
+    p, trainer, marker = watch_forever(tmp_path)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    assert "interrupted: stopping the trainer" in out, out + err
+    assert marker.read_text() == "stopped by SIGINT\n" and not process_alive(trainer)
+
+
 def test_watch_reports_a_crashed_trainer_with_exit_3(tmp_path):
     r = monitor("--trainer", FAKE, "--steps", 100, "--", "--log-file", "m.jsonl", "--fail-at", 60,
                 cwd=tmp_path)
@@ -95,7 +146,7 @@ def test_trainer_flag_errors_are_usage_errors(tmp_path):
 
 def test_ctrl_c_stops_the_child_cleanly_and_still_analyses(tmp_path):
     marker = tmp_path / "stopped.txt"
-    p = subprocess.Popen([sys.executable, MONITOR, "--trainer", FAKE, "--steps", "100000", "--every", "1",
+    p = subprocess.Popen([sys.executable, MONITOR, "--trainer", FAKE, "100000", "--every", "1",
                           "--summary", "s.json", "--", "--log-file", "m.jsonl", "--sleep", "0.005",
                           "--interrupted-marker", str(marker)],
                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
