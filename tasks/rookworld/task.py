@@ -16,7 +16,7 @@ from grpo.config import opt
 from grpo.task import TaskError
 from tasks.rookworld import evaluate as held_out
 from tasks.rookworld.data import read_rookworld
-from tasks.rookworld.engine import INSTALL_HINT, EnginePool, find_stockfish
+from tasks.rookworld.engine import DEFAULT_TIMEOUT_S, INSTALL_HINT, EnginePool, find_stockfish
 from tasks.rookworld.format import (env_prompt, expected_env_completion, parse_board, parse_env_prompt,
                                     policy_prompt, position_key, prompt_fen)
 from tasks.rookworld.positions import history, random_board, random_transition
@@ -39,11 +39,16 @@ class PolicyOptions(EnvOptions):
     stockfish_path: typing.Optional[str] = opt(None, "Stockfish binary (default: stockfish on PATH, then "
                                                "/usr/games/stockfish)")
     stockfish_depth: int = opt(10, "Stockfish search depth of the P: reward (multi-PV 5)")
+    stockfish_timeout: float = opt(DEFAULT_TIMEOUT_S, "seconds one analysis may take before its engine is killed, "
+                                   "restarted and the position retried (a normal one takes well under a second at "
+                                   "depth 14)")
 
     def __post_init__(self):
         super().__post_init__()
         if self.stockfish_depth < 1:
             raise ValueError(f"--stockfish-depth {self.stockfish_depth} must be at least 1")
+        if self.stockfish_timeout <= 0:
+            raise ValueError(f"--stockfish-timeout {self.stockfish_timeout} must be > 0")
 
 
 @dataclass
@@ -156,13 +161,14 @@ class ChessPolicyTask:
     options = PolicyOptions
 
     def __init__(self, data: str | None = None, stockfish_path: str | None = None, stockfish_depth: int = 10,
-                 eval_samples: int = 100, engines: int | None = None, data_required: bool = True):
+                 stockfish_timeout: float = DEFAULT_TIMEOUT_S, eval_samples: int = 100, engines: int | None = None,
+                 data_required: bool = True):
         self.stockfish = find_stockfish(stockfish_path)
         self.missing = (f"no executable Stockfish at {stockfish_path}" if stockfish_path else "no Stockfish found") \
             + f": {INSTALL_HINT}"
         self.data = _load_prompts(data, "P", data_required)
         self.held_out = held_out.held_out_positions()
-        self.depth, self.eval_samples = stockfish_depth, eval_samples
+        self.depth, self.timeout, self.eval_samples = stockfish_depth, stockfish_timeout, eval_samples
         # One engine per 4 cores, at most 4: enough to keep up with generation without starving it.
         self.size = engines or min(4, max(1, (os.cpu_count() or 1) // 4))
         self.pool = None
@@ -172,7 +178,7 @@ class ChessPolicyTask:
         if self.pool is None:
             if self.stockfish is None:
                 raise TaskError(self.missing)
-            self.pool = EnginePool(self.stockfish, depth=self.depth, size=self.size)
+            self.pool = EnginePool(self.stockfish, depth=self.depth, size=self.size, timeout=self.timeout)
         return self.pool
 
     def prompts(self, n: int, rng: random.Random) -> list[str]:
@@ -230,13 +236,14 @@ class ChessMixTask:
     options = MixOptions
 
     def __init__(self, task_mix: float = MixOptions.task_mix, data: str | None = None,
-                 stockfish_path: str | None = None, stockfish_depth: int = 10, eval_samples: int = 100):
+                 stockfish_path: str | None = None, stockfish_depth: int = 10,
+                 stockfish_timeout: float = DEFAULT_TIMEOUT_S, eval_samples: int = 100):
         if not 0.0 <= task_mix <= 1.0:
             raise TaskError(f"--task-mix {task_mix}: must lie in [0, 1] (the share of P: prompts)")
         self.task_mix, self.eval_samples = task_mix, eval_samples
         # With --data, a kind the file lacks is generated instead of refused.
-        self.policy = ChessPolicyTask(data, stockfish_path, stockfish_depth, data_required=False) \
-            if task_mix > 0 else None
+        self.policy = ChessPolicyTask(data, stockfish_path, stockfish_depth, stockfish_timeout,
+                                      data_required=False) if task_mix > 0 else None
         self.env = ChessEnvTask(data, data_required=False) if task_mix < 1 else None
 
     def prompts(self, n: int, rng: random.Random) -> list[str]:

@@ -34,7 +34,7 @@ def test_a_script_that_never_closes_the_task_exits():
         from tasks.rookworld.task import ChessPolicyTask
         from tasks.rookworld.format import policy_prompt
         task = ChessPolicyTask(stockfish_path={STOCKFISH!r}, stockfish_depth={DEPTH})
-        print(*task.pool.pids(), flush=True)
+        print(*task.engines().pids(), flush=True)
         print(task.reward(policy_prompt({ITALIAN!r}), "B: f8c5"), flush=True)
         # no task.close(): python-chess's non-daemon threads used to keep the interpreter waiting for ever
     """)
@@ -70,7 +70,7 @@ def test_when_the_retries_fail_too_the_completion_gets_min_reward_and_scoring_go
     from tasks.rookworld.task import ChessPolicyTask
     task = ChessPolicyTask(stockfish_path=STOCKFISH, stockfish_depth=DEPTH)
     try:
-        task.pool.close()   # a pool that gives up at once, in place of the task's own
+        # a pool that gives up at once, in place of the one the task would start on first use
         task.pool = EnginePool(STOCKFISH, depth=DEPTH, size=1, timeout=2, retries=0)
         (hung,) = task.pool.pids()
         os.kill(hung, signal.SIGSTOP)

@@ -2,12 +2,14 @@
 and the start-up errors (exit 2, one line). In-process (main(argv)): a subprocess would spend most of
 its time importing torch again; test_train.py covers the command line itself."""
 import os
+import subprocess
+import sys
 
 import pytest
 
 import train_lean
 from tasks.rookworld.engine import find_stockfish
-from helpers import REPO, read_jsonl as records
+from helpers import REPO, env, process_alive, read_jsonl as records, wait_until
 
 
 
@@ -73,3 +75,34 @@ def test_chess_usage_errors_exit_2_with_one_line(args, message, tmp_path, capsys
         train_lean.main(["--model", "unused", "--out-dir", str(tmp_path), "--log-level", "warning", *args])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.strip().count("\n") == 0 and message in err
+
+
+CRASHING = """
+import sys
+import grpo.update, train_lean
+real, calls = grpo.update.grpo_loss, []
+def crash_at_the_third_call(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+        print("engines", *train_lean_engines(), flush=True)
+        raise RuntimeError("simulated crash in the update")
+    return real(*args, **kwargs)
+def train_lean_engines():
+    import os
+    return [p for p in os.listdir("/proc") if p.isdigit() and open(f"/proc/{p}/stat").read().split(")")[1].split()[1]
+            == str(os.getpid())]
+grpo.update.grpo_loss = crash_at_the_third_call
+train_lean.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.skipif(find_stockfish() is None, reason="needs Stockfish")
+def test_a_crash_mid_run_exits_1_promptly_and_leaves_no_engine(tiny_model_dir, tmp_path):
+    (tmp_path / "crash.py").write_text(CRASHING)
+    proc = subprocess.run([sys.executable, str(tmp_path / "crash.py"), "--model", tiny_model_dir, "--task", "chess",
+                           "--stockfish-depth", "4", "--steps", "5", "--batch-size", "8", "--group-size", "4",
+                           "--max-new-tokens", "8", "--eval-interval", "0", "--out-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, env=env(), timeout=30)   # a hang fails here
+    assert proc.returncode == 1 and "RuntimeError: simulated crash in the update" in proc.stderr
+    engines = [int(p) for p in proc.stdout.split("engines", 1)[1].split()]
+    assert engines and wait_until(lambda: not any(process_alive(p) for p in engines), timeout=5)
