@@ -5,16 +5,18 @@ of a 2-process gloo group (CPU, a file:// rendezvous, nothing on the network):
 
     python grad_worker.py RANK WORLD INIT_FILE MODEL_DIR BATCH_FILE OUT_FILE
 
-Each rank takes its contiguous share of the batch's rows and does what the trainer does: the loss
-denominator summed over ranks, the top-entropy threshold from every rank's token entropies, the
+Each rank takes its contiguous share of the batch's rows and runs the trainer's update functions on them:
+the loss denominator summed over ranks, the top-entropy threshold from every rank's token entropies, the
 micro-batches' gradients accumulated, then summed over ranks. Rank 0 saves {knobs name: gradient}.
 """
 import sys
 
 import torch
 
-from grpo import distributed
-from grpo.loss import completion_logprobs, grpo_loss, loss_denominator, top_entropy_threshold
+from grpo import distributed, update
+from grpo.config import Config
+from grpo.loss import completion_logprobs, loss_denominator, top_entropy_threshold
+from grpo.rollout import Rollout
 
 MAX_NEW_TOKENS = 24  # the rollout64 fixture's
 TEMPERATURE = 1.5
@@ -39,45 +41,46 @@ KNOBS = {
 }
 
 
-def entropies(model, batch, micro):
-    """The policy's entropy at every completion position of the batch's rows, without gradients."""
-    inputs, attention, cmask = batch["inputs"], batch["attention"], batch["cmask"]
-    with torch.no_grad():
-        return torch.cat([completion_logprobs(model, inputs[s:s + micro], attention[s:s + micro], cmask.shape[1],
-                                              TEMPERATURE, CHUNK_ROWS, with_entropy=True)[1]
-                          for s in range(0, inputs.shape[0], micro)])
+def config_for(knobs: dict) -> Config:
+    """The trainer's settings for a set of loss knobs (clip_low / clip_high are --clip-range / --clip-range-high)."""
+    k = dict(knobs)
+    return Config(temperature=TEMPERATURE, logprob_chunk_size=CHUNK_ROWS, max_new_tokens=MAX_NEW_TOKENS,
+                  kl_coef=0.05, clip_range=k.pop("clip_low", 0.2), clip_range_high=k.pop("clip_high", None), **k)
+
+
+def as_rollout(batch) -> Rollout:
+    n = batch["cmask"].shape[0]
+    return Rollout(prompts=[""] * n, texts=[""] * n, input_ids=batch["inputs"], attention=batch["attention"],
+                   completion_mask=batch["cmask"], old_logp=batch["old"], truncated=torch.zeros(n, dtype=torch.bool))
+
+
+def per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg):
+    """The mistake the tests guard against: a top-entropy threshold from each micro-batch's own tokens."""
+    parts = []
+    for rows in torch.arange(mask.shape[0]).split(micro):
+        with torch.no_grad():
+            entropy = completion_logprobs(model, rollout.input_ids[rows], rollout.attention[rows], mask.shape[1],
+                                          TEMPERATURE, CHUNK_ROWS, with_entropy=True)[1]
+        parts.append(entropy >= top_entropy_threshold(entropy[mask[rows].bool()], cfg.top_entropy_quantile))
+    return torch.cat(parts)
 
 
 def minibatch_gradient(model, batch, knobs, micro, *, threshold_per_micro_batch=False):
-    """The flat gradient of this rank's rows of the mini-batch `batch`, micro rows per forward/backward.
-
-    threshold_per_micro_batch: the mistake the tests guard against, a top-entropy threshold taken
-    from each micro-batch's own tokens instead of the whole mini-batch's.
-    """
-    knobs = dict(knobs)
-    quantile = knobs.pop("top_entropy_quantile", None)
-    cmask = batch["cmask"]
-    denominator = distributed.all_sum([loss_denominator(cmask, knobs.get("loss_agg", "token-mean"),
-                                                        MAX_NEW_TOKENS)])[0]
+    """The flat gradient of this rank's rows of the mini-batch `batch`, micro rows per forward/backward,
+    through the trainer's own update functions (grpo/update.py): the denominator summed over ranks, the
+    top-entropy threshold over every rank's tokens, the micro-batches accumulated, the ranks summed."""
+    cfg, rollout = config_for(knobs), as_rollout(batch)
+    rows = torch.arange(rollout.input_ids.shape[0])
+    mask = update.loss_mask(rollout, cfg)
+    denominator = distributed.all_sum([loss_denominator(mask, cfg.loss_agg, cfg.max_new_tokens)])[0]
     pg_mask = None
-    if quantile is not None:
-        entropy = entropies(model, batch, micro)
-        values = torch.cat(distributed.gather_objects(entropy[cmask.bool()]))
-        pg_mask = entropy >= top_entropy_threshold(values, quantile)
-    model.zero_grad(set_to_none=True)
-    for s in range(0, cmask.shape[0], micro):
-        rows = slice(s, s + micro)
-        logp, entropy = completion_logprobs(model, batch["inputs"][rows], batch["attention"][rows], cmask.shape[1],
-                                            TEMPERATURE, CHUNK_ROWS, with_entropy=True)
-        mask_rows = None
-        if threshold_per_micro_batch:
-            mask_rows = entropy.detach() >= top_entropy_threshold(entropy.detach()[cmask[rows].bool()], quantile)
-        elif pg_mask is not None:
-            mask_rows = pg_mask[rows]
-        loss, _ = grpo_loss(logp, batch["old"][rows], batch["adv"][rows], cmask[rows], denominator,
-                            ref_logp=batch["ref"][rows], kl_coef=0.05, entropy=entropy, pg_mask=mask_rows, **knobs)
-        loss.backward()
+    if threshold_per_micro_batch:
+        pg_mask = per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg)
+    elif cfg.top_entropy_quantile < 1:
+        pg_mask = update.high_entropy_tokens(model, rollout, rows, mask, micro, cfg, None)
     params = [p for p in model.parameters() if p.requires_grad]
+    update.accumulate(model, torch.optim.SGD(params, lr=0.0), rollout, batch["adv"], batch["ref"], rows, micro,
+                      mask, pg_mask, denominator, cfg, None)
     distributed.sum_gradients(params)
     return torch.cat([p.grad.reshape(-1) for p in params])
 
