@@ -9,8 +9,26 @@ capture (compile=True). fuse_tanh_gelu swaps GPT-2's eight-op tanh GELU for PyTo
 the same function. Each is tested against the generic path and HF generate (tests/core/test_decoders.py).
 """
 import sys
+import weakref
 
 import torch
+
+# a compiled step's K/V buffers, kept from one generate() to the next by model and shape: a CUDA graph
+# replays on the addresses it was recorded with, so new buffers every call would record a new graph
+_BUFFERS = weakref.WeakKeyDictionary()
+
+
+def _zeros(model, name, shape, dtype, device, keep: bool):
+    """A zeroed tensor; with keep, the same one for the same model, name and shape at every call."""
+    if not keep:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    kept = _BUFFERS.setdefault(model, {})
+    key = (name, tuple(shape), dtype, str(device))
+    if key not in kept:
+        kept[key] = torch.empty(shape, dtype=dtype, device=device)
+        if device.type == "cuda":  # read in place by the replayed graphs
+            torch._dynamo.mark_static_address(kept[key])
+    return kept[key].zero_()
 
 
 def fuse_tanh_gelu(model) -> None:
@@ -38,14 +56,17 @@ class PreallocatedDecoder:
     the prompt's cache once per group instead of once per row. Attention runs in the cache's dtype
     (fp32 on CPU, where bf16 matmuls are emulated; the model's bf16 on GPU).
 
-    Every step has the same shapes: the new keys and values go into their column of the full-length
-    buffer and attention reads the whole buffer under a mask of the columns written so far, and the
-    step index is a tensor. So the step compiles once (compile=True) and, on CUDA, replays as a graph.
+    Compiled (compile=True), every step has the same shapes: the new keys and values go into their
+    column of the full-length buffer, attention reads the whole buffer under a mask of the columns
+    written so far, and the step index is a tensor; so the step compiles once and, on CUDA, replays as a
+    graph. Eager, attention reads the written columns rounded up to a multiple of NEW_MULTIPLE instead
+    (the same mask, half the columns on average), as the shapes need not stay the same.
     A subclass says how its architecture embeds a token and projects q, k, v (_embed, _qkv) and names
     its modules (self.layers, self.final_norm); the block around them is the same for GPT-2 and Llama.
     """
     # prompt columns are padded up to a multiple of this (masked), so that a compiled step sees few shapes
     WIDTH_MULTIPLE = 16
+    NEW_MULTIPLE = 16
 
     def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int, compile: bool = False):
         self.model = model
@@ -56,73 +77,80 @@ class PreallocatedDecoder:
         if per_group is None or not (per_group == per_group[:, :1]).all():  # rows not in whole groups
             per_group = inverse.view(batch, 1)
         first = per_group[:, 0]  # prompt of each group, in batch order
-        self.groups, self.group = per_group.shape
+        groups, group = self.groups, self.group = per_group.shape
         dtype = torch.float32 if device.type == "cpu" else cache.layers[0].keys.dtype
         _, kv_heads, _, head_dim = cache.layers[0].keys.shape
         padded = -(-width // self.WIDTH_MULTIPLE) * self.WIDTH_MULTIPLE
-        self.prompt_kv = []
-        for layer in cache.layers:
-            kv = torch.zeros(2, self.groups, kv_heads, padded, head_dim, dtype=dtype, device=device)
-            kv[0, ..., :width, :], kv[1, ..., :width, :] = layer.keys[first], layer.values[first]
-            self.prompt_kv.append(kv)
-        # zeros, not empty: a masked column's weight is exactly 0, and 0 * NaN would not be
-        self.new_kv = [torch.zeros(2, batch, kv_heads, max_new_tokens, head_dim, dtype=dtype, device=device)
-                       for _ in cache.layers]
-        # additive mask over each group's prompt columns: -inf on left padding and on the padded columns
-        pad = torch.nn.functional.pad(prompt_mask[::self.group], (0, padded - width))
+        # Everything is laid out by group: [groups, K/V heads, ...]. Keys are stored transposed (columns
+        # last), so that both score matmuls read them as they lie. Zeros, not empty: a masked column's
+        # weight is exactly 0, and 0 * NaN would not be.
+        self.prompt_k, self.prompt_v, self.new_k, self.new_v = [], [], [], []
+        for i, layer in enumerate(cache.layers):
+            k = _zeros(model, ("prompt_k", i), (groups, kv_heads, head_dim, padded), dtype, device, compile)
+            v = _zeros(model, ("prompt_v", i), (groups, kv_heads, padded, head_dim), dtype, device, compile)
+            k[..., :width], v[..., :width, :] = layer.keys[first].transpose(-1, -2), layer.values[first]
+            self.prompt_k.append(k)
+            self.prompt_v.append(v)
+            self.new_k.append(_zeros(model, ("new_k", i), (groups, kv_heads, group, head_dim, max_new_tokens),
+                                     dtype, device, compile))
+            self.new_v.append(_zeros(model, ("new_v", i), (groups, kv_heads, group, max_new_tokens, head_dim),
+                                     dtype, device, compile))
+        # additive masks: over each group's prompt columns (-inf on left padding and on the padded columns),
+        # and over the new columns at each step (-inf on those not written yet)
+        pad = torch.nn.functional.pad(prompt_mask[::group], (0, padded - width))
         bias = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill(pad == 0, float("-inf"))
-        self.prompt_bias = bias[:, None, None, :]  # [groups, 1, 1, padded]
-        self.position = prompt_mask.sum(-1, keepdim=True)  # each row's first new token
+        self.prompt_bias = bias.view(groups, 1, 1, 1, padded)  # scores: [groups, H_kv, group, rep, columns]
+        written = torch.ones(max_new_tokens, max_new_tokens, dtype=torch.bool, device=device).tril()
+        self.new_bias = torch.zeros(written.shape, dtype=dtype, device=device).masked_fill(~written, float("-inf"))
+        self.positions = prompt_mask.sum(-1, keepdim=True) + torch.arange(max_new_tokens, device=device)
         self.columns = torch.arange(max_new_tokens, device=device)
         self.device_type = device.type
+        self.compiled = compile
         self._step = self._forward
         if compile:
-            if device.type == "cuda":  # replayed graphs read the buffers in place: their addresses must not move
-                for t in self.prompt_kv + self.new_kv:
-                    torch._dynamo.mark_static_address(t)
             self._step = torch.compile(self._forward, fullgraph=True,
                                        mode="reduce-overhead" if device.type == "cuda" else None)
 
     def __call__(self, token, step: int):
-        if self._step is not self._forward and self.device_type == "cuda":
+        new = len(self.columns)
+        if self.compiled and self.device_type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's logits have been consumed
-        return self._step(token, self.columns[step])
+        elif not self.compiled:
+            new = min(new, -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
+        # views of this step's row of each table (compiled: of the same shapes at every step)
+        return self._step(token, self.columns[step:step + 1], self.positions[:, step:step + 1], self.new_bias[step, :new])
 
-    def _forward(self, token, step):
-        x, rotary = self._embed(token, self.position + step)
+    def _forward(self, token, step, position, new_bias):
+        x, rotary = self._embed(token, position)
         for i, (layer, norm_in, out_proj, norm_post, scaling) in enumerate(self.layers):
             q, k, v = self._qkv(layer, norm_in(x), rotary)
             with torch.autocast(self.device_type, enabled=False):
-                y = self._attend(i, q, k, v, step, scaling)
+                y = self._attend(i, q, k, v, step, new_bias, scaling)
             x = x + out_proj(y)
             x = x + layer.mlp(norm_post(x))
         return self.model.lm_head(self.final_norm(x))[:, -1]
 
-    def _attend(self, layer: int, q, k, v, step, scale: float):
-        """Softmax attention of q [B, H, 1, D] over its group's prompt and its row's new tokens, after
-        writing k, v [B, H_kv, 1, D] at column `step`; H = H_kv x rep query heads share a K/V head
+    def _attend(self, layer: int, q, k, v, step, new_bias, scale: float):
+        """Softmax attention of q [B, 1, H, D] over its group's prompt and its row's new tokens, after
+        writing k, v [B, 1, H_kv, D] at column `step`; H = H_kv x rep query heads share a K/V head
         (grouped-query attention; rep = 1 for GPT-2). Returns [B, 1, H x D]."""
-        kv_p, kv_n = self.prompt_kv[layer], self.new_kv[layer]
-        kv_n.index_copy_(3, step.view(1), torch.stack([k, v]).to(kv_n.dtype))
-        (kp, vp), (kn, vn) = kv_p, kv_n
-        batch, heads, _, dim = q.shape
-        kv_heads, width = kp.shape[1], kp.shape[2]
-        rep = heads // kv_heads
-        q = q.to(kn.dtype).view(batch, kv_heads, rep, dim)
+        kp, vp, kn, vn = self.prompt_k[layer], self.prompt_v[layer], self.new_k[layer], self.new_v[layer]
+        groups, kv_heads, group, dim, _ = kn.shape
+        batch, _, heads, _ = q.shape
+        rep, width, new = heads // kv_heads, kp.shape[-1], new_bias.shape[-1]
+        kn.index_copy_(4, step, k.to(kn.dtype).view(groups, group, kv_heads, dim, 1).transpose(1, 2))
+        vn.index_copy_(3, step, v.to(vn.dtype).view(groups, group, kv_heads, 1, dim).transpose(1, 2))
+        kn, vn = kn[..., :new], vn[..., :new, :]
         # a group's rows and a K/V head's query heads all read the same prompt keys: one matmul for them
-        qg = q.view(self.groups, self.group, kv_heads, rep, dim).transpose(1, 2)
-        qg = qg.reshape(self.groups, kv_heads, self.group * rep, dim)
-        scores_p = (qg @ kp.transpose(-1, -2)) * scale + self.prompt_bias  # [groups, H_kv, group x rep, width]
-        scores_p = scores_p.view(self.groups, kv_heads, self.group, rep, width).transpose(1, 2)
-        scores_n = (q @ kn.transpose(-1, -2)) * scale  # [B, H_kv, rep, new]
-        scores_n = scores_n.masked_fill(self.columns > step, float("-inf"))
-        scores = torch.cat([scores_p.reshape(batch, kv_heads, rep, width), scores_n], -1)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(kn.dtype)
-        probs_p = probs[..., :width].reshape(self.groups, self.group, kv_heads, rep, width).transpose(1, 2)
-        out = (probs_p.reshape(self.groups, kv_heads, self.group * rep, width) @ vp)
-        out = out.view(self.groups, kv_heads, self.group, rep, dim).transpose(1, 2).reshape(batch, kv_heads, rep, dim)
-        out = out + probs[..., width:] @ vn
-        return out.reshape(batch, 1, heads * dim)
+        q = (q.to(kn.dtype) * scale).view(groups, group, kv_heads, rep, dim).transpose(1, 2)
+        q = q.reshape(groups, kv_heads, group * rep, dim)
+        scores_p = (q @ kp).view(groups, kv_heads, group, rep, width)
+        scores_n = q.view(groups, kv_heads, group, rep, dim) @ kn  # [groups, H_kv, group, rep, new]
+        scores = torch.cat([scores_p + self.prompt_bias, scores_n + new_bias], -1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vn.dtype)
+        out = probs[..., :width].reshape(groups, kv_heads, group * rep, width) @ vp
+        out = out.view(groups, kv_heads, group, rep, dim) + probs[..., width:] @ vn
+        return out.transpose(1, 2).reshape(batch, 1, heads * dim)
 
 
 class GPT2Decoder(PreallocatedDecoder):
@@ -145,8 +173,7 @@ class GPT2Decoder(PreallocatedDecoder):
         return self.t.wte(token[:, None]) + self.t.wpe(position), None
 
     def _qkv(self, block, h, _):
-        q, k, v = block.attn.c_attn(h).view(h.shape[0], 1, 3, self.heads, -1).unbind(2)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return block.attn.c_attn(h).view(h.shape[0], 1, 3, self.heads, -1).unbind(2)
 
 
 class LlamaDecoder(PreallocatedDecoder):
@@ -184,11 +211,10 @@ class LlamaDecoder(PreallocatedDecoder):
 
     def _qkv(self, layer, h, rotary):
         attn, batch = layer.self_attn, h.shape[0]
-        q = attn.q_proj(h).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
-        q, k = self.apply_rotary(q, k, *rotary)
-        return q, k, v
+        q = attn.q_proj(h).view(batch, 1, -1, attn.head_dim)
+        k = attn.k_proj(h).view(batch, 1, -1, attn.head_dim)
+        q, k = self.apply_rotary(q, k, *rotary, unsqueeze_dim=2)  # [B, 1, heads, D]: cos, sin [B, 1, 1, D]
+        return q, k, attn.v_proj(h).view(batch, 1, -1, attn.head_dim)
 
 
 class HFDecoder:

@@ -107,8 +107,8 @@ def test_greedy_decoding_equals_hf_generate(family):
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_compiled_decode_step_equals_the_eager_one(arch, tiny_model_dir, tiny_rotary_dir):
-    """Two batches of different prompt widths: the second runs the step compiled for the first's shapes or
-    recompiles it; either way the same tokens and logprobs as the eager step."""
+    """Batches of two prompt widths, the first one again last: the compiled step recompiles for the second
+    width and reuses the first's K/V buffers for the third batch; always the eager step's tokens and logprobs."""
     path = tiny_model_dir if arch == "gpt2" else tiny_rotary_dir
     tok, model = load_tokenizer(path), load_policy(path, "cpu")
     first = _group_batch(tok)
@@ -116,7 +116,7 @@ def test_compiled_decode_step_equals_the_eager_one(arch, tiny_model_dir, tiny_ro
                                            "P: "], True), tok.eos_token_id)
     second = second[0].repeat_interleave(2, 0), second[1].repeat_interleave(2, 0)
     assert second[0].shape[1] != first[0].shape[1]
-    for ids, mask in (first, second):
+    for ids, mask in (first, second, first):
         runs = []
         for compile in (False, True):
             torch.manual_seed(0)
