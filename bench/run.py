@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from bench.common import model_dir, task_flag  # noqa: E402
+from bench.common import model_dir, task_flag, weights_per_token  # noqa: E402
 
 SYSTEMS = ("ours", "trl", "floor")
 COLUMNS = ("gen_time_s", "score_time_s", "ref_time_s", "train_time_s", "step_time_s")
@@ -72,12 +72,9 @@ def summarize(records, batch):
 
 def model_flops_per_step(path, batch=64, new_tokens=144):
     """A lower bound of a step's model FLOPs: 10 N per completion token (2 N sampling, 2 N reference,
-    6 N forward + backward), N = the weights a token passes (12 L E^2 + head V E); prompt tokens and
-    attention left out."""
-    with open(os.path.join(path, "config.json")) as f:
-        c = json.load(f)
-    n = 12 * c["n_layer"] * c["n_embd"] ** 2 + c["vocab_size"] * c["n_embd"]
-    return 10 * n * batch * new_tokens
+    6 N forward + backward), N = the weights a token passes (weights_per_token: GPT-2's 12 L E^2 + head
+    V E); prompt tokens and attention left out."""
+    return 10 * weights_per_token(path) * batch * new_tokens
 
 
 def _num(v, digits):
@@ -103,7 +100,7 @@ def table(results, systems):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="tiny", help="comma-separated: tiny, gpt2-124m or model folders")
+    ap.add_argument("--models", default="tiny", help="comma-separated: tiny, tiny-llama, gpt2-124m or model folders")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--rounds", type=int, default=3, help="A B C rounds per model and dtype")
