@@ -38,7 +38,8 @@ def command(system, args, model, dtype, n_steps, out, work):
         return [sys.executable, os.path.join(REPO, "train_lean.py"), *common, "--task", task_flag(args.task),
                 "--batch-size", "64", "--group-size", "8", "--max-new-tokens", str(args.new_tokens),
                 "--min-new-tokens", str(args.new_tokens), "--kl-coef", "0.02", "--seed", "0",
-                "--out-dir", work, "--log-file", out, "--log-level", "warning", *args.ours_args.split()]
+                "--eval-interval", "0", "--out-dir", work, "--log-file", out, "--log-level", "warning",
+                *args.ours_args.split()]
     script = {"trl": "trl_run.py", "floor": "floor_run.py"}[system]
     python = args.trl_python if system == "trl" else sys.executable
     return [python, os.path.join(HERE, script), *common, "--task", args.task,
@@ -56,7 +57,7 @@ def run_once(system, args, model, dtype, env):
             raise RuntimeError(f"{system} failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
         with open(out) as f:
             records = [json.loads(line) for line in f if line.strip()]
-    return records[args.warmup:]
+    return [r for r in records if "samples_per_s" in r][args.warmup:]  # step records, not evaluations
 
 
 def summarize(records, batch):
