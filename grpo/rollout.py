@@ -137,14 +137,12 @@ def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperatur
         token = token.masked_fill(done, eos_id)
         tokens[:, step], logprobs[:, step] = token, logprob
         done |= token == eos_id
-        if step + 1 == max_new_tokens or ((step + 1) % DONE_CHECK_EVERY == 0 and step + 1 >= min_new_tokens
-                                          and bool(done.all())):
+        if step + 1 == max_new_tokens or ((step + 1) % DONE_CHECK_EVERY == 0 and bool(done.all())):
             break
         logits = decoder(token, step)
-    # the step after which every row had finished: each row's first EOS, the latest of them
     mask = completion_mask(tokens[:, :step + 1], eos_id)
-    if bool(done.all()):
-        step = min(step, max(int(mask.sum(1).max()), min_new_tokens) - 1)
+    if bool(done.all()):  # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
+        step = int(mask.sum(1).max()) - 1
     completion_ids, logprobs = tokens[:, :step + 1], logprobs[:, :step + 1]
     return completion_ids, mask[:, :step + 1], logprobs
 

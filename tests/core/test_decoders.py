@@ -126,6 +126,24 @@ def test_compiled_decode_step_equals_the_eager_one(arch, tiny_model_dir, tiny_ro
         assert (eager_logp - logp_c).abs().max().item() <= 1e-5
 
 
+def test_checking_for_the_end_every_few_steps_returns_what_checking_every_step_does(tiny_model_dir, monkeypatch):
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    ids, mask = left_pad(encode_prompts(tok, ["Repeat a: ", "Repeat e: "], True), tok.eos_token_id)
+    free, _, _ = generate(model, ids, mask, eos_id=-1, max_new_tokens=20, temperature=0.0)
+    ends = []
+    for eos in set(free.flatten().tolist()):  # tokens the rows emit greedily: each row ends somewhere
+        for min_new_tokens in (0, 3, 11):
+            runs = []
+            for every in (1, rollout.DONE_CHECK_EVERY):
+                monkeypatch.setattr(rollout, "DONE_CHECK_EVERY", every)
+                runs.append(generate(model, ids, mask, eos_id=eos, max_new_tokens=20, temperature=0.0,
+                                     min_new_tokens=min_new_tokens))
+            for a, b in zip(*runs):
+                assert torch.equal(a, b)
+            ends.append(runs[0][0].shape[1])
+    assert any(n % rollout.DONE_CHECK_EVERY for n in ends if n < 20), ends  # some ended between two checks
+
+
 def test_fast_paths_refuse_what_they_do_not_compute():
     from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                               Qwen2ForCausalLM)
