@@ -2,6 +2,7 @@
 
     python bench/run.py --trl-python /path/to/venv-with-trl/bin/python          # tiny model, fp32 + bf16
     python bench/run.py --models tiny,gpt2-124m --dtypes bf16 --rounds 2 --steps 2
+    python bench/run.py --models tiny,tiny-llama --dtypes fp32 --threads 1  # GPT-2 vs Llama of equal size
 
 Workload (every system, every step): 8 prompts x 8 completions = 64, chess A: prompts, exactly 144
 new tokens per completion (EOS masked while sampling: `--min-new-tokens 144` for ours, the same
