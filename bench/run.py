@@ -2,6 +2,7 @@
 
     python bench/run.py --trl-python /path/to/venv-with-trl/bin/python          # tiny model, fp32 + bf16
     python bench/run.py --models tiny,gpt2-124m --dtypes bf16 --rounds 2 --steps 2
+    python bench/run.py --models tiny,tiny-llama --dtypes fp32 --threads 1  # GPT-2 vs Llama of equal size
 
 Workload (every system, every step): 8 prompts x 8 completions = 64, chess A: prompts, exactly 144
 new tokens per completion (EOS masked while sampling: `--min-new-tokens 144` for ours, the same
@@ -26,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from bench.common import model_dir, task_flag  # noqa: E402
+from bench.common import model_dir, task_flag, weights_per_token  # noqa: E402
 
 SYSTEMS = ("ours", "trl", "floor")
 COLUMNS = ("gen_time_s", "score_time_s", "ref_time_s", "train_time_s", "step_time_s")
@@ -38,7 +39,8 @@ def command(system, args, model, dtype, n_steps, out, work):
         return [sys.executable, os.path.join(REPO, "train_lean.py"), *common, "--task", task_flag(args.task),
                 "--batch-size", "64", "--group-size", "8", "--max-new-tokens", str(args.new_tokens),
                 "--min-new-tokens", str(args.new_tokens), "--kl-coef", "0.02", "--seed", "0",
-                "--out-dir", work, "--log-file", out, "--log-level", "warning", *args.ours_args.split()]
+                "--eval-interval", "0", "--out-dir", work, "--log-file", out, "--log-level", "warning",
+                *args.ours_args.split()]
     script = {"trl": "trl_run.py", "floor": "floor_run.py"}[system]
     python = args.trl_python if system == "trl" else sys.executable
     return [python, os.path.join(HERE, script), *common, "--task", args.task,
@@ -56,7 +58,7 @@ def run_once(system, args, model, dtype, env):
             raise RuntimeError(f"{system} failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
         with open(out) as f:
             records = [json.loads(line) for line in f if line.strip()]
-    return records[args.warmup:]
+    return [r for r in records if "samples_per_s" in r][args.warmup:]  # step records, not evaluations
 
 
 def summarize(records, batch):
@@ -72,12 +74,9 @@ def summarize(records, batch):
 
 def model_flops_per_step(path, batch=64, new_tokens=144):
     """A lower bound of a step's model FLOPs: 10 N per completion token (2 N sampling, 2 N reference,
-    6 N forward + backward), N = the weights a token passes (12 L E^2 + head V E); prompt tokens and
-    attention left out."""
-    with open(os.path.join(path, "config.json")) as f:
-        c = json.load(f)
-    n = 12 * c["n_layer"] * c["n_embd"] ** 2 + c["vocab_size"] * c["n_embd"]
-    return 10 * n * batch * new_tokens
+    6 N forward + backward), N = the weights a token passes (weights_per_token: GPT-2's 12 L E^2 + head
+    V E); prompt tokens and attention left out."""
+    return 10 * weights_per_token(path) * batch * new_tokens
 
 
 def _num(v, digits):
@@ -103,7 +102,7 @@ def table(results, systems):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="tiny", help="comma-separated: tiny, gpt2-124m or model folders")
+    ap.add_argument("--models", default="tiny", help="comma-separated: tiny, tiny-llama, gpt2-124m or model folders")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--rounds", type=int, default=3, help="A B C rounds per model and dtype")

@@ -2,11 +2,33 @@
 
 generate() (grpo/rollout.py) samples one token at a time; a decoder turns the token just drawn into the
 logits of the next. HFDecoder works for any causal LM through its own forward and cache. GPT2Decoder
-is a fast path for plain GPT-2: the same modules and math, on preallocated K/V buffers, with a group's
-prompt keys and values read once. fuse_tanh_gelu swaps GPT-2's eight-op tanh GELU for PyTorch's fused
-kernel of the same function. Each is tested against the generic path (tests/core/test_decoders.py).
+(plain GPT-2) and LlamaDecoder (Llama, Qwen2 and Mistral without sliding windows) are fast paths: the
+model's own modules and math, on K/V buffers preallocated at the final length, with a group's prompt
+keys and values kept once and read once per group, in steps of static shapes that torch.compile can
+capture (compile=True). fuse_tanh_gelu swaps GPT-2's eight-op tanh GELU for PyTorch's fused kernel of
+the same function. Each is tested against the generic path and HF generate (tests/core/test_decoders.py).
 """
+import sys
+import weakref
+
 import torch
+
+# a compiled step's K/V buffers, kept from one generate() to the next by model and shape: a CUDA graph
+# replays on the addresses it was recorded with, so new buffers every call would record a new graph
+_BUFFERS = weakref.WeakKeyDictionary()
+
+
+def _zeros(model, name, shape, dtype, device, keep: bool):
+    """A zeroed tensor; with keep, the same one for the same model, name and shape at every call."""
+    if not keep:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    kept = _BUFFERS.setdefault(model, {})
+    key = (name, tuple(shape), dtype, str(device))
+    if key not in kept:
+        kept[key] = torch.empty(shape, dtype=dtype, device=device)
+        if device.type == "cuda":  # read in place by the replayed graphs
+            torch._dynamo.mark_static_address(kept[key])
+    return kept[key].zero_()
 
 
 def fuse_tanh_gelu(model) -> None:
@@ -24,17 +46,115 @@ def fuse_tanh_gelu(model) -> None:
         model.config.activation_function = "gelu_pytorch_tanh"
 
 
-class GPT2Decoder:
-    """One-token decode steps for GPT-2 on preallocated K/V buffers.
+class PreallocatedDecoder:
+    """One-token decode steps on preallocated K/V buffers, for pre-norm decoder-only transformers.
 
-    The same modules and math as GPT2Model's forward (so the logprobs match the training forward),
+    The same modules and math as the model's forward (so the logprobs match the training forward),
     without what it costs per call: no growing cache (torch.cat of every past key at every step), no
     mask building, no output objects. The rows of a group share their prompt, so its keys and values
     are kept once per group and each group's queries attend to them together: decode attention reads
     the prompt's cache once per group instead of once per row. Attention runs in the cache's dtype
-    (fp32 on CPU, where bf16 matmuls are emulated; the model's bf16 on GPU). Anything that is not a
-    plain GPT-2 goes through the model's own forward with a DynamicCache instead (HFDecoder).
+    (fp32 on CPU, where bf16 matmuls are emulated; the model's bf16 on GPU).
+
+    Compiled (compile=True), every step has the same shapes: the new keys and values go into their
+    column of the full-length buffer, attention reads the whole buffer under a mask of the columns
+    written so far, and the step index is a tensor; so the step compiles once and, on CUDA, replays as a
+    graph. Eager, attention reads the written columns rounded up to a multiple of NEW_MULTIPLE instead
+    (the same mask, half the columns on average), as the shapes need not stay the same.
+    A subclass says how its architecture embeds a token and projects q, k, v (_embed, _qkv) and names
+    its modules (self.layers, self.final_norm); the block around them is the same for GPT-2 and Llama.
     """
+    # prompt columns are padded up to a multiple of this (masked), so that a compiled step sees few shapes
+    WIDTH_MULTIPLE = 16
+    NEW_MULTIPLE = 16
+
+    def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int, compile: bool = False):
+        self.model = model
+        batch, width = prompt_mask.shape
+        device = prompt_mask.device
+        n_prompts = int(inverse.max()) + 1
+        per_group = inverse.view(n_prompts, -1) if batch % n_prompts == 0 else None
+        if per_group is None or not (per_group == per_group[:, :1]).all():  # rows not in whole groups
+            per_group = inverse.view(batch, 1)
+        first = per_group[:, 0]  # prompt of each group, in batch order
+        groups, group = self.groups, self.group = per_group.shape
+        dtype = torch.float32 if device.type == "cpu" else cache.layers[0].keys.dtype
+        _, kv_heads, _, head_dim = cache.layers[0].keys.shape
+        padded = -(-width // self.WIDTH_MULTIPLE) * self.WIDTH_MULTIPLE
+        # Everything is laid out by group: [groups, K/V heads, ...]. Keys are stored transposed (columns
+        # last), so that both score matmuls read them as they lie. Zeros, not empty: a masked column's
+        # weight is exactly 0, and 0 * NaN would not be.
+        self.prompt_k, self.prompt_v, self.new_k, self.new_v = [], [], [], []
+        for i, layer in enumerate(cache.layers):
+            k = _zeros(model, ("prompt_k", i), (groups, kv_heads, head_dim, padded), dtype, device, compile)
+            v = _zeros(model, ("prompt_v", i), (groups, kv_heads, padded, head_dim), dtype, device, compile)
+            k[..., :width], v[..., :width, :] = layer.keys[first].transpose(-1, -2), layer.values[first]
+            self.prompt_k.append(k)
+            self.prompt_v.append(v)
+            self.new_k.append(_zeros(model, ("new_k", i), (groups, kv_heads, group, head_dim, max_new_tokens),
+                                     dtype, device, compile))
+            self.new_v.append(_zeros(model, ("new_v", i), (groups, kv_heads, group, max_new_tokens, head_dim),
+                                     dtype, device, compile))
+        # additive masks: over each group's prompt columns (-inf on left padding and on the padded columns),
+        # and over the new columns at each step (-inf on those not written yet)
+        pad = torch.nn.functional.pad(prompt_mask[::group], (0, padded - width))
+        bias = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill(pad == 0, float("-inf"))
+        self.prompt_bias = bias.view(groups, 1, 1, 1, padded)  # scores: [groups, H_kv, group, rep, columns]
+        written = torch.ones(max_new_tokens, max_new_tokens, dtype=torch.bool, device=device).tril()
+        self.new_bias = torch.zeros(written.shape, dtype=dtype, device=device).masked_fill(~written, float("-inf"))
+        self.positions = prompt_mask.sum(-1, keepdim=True) + torch.arange(max_new_tokens, device=device)
+        self.columns = torch.arange(max_new_tokens, device=device)
+        self.device_type = device.type
+        self.compiled = compile
+        self._step = self._forward
+        if compile:
+            self._step = torch.compile(self._forward, fullgraph=True,
+                                       mode="reduce-overhead" if device.type == "cuda" else None)
+
+    def __call__(self, token, step: int):
+        new = len(self.columns)
+        if self.compiled and self.device_type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits have been consumed
+        elif not self.compiled:
+            new = min(new, -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
+        # views of this step's row of each table (compiled: of the same shapes at every step)
+        return self._step(token, self.columns[step:step + 1], self.positions[:, step:step + 1], self.new_bias[step, :new])
+
+    def _forward(self, token, step, position, new_bias):
+        x, rotary = self._embed(token, position)
+        for i, (layer, norm_in, out_proj, norm_post, scaling) in enumerate(self.layers):
+            q, k, v = self._qkv(layer, norm_in(x), rotary)
+            with torch.autocast(self.device_type, enabled=False):
+                y = self._attend(i, q, k, v, step, new_bias, scaling)
+            x = x + out_proj(y)
+            x = x + layer.mlp(norm_post(x))
+        return self.model.lm_head(self.final_norm(x))[:, -1]
+
+    def _attend(self, layer: int, q, k, v, step, new_bias, scale: float):
+        """Softmax attention of q [B, 1, H, D] over its group's prompt and its row's new tokens, after
+        writing k, v [B, 1, H_kv, D] at column `step`; H = H_kv x rep query heads share a K/V head
+        (grouped-query attention; rep = 1 for GPT-2). Returns [B, 1, H x D]."""
+        kp, vp, kn, vn = self.prompt_k[layer], self.prompt_v[layer], self.new_k[layer], self.new_v[layer]
+        groups, kv_heads, group, dim, _ = kn.shape
+        batch, _, heads, _ = q.shape
+        rep, width, new = heads // kv_heads, kp.shape[-1], new_bias.shape[-1]
+        kn.index_copy_(4, step, k.to(kn.dtype).view(groups, group, kv_heads, dim, 1).transpose(1, 2))
+        vn.index_copy_(3, step, v.to(vn.dtype).view(groups, group, kv_heads, 1, dim).transpose(1, 2))
+        kn, vn = kn[..., :new], vn[..., :new, :]
+        # a group's rows and a K/V head's query heads all read the same prompt keys: one matmul for them
+        q = (q.to(kn.dtype) * scale).view(groups, group, kv_heads, rep, dim).transpose(1, 2)
+        q = q.reshape(groups, kv_heads, group * rep, dim)
+        scores_p = (q @ kp).view(groups, kv_heads, group, rep, width)
+        scores_n = q.view(groups, kv_heads, group, rep, dim) @ kn  # [groups, H_kv, group, rep, new]
+        scores = torch.cat([scores_p + self.prompt_bias, scores_n + new_bias], -1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vn.dtype)
+        out = probs[..., :width].reshape(groups, kv_heads, group * rep, width) @ vp
+        out = out.view(groups, kv_heads, group, rep, dim) + probs[..., width:] @ vn
+        return out.transpose(1, 2).reshape(batch, 1, heads * dim)
+
+
+class GPT2Decoder(PreallocatedDecoder):
+    """Plain GPT-2: learned absolute positions, one fused q/k/v projection, LayerNorm, GELU MLP."""
 
     @staticmethod
     def fits(model) -> bool:
@@ -42,63 +162,66 @@ class GPT2Decoder:
         return (c.model_type == "gpt2" and c.scale_attn_weights and not c.scale_attn_by_inverse_layer_idx
                 and not c.reorder_and_upcast_attn and not c.add_cross_attention)
 
-    def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int):
-        self.model, self.t = model, model.transformer
-        batch, width = prompt_mask.shape
-        n_prompts = int(inverse.max()) + 1
-        per_group = inverse.view(n_prompts, -1) if batch % n_prompts == 0 else None
-        if per_group is None or not (per_group == per_group[:, :1]).all():  # rows not in whole groups
-            per_group = inverse.view(batch, 1)
-        first = per_group[:, 0]  # prompt of each group, in batch order
-        self.groups, self.group = per_group.shape
-        self.heads = model.config.n_head
-        dtype = torch.float32 if prompt_mask.device.type == "cpu" else cache.layers[0].keys.dtype
-        self.prompt_kv = [(layer.keys[first].to(dtype), layer.values[first].to(dtype)) for layer in cache.layers]
-        head_dim = self.prompt_kv[0][0].shape[-1]
-        self.new_kv = [(torch.empty(batch, self.heads, max_new_tokens, head_dim, dtype=dtype, device=prompt_mask.device),
-                        torch.empty(batch, self.heads, max_new_tokens, head_dim, dtype=dtype, device=prompt_mask.device))
-                       for _ in cache.layers]
-        # additive mask over each group's prompt columns: -inf on left padding
-        pad = prompt_mask[::self.group]
-        self.prompt_bias = torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill(pad == 0, float("-inf"))
-        self.prompt_bias = self.prompt_bias[:, None, None, :]  # [groups, 1, 1, width]
-        self.position = prompt_mask.sum(-1, keepdim=True)  # each row's first new token
-        self.device_type = prompt_mask.device.type
+    def __init__(self, model, *args, **kwargs):
+        t = model.transformer
+        self.t, self.heads = t, model.config.n_head
+        self.layers = [(b, b.ln_1, b.attn.c_proj, b.ln_2, b.attn.scaling) for b in t.h]
+        self.final_norm = t.ln_f
+        super().__init__(model, *args, **kwargs)
 
-    def _attend(self, q, layer: int, step: int, scale: float):
-        """Softmax attention of q [B, H, 1, D] over its group's prompt and its own new tokens."""
-        (kp, vp), (kn, vn) = self.prompt_kv[layer], self.new_kv[layer]
-        batch, heads, _, dim = q.shape
-        qg = q.view(self.groups, self.group, heads, dim).transpose(1, 2)  # [groups, H, group, D]
-        scores_p = (qg @ kp.transpose(-1, -2)) * scale + self.prompt_bias  # [groups, H, group, width]
-        scores_n = (q @ kn[:, :, :step + 1].transpose(-1, -2)) * scale  # [B, H, 1, new]
-        width = scores_p.shape[-1]
-        scores_p = scores_p.transpose(1, 2).reshape(batch, heads, 1, width)
-        probs = torch.softmax(torch.cat([scores_p, scores_n], -1), dim=-1, dtype=torch.float32).to(vn.dtype)
-        probs_p = probs[..., :width].reshape(self.groups, self.group, heads, width).transpose(1, 2)
-        out = (probs_p @ vp).transpose(1, 2).reshape(batch, heads, 1, dim)
-        return out + probs[..., width:] @ vn[:, :, :step + 1]
+    def _embed(self, token, position):
+        return self.t.wte(token[:, None]) + self.t.wpe(position), None
 
-    def __call__(self, token, step: int):
-        t = self.t
-        x = t.wte(token[:, None]) + t.wpe(self.position + step)
-        batch = x.shape[0]
-        for i, block in enumerate(t.h):
-            attn = block.attn
-            q, k, v = attn.c_attn(block.ln_1(x)).view(batch, 1, 3, self.heads, -1).unbind(2)
-            kn, vn = self.new_kv[i]
-            kn[:, :, step], vn[:, :, step] = k[:, 0], v[:, 0]
-            with torch.autocast(self.device_type, enabled=False):
-                y = self._attend(q.transpose(1, 2).to(kn.dtype), i, step, attn.scaling)
-            x = x + attn.c_proj(y.transpose(1, 2).reshape(batch, 1, -1))
-            x = x + block.mlp(block.ln_2(x))
-        return self.model.lm_head(t.ln_f(x))[:, -1]
+    def _qkv(self, block, h, _):
+        return block.attn.c_attn(h).view(h.shape[0], 1, 3, self.heads, -1).unbind(2)
+
+
+class LlamaDecoder(PreallocatedDecoder):
+    """Llama-family models: rotary positions from the model's rotary module, grouped-query attention
+    (q/k/v biases, as Qwen2 has, are in its modules), RMSNorm, gated MLP."""
+
+    MODEL_TYPES = ("llama", "qwen2", "mistral")
+    # rotary variants whose frequencies do not depend on the sequence length ("dynamic" and "longrope"
+    # change them with it, which the prefill and the decode steps would then see differently)
+    ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+    @staticmethod
+    def fits(model) -> bool:
+        c = model.config
+        rope = (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")
+        layer_types = getattr(c, "layer_types", None) or ["full_attention"]
+        m = getattr(model, "model", None)
+        return (c.model_type in LlamaDecoder.MODEL_TYPES and rope in LlamaDecoder.ROPE_TYPES
+                and getattr(c, "sliding_window", None) is None and set(layer_types) == {"full_attention"}
+                and hasattr(m, "rotary_emb") and hasattr(model, "lm_head"))
+
+    def __init__(self, model, *args, **kwargs):
+        m = model.model
+        self.m, self.heads = m, model.config.num_attention_heads
+        # the model's own rotation (each family's modeling file has it), so q and k are rotated as in training
+        self.apply_rotary = sys.modules[type(m.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.layers = [(l, l.input_layernorm, l.self_attn.o_proj, l.post_attention_layernorm, l.self_attn.scaling)
+                       for l in m.layers]
+        self.final_norm = m.norm
+        super().__init__(model, *args, **kwargs)
+
+    def _embed(self, token, position):
+        x = self.m.embed_tokens(token[:, None])
+        return x, self.m.rotary_emb(x, position)
+
+    def _qkv(self, layer, h, rotary):
+        attn, batch = layer.self_attn, h.shape[0]
+        q = attn.q_proj(h).view(batch, 1, -1, attn.head_dim)
+        k = attn.k_proj(h).view(batch, 1, -1, attn.head_dim)
+        q, k = self.apply_rotary(q, k, *rotary, unsqueeze_dim=2)  # [B, 1, heads, D]: cos, sin [B, 1, 1, D]
+        return q, k, attn.v_proj(h).view(batch, 1, -1, attn.head_dim)
 
 
 class HFDecoder:
-    """One-token decode steps through the model's own forward and its DynamicCache (any architecture)."""
+    """One-token decode steps through the model's own forward and its DynamicCache (any architecture).
+    Its cache grows every step, so it runs eagerly whatever `compile` says."""
 
-    def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int):
+    def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int, compile: bool = False):
         cache.batch_select_indices(inverse)  # one row per completion, in the batch's order
         self.model, self.cache = model, cache
         self.attention = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], max_new_tokens)], 1)
@@ -112,7 +235,7 @@ class HFDecoder:
         return out.logits[:, -1]
 
 
-def decoder_for(model, cache, inverse, prompt_mask, max_new_tokens: int):
-    """The fastest decoder that fits the model: GPT2Decoder for plain GPT-2, else HFDecoder."""
-    cls = GPT2Decoder if GPT2Decoder.fits(model) else HFDecoder
-    return cls(model, cache, inverse, prompt_mask, max_new_tokens)
+def decoder_for(model, cache, inverse, prompt_mask, max_new_tokens: int, compile: bool = False):
+    """The fastest decoder that fits the model: GPT2Decoder, LlamaDecoder, else HFDecoder."""
+    cls = next((c for c in (GPT2Decoder, LlamaDecoder) if c.fits(model)), HFDecoder)
+    return cls(model, cache, inverse, prompt_mask, max_new_tokens, compile=compile)

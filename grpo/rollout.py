@@ -79,7 +79,8 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     logprobs = torch.log_softmax(logits, dim=-1)
     filtered = logits
     if banned is not None:
-        filtered = filtered.index_fill(-1, torch.tensor([banned], device=logits.device), float("-inf"))
+        filtered = filtered.clone()
+        filtered[:, banned] = float("-inf")  # a scalar fill: no index tensor copied to the device every token
     if temperature == 0:
         token = filtered.argmax(-1)
     else:
@@ -97,30 +98,38 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
 
 
+# rows that have all finished are noticed only every this many steps: a check reads a flag back from the
+# device (a host synchronisation), and the steps past the end are trimmed off, so the outputs are the same
+DONE_CHECK_EVERY = 8
+
+
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, *, eos_id: int, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0, autocast=None):
+             top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0, autocast=None, compile: bool = False):
     """Sample one completion per row of a left-padded prompt batch.
 
     Returns completion_ids [B, T], completion_mask [B, T] and the sampling logprobs [B, T], where T is
-    the number of decode steps actually run (all rows stop at their first EOS; the loop ends when
-    every row has). Rows that have finished keep receiving EOS, which the mask hides. EOS cannot be
-    drawn before min_new_tokens (its probability still counts in the recorded logprob).
+    the number of decode steps until every row has stopped at its first EOS (at least min_new_tokens,
+    at most max_new_tokens). Rows that have finished keep receiving EOS, which the mask hides. EOS
+    cannot be drawn before min_new_tokens (its probability still counts in the recorded logprob).
+    compile runs the decode step through torch.compile (CUDA: as a replayed graph) where the model
+    has a preallocated decoder (grpo/decoders.py); the first call pays the compilation.
     """
     autocast = autocast or torch.autocast(prompt_ids.device.type, enabled=False)
     with autocast:  # entered once: autocast keeps its bf16 copies of the weights for the whole loop
         return _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperature, top_k, top_p,
-                         min_new_tokens)
+                         min_new_tokens, compile)
 
 
-def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperature, top_k, top_p, min_new_tokens):
+def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperature, top_k, top_p, min_new_tokens,
+              compile=False):
     batch = prompt_ids.shape[0]
     # the rows of a group share their prompt: each distinct one is prefilled once, then its KV is copied
     prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
     width = prompt_ids.shape[1]
     out = model(input_ids=prompts[:, :width], attention_mask=prompts[:, width:],
                 position_ids=position_ids_from_mask(prompts[:, width:]), use_cache=True, logits_to_keep=1)
-    decoder = decoder_for(model, out.past_key_values, inverse, prompt_mask, max_new_tokens)
+    decoder = decoder_for(model, out.past_key_values, inverse, prompt_mask, max_new_tokens, compile=compile)
     logits = out.logits[inverse, -1]
     done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     tokens = torch.full((batch, max_new_tokens), eos_id, dtype=torch.long, device=prompt_ids.device)
@@ -131,11 +140,14 @@ def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperatur
         token = token.masked_fill(done, eos_id)
         tokens[:, step], logprobs[:, step] = token, logprob
         done |= token == eos_id
-        if step + 1 == max_new_tokens or (step + 1 >= min_new_tokens and bool(done.all())):
+        if step + 1 == max_new_tokens or ((step + 1) % DONE_CHECK_EVERY == 0 and bool(done.all())):
             break
         logits = decoder(token, step)
+    mask = completion_mask(tokens[:, :step + 1], eos_id)
+    if bool(done.all()):  # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
+        step = int(mask.sum(1).max()) - 1
     completion_ids, logprobs = tokens[:, :step + 1], logprobs[:, :step + 1]
-    return completion_ids, completion_mask(completion_ids, eos_id), logprobs
+    return completion_ids, mask[:, :step + 1], logprobs
 
 
 @dataclass

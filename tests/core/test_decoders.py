@@ -1,32 +1,164 @@
-"""The speed paths compute the same thing as the plain ones: decode loop, shared prompts, sampling, checkpointing."""
+"""The speed paths compute the same thing as the plain ones and as HF generate: decode loop (eager and
+compiled), shared prompts, sampling, checkpointing."""
 import pytest
 import torch
 
 import grpo.decoders as decoders
+import grpo.rollout as rollout
 from grpo.loss import completion_logprobs
 from grpo.model import load_policy, load_tokenizer
 from grpo.rollout import encode_prompts, generate, left_pad, sample_token
 
 
 def _group_batch(tok, group=4):
+    """Two prompts of different lengths (the shorter one left-padded), `group` rows each, groups contiguous."""
     prompts = encode_prompts(tok, ["Repeat a: ", "Repeat d: and a longer prompt"], prepend_bos=True)
     ids, mask = left_pad(prompts, tok.eos_token_id)
     return ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
 
 
+def _save_tiny(path, tok, config_cls, **kw):
+    """A random-init 2-layer model of config_cls (4 query heads on 2 K/V heads) with `tok`, random biases."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, **kw)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # biases start at zero: random ones show whether a path applies them
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama", "qwen2", "mistral"])
+def family(request, tmp_path_factory, tiny_model_dir, tiny_rotary_dir):
+    """(folder, the decoder its model gets): GPT-2, Llama (tests/helpers.py), Qwen2 (q/k/v biases), Mistral."""
+    from transformers import MistralConfig, Qwen2Config
+    name = request.param
+    if name == "gpt2":
+        return tiny_model_dir, decoders.GPT2Decoder
+    if name == "llama":
+        return tiny_rotary_dir, decoders.LlamaDecoder
+    tok = load_tokenizer(tiny_model_dir)
+    path = str(tmp_path_factory.mktemp(f"tiny-{name}"))
+    if name == "qwen2":
+        return _save_tiny(path, tok, Qwen2Config, use_sliding_window=False), decoders.LlamaDecoder
+    return _save_tiny(path, tok, MistralConfig, sliding_window=None), decoders.LlamaDecoder
+
+
+def _decoder_used(monkeypatch):
+    """Records the class of every decoder generate() builds."""
+    used, make = [], decoders.decoder_for
+
+    def recording(*args, **kwargs):
+        decoder = make(*args, **kwargs)
+        used.append(type(decoder))
+        return decoder
+    monkeypatch.setattr(rollout, "decoder_for", recording)
+    return used
+
+
 @pytest.mark.parametrize("order", ["groups", "interleaved"])
-def test_gpt2_decoder_matches_the_models_own_forward(tiny_model_dir, monkeypatch, order):
-    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
-    assert decoders.GPT2Decoder.fits(model)
+def test_fast_decoders_match_the_models_own_forward(family, monkeypatch, order):
+    path, expected = family
+    tok, model = load_tokenizer(path), load_policy(path, "cpu")
     ids, mask = _group_batch(tok)
     if order == "interleaved":  # rows of a group not contiguous: the decoder keeps one prompt copy per row
         ids, mask = ids[[0, 4, 1, 5, 2, 6, 3, 7]], mask[[0, 4, 1, 5, 2, 6, 3, 7]]
     kw = dict(eos_id=tok.eos_token_id, max_new_tokens=16, temperature=0.0)
+    used = _decoder_used(monkeypatch)
     fast = generate(model, ids, mask, **kw)
-    monkeypatch.setattr(decoders.GPT2Decoder, "fits", staticmethod(lambda m: False))
+    assert used == [expected]
+    monkeypatch.setattr(expected, "fits", staticmethod(lambda m: False))
     plain = generate(model, ids, mask, **kw)
+    assert used[-1] is decoders.HFDecoder
     assert torch.equal(fast[0], plain[0])
     assert (fast[2] - plain[2]).abs().max().item() <= 1e-5
+
+
+def test_sampled_logprobs_equal_the_training_forward(family):
+    """Left-padded and unpadded prompts, groups of 4 sharing prompt K/V, 4 query heads on 2 K/V heads (rotary
+    families): the logprobs recorded while sampling are the training forward's."""
+    path, _ = family
+    tok, model = load_tokenizer(path), load_policy(path, "cpu")
+    ids, mask = _group_batch(tok)
+    assert (mask[0] == 0).any() and (mask[-1] == 1).all()
+    torch.manual_seed(0)
+    comp, cmask, logp = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=24, temperature=0.8)
+    scored = completion_logprobs(model, torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), comp.shape[1],
+                                 0.8, 4096)
+    assert ((scored - logp).abs() * cmask).max().item() <= 1e-5
+
+
+def test_greedy_decoding_equals_hf_generate(family):
+    path, _ = family
+    tok, model = load_tokenizer(path), load_policy(path, "cpu")
+    ids, mask = _group_batch(tok, group=2)
+    ours, _, _ = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=20, temperature=0.0)
+    with torch.no_grad():
+        theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
+                                pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    assert torch.equal(ours, theirs[:, ids.shape[1]:])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_compiled_decode_step_equals_the_eager_one(arch, tiny_model_dir, tiny_rotary_dir):
+    """Batches of two prompt widths, the first one again last: the compiled step recompiles for the second
+    width and reuses the first's K/V buffers for the third batch; always the eager step's tokens and logprobs."""
+    path = tiny_model_dir if arch == "gpt2" else tiny_rotary_dir
+    tok, model = load_tokenizer(path), load_policy(path, "cpu")
+    first = _group_batch(tok)
+    second = left_pad(encode_prompts(tok, ["Repeat b: ", "Repeat e: and some", "Repeat c: and a much longer one",
+                                           "P: "], True), tok.eos_token_id)
+    second = second[0].repeat_interleave(2, 0), second[1].repeat_interleave(2, 0)
+    assert second[0].shape[1] != first[0].shape[1]
+    for ids, mask in (first, second, first):
+        runs = []
+        for compile in (False, True):
+            torch.manual_seed(0)
+            runs.append(generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=20, compile=compile))
+        (eager_ids, eager_mask, eager_logp), (ids_c, mask_c, logp_c) = runs
+        assert torch.equal(eager_ids, ids_c) and torch.equal(eager_mask, mask_c)
+        assert (eager_logp - logp_c).abs().max().item() <= 1e-5
+
+
+def test_checking_for_the_end_every_few_steps_returns_what_checking_every_step_does(tiny_model_dir, monkeypatch):
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    ids, mask = left_pad(encode_prompts(tok, ["Repeat a: ", "Repeat e: "], True), tok.eos_token_id)
+    free, _, _ = generate(model, ids, mask, eos_id=-1, max_new_tokens=20, temperature=0.0)
+    ends = []
+    for eos in set(free.flatten().tolist()):  # tokens the rows emit greedily: each row ends somewhere
+        for min_new_tokens in (0, 3, 11):
+            runs = []
+            for every in (1, rollout.DONE_CHECK_EVERY):
+                monkeypatch.setattr(rollout, "DONE_CHECK_EVERY", every)
+                runs.append(generate(model, ids, mask, eos_id=eos, max_new_tokens=20, temperature=0.0,
+                                     min_new_tokens=min_new_tokens))
+            for a, b in zip(*runs):
+                assert torch.equal(a, b)
+            ends.append(runs[0][0].shape[1])
+    assert any(n % rollout.DONE_CHECK_EVERY for n in ends if n < 20), ends  # some ended between two checks
+
+
+def test_fast_paths_refuse_what_they_do_not_compute():
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    assert decoders.LlamaDecoder.fits(LlamaForCausalLM(LlamaConfig(**small)))
+    assert decoders.LlamaDecoder.fits(Qwen2ForCausalLM(Qwen2Config(**small)))
+    # sliding-window attention, and rotary frequencies that change with the sequence length
+    assert not decoders.LlamaDecoder.fits(Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True,
+                                                                       sliding_window=8, max_window_layers=0)))
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert not decoders.LlamaDecoder.fits(LlamaForCausalLM(LlamaConfig(**small, rope_parameters=dynamic)))
+    gpt2 = dict(vocab_size=32, n_embd=16, n_layer=1, n_head=2)
+    assert decoders.GPT2Decoder.fits(GPT2LMHeadModel(GPT2Config(**gpt2)))
+    assert not decoders.GPT2Decoder.fits(GPT2LMHeadModel(GPT2Config(**gpt2, scale_attn_by_inverse_layer_idx=True)))
+    assert not decoders.LlamaDecoder.fits(GPT2LMHeadModel(GPT2Config(**gpt2)))
 
 
 def test_min_new_tokens_masks_eos_but_keeps_its_probability(tiny_model_dir):
