@@ -139,7 +139,8 @@ def main(argv=None):
         sample = functools.partial(sample_groups, policy, tokenizer, group_size=G, prepend_bos=prepend_bos,
                                    generation_batch=layout.generation_batch, max_new_tokens=cfg.max_new_tokens,
                                    temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                                   min_new_tokens=cfg.min_new_tokens, autocast=autocast, device=device)
+                                   min_new_tokens=cfg.min_new_tokens, autocast=autocast, device=device,
+                                   compile=cfg.compile)
 
         with guards.StopOnSignal(say) as stop:
             for step in bar:

@@ -78,6 +78,9 @@ class Config:
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy")
     top_k: int = opt(0, "sample from the k most likely tokens (0: off)")
     top_p: float = opt(1.0, "nucleus sampling threshold (1: off)")
+    compile: bool = opt(False, "run each decode step through torch.compile (inductor on CPU, CUDA graphs on a GPU; "
+                        "GPT-2 and Llama-family models): compiling costs seconds once, a step then runs faster",
+                        const="true")
     # algorithm
     learning_rate: float = opt(1e-4, "AdamW learning rate (1e-4 suits the shipped 5M-parameter default model; "
                                "use about 1e-5 for a 124M model such as RookWorld-LM)")

@@ -197,7 +197,7 @@ def select_rows(rollouts: list, rows: torch.Tensor, pad_id: int) -> Rollout:
 
 def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_bos: bool, generation_batch: int,
                   seed: int, first_row: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                  min_new_tokens: int, autocast, device) -> Rollout:
+                  min_new_tokens: int, autocast, device, compile: bool = False) -> Rollout:
     """group_size completions of each prompt, generation_batch rows at a time.
 
     Each chunk's sampling is seeded by seed and the chunk's first row in the global batch (first_row plus
@@ -211,7 +211,7 @@ def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_
         torch.manual_seed(seed * 1_000_003 + first_row + s)
         chunks.append(generate(policy, prompt_ids[s:s + generation_batch], prompt_mask[s:s + generation_batch],
                                eos_id=eos, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, min_new_tokens=min_new_tokens, autocast=autocast))
+                               top_p=top_p, min_new_tokens=min_new_tokens, autocast=autocast, compile=compile))
     width = max(c[0].shape[1] for c in chunks)
     pad = torch.nn.functional.pad
     completion_ids = torch.cat([pad(c[0], (0, width - c[0].shape[1]), value=eos) for c in chunks])

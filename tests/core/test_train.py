@@ -150,3 +150,13 @@ def test_each_algorithm_knob_runs_end_to_end_and_logs(knob, tiny_model_dir, tmp_
         assert all(r["loss"] == 0 and r["grad_norm"] == 0 for r in recs if r["truncated_frac"] == 1)
     if knob == "overlong":   # every toy completion runs to the limit: each loses the whole penalty
         assert all(r["truncated_frac"] < 1 or r["reward_mean"] <= 1 - 0.5 for r in recs)
+
+
+def test_compiled_decoding_trains_on_policy(tiny_rotary_dir, tmp_path, clean_env):
+    # --compile: the decode step goes through torch.compile; its sampling logprobs must still be the
+    # training forward's, so the first update of a step is exactly on-policy (ratio 1, nothing clipped)
+    train_lean.main(["--model", tiny_rotary_dir, "--task", "toy", "--steps", "1", "--batch-size", "8",
+                     "--group-size", "4", "--max-new-tokens", "12", "--compile", "--log-level", "warning",
+                     "--save-final", "false", "--out-dir", str(tmp_path)])
+    rec = records(tmp_path / "metrics.jsonl")[0]
+    assert abs(rec["ratio_mean"] - 1) < 1e-5 and rec["clip_frac"] == 0
