@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import torch
 from safetensors.torch import load_file
@@ -45,6 +46,20 @@ def env(**extra):
     e = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_")}
     e.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=REPO, **extra)
     return e
+
+
+def line_starting(proc, prefix: str, timeout: float) -> str:
+    """The first stdout line of `proc` that starts with `prefix`; the process is killed if none comes within
+    `timeout` seconds (start-up under load is slow, so deadlines are measured from such a line on)."""
+    killer = threading.Timer(timeout, proc.kill)
+    killer.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                return line
+    finally:
+        killer.cancel()
+    raise AssertionError(f"no line starting with {prefix!r}: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
 
 
 def train(*args, timeout=120, **kw):

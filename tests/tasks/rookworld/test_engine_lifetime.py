@@ -14,7 +14,7 @@ from grpo.task import score
 from tasks.rookworld.engine import EnginePool, EngineTimeout, find_stockfish
 from tasks.rookworld.format import policy_prompt
 
-from helpers import env, process_alive, wait_until
+from helpers import env, line_starting, process_alive, wait_until
 
 STOCKFISH = find_stockfish()
 pytestmark = pytest.mark.skipif(STOCKFISH is None, reason="no Stockfish on PATH or at /usr/games/stockfish")
@@ -34,20 +34,21 @@ def test_a_script_that_never_closes_the_task_exits():
         from tasks.rookworld.task import ChessPolicyTask
         from tasks.rookworld.format import policy_prompt
         task = ChessPolicyTask(stockfish_path={STOCKFISH!r}, stockfish_depth={DEPTH})
-        print(*task.engines().pids(), flush=True)
-        print(task.reward(policy_prompt({ITALIAN!r}), "B: f8c5"), flush=True)
+        print("pids", *task.engines().pids(), flush=True)
+        print("reward", task.reward(policy_prompt({ITALIAN!r}), "B: f8c5"), flush=True)
         # no task.close(): python-chess's non-daemon threads used to keep the interpreter waiting for ever
     """)
-    try:
+    pids = line_starting(proc, "pids", timeout=300).split()[1:]
+    reward = float(line_starting(proc, "reward", timeout=300).split()[1])
+    try:   # the deadline runs from the script's last line, not from a start-up that load can slow
         out, err = proc.communicate(timeout=EXIT_DEADLINE_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
         pytest.fail(f"the script did not exit within {EXIT_DEADLINE_S} s:\n{out}{err[-2000:]}")
     assert proc.returncode == 0, err
-    pids, reward = out.split("\n")[:2]
-    assert float(reward) > 0.1   # a legal move was scored, so the engine really analysed
-    assert pids and not any(process_alive(int(pid)) for pid in pids.split())   # closed at exit, not orphaned
+    assert reward > 0.1   # a legal move was scored, so the engine really analysed
+    assert pids and not any(process_alive(int(pid)) for pid in pids)   # closed at exit, not orphaned
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 import train_lean
 from tasks.rookworld.engine import find_stockfish
-from helpers import REPO, env, process_alive, read_jsonl as records, wait_until
+from helpers import REPO, env, line_starting, process_alive, read_jsonl as records, wait_until
 
 
 
@@ -99,10 +99,17 @@ train_lean.main(sys.argv[1:])
 @pytest.mark.skipif(find_stockfish() is None, reason="needs Stockfish")
 def test_a_crash_mid_run_exits_1_promptly_and_leaves_no_engine(tiny_model_dir, tmp_path):
     (tmp_path / "crash.py").write_text(CRASHING)
-    proc = subprocess.run([sys.executable, str(tmp_path / "crash.py"), "--model", tiny_model_dir, "--task", "chess",
-                           "--stockfish-depth", "4", "--steps", "5", "--batch-size", "8", "--group-size", "4",
-                           "--max-new-tokens", "8", "--eval-interval", "0", "--out-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, env=env(), timeout=30)   # a hang fails here
-    assert proc.returncode == 1 and "RuntimeError: simulated crash in the update" in proc.stderr
-    engines = [int(p) for p in proc.stdout.split("engines", 1)[1].split()]
+    with open(tmp_path / "stderr", "w") as stderr_file:
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "crash.py"), "--model", tiny_model_dir, "--task", "chess",
+                                 "--stockfish-depth", "4", "--steps", "5", "--batch-size", "8", "--group-size", "4",
+                                 "--max-new-tokens", "8", "--eval-interval", "0", "--out-dir", str(tmp_path / "run")],
+                                stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=env())
+        engines = [int(p) for p in line_starting(proc, "engines", timeout=300).split()[1:]]
+        try:   # from the crash on: a hang fails here
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"no exit within 30 s of the crash: {(tmp_path / 'stderr').read_text()[-2000:]}")
+    stderr = (tmp_path / "stderr").read_text()
+    assert proc.returncode == 1 and "RuntimeError: simulated crash in the update" in stderr
     assert engines and wait_until(lambda: not any(process_alive(p) for p in engines), timeout=5)
