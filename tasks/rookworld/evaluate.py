@@ -13,7 +13,7 @@ import json
 import os
 
 from tasks.rookworld.format import legal_move, parse_board, parse_policy_completion, policy_format_checks, position_key
-from tasks.rookworld.rewards import env_components
+from tasks.rookworld.rewards import env_format_checks
 
 EVAL_SET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval_set.jsonl")
 
@@ -58,7 +58,7 @@ def env_metrics(items: list[dict], completions: list[str]) -> dict:
     fmt, fen, exact = [], [], []
     for item, completion in zip(items, completions):
         got = completion.rstrip()
-        fmt.append(env_components(item["expected"], completion)["format"] == 1.0)
+        fmt.append(all(env_format_checks(completion)))
         fen.append(got.split("+", 1)[0] == item["expected"].split("+", 1)[0])
         exact.append(got == item["expected"])
     return {"a_n": len(items), "a_format_rate": _rate(fmt), "a_next_fen_acc": _rate(fen), "a_exact_acc": _rate(exact)}

@@ -20,7 +20,7 @@ from tasks.rookworld.engine import DEFAULT_TIMEOUT_S, INSTALL_HINT, EnginePool, 
 from tasks.rookworld.format import (env_prompt, expected_env_completion, parse_board, parse_env_prompt,
                                     policy_prompt, position_key, prompt_fen)
 from tasks.rookworld.positions import history, random_board, random_transition
-from tasks.rookworld.rewards import ENV_WEIGHTS, POLICY_WEIGHTS, env_components, policy_components
+from tasks.rookworld.rewards import ENV_WEIGHTS, POLICY_WEIGHTS, env_components, env_reward, policy_components, policy_reward
 
 
 @dataclass
@@ -135,10 +135,12 @@ class ChessEnvTask:
 
     def reward_breakdown(self, prompt: str, completion: str) -> dict[str, float]:
         expected = self.expected(prompt)
-        parts = env_components(expected, completion) if expected else dict.fromkeys(ENV_WEIGHTS, 0.0)
+        fields = parse_env_prompt(prompt)
+        parts = env_components(expected, completion, parse_board(fields.fen)) if expected \
+            else dict.fromkeys(ENV_WEIGHTS, 0.0)
         out = {f"env_{k}": v for k, v in parts.items()}
         out["env_exact"] = float(expected is not None and completion.rstrip() == expected)
-        out["reward"] = sum(ENV_WEIGHTS[k] * parts[k] for k in ENV_WEIGHTS)
+        out["reward"] = env_reward(parts)
         return out
 
     def reward(self, prompt: str, completion: str) -> float:
@@ -212,10 +214,7 @@ class ChessPolicyTask:
             parts, legal = policy_components(board, analysis, completion)
         out = {f"policy_{k}": v for k, v in parts.items()}
         out["policy_legal"] = float(legal)
-        if legal:
-            out["reward"] = sum(POLICY_WEIGHTS[k] * parts[k] for k in POLICY_WEIGHTS)
-        else:
-            out["reward"] = POLICY_WEIGHTS["format"] * parts["format"]
+        out["reward"] = policy_reward(parts, legal)
         return out
 
     def reward(self, prompt: str, completion: str) -> float:

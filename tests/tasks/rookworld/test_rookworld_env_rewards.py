@@ -1,4 +1,5 @@
 """A: rewards on generated transitions: exact answers score the maximum, any corruption less."""
+import difflib
 import random
 from collections import Counter
 
@@ -123,9 +124,10 @@ def test_fen_similarity_counts_only_for_a_valid_position():
     want = "rnbqkbnr/pppppppp/8/8/4P3/8/PPPP1PPP/RNBQKBNR b KQkq - 0 1+0.001+0+0"
     near = "rnbqkbnr/pppppppp/8/8/8/4P3/PPPP1PPP/RNBQKBNR b KQkq - 0 1+0.001+0+0"
     broken = "rnbqkbnr/pppppppp/8/8/4P2/8/PPPP1PPP/RNBQKBNR b KQkq - 0 1+0.001+0+0"
-    assert env_components(want, want)["fen"] == 1.0
-    assert 0.7 < env_components(want, near)["fen"] < 0.8
-    assert env_components(want, broken)["fen"] == 0.0
+    start = chess.Board()
+    assert env_components(want, want, start)["fen"] == 1.0
+    assert 0.7 < env_components(want, near, start)["fen"] < 0.8   # e2e3 is legal: the board of a real move
+    assert env_components(want, broken, start)["fen"] == 0.0
     task = ChessEnvTask()
     prompt = env_prompt(chess.STARTING_FEN, "e2e4", ["e2e4"])
     assert task.reward(prompt, broken) < task.reward(prompt, near) - 0.3
@@ -155,3 +157,46 @@ def test_held_out_positions_are_never_generated():
     task.held_out = {position_key(parse_env_prompt(p).fen) for p in first}
     again = task.prompts(30, random.Random(7))
     assert not {position_key(parse_env_prompt(p).fen) for p in again} & task.held_out
+
+
+def test_a_copied_board_earns_no_fen_credit_and_less_than_attempting_the_move():
+    task = ChessEnvTask()
+    prompt = env_prompt(chess.STARTING_FEN, "g1f3", ["g1f3"])
+    exact = "rnbqkbnr/pppppppp/8/8/8/5N2/PPPPPPPP/RNBQKB1R b KQkq - 1 1+0.001+0+0"
+    copy = f"{chess.STARTING_FEN}+0.001+0+0"
+    wrong_move = "rnbqkbnr/pppppppp/8/8/8/7N/PPPPPPPP/RNBQKB1R b KQkq - 1 1+0.001+0+0"   # g1h3: legal, not asked
+    parts = task.reward_breakdown(prompt, copy)
+    assert parts["env_fen"] == 0.0
+    # well formed, reward field and both flags right: 0.1 + 0.2 + 0.1 + 0.1, nothing for the board
+    assert parts["reward"] == pytest.approx(0.5)
+    attempt = task.reward_breakdown(prompt, wrong_move)
+    assert attempt["env_fen"] == pytest.approx(
+        0.8 * difflib.SequenceMatcher(None, wrong_move.split("+")[0], exact.split("+")[0], autojunk=False).ratio())
+    assert attempt["reward"] > parts["reward"] and task.reward(prompt, exact) == 1.0
+
+
+def test_for_an_illegal_move_the_unchanged_board_is_the_answer():
+    task = ChessEnvTask()
+    prompt = env_prompt(chess.STARTING_FEN, "e2e5", ["e2e5"])
+    assert task.reward(prompt, f"{chess.STARTING_FEN}+-1.0+0+1") == 1.0
+    # a near copy (the clock changed) is the expected board, so it keeps its similarity credit
+    near = task.reward_breakdown(prompt, chess.STARTING_FEN.replace(" 0 1", " 1 1") + "+-1.0+0+1")
+    assert 0.7 < near["env_fen"] < 0.8
+
+
+@pytest.mark.parametrize("defect", [
+    lambda c: c.replace("+0+0", "+0+2"),                     # a flag that is not 0/1
+    lambda c: c.replace("+0.001+", "+0.01+"),                # not one of the four reward values
+    lambda c: c + "+0",                                      # five fields
+    lambda c: c.replace("/8/8/4P3", "/8/8/4P2"),             # a FEN that is no position
+])
+def test_a_malformed_completion_earns_its_format_credit_only(defect):
+    task = ChessEnvTask()
+    prompt = env_prompt(chess.STARTING_FEN, "e2e4", ["e2e4"])
+    exact = "rnbqkbnr/pppppppp/8/8/4P3/8/PPPP1PPP/RNBQKBNR b KQkq - 0 1+0.001+0+0"
+    parts = task.reward_breakdown(prompt, defect(exact))
+    assert parts["env_format"] == pytest.approx(0.8)
+    assert parts["reward"] == pytest.approx(0.1 * 0.8)
+    # below the least a well-formed completion earns: a valid board no legal move reaches, every field wrong
+    worst_formed = task.reward(prompt, "8/8/8/8/8/8/8/K1k5 w - - 0 1+1.0+1+1")
+    assert worst_formed == pytest.approx(0.1) and parts["reward"] < worst_formed

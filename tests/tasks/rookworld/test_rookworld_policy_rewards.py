@@ -182,3 +182,18 @@ def test_real_data_answers_agree_with_the_engine(task):
         assert mean[side]["policy_legal"] == 1.0 and mean[side]["policy_format"] == 1.0
         assert mean[side]["policy_candidates"] > 0.5 and mean[side]["policy_evals"] > 0.5, mean
     assert mean["w"]["policy_best"] > mean["b"]["policy_best"] + 0.2, mean
+
+
+def test_a_malformed_legal_answer_earns_its_move_and_format_credit_only(task, positions):
+    for prompt in positions[:10]:
+        analysis = task.engines().analyse(prompt_fen(prompt)).result()
+        best = analysis.moves[0]
+        well = task.reward(prompt, answer(task, prompt, best))
+        # the same answer with the columns squeezed: one format check (the layout) fails
+        squeezed = f"M: {' '.join(analysis.moves)} E: {' '.join(map(str, analysis.evals))} B: {best}"
+        parts = task.reward_breakdown(prompt, squeezed)
+        assert parts["policy_format"] == pytest.approx(0.8) and parts["policy_best"] == 1.0
+        assert parts["reward"] == pytest.approx(0.5 * 1.0 + 0.1 * 0.8)
+        assert well == pytest.approx(1.0) and parts["reward"] < well - 0.4
+        # still a legal answer: above any illegal one
+        assert parts["reward"] > task.reward(prompt, answer(task, prompt, an_illegal_move(parse_board(prompt_fen(prompt)))))
