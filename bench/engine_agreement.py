@@ -1,0 +1,64 @@
+"""How often the P: reward's Stockfish analysis agrees with a deep one, and what each depth costs.
+
+    .venv/bin/python bench/engine_agreement.py                          # depths 8,10,12,14 vs 18, 400 real lines
+    .venv/bin/python bench/engine_agreement.py --depths 10,12 --deep 16 --limit 100
+
+For each position of the real RookWorld validation lines (../shared/data/rook_val_400.txt): the deep
+analysis's best move is compared with the shallow analysis the reward would use. "best agrees": both
+rank the same move first (the move the reward pays 1.0 is the truly best one); "deep best in top 5": the
+truly best move earns rank credit at all; "shallow best in deep top 5": the move paid 1.0 is at least a
+good one. Times are one engine (one thread, 16 MB hash, cleared per position) analysing one position at a
+time, as the reward's pool does. Analyses are cached under out/bench, so a rerun only adds what is missing.
+Without the data file it says so and exits 0.
+"""
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.real_positions import CACHE_DIR, ROOK_VAL, analyses  # noqa: E402
+from tasks.rookworld.data import read_rookworld  # noqa: E402
+from tasks.rookworld.engine import find_stockfish  # noqa: E402
+from tasks.rookworld.format import prompt_fen  # noqa: E402
+
+
+def agreement(shallow: list[dict], deep: list[dict]) -> dict:
+    """Shares of positions where the shallow analysis agrees with the deep one, as defined above."""
+    n = len(deep)
+    return {"best agrees": sum(s["moves"][0] == d["moves"][0] for s, d in zip(shallow, deep)) / n,
+            "deep best in top 5": sum(d["moves"][0] in s["moves"] for s, d in zip(shallow, deep)) / n,
+            "shallow best in deep top 5": sum(s["moves"][0] in d["moves"] for s, d in zip(shallow, deep)) / n}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=ROOK_VAL)
+    parser.add_argument("--depths", default="8,10,12,14", help="comma-separated depths to compare")
+    parser.add_argument("--deep", type=int, default=18, help="the reference depth")
+    parser.add_argument("--limit", type=int, default=None, help="the first N positions only")
+    parser.add_argument("--cache-dir", default=CACHE_DIR)
+    args = parser.parse_args()
+    if not os.path.exists(args.data):
+        print(f"engine_agreement: {args.data} not found: skipped")
+        return
+    stockfish = find_stockfish()
+    if stockfish is None:
+        sys.exit("engine_agreement: no Stockfish found (make stockfish)")
+    fens = [prompt_fen(p) for p in read_rookworld(args.data).policy][:args.limit]
+    deep = analyses(fens, args.deep, args.cache_dir, stockfish)
+    print(f"{len(fens)} real positions from {args.data}; reference: depth {args.deep} multi-PV 5 "
+          f"(median {statistics.median(r['ms'] for r in deep):.0f} ms)")
+    print("| depth | best agrees | deep best in top 5 | shallow best in deep top 5 | median ms | mean ms |")
+    print("|---|---|---|---|---|---|")
+    for depth in map(int, args.depths.split(",")):
+        rows = analyses(fens, depth, args.cache_dir, stockfish)
+        shares = agreement(rows, deep)
+        ms = [r["ms"] for r in rows]
+        print(f"| {depth} | " + " | ".join(f"{v:.1%}" for v in shares.values())
+              + f" | {statistics.median(ms):.0f} | {statistics.mean(ms):.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

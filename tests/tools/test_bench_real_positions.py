@@ -1,0 +1,54 @@
+"""bench/real_positions.py and bench/engine_agreement.py: the agreement shares against a direct count,
+a real run on a few real lines with a tiny model and real Stockfish, and a clean skip without the data."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.engine_agreement import agreement
+from tasks.rookworld.engine import find_stockfish
+
+from helpers import REPO, ROOK_VAL, env
+
+
+def row(*moves):
+    return {"moves": list(moves)}
+
+
+def test_agreement_counts_each_share_directly():
+    deep = [row("e2e4", "d2d4"), row("g1f3", "c2c4"), row("a2a3", "b2b3"), row("h2h3", "g2g3")]
+    shallow = [row("e2e4", "b1c3"),            # same best
+               row("c2c4", "g1f3"),            # deep best second, shallow best in deep top
+               row("b1c3", "a2a4"),            # neither
+               row("g2g4", "h2h4", "h2h3")]    # deep best third: in the top 5, shallow best not in deep
+    shares = agreement(shallow, deep)
+    assert shares == {"best agrees": 1 / 4, "deep best in top 5": 3 / 4, "shallow best in deep top 5": 2 / 4}
+
+
+@pytest.mark.parametrize("script", ["real_positions.py", "engine_agreement.py"])
+def test_without_the_data_file_it_says_so_and_exits_0(script, tmp_path):
+    args = [sys.executable, os.path.join(REPO, "bench", script), "--data", str(tmp_path / "absent.txt"),
+            "--cache-dir", str(tmp_path)]
+    if script == "real_positions.py":
+        args.append("unused-model")
+    r = subprocess.run(args, capture_output=True, text=True, env=env(), timeout=120)
+    assert r.returncode == 0 and "not found: skipped" in r.stdout, r.stderr
+
+
+@pytest.mark.skipif(not os.path.exists(ROOK_VAL), reason="no ../shared/data/rook_val_400.txt")
+@pytest.mark.skipif(find_stockfish() is None, reason="needs Stockfish")
+def test_a_tiny_model_on_real_lines_gets_a_table_row_and_cached_analyses(tiny_model_dir, tmp_path):
+    cmd = [sys.executable, os.path.join(REPO, "bench", "real_positions.py"), tiny_model_dir, "--limit", "6",
+           "--depth", "4", "--cache-dir", str(tmp_path), "--batch", "3"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "6 real P: positions" in r.stdout and f"| {tiny_model_dir} | " in r.stdout
+    cache = (tmp_path / "analysis_d4.jsonl").read_text().splitlines()
+    assert len(cache) == 6
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)   # from the cache
+    assert again.stdout == r.stdout and len((tmp_path / "analysis_d4.jsonl").read_text().splitlines()) == 6
+    agree = subprocess.run([sys.executable, os.path.join(REPO, "bench", "engine_agreement.py"), "--limit", "6",
+                            "--depths", "4", "--deep", "4", "--cache-dir", str(tmp_path)],
+                           capture_output=True, text=True, env=env(), timeout=300)
+    assert agree.returncode == 0 and "| 4 | 100.0% | 100.0% | 100.0% |" in agree.stdout, agree.stderr[-2000:]
