@@ -105,20 +105,20 @@ class PreallocatedDecoder:
         self.positions = prompt_mask.sum(-1, keepdim=True) + torch.arange(max_new_tokens, device=device)
         self.columns = torch.arange(max_new_tokens, device=device)
         self.device_type = device.type
-        self.compiled = compile
-        self._step = self._forward
-        if compile:
-            self._step = torch.compile(self._forward, fullgraph=True,
-                                       mode="reduce-overhead" if device.type == "cuda" else None)
+        # the compiled step is the class's function, called with self: a bound method stored on self would
+        # be a reference cycle, and the K/V buffers it holds would wait for the cycle collector
+        self.compiled = torch.compile(type(self)._forward, fullgraph=True,
+                                      mode="reduce-overhead" if device.type == "cuda" else None) if compile else None
 
     def __call__(self, token, step: int):
         new = len(self.columns)
-        if self.compiled and self.device_type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits have been consumed
-        elif not self.compiled:
+        if self.compiled is None:
             new = min(new, -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
+        elif self.device_type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits have been consumed
         # views of this step's row of each table (compiled: of the same shapes at every step)
-        return self._step(token, self.columns[step:step + 1], self.positions[:, step:step + 1], self.new_bias[step, :new])
+        args = (token, self.columns[step:step + 1], self.positions[:, step:step + 1], self.new_bias[step, :new])
+        return self._forward(*args) if self.compiled is None else self.compiled(self, *args)
 
     def _forward(self, token, step, position, new_bias):
         x, rotary = self._embed(token, position)

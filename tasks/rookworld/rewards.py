@@ -67,9 +67,10 @@ def reached_boards(board: chess.Board) -> set[str]:
     return out
 
 
-def env_components(expected: str, completion: str, start: chess.Board) -> dict[str, float]:
+def env_components(expected: str, completion: str, start: chess.Board,
+                   similarity_share: float = FEN_SIMILARITY_SHARE) -> dict[str, float]:
     """Credits in [0, 1] for an A: completion against the exact one (trailing whitespace ignored);
-    `start` is the prompt's position."""
+    `start` is the prompt's position, `similarity_share` what a near miss's FEN can earn at most."""
     fields = completion[:MAX_COMPLETION_CHARS].rstrip().split("+")
     want = expected.split("+")
     fen, reward, terminated, truncated = (fields + [""] * 4)[:4]
@@ -79,7 +80,7 @@ def env_components(expected: str, completion: str, start: chess.Board) -> dict[s
     elif not checks[1] or fen.split(" ")[0] not in reached_boards(start) | {want[0].split(" ")[0]}:
         fen_credit = 0.0
     else:
-        fen_credit = FEN_SIMILARITY_SHARE * difflib.SequenceMatcher(None, fen[:200], want[0], autojunk=False).ratio()
+        fen_credit = similarity_share * difflib.SequenceMatcher(None, fen[:200], want[0], autojunk=False).ratio()
     return {"format": sum(checks) / len(checks), "fen": fen_credit,
             "reward": float(reward == want[1]), "terminated": float(terminated == want[2]),
             "truncated": float(truncated == want[3])}

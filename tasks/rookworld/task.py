@@ -20,11 +20,11 @@ from tasks.rookworld.engine import DEFAULT_TIMEOUT_S, INSTALL_HINT, EnginePool, 
 from tasks.rookworld.format import (env_prompt, expected_env_completion, parse_board, parse_env_prompt,
                                     policy_prompt, position_key, prompt_fen)
 from tasks.rookworld.positions import history, random_board, random_transition
-from tasks.rookworld.rewards import ENV_WEIGHTS, POLICY_WEIGHTS, env_components, env_reward, policy_components, policy_reward
+from tasks.rookworld.rewards import ENV_WEIGHTS, FEN_SIMILARITY_SHARE, POLICY_WEIGHTS, env_components, env_reward, policy_components, policy_reward
 
 
 @dataclass
-class EnvOptions:
+class DataOptions:
     data: typing.Optional[str] = opt(None, "RookWorld-format text file to draw prompts from (default: generated "
                                      "positions)", path="in")
     eval_samples: int = opt(100, "held-out items per kind (P:, A:) in each evaluation (the set has 100 each)")
@@ -34,8 +34,27 @@ class EnvOptions:
             raise ValueError(f"--eval-samples {self.eval_samples} must be at least 1")
 
 
+def _fen_similarity_opt():
+    return opt(FEN_SIMILARITY_SHARE, "A: reward: the share of the FEN credit a near miss can earn (x its character "
+               "similarity; only boards a legal move reaches; 0: exact FENs only)")
+
+
+def _check_fen_similarity(share: float) -> None:
+    if not 0 <= share < 1:
+        raise ValueError(f"--fen-similarity {share} must be in [0, 1): a near miss earns less than the exact FEN")
+
+
 @dataclass
-class PolicyOptions(EnvOptions):
+class EnvOptions(DataOptions):
+    fen_similarity: float = _fen_similarity_opt()
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_fen_similarity(self.fen_similarity)
+
+
+@dataclass
+class PolicyOptions(DataOptions):
     stockfish_path: typing.Optional[str] = opt(None, "Stockfish binary (default: stockfish on PATH, then "
                                                "/usr/games/stockfish)")
     stockfish_depth: int = opt(10, "Stockfish search depth of the P: reward (multi-PV 5)")
@@ -54,11 +73,13 @@ class PolicyOptions(EnvOptions):
 @dataclass
 class MixOptions(PolicyOptions):
     task_mix: float = opt(0.75, "share of P: (policy) prompts; the rest are A: (environment)")
+    fen_similarity: float = _fen_similarity_opt()
 
     def __post_init__(self):
         super().__post_init__()
         if not 0 <= self.task_mix <= 1:
             raise ValueError(f"--task-mix {self.task_mix} must be in [0, 1] (the share of P: prompts)")
+        _check_fen_similarity(self.fen_similarity)
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,10 +116,11 @@ class ChessEnvTask:
     min_reward = 0.0
     options = EnvOptions
 
-    def __init__(self, data: str | None = None, eval_samples: int = 100, data_required: bool = True,
-                 expected_cache: int = 200_000):
+    def __init__(self, data: str | None = None, eval_samples: int = 100, fen_similarity: float = FEN_SIMILARITY_SHARE,
+                 data_required: bool = True, expected_cache: int = 200_000):
+        _check_fen_similarity(fen_similarity)
         self.data = _load_prompts(data, "A", data_required)
-        self.eval_samples = eval_samples
+        self.eval_samples, self.fen_similarity = eval_samples, fen_similarity
         self.held_out = held_out.held_out_positions()
         # Expected completions of generated prompts, computed from the full game (fivefold
         # repetition needs more history than a prompt shows). Other prompts are judged from the
@@ -136,7 +158,7 @@ class ChessEnvTask:
     def reward_breakdown(self, prompt: str, completion: str) -> dict[str, float]:
         expected = self.expected(prompt)
         fields = parse_env_prompt(prompt)
-        parts = env_components(expected, completion, parse_board(fields.fen)) if expected \
+        parts = env_components(expected, completion, parse_board(fields.fen), self.fen_similarity) if expected \
             else dict.fromkeys(ENV_WEIGHTS, 0.0)
         out = {f"env_{k}": v for k, v in parts.items()}
         out["env_exact"] = float(expected is not None and completion.rstrip() == expected)
@@ -236,14 +258,15 @@ class ChessMixTask:
 
     def __init__(self, task_mix: float = MixOptions.task_mix, data: str | None = None,
                  stockfish_path: str | None = None, stockfish_depth: int = 10,
-                 stockfish_timeout: float = DEFAULT_TIMEOUT_S, eval_samples: int = 100):
+                 stockfish_timeout: float = DEFAULT_TIMEOUT_S, eval_samples: int = 100,
+                 fen_similarity: float = FEN_SIMILARITY_SHARE):
         if not 0.0 <= task_mix <= 1.0:
             raise TaskError(f"--task-mix {task_mix}: must lie in [0, 1] (the share of P: prompts)")
         self.task_mix, self.eval_samples = task_mix, eval_samples
         # With --data, a kind the file lacks is generated instead of refused.
         self.policy = ChessPolicyTask(data, stockfish_path, stockfish_depth, stockfish_timeout,
                                       data_required=False) if task_mix > 0 else None
-        self.env = ChessEnvTask(data, data_required=False) if task_mix < 1 else None
+        self.env = ChessEnvTask(data, fen_similarity=fen_similarity, data_required=False) if task_mix < 1 else None
 
     def prompts(self, n: int, rng: random.Random) -> list[str]:
         # Stochastic rounding keeps the expected share exact for any n.

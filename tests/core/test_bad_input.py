@@ -48,7 +48,7 @@ RANGES = [
     ("--overlong-penalty", "-1", ">= 0"), ("--steps", "0", "at least 1"), ("--eval-interval", "-1", ">= 0"),
     ("--save-interval", "-1", ">= 0"), ("--keep-checkpoints", "0", "at least 1"), ("--max-nonfinite", "0", "at least 1"),
     ("--task-mix", "1.5", "[0, 1]"), ("--task-mix", "-0.1", "[0, 1]"), ("--stockfish-depth", "0", "at least 1"),
-    ("--eval-samples", "0", "at least 1"), ("--stockfish-timeout", "0", "> 0"),
+    ("--eval-samples", "0", "at least 1"), ("--stockfish-timeout", "0", "> 0"), ("--fen-similarity", "1", "[0, 1)"),
 ]
 
 

@@ -220,3 +220,29 @@ def test_inverse_cdf_sampling_never_draws_a_zero_probability_token():
     assert not set(tokens.tolist()) & {0, 3, 6}
     banned, _ = sample_token(torch.zeros(500, 4), 1.0, 0, 1.0, banned=2)
     assert 2 not in banned.tolist() and set(banned.tolist()) == {0, 1, 3}
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_decoder_is_freed_without_the_cycle_collector(tiny_model_dir, compile):
+    """No reference cycle: a step's K/V buffers go when generate() returns, not at the next full collection
+    (a cycle let a run's RSS climb by a step's buffers at a time between collections)."""
+    import gc
+    import weakref
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    ids, mask = _group_batch(tok)
+    made = []
+    make = decoders.decoder_for
+
+    def recording(*args, **kwargs):
+        decoder = make(*args, **kwargs)
+        made.append(weakref.ref(decoder))
+        return decoder
+    gc.collect()
+    gc.disable()
+    try:
+        rollout.decoder_for = recording
+        generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=8, compile=compile)
+        assert len(made) == 1 and made[0]() is None
+    finally:
+        rollout.decoder_for = make
+        gc.enable()

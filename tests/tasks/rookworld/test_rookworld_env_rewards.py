@@ -200,3 +200,17 @@ def test_a_malformed_completion_earns_its_format_credit_only(defect):
     # below the least a well-formed completion earns: a valid board no legal move reaches, every field wrong
     worst_formed = task.reward(prompt, "8/8/8/8/8/8/8/K1k5 w - - 0 1+1.0+1+1")
     assert worst_formed == pytest.approx(0.1) and parts["reward"] < worst_formed
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_fen_similarity_sets_what_a_near_miss_earns(share):
+    from tasks.rookworld.task import ChessMixTask
+    prompt = env_prompt(chess.STARTING_FEN, "e2e4", ["e2e4"])
+    exact = "rnbqkbnr/pppppppp/8/8/4P3/8/PPPP1PPP/RNBQKBNR b KQkq - 0 1"
+    near = "rnbqkbnr/pppppppp/8/8/8/4P3/PPPP1PPP/RNBQKBNR b KQkq - 0 1"   # e2e3: a legal move, not the one asked
+    ratio = difflib.SequenceMatcher(None, near, exact, autojunk=False).ratio()
+    for task in (ChessEnvTask(fen_similarity=share), ChessMixTask(task_mix=0.0, fen_similarity=share)):
+        parts = task.reward_breakdown(prompt, near + "+0.001+0+0")
+        assert parts["env_fen"] == pytest.approx(share * ratio)
+        assert parts["reward"] == pytest.approx(0.5 + 0.5 * share * ratio)
+        assert task.reward(prompt, exact + "+0.001+0+0") == 1.0
