@@ -18,9 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.real_positions import CACHE_DIR, ROOK_VAL, analyses  # noqa: E402
-from tasks.rookworld.data import read_rookworld  # noqa: E402
-from tasks.rookworld.engine import find_stockfish  # noqa: E402
+from bench.real_positions import add_data_args, analyses, real_prompts  # noqa: E402
 from tasks.rookworld.format import prompt_fen  # noqa: E402
 
 
@@ -34,19 +32,12 @@ def agreement(shallow: list[dict], deep: list[dict]) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default=ROOK_VAL)
     parser.add_argument("--depths", default="8,10,12,14", help="comma-separated depths to compare")
     parser.add_argument("--deep", type=int, default=18, help="the reference depth")
-    parser.add_argument("--limit", type=int, default=None, help="the first N positions only")
-    parser.add_argument("--cache-dir", default=CACHE_DIR)
+    add_data_args(parser)
     args = parser.parse_args()
-    if not os.path.exists(args.data):
-        print(f"engine_agreement: {args.data} not found: skipped")
-        return
-    stockfish = find_stockfish()
-    if stockfish is None:
-        sys.exit("engine_agreement: no Stockfish found (make stockfish)")
-    fens = [prompt_fen(p) for p in read_rookworld(args.data).policy][:args.limit]
+    prompts, stockfish = real_prompts(args, "engine_agreement")
+    fens = [prompt_fen(p) for p in prompts]
     deep = analyses(fens, args.deep, args.cache_dir, stockfish)
     print(f"{len(fens)} real positions from {args.data}; reference: depth {args.deep} multi-PV 5 "
           f"(median {statistics.median(r['ms'] for r in deep):.0f} ms)")

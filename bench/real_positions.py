@@ -59,6 +59,25 @@ def analyses(fens: list[str], depth: int, cache_dir: str, stockfish: str) -> lis
     return [cached[fen] for fen in fens]
 
 
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    """The flags both real-line scripts take: the data file, how much of it, where analyses are cached."""
+    parser.add_argument("--data", default=ROOK_VAL)
+    parser.add_argument("--limit", type=int, default=None, help="the first N positions only")
+    parser.add_argument("--cache-dir", default=CACHE_DIR)
+
+
+def real_prompts(args, script: str) -> tuple[list[str], str]:
+    """The data's P: prompts (its own bytes, padding included) and the Stockfish binary. Without the data
+    file the script says so and exits 0 (the folder is not everywhere); without Stockfish it fails."""
+    if not os.path.exists(args.data):
+        print(f"{script}: {args.data} not found: skipped")
+        sys.exit(0)
+    stockfish = find_stockfish()
+    if stockfish is None:
+        sys.exit(f"{script}: no Stockfish found (make stockfish)")
+    return read_rookworld(args.data).policy[:args.limit], stockfish
+
+
 def model_metrics(model: str, items: list[dict], batch: int) -> dict:
     """Greedy P: metrics of a model folder on the items, decoded as the trainer's evaluation decodes."""
     tokenizer = load_tokenizer(model)
@@ -72,19 +91,11 @@ def model_metrics(model: str, items: list[dict], batch: int) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", help="model folders (or hub ids)")
-    parser.add_argument("--data", default=ROOK_VAL)
     parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--cache-dir", default=CACHE_DIR)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--limit", type=int, default=None, help="the first N positions only")
+    add_data_args(parser)
     args = parser.parse_args()
-    if not os.path.exists(args.data):
-        print(f"real_positions: {args.data} not found: skipped")
-        return
-    stockfish = find_stockfish()
-    if stockfish is None:
-        sys.exit("real_positions: no Stockfish found (make stockfish)")
-    prompts = read_rookworld(args.data).policy[:args.limit]   # the data's own prompt bytes, padding included
+    prompts, stockfish = real_prompts(args, "real_positions")
     rows = analyses([prompt_fen(p) for p in prompts], args.depth, args.cache_dir, stockfish)
     items = [{"kind": "P", "prompt": p, "fen": row["fen"], "moves": row["moves"], "evals": row["evals"]}
              for p, row in zip(prompts, rows)]
