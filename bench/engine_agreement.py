@@ -1,7 +1,7 @@
 """How often the P: reward's Stockfish analysis agrees with a deep one, and what each depth costs.
 
-    .venv/bin/python bench/engine_agreement.py                          # depths 8,10,12,14 vs 18, 400 real lines
-    .venv/bin/python bench/engine_agreement.py --depths 10,12 --deep 16 --limit 100
+    .venv/bin/python bench/engine_agreement.py                          # depths 8,10,12,14 vs 16, 400 real lines
+    .venv/bin/python bench/engine_agreement.py --depths 10,12 --deep 18 --limit 100 --deep-engines 2
 
 For each position of the real RookWorld validation lines (../shared/data/rook_val_400.txt): the deep
 analysis's best move is compared with the shallow analysis the reward would use. "best agrees": both
@@ -33,14 +33,15 @@ def agreement(shallow: list[dict], deep: list[dict]) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depths", default="8,10,12,14", help="comma-separated depths to compare")
-    parser.add_argument("--deep", type=int, default=18, help="the reference depth")
+    parser.add_argument("--deep", type=int, default=16, help="the reference depth")
+    parser.add_argument("--deep-engines", type=int, default=1,
+                        help="engines analysing the reference in parallel (its times are not reported)")
     add_data_args(parser)
     args = parser.parse_args()
     prompts, stockfish = real_prompts(args, "engine_agreement")
     fens = [prompt_fen(p) for p in prompts]
-    deep = analyses(fens, args.deep, args.cache_dir, stockfish)
-    print(f"{len(fens)} real positions from {args.data}; reference: depth {args.deep} multi-PV 5 "
-          f"(median {statistics.median(r['ms'] for r in deep):.0f} ms)")
+    deep = analyses(fens, args.deep, args.cache_dir, stockfish, args.deep_engines)
+    print(f"{len(fens)} real positions from {args.data}; reference: depth {args.deep} multi-PV 5")
     print("| depth | best agrees | deep best in top 5 | shallow best in deep top 5 | median ms | mean ms |")
     print("|---|---|---|---|---|---|")
     for depth in map(int, args.depths.split(",")):

@@ -30,9 +30,9 @@ ROOK_VAL = os.path.join(REPO, "..", "shared", "data", "rook_val_400.txt")
 CACHE_DIR = os.path.join(REPO, "out", "bench")
 
 
-def analyses(fens: list[str], depth: int, cache_dir: str, stockfish: str) -> list[dict]:
-    """Multi-PV 5 analysis at `depth` of each FEN, one engine, one at a time (so `ms` is one analysis's
-    wall time), read from and added to `cache_dir`/analysis_d<depth>.jsonl."""
+def analyses(fens: list[str], depth: int, cache_dir: str, stockfish: str, engines: int = 1) -> list[dict]:
+    """Multi-PV 5 analysis at `depth` of each FEN, read from and added to `cache_dir`/analysis_d<depth>.jsonl.
+    With one engine, positions go one at a time and `ms` is one analysis's wall time; with more, `ms` is None."""
     os.makedirs(cache_dir, exist_ok=True)
     path = os.path.join(cache_dir, f"analysis_d{depth}.jsonl")
     cached = {}
@@ -41,14 +41,15 @@ def analyses(fens: list[str], depth: int, cache_dir: str, stockfish: str) -> lis
             cached = {row["fen"]: row for row in map(json.loads, f)}
     missing = [fen for fen in dict.fromkeys(fens) if fen not in cached]
     if missing:
-        pool = EnginePool(stockfish, depth=depth, size=1, timeout=600)
+        pool = EnginePool(stockfish, depth=depth, size=engines, timeout=3600)
         try:
             with open(path, "a", encoding="utf-8") as f:
+                futures = [] if engines == 1 else [pool.analyse(fen) for fen in missing]
                 for i, fen in enumerate(missing):
                     t0 = time.perf_counter()
-                    analysis = pool.analyse(fen).result()
+                    analysis = (futures[i] if futures else pool.analyse(fen)).result()
                     row = {"fen": fen, "moves": list(analysis.moves), "evals": list(analysis.evals),
-                           "ms": 1000 * (time.perf_counter() - t0)}
+                           "ms": 1000 * (time.perf_counter() - t0) if engines == 1 else None}
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     cached[fen] = row
