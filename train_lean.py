@@ -75,7 +75,7 @@ def main(argv=None):
     mini = layout.mini_batch_per_device
 
     with contextlib.ExitStack() as stack:  # every way out, an exception included, closes what the run opened
-        stack.callback(distributed.close)
+        stack.push(distributed.close)   # told whether the run ended by an exception
         # ---- task, model, reference ------------------------------------------------------------------
         try:
             task = task_lib.build(loaded.task, loaded.options, cfg.task)

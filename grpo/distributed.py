@@ -98,6 +98,10 @@ def barrier() -> None:
         dist.barrier()
 
 
-def close() -> None:
+def close(exc_type=None, exc=None, tb=None) -> None:
+    """Tear the process group down. After a clean run the ranks first meet, so that none destroys gloo's
+    connections while another still uses them; after an exception they do not (a peer may never come)."""
     if dist.is_initialized():
+        if exc_type is None:
+            dist.barrier()
         dist.destroy_process_group()
