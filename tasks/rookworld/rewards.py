@@ -6,7 +6,7 @@ answer; the rewards are gated so that RL cannot buy one with the other (docs/che
 
 A: (computed with python-chess alone)
     format      0.1   four '+'-separated fields: a FEN, one of the four reward values, two 0/1 flags
-    new FEN     0.5   1 if exact; else 0.8 x character similarity (difflib ratio), but only for a
+    new FEN     0.5   1 if exact; else 0.8 (--fen-similarity) x character similarity (difflib ratio), only for a
                       board that a legal move from the prompt's position reaches: a near miss of the
                       right kind earns something, a copied board or a broken position nothing (a
                       copy once earned 0.70 of this credit, more than attempting the move paid)

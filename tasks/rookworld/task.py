@@ -20,7 +20,8 @@ from tasks.rookworld.engine import DEFAULT_TIMEOUT_S, INSTALL_HINT, EnginePool, 
 from tasks.rookworld.format import (env_prompt, expected_env_completion, parse_board, parse_env_prompt,
                                     policy_prompt, position_key, prompt_fen)
 from tasks.rookworld.positions import history, random_board, random_transition
-from tasks.rookworld.rewards import ENV_WEIGHTS, FEN_SIMILARITY_SHARE, POLICY_WEIGHTS, env_components, env_reward, policy_components, policy_reward
+from tasks.rookworld.rewards import (ENV_WEIGHTS, FEN_SIMILARITY_SHARE, POLICY_WEIGHTS, env_components, env_reward,
+                                     policy_components, policy_reward)
 
 
 @dataclass

@@ -196,4 +196,5 @@ def test_a_malformed_legal_answer_earns_its_move_and_format_credit_only(task, po
         assert parts["reward"] == pytest.approx(0.5 * 1.0 + 0.1 * 0.8)
         assert well == pytest.approx(1.0) and parts["reward"] < well - 0.4
         # still a legal answer: above any illegal one
-        assert parts["reward"] > task.reward(prompt, answer(task, prompt, an_illegal_move(parse_board(prompt_fen(prompt)))))
+        illegal = an_illegal_move(parse_board(prompt_fen(prompt)))
+        assert parts["reward"] > task.reward(prompt, answer(task, prompt, illegal))
