@@ -109,12 +109,25 @@ def _on_daemon_thread(fn):
     return result.result()
 
 
+def _quiet_about_engine_deaths(loop, context) -> None:
+    """An event-loop exception handler that leaves out the deaths of engines.
+
+    Killing an engine mid-analysis (a hung one, or on close) abandons python-chess's own record of that
+    analysis, and asyncio would print its EngineTerminatedError ("Future exception was never retrieved")
+    when the record is collected. The pool learns of every death from the analysis it waits on and
+    retries or reports it; anything else goes to asyncio's default handler.
+    """
+    if not isinstance(context.get("exception"), chess.engine.EngineTerminatedError):
+        loop.default_exception_handler(context)
+
+
 def start_engine(path: str) -> chess.engine.SimpleEngine:
     """One Stockfish process: a daemon event-loop thread, its own process group, dies with its parent."""
     options = {"preexec_fn": _die_with_parent(os.getpid())} if _prctl is not None else {}
 
     def start():
         engine = chess.engine.SimpleEngine.popen_uci(path, setpgrp=True, **options)
+        engine.protocol.loop.set_exception_handler(_quiet_about_engine_deaths)
         try:
             # One thread each: the pool, not the engine, is the unit of parallelism, and a single
             # thread keeps a fixed-depth search deterministic.

@@ -67,6 +67,40 @@ def test_a_hung_engine_is_killed_replaced_and_the_position_retried(pool):
     assert not process_alive(hung)
 
 
+def test_a_replaced_engine_leaves_nothing_on_stderr():
+    # killing a hung engine abandons python-chess's record of its analysis; asyncio used to print that
+    # record's EngineTerminatedError ("Future exception was never retrieved") when it was collected
+    proc = python(f"""
+        import gc, os, signal
+        from tasks.rookworld.engine import EnginePool
+        pool = EnginePool({STOCKFISH!r}, depth={DEPTH}, size=1, timeout=1)
+        os.kill(pool.pids()[0], signal.SIGSTOP)
+        print("moves", len(pool.analyse({ITALIAN!r}).result(timeout=60).moves), pool.restarts, flush=True)
+        pool.close()
+        gc.collect()
+    """)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert out.split() == ["moves", "5", "1"]   # the hung engine was replaced and the position analysed
+    assert err == ""
+
+
+def test_only_engine_deaths_are_left_out_of_the_event_loops_errors(caplog):
+    import asyncio
+    import chess.engine
+    from tasks.rookworld.engine import _quiet_about_engine_deaths
+    loop = asyncio.new_event_loop()
+    try:
+        loop.set_exception_handler(_quiet_about_engine_deaths)
+        with caplog.at_level("ERROR", logger="asyncio"):
+            loop.call_exception_handler({"message": "died", "exception": chess.engine.EngineTerminatedError("x")})
+            assert caplog.records == []
+            loop.call_exception_handler({"message": "something else", "exception": ValueError("y")})
+        assert [r.getMessage() for r in caplog.records] == ["something else"]
+    finally:
+        loop.close()
+
+
 def test_when_the_retries_fail_too_the_completion_gets_min_reward_and_scoring_goes_on():
     from tasks.rookworld.task import ChessPolicyTask
     task = ChessPolicyTask(stockfish_path=STOCKFISH, stockfish_depth=DEPTH)
