@@ -112,7 +112,7 @@ def _on_daemon_thread(fn):
 def _quiet_about_engine_deaths(loop, context) -> None:
     """An event-loop exception handler that leaves out the deaths of engines.
 
-    Killing an engine mid-analysis (a hung one, or on close) abandons python-chess's own record of that
+    Killing an engine mid-analysis (a hung one, say) can abandon python-chess's own record of that
     analysis, and asyncio would print its EngineTerminatedError ("Future exception was never retrieved")
     when the record is collected. The pool learns of every death from the analysis it waits on and
     retries or reports it; anything else goes to asyncio's default handler.
