@@ -1,6 +1,7 @@
 """The engine pool's lifetime with real Stockfish processes: a forgotten close() still exits, a hung
 engine is replaced, a dead parent (SIGKILL included) leaves no engine behind, a Ctrl-C at the
 terminal does not reach the engines."""
+import asyncio
 import os
 import signal
 import subprocess
@@ -8,10 +9,11 @@ import sys
 import textwrap
 import threading
 
+import chess.engine
 import pytest
 
 from grpo.task import score
-from tasks.rookworld.engine import EnginePool, EngineTimeout, find_stockfish
+from tasks.rookworld.engine import EnginePool, EngineTimeout, _quiet_about_engine_deaths, find_stockfish
 from tasks.rookworld.format import policy_prompt
 
 from helpers import env, line_starting, process_alive, wait_until
@@ -73,7 +75,7 @@ def test_a_replaced_engine_leaves_nothing_on_stderr():
     proc = python(f"""
         import gc, os, signal
         from tasks.rookworld.engine import EnginePool
-        pool = EnginePool({STOCKFISH!r}, depth={DEPTH}, size=1, timeout=1)
+        pool = EnginePool({STOCKFISH!r}, depth={DEPTH}, size=1, timeout=3)
         os.kill(pool.pids()[0], signal.SIGSTOP)
         print("moves", len(pool.analyse({ITALIAN!r}).result(timeout=60).moves), pool.restarts, flush=True)
         pool.close()
@@ -86,9 +88,6 @@ def test_a_replaced_engine_leaves_nothing_on_stderr():
 
 
 def test_only_engine_deaths_are_left_out_of_the_event_loops_errors(caplog):
-    import asyncio
-    import chess.engine
-    from tasks.rookworld.engine import _quiet_about_engine_deaths
     loop = asyncio.new_event_loop()
     try:
         loop.set_exception_handler(_quiet_about_engine_deaths)
