@@ -39,6 +39,9 @@ def lock(out_dir: str):
         f.close()
         raise config.ConfigError(f"--out-dir {out_dir} is in use by another run (pid {holder}): wait for it to end, "
                                  f"or pass another --out-dir") from None
+    except OSError as e:   # a file system without locks (some network ones): run, but say what is not guarded
+        log.note(f"--out-dir {out_dir}: cannot lock {path} ({e.strerror}): a second run there would not be stopped")
+        return f
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
