@@ -314,10 +314,9 @@ def allowed_changes(text) -> list:
     return [n.strip().lstrip("-").replace("-", "_") for n in (text or "").split(",") if n.strip()]
 
 
-def resume_free(options) -> frozenset:
+def resume_free(option_fields) -> frozenset:
     """The settings that may change on --resume: RESUME_FREE and the task's options marked resume_free."""
-    marked = {f.name for f in dataclasses.fields(options) if f.metadata.get("resume_free")} if options else set()
-    return RESUME_FREE | marked
+    return RESUME_FREE | {f.name for f in option_fields if f.metadata.get("resume_free")}
 
 
 def _check_resume_flags(values: dict, task_fields: dict, task_name: str) -> None:
@@ -329,7 +328,7 @@ def _check_resume_flags(values: dict, task_fields: dict, task_name: str) -> None
     names = allowed_changes(text)
     if not names:
         raise ConfigError(f"--resume-allow-change {text!r} names no setting: pass e.g. learning_rate,kl_coef")
-    free = RESUME_FREE | {n for n, f in task_fields.items() if f.metadata.get("resume_free")}
+    free = resume_free(task_fields.values())
     for name in names:
         if name not in FIELDS and name not in task_fields:
             raise ConfigError(f"--resume-allow-change: {name!r} is not a setting of train_lean.py nor of --task "
@@ -346,7 +345,7 @@ def settings(cfg: "Config", options) -> dict:
 
 
 def _same(old, new) -> bool:
-    """Equal, or two spellings of one existing path (a relative --model given from another folder)."""
+    """Equal, or two spellings of one existing path (a --model folder given relative, then absolute)."""
     if old == new:
         return True
     return isinstance(old, str) and isinstance(new, str) and os.path.exists(old) and os.path.exists(new) \
@@ -364,13 +363,13 @@ def check_resume(saved, cfg: "Config", options, checkpoint: str) -> list:
     checkpoint does not record (an older trainer's), which are not compared."""
     if saved is None:
         return [f"{checkpoint} records no settings (an older trainer's checkpoint): they are not compared"]
-    current, free = settings(cfg, options), resume_free(options)
+    current, free = settings(cfg, options), resume_free(dataclasses.fields(options) if options is not None else ())
     changed = [n for n in current if n in saved and n not in free and not _same(saved[n], current[n])]
     refused = [n for n in changed if n not in allowed_changes(cfg.resume_allow_change)]
     if refused:
         raise ConfigError(f"--resume: {checkpoint} was trained with other settings: "
-                          f"{_changes(refused, saved, current)}: pass the checkpoint's values, or --resume-allow-change {','.join(refused)} to change "
-                          f"them on purpose")
+                          f"{_changes(refused, saved, current)}: pass the checkpoint's values, or "
+                          f"--resume-allow-change {','.join(refused)} to change them on purpose")
     notes = [f"resuming with changed settings (--resume-allow-change): {_changes(changed, saved, current)}"] \
         if changed else []
     unrecorded = [flag(n) for n in current if n not in saved and n not in free]

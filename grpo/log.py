@@ -56,12 +56,12 @@ def keep_until(path: str, step: int) -> None:
         lines = f.readlines()
     kept, bad = [], []
     for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line) if line.strip() else None
-        except ValueError:   # not JSON, or not UTF-8
-            record = False
-        if record is None:
+        if not line.strip():
             continue
+        try:
+            record = json.loads(line)
+        except ValueError:   # not JSON, or not UTF-8
+            record = None
         if not isinstance(record, dict):
             bad.append(number)
         elif record.get("step", 0) <= step:

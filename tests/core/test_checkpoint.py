@@ -185,8 +185,8 @@ def test_a_checkpoint_of_an_older_trainer_resumes_with_a_note(two_saved_steps, e
 
 @pytest.mark.parametrize("name, manifest", [("model.safetensors", True), (checkpoint.STATE, True),
                                             ("model.safetensors", False), (checkpoint.STATE, False)])
-def test_a_damaged_newest_checkpoint_is_said_and_the_intact_one_before_it_used(two_saved_steps, evaluated,
-                                                                               tiny_model_dir, tmp_path, name, manifest):
+def test_a_damaged_newest_checkpoint_is_said_and_the_intact_one_used(two_saved_steps, evaluated, tiny_model_dir,
+                                                                     tmp_path, name, manifest):
     out = copy_of(two_saved_steps, tmp_path)
     newest = out / "checkpoints" / "step_000002"
     if not manifest:   # an older trainer's checkpoints: they must at least load
