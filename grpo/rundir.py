@@ -100,8 +100,13 @@ def claim(cfg, options) -> tuple:
         else:
             found = [] if _continues(resume_from, cfg.out_dir) else earlier_run(cfg)
         if found and not cfg.overwrite:
-            hint = "another --out-dir for this run, which resumes a checkpoint from elsewhere" if cfg.resume else \
-                "--resume to continue that run, another --out-dir, or --overwrite to delete them and start over"
+            if cfg.resume:
+                hint = "another --out-dir for this run, which resumes a checkpoint from elsewhere"
+            elif checkpoint.candidates(cfg.out_dir):
+                hint = "--resume to continue that run, another --out-dir, or --overwrite to delete them and start over"
+            else:  # no checkpoint to continue from (it ran with --save-interval 0): --resume would fail too
+                hint = "another --out-dir, or --overwrite to delete them and start over (it kept no checkpoint " \
+                       "to --resume; --save-interval N keeps them)"
             raise config.ConfigError(f"--out-dir {cfg.out_dir} holds an earlier run's records ({', '.join(found)}): "
                                      f"pass {hint}")
         if found and main:

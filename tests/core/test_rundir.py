@@ -65,6 +65,10 @@ def test_a_finished_runs_folder_is_refused_and_overwrite_starts_over(tiny_model_
     line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(tmp_path / "other"),
                                 "--log-completions", str(out / "completions.jsonl")))
     assert "completions.jsonl" in line   # another folder, but the same completions log
+    (tmp_path / "nockpt").mkdir()   # a finished run that kept no checkpoint: --resume could not continue it
+    (tmp_path / "nockpt" / "metrics.jsonl").write_text('{"step": 1}\n')
+    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(tmp_path / "nockpt")))
+    assert "pass --resume" not in line and "kept no checkpoint" in line and "--overwrite" in line
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "metrics.jsonl").write_text('{"step": 1}\n')
     line = one_line_error(train(*toy(tiny_model_dir), "--steps", "3", "--out-dir", str(tmp_path / "used"),
