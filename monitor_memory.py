@@ -123,7 +123,7 @@ def parse_args(argv):
     p.add_argument("--trace", action="store_true",
                    help="have the trainer trace --trace-steps steps after the warm-up for leak evidence: the "
                         "allocation sites and tensors that grew, on CUDA a memory_viz snapshot (train_lean.py "
-                        "--trace-memory); the traced steps run slower (SLOWDOWN)")
+                        "--trace-memory); the traced steps run 3-9x slower (the tiny model on CPU; BENCHMARKS.md)")
     p.add_argument("--trace-steps", type=at_least_two, help=f"steps --trace traces (default {TRACE_STEPS})")
     p.add_argument("--summary", metavar="FILE", help="write a JSON summary here")
     p.add_argument("--plot", metavar="FILE", help="write a PNG plot here")
@@ -407,7 +407,10 @@ def print_evidence(evidence, path, leak, records):
         return
     print("Python allocations that grew (tracemalloc: numpy and Python objects; torch tensors are not in it):")
     for site in evidence["sites"][:5]:
-        print(f"  {site['mb']:+10.3f} MB {site['blocks']:+8d} blocks  {site['site']}  {site['code']}")
+        file, line = site["site"].rsplit(":", 1)
+        short = os.path.relpath(file)   # a file under the working directory by its short name
+        print(f"  {site['mb']:+10.3f} MB {site['blocks']:+8d} blocks  {file if short.startswith('..') else short}:{line}"
+              f"  {site['code']}")
     print("tensors that piled up (live tensors by shape, dtype, device):")
     for t in evidence["tensors"][:5]:
         print(f"  {t['mb']:+10.3f} MB {t['count']:+8d} x {tuple(t['shape'])} {t['dtype']} {t['device']} "
