@@ -123,7 +123,7 @@ def parse_args(argv):
     p.add_argument("--trace", action="store_true",
                    help="have the trainer trace --trace-steps steps after the warm-up for leak evidence: the "
                         "allocation sites and tensors that grew, on CUDA a memory_viz snapshot (train_lean.py "
-                        "--trace-memory); the traced steps run 3-9x slower (the tiny model on CPU; BENCHMARKS.md)")
+                        "--trace-memory); the traced steps run 2.5-9x slower (the tiny model on CPU; BENCHMARKS.md)")
     p.add_argument("--trace-steps", type=at_least_two, help=f"steps --trace traces (default {TRACE_STEPS})")
     p.add_argument("--summary", metavar="FILE", help="write a JSON summary here")
     p.add_argument("--plot", metavar="FILE", help="write a PNG plot here")

@@ -145,7 +145,7 @@ class Config:
     # where memory goes (grpo/memory.py; monitor_memory.py --trace sets both)
     trace_memory: int = opt(0, "trace N steps (0: off; at least 2) for leak evidence: allocation sites (tracemalloc), "
                             "live tensors by shape, on CUDA the allocator's history, in OUT_DIR/memory_trace.json; "
-                            "the traced steps run 3-9x slower (the tiny model on CPU; BENCHMARKS.md)")
+                            "the traced steps run 2.5-9x slower (the tiny model on CPU; BENCHMARKS.md)")
     trace_memory_after: int = opt(20, "--trace-memory starts after this many steps of the process (the warm-up)")
 
 

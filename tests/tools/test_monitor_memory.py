@@ -105,18 +105,24 @@ def test_steps_and_batch_size_as_positionals(tmp_path):
     assert json.loads((tmp_path / "s.json").read_text())["records"] == 120
 
 
+def start_watching(tmp_path, args, rows, **popen):
+    """The monitor started with `args`; returns (monitor, trainer pid) once it has printed `rows` table rows."""
+    p = subprocess.Popen([sys.executable, MONITOR, *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, **popen)
+    seen = 0
+    for line in p.stdout:  # wait for evidence of the run, not for a time
+        seen += line.strip()[:1].isdigit()
+        if seen >= rows:
+            break
+    (trainer,) = children(p.pid)
+    return p, trainer
+
+
 def watch_forever(tmp_path, **popen):
     """The monitor watching a fake trainer that would run for minutes; returns (monitor, trainer pid, marker)."""
     marker = tmp_path / "stopped.txt"
-    p = subprocess.Popen([sys.executable, MONITOR, "--trainer", FAKE, "100000", "--every", "1", "--",
-                          "--log-file", "m.jsonl", "--sleep", "0.005", "--interrupted-marker", str(marker)],
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
-    rows = 0
-    for line in p.stdout:  # wait for evidence of the run, not for a time
-        rows += line.strip()[:1].isdigit()
-        if rows >= 10:
-            break
-    (trainer,) = children(p.pid)
+    p, trainer = start_watching(tmp_path, ["--trainer", FAKE, "100000", "--every", "1", "--", "--log-file", "m.jsonl",
+                                           "--sleep", "0.005", "--interrupted-marker", str(marker)], 10, **popen)
     return p, trainer, marker
 
 
@@ -154,15 +160,8 @@ def test_trainer_flag_errors_are_usage_errors(tmp_path):
 
 def test_ctrl_c_stops_the_child_cleanly_and_still_analyses(tmp_path):
     marker = tmp_path / "stopped.txt"
-    p = subprocess.Popen([sys.executable, MONITOR, "--trainer", FAKE, "100000", "--every", "1",
-                          "--summary", "s.json", "--", "--log-file", "m.jsonl", "--sleep", "0.005",
-                          "--interrupted-marker", str(marker)],
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = 0
-    for line in p.stdout:  # wait for evidence of the run, not for a time
-        seen += line.strip()[:1].isdigit()
-        if seen >= 40:
-            break
+    p, _ = start_watching(tmp_path, ["--trainer", FAKE, "100000", "--every", "1", "--summary", "s.json", "--",
+                                     "--log-file", "m.jsonl", "--sleep", "0.005", "--interrupted-marker", str(marker)], 40)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, out + err
@@ -272,7 +271,7 @@ def test_a_leaking_reward_is_named_by_phase_line_and_tensors(tmp_path, tiny_mode
     # 19 steps of leak between the baseline (end of step 11) and the end of step 30: 8 x 128 kB each
     site = evidence["sites"][0]
     assert site["site"] == f"{task}:{line}" and site["mb"] == pytest.approx(19.0, rel=0.05)
-    assert f"{task}:{line}" in r.stdout
+    assert f" leaky.py:{line}  " in r.stdout   # printed by its name under the working directory
     tensors = evidence["tensors"][0]
     assert (tensors["shape"], tensors["dtype"], tensors["device"], tensors["count"]) == ([128, 128], "float32", "cpu", 152)
     assert "+152 x (128, 128) float32 cpu" in r.stdout
@@ -280,15 +279,8 @@ def test_a_leaking_reward_is_named_by_phase_line_and_tensors(tmp_path, tiny_mode
 
 @needs_trainer
 def test_kill_9_of_the_monitor_ends_its_trainer(tmp_path, tiny_model_dir):
-    p = subprocess.Popen([sys.executable, MONITOR, "--steps", "100000", "--batch-size", "8", "--every", "1", "--",
-                          "--model", tiny_model_dir, "--task", "toy", "--out-dir", "run", *TRAIN],
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ONE_THREAD)
-    rows = 0
-    for line in p.stdout:  # wait for evidence of the run, not for a time
-        rows += line.strip()[:1].isdigit()
-        if rows >= 3:
-            break
-    (trainer,) = children(p.pid)
+    p, trainer = start_watching(tmp_path, ["--steps", "100000", "--batch-size", "8", "--every", "1", "--", "--model",
+                                           tiny_model_dir, "--task", "toy", "--out-dir", "run", *TRAIN], 3, env=ONE_THREAD)
     p.kill()   # SIGKILL: no handler of the monitor runs
     p.communicate()
     try:
