@@ -40,7 +40,7 @@ SWEEP_STEPS = 5         # steps per batch size: the first allocates AdamW state,
 # Steps --trace traces: the evidence compares the end of the first with the end of the last, so what
 # piles up over 19 steps stands against what one step holds.
 TRACE_STEPS = 20
-EVIDENCE = "memory_trace.json"   # written by the trainer in its --out-dir (grpo/memory.py)
+EVIDENCE = os.path.join("memory", "trace.json")   # written by the trainer in its --out-dir (grpo/memory.py)
 EXIT_OK, EXIT_LEAK, EXIT_USAGE, EXIT_UNJUDGED = 0, 1, 2, 3
 
 
@@ -303,13 +303,10 @@ class RowPrinter:
 
 
 def evidence_file(args, train):
-    """Where this run's leak evidence will be (None when it is not traced); a stale one is removed first."""
+    """Where this run's leak evidence will be; None when it is not traced."""
     if not (args.trace or trainer_setting(train, "--trace-memory", "0") not in ("", "0")):
         return None
-    path = os.path.join(trainer_setting(train, "--out-dir", "out"), EVIDENCE)
-    if os.path.exists(path):
-        os.remove(path)   # an earlier run's: not this one's evidence
-    return path
+    return os.path.join(trainer_setting(train, "--out-dir", "out"), EVIDENCE)
 
 
 def watch(args, train):
@@ -671,14 +668,15 @@ def main(argv):
     else:
         if args.from_log:
             records, returncode, interrupted = read_log(args.from_log), 0, False
-            evidence_path = os.path.join(os.path.dirname(os.path.abspath(args.from_log)), EVIDENCE)
+            evidence_path, started = os.path.join(os.path.dirname(os.path.abspath(args.from_log)), EVIDENCE), 0.0
         else:
-            evidence_path = evidence_file(args, train)
+            evidence_path, started = evidence_file(args, train), time.time()
             records, returncode, interrupted = watch(args, train)
         report = memwatch.analyse(records, args.warmup, args.leak_mb_per_step, args.frag_ratio, args.churn_spread)
         print_report(report)
         evidence = None
-        if evidence_path and os.path.exists(evidence_path):
+        # a file from before this run started is an earlier run's evidence, not this one's
+        if evidence_path and os.path.exists(evidence_path) and os.path.getmtime(evidence_path) >= started:
             with open(evidence_path) as f:
                 evidence = json.load(f)
             print_evidence(evidence, evidence_path, report["verdict"] == "LEAK", records)

@@ -144,7 +144,7 @@ class Config:
     max_nonfinite: int = opt(10, "abort (saving a checkpoint) after this many non-finite updates in a row")
     # where memory goes (grpo/memory.py; monitor_memory.py --trace sets both)
     trace_memory: int = opt(0, "trace N steps (0: off; at least 2) for leak evidence: allocation sites (tracemalloc), "
-                            "live tensors by shape, on CUDA the allocator's history, in OUT_DIR/memory_trace.json; "
+                            "live tensors by shape, on CUDA the allocator's history, in OUT_DIR/memory/trace.json; "
                             "the traced steps run 2.5-9x slower (the tiny model on CPU; BENCHMARKS.md)")
     trace_memory_after: int = opt(20, "--trace-memory starts after this many steps of the process (the warm-up)")
 
@@ -179,6 +179,8 @@ RESUME_FREE = frozenset({
     "micro_batch_size", "generation_batch_size", "logprob_chunk_size", "gradient_checkpointing", "compile", "device",
     # where and how it reports
     "out_dir", "log_file", "log_completions", "log_level", "report_to",
+    # what it traces for memory evidence: the traced steps compute what untraced ones do
+    "trace_memory", "trace_memory_after",
     # the resume itself
     "resume", "resume_allow_change", "overwrite",
 })

@@ -8,8 +8,8 @@ caching allocator's retries and fragmentation. monitor_memory.py turns consecuti
 memory each phase adds per step and names the phase that grows (grpo/memwatch.py).
 
 --trace-memory N traces N steps after the first --trace-memory-after steps of the process (Trace) and
-writes OUT_DIR/memory_trace.json. On CUDA an out-of-memory error always dumps the allocator's snapshot
-to OUT_DIR/memory_oom_rank{R}.pickle, for https://pytorch.org/memory_viz.
+writes OUT_DIR/memory/trace.json. On CUDA an out-of-memory error always dumps the allocator's snapshot
+to OUT_DIR/memory/oom_rank{R}.pickle, for https://pytorch.org/memory_viz.
 """
 import ctypes
 import gc
@@ -26,6 +26,7 @@ from collections import Counter
 import torch
 
 MB = 2**20
+SUBDIR = "memory"   # OUT_DIR/memory: the evidence a run writes
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -89,9 +90,9 @@ class Phases:
         self.trace = None
         if rank == 0 and cfg.trace_memory:
             self.trace = Trace(cfg.trace_memory_after + 1, cfg.trace_memory_after + cfg.trace_memory,
-                               cfg.out_dir, self.cuda, say)
+                               os.path.join(cfg.out_dir, SUBDIR), self.cuda, say)
         if self.cuda:
-            attach_oom_snapshot(os.path.join(cfg.out_dir, f"memory_oom_rank{rank}.pickle"), say)
+            attach_oom_snapshot(os.path.join(cfg.out_dir, SUBDIR, f"oom_rank{rank}.pickle"), say)
 
     def __enter__(self):
         return self
@@ -149,6 +150,7 @@ def attach_oom_snapshot(path: str, say) -> None:
         return
 
     def observer(device, alloc, device_allocated, device_free):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.cuda.memory._dump_snapshot(path)
         say(f"out of memory on cuda:{device} asking for {alloc / MB:.0f} MB ({device_allocated / MB:.0f} MB "
             f"allocated, {device_free / MB:.0f} MB free): allocator snapshot in {path} (https://pytorch.org/memory_viz)")
@@ -171,14 +173,14 @@ class Trace:
     that step a baseline is taken: tracemalloc's snapshot and a census of the live tensors (count and
     bytes by shape, dtype and device, found through gc). At the end of the last step both are taken again
     and compared: the allocation sites (the innermost frame outside the Python installation, file:line)
-    and tensor groups that grew, in OUT_DIR/memory_trace.json, and on CUDA the history is dumped to
-    OUT_DIR/memory_snapshot.pickle. What one step holds cancels out between the two ends; what piles up
+    and tensor groups that grew, in OUT_DIR/memory/trace.json, and on CUDA the history is dumped to
+    OUT_DIR/memory/snapshot.pickle. What one step holds cancels out between the two ends; what piles up
     step after step remains. Tracing slows the traced steps (BENCHMARKS.md)."""
 
-    def __init__(self, first: int, last: int, out_dir: str, cuda: bool, say):
-        self.first, self.last, self.cuda, self.say = first, last, cuda, say
-        self.path = os.path.join(out_dir, "memory_trace.json")
-        self.snapshot_path = os.path.join(out_dir, "memory_snapshot.pickle") if cuda else None
+    def __init__(self, first: int, last: int, folder: str, cuda: bool, say):
+        self.first, self.last, self.cuda, self.say, self.folder = first, last, cuda, say, folder
+        self.path = os.path.join(folder, "trace.json")
+        self.snapshot_path = os.path.join(folder, "snapshot.pickle") if cuda else None
         self.base = None       # (step, tracemalloc snapshot, tensor census) at the end of the first step
         self.started = self.done = False
 
@@ -215,6 +217,7 @@ class Trace:
                         "tensors": grown_tensors(base_census, tensor_census()),
                         "tracemalloc_mb": round(tracemalloc.get_tracemalloc_memory() / MB, 1),
                         "cuda_snapshot": self.snapshot_path}
+            os.makedirs(self.folder, exist_ok=True)
             if self.cuda:
                 torch.cuda.memory._dump_snapshot(self.snapshot_path)
             with open(self.path + ".tmp", "w") as f:

@@ -85,7 +85,7 @@ def test_a_trace_names_the_leaking_line_and_the_tensors_that_pile_up(tmp_path):
     with memory.Phases(CPU, 0, settings(tmp_path, trace=4, after=1), said.append) as phases:
         run_steps(phases, 7, kept)
         assert not tracemalloc.is_tracing()   # the window is over: the steps after it run at full speed
-    evidence = json.loads((tmp_path / "memory_trace.json").read_text())
+    evidence = json.loads((tmp_path / "memory" / "trace.json").read_text())
     assert (evidence["from_step"], evidence["to_step"], evidence["ended_early"]) == (2, 5, False)
     top = evidence["sites"][0]
     assert top["site"] == f"{__file__}:{LEAK_LINE}" and top["code"].endswith("# the leak")
@@ -100,7 +100,7 @@ def test_a_run_that_ends_inside_the_window_still_writes_its_evidence(tmp_path):
     kept = []
     with memory.Phases(CPU, 0, settings(tmp_path, trace=10, after=1), print) as phases:
         run_steps(phases, 4, kept)
-    evidence = json.loads((tmp_path / "memory_trace.json").read_text())
+    evidence = json.loads((tmp_path / "memory" / "trace.json").read_text())
     assert (evidence["from_step"], evidence["to_step"], evidence["ended_early"]) == (2, 4, True)
     assert evidence["tensors"][0]["count"] == 2 and not tracemalloc.is_tracing()
 
