@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -150,6 +151,19 @@ def test_watch_reports_a_crashed_trainer_with_exit_3(tmp_path):
                 cwd=tmp_path)
     assert r.returncode == 3, r.stdout + r.stderr
     assert "exited with code 1" in r.stdout and "simulated crash" in r.stdout
+
+
+def test_evidence_from_before_the_run_is_not_this_runs(tmp_path):
+    # a resumed run's folder still holds the last run's trace until this run's window writes its own
+    stale = tmp_path / "out" / "memory" / "trace.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps({"from_step": 1, "to_step": 5, "ended_early": False, "sites": [], "tensors": []}))
+    os.utime(stale, (time.time() - 60, time.time() - 60))
+    r = monitor("--trainer", FAKE, "--steps", 30, "--trace", "--summary", "s.json", "--", "--log-file", "m.jsonl",
+                "--out-dir", "out", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "s.json").read_text())["evidence"] is None
+    assert "no evidence" in r.stdout and "steps 1-5" not in r.stdout
 
 
 def test_trainer_flag_errors_are_usage_errors(tmp_path):
