@@ -4,19 +4,27 @@
     python monitor_memory.py --steps 200 --batch-size 64 [-- train_lean.py flags]   watch a run
     python monitor_memory.py 200 64 [-- train_lean.py flags]                        the same, shorter
     python monitor_memory.py --from-log out/metrics.jsonl                           analyse a log
+    python monitor_memory.py --steps 200 --trace [-- train_lean.py flags]          ... and where it leaks
     python monitor_memory.py --sweep 8,16,32,64,128 [-- train_lean.py flags]        batch sweep
 
 Watching starts train_lean.py as a child process, follows the JSONL log it writes and prints a
 row every --every steps; when the run ends, or on Ctrl-C (which stops the child cleanly), it
-prints the leak analysis of what it saw (grpo/memwatch.py). However the monitor ends (Ctrl-C,
-SIGTERM, SIGHUP, an error of its own), a trainer it started is stopped, not left running. A sweep runs --steps steps (default
-5) at each batch size, each in a fresh process, and fits memory = fixed + per_sample * batch.
+prints the leak analysis of what it saw (grpo/memwatch.py): each memory series' trend, the memory
+each phase of a step adds (generation, rewards, reference, update) and, on a LEAK, the phase that
+grows. --trace has the trainer trace a window of steps after the warm-up (train_lean.py
+--trace-memory): on a LEAK the monitor shows the allocation sites (file:line) and the tensors that
+piled up, and on CUDA names the memory_viz snapshot. However the monitor ends (Ctrl-C, SIGTERM,
+SIGHUP, an error of its own, or kill -9: the trainer gets SIGTERM when its parent dies), a trainer
+it started is stopped, not left running. A sweep runs --steps steps (default 5) at each batch
+size, each in a fresh process, and fits memory = fixed + per_sample * batch.
 
 Exit code: 0 no leak, 1 leak, 2 usage error, 3 nothing could be judged (too few steps after the
 warm-up, or the training run failed). A CI job can gate on it.
 """
 import argparse
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import signal
@@ -29,6 +37,10 @@ from grpo import memwatch
 HERE = os.path.dirname(os.path.abspath(__file__))
 POLL_S = 0.2            # how often the log is read and the child looked at
 SWEEP_STEPS = 5         # steps per batch size: the first allocates AdamW state, the rest time it
+# Steps --trace traces: the evidence compares the end of the first with the end of the last, so what
+# piles up over 19 steps stands against what one step holds.
+TRACE_STEPS = 20
+EVIDENCE = os.path.join("memory", "trace.json")   # written by the trainer in its --out-dir (grpo/memory.py)
 EXIT_OK, EXIT_LEAK, EXIT_USAGE, EXIT_UNJUDGED = 0, 1, 2, 3
 
 
@@ -60,6 +72,13 @@ def positive_float(text):
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def at_least_two(text):
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be 2 or more (the first traced step is the baseline), got {text}")
     return value
 
 
@@ -101,6 +120,11 @@ def parse_args(argv):
                    help="memory budget of a sweep (default: the device's total memory; RAM on CPU)")
     p.add_argument("--work-dir", default=os.path.join("out", "memwatch"),
                    help="where a sweep's runs write (default %(default)s)")
+    p.add_argument("--trace", action="store_true",
+                   help="have the trainer trace --trace-steps steps after the warm-up for leak evidence: the "
+                        "allocation sites and tensors that grew, on CUDA a memory_viz snapshot (train_lean.py "
+                        "--trace-memory); the traced steps run 2.5-9x slower (the tiny model on CPU; BENCHMARKS.md)")
+    p.add_argument("--trace-steps", type=at_least_two, help=f"steps --trace traces (default {TRACE_STEPS})")
     p.add_argument("--summary", metavar="FILE", help="write a JSON summary here")
     p.add_argument("--plot", metavar="FILE", help="write a PNG plot here")
     p.add_argument("--trainer", default=os.path.join(HERE, "train_lean.py"),
@@ -113,6 +137,11 @@ def parse_args(argv):
         if flagged is None:
             setattr(args, name, given)
 
+    if args.trace_steps is not None and not args.trace:
+        raise UsageError("--trace-steps applies with --trace")
+    args.trace_steps = args.trace_steps or TRACE_STEPS
+    if args.trace and (args.from_log or args.sweep):
+        raise UsageError("--trace traces a run the monitor watches: not with --from-log or --sweep")
     if args.from_log is not None:
         if train or args.steps or args.batch_size:
             raise UsageError("--from-log analyses an existing log: it takes no --steps, --batch-size or trainer flags")
@@ -122,10 +151,13 @@ def parse_args(argv):
     if not os.path.isfile(args.trainer):
         raise UsageError(f"trainer {args.trainer} not found")
     controlled = ["--steps", "--batch-size"] + (["--out-dir", "--log-file"] if args.sweep else [])
+    controlled += ["--trace-memory", "--trace-memory-after"] if args.trace else []
     for flag in controlled:
         if flag_value(train, flag) is not None:
-            raise UsageError(f"give {flag} to monitor_memory.py, not after --" if flag in ("--steps", "--batch-size")
-                             else f"a sweep sets {flag} for each batch size; leave it out of the trainer flags")
+            raise UsageError(f"a sweep sets {flag} for each batch size; leave it out of the trainer flags"
+                             if args.sweep and flag in ("--out-dir", "--log-file") else
+                             f"--trace sets {flag}; leave it out of the trainer flags" if flag.startswith("--trace")
+                             else f"give {flag} to monitor_memory.py, not after --")
     if args.sweep and args.batch_size:
         raise UsageError("--sweep sets the batch size; leave out --batch-size")
     return args, train
@@ -202,6 +234,21 @@ def read_log(path):
 
 # --- watching a run -----------------------------------------------------------------------------
 
+PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
+try:
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+def end_with_parent(parent):
+    """Run in the child between fork and exec: SIGTERM (the trainer's clean stop: it finishes its step,
+    saves a checkpoint and exits) as soon as this process dies, by any signal, kill -9 included. If this
+    process died before the signal was armed, it will never come: the child exits at once."""
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
+
 def stop_child(child, grace_s=30.0):
     """SIGINT (the trainer's own clean stop), then SIGTERM, then SIGKILL, each after a grace period.
 
@@ -225,9 +272,11 @@ def trainer_process(cmd, output):
     Its own session: a Ctrl-C at the terminal reaches only this process, which then stops the child
     exactly once (a trainer hit by two SIGINTs may abandon its clean shutdown). The same session
     keeps it from the terminal's SIGHUP, so this process must stop it on every way out: an
-    exception here (a closed stdout, a bad record) would otherwise leave it training unwatched.
+    exception here (a closed stdout, a bad record) would otherwise leave it training unwatched; and a
+    kill -9, which no handler sees, reaches it as its parent-death signal (end_with_parent).
     """
-    child = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    end = {"preexec_fn": functools.partial(end_with_parent, os.getpid())} if _PRCTL is not None else {}
+    child = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, start_new_session=True, **end)
     try:
         yield child
     finally:
@@ -253,6 +302,13 @@ class RowPrinter:
             self.first = False
 
 
+def evidence_file(args, train):
+    """Where this run's leak evidence will be; None when it is not traced."""
+    if not (args.trace or trainer_setting(train, "--trace-memory", "0") not in ("", "0")):
+        return None
+    return os.path.join(trainer_setting(train, "--out-dir", "out"), EVIDENCE)
+
+
 def watch(args, train):
     """Run the trainer as a child, follow its log; returns (records, child return code, interrupted)."""
     log = flag_value(train, "--log-file")
@@ -260,6 +316,8 @@ def watch(args, train):
         out_dir = trainer_setting(train, "--out-dir", "out")
         log = os.environ.get("GRPO_LOG_FILE") or os.path.join(out_dir, "metrics.jsonl")
         train = train + ["--log-file", log]
+    if args.trace:
+        train = train + ["--trace-memory", str(args.trace_steps), "--trace-memory-after", str(args.warmup)]
     cmd = [sys.executable, args.trainer]
     cmd += ["--steps", str(args.steps)] if args.steps else []
     cmd += ["--batch-size", str(args.batch_size)] if args.batch_size else []
@@ -296,32 +354,101 @@ def watch(args, train):
 
 # --- the leak report ----------------------------------------------------------------------------
 
+def fit_row(name, s):
+    """A table row: name, points, MB/step with its 95% interval, MB per 10k steps, verdict."""
+    if "slope_mb_per_step" not in s:
+        return f"{name:<26}{s['points']:>7}{'-':>10}{'-':>22}{'-':>18}  {s['verdict']}"
+    interval = f"[{s['slope_low']:+.4f}, {s['slope_high']:+.4f}]"
+    return (f"{name:<26}{s['points']:>7}{s['slope_mb_per_step']:>+10.4f}{interval:>22}"
+            f"{s['growth_mb_per_10k_steps']:>+18.0f}  {s['verdict']}")
+
+
 def print_report(report):
     print(f"\nmemory trend after a warm-up of {report['warmup']} records "
           f"({report['records']} training records"
           + (f", steps {report['steps'][0]}-{report['steps'][1]})" if report.get("steps") else ")"))
-    print(f"{'series':<22}{'points':>7}{'MB/step':>10}{'95% interval':>22}{'MB per 10k steps':>18}  verdict")
+    header = f"{'points':>7}{'MB/step':>10}{'95% interval':>22}{'MB per 10k steps':>18}  verdict"
+    print(f"{'series':<26}{header}")
     for name, s in report["series"].items():
-        if "slope_mb_per_step" in s:
-            interval = f"[{s['slope_low']:+.4f}, {s['slope_high']:+.4f}]"
-            print(f"{name:<22}{s['points']:>7}{s['slope_mb_per_step']:>+10.4f}{interval:>22}"
-                  f"{s['growth_mb_per_10k_steps']:>+18.0f}  {s['verdict']}")
-        else:
-            print(f"{name:<22}{s['points']:>7}{'-':>10}{'-':>22}{'-':>18}  {s['verdict']}")
+        print(fit_row(name, s))
+    for family, phases in report["phases"].items():
+        added = family in memwatch.INCREMENTS
+        print(f"\n{family}: " + ("memory each phase adds per step (slope of the running sum of its changes)"
+                                 if added else "trend of the peak within each phase"))
+        print(f"{'phase':<26}{header}")
+        for phase, s in phases.items():
+            print(fit_row(memwatch.PHASE_NAMES.get(phase, phase), s))
     for w in report["warnings"]:
         print(f"warning: {w}")
     print(f"LEAK means the whole interval is above {report['leak_mb_per_step']} MB/step.")
+    for g in report["growing"]:
+        print(f"it grows in {memwatch.PHASE_NAMES.get(g['phase'], g['phase'])}: {g['mb_per_step']:+.3f} MB/step "
+              f"of {g['family']}")
+    if report["verdict"] == "LEAK" and report["phases"] and not report["growing"]:
+        print("no phase grows by itself: the growth is spread over the phases (see their MB/step above)")
 
 
-def plot_run(path, records, report):
+def print_evidence(evidence, path, leak, records):
+    """The trainer's trace: the window, what tracing cost in this run, and on a LEAK what grew in it."""
+    recs, _ = memwatch.train_records(records)
+    first, last = evidence["from_step"], evidence["to_step"]
+    print(f"\nevidence of steps {first}-{last}" + (" (the run ended first)" if evidence["ended_early"] else "")
+          + f": {path}")
+    times = [[r["step_time_s"] for r in rs if isinstance(r.get("step_time_s"), (int, float))]
+             for rs in ([r for r in recs if first <= r["step"] <= last], [r for r in recs if r["step"] > last])]
+    if all(times):
+        traced, plain = (sorted(t)[len(t) // 2] for t in times)
+        print(f"tracing cost: a traced step took {traced:.3f} s, an untraced one after the window {plain:.3f} s "
+              f"({traced / plain:.1f}x; medians)")
+    if not leak:
+        return
+    print("Python allocations that grew (tracemalloc: numpy and Python objects; torch tensors are not in it):")
+    for site in evidence["sites"][:5]:
+        file, line = site["site"].rsplit(":", 1)
+        short = os.path.relpath(file)   # a file under the working directory by its short name
+        print(f"  {site['mb']:+10.3f} MB {site['blocks']:+8d} blocks  {file if short.startswith('..') else short}:{line}"
+              f"  {site['code']}")
+    print("tensors that piled up (live tensors by shape, dtype, device):")
+    for t in evidence["tensors"][:5]:
+        print(f"  {t['mb']:+10.3f} MB {t['count']:+8d} x {tuple(t['shape'])} {t['dtype']} {t['device']} "
+              f"({t['count_end']} alive)")
+    if evidence.get("cuda_snapshot"):
+        print(f"CUDA memory history: {evidence['cuda_snapshot']} (open it in https://pytorch.org/memory_viz)")
+
+
+def pyplot():
     import matplotlib
     matplotlib.use("Agg")  # files only: works on a headless CI machine
     import matplotlib.pyplot as plt
+    return plt
 
+
+def save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+def run_figure(records, report):
+    """The leak plot: each memory series with its fit, then what each phase added, summed over the run."""
+    import numpy as np
+
+    plt = pyplot()
     recs, _ = memwatch.train_records(records)
     names = list(report["series"])
     groups = [g for g in ([n for n in names if n == memwatch.RSS], [n for n in names if n != memwatch.RSS]) if g]
-    fig, axes = plt.subplots(len(groups) or 1, 1, figsize=(9, 3.6 * max(len(groups), 1)), squeeze=False)
+    marks = memwatch.phase_marks(recs)
+    added = [f for f in memwatch.INCREMENTS if f in marks]
+    panels = max(len(groups) + len(added), 1)
+    fig, axes = plt.subplots(panels, 1, figsize=(9, 3.6 * panels), squeeze=False)
+    for ax, family in zip(axes[len(groups):, 0], added):
+        phases = report["phases"][family]
+        for phase, (steps, mb) in memwatch.phase_increments(recs, family, marks[family]).items():
+            s = phases[phase]
+            ax.plot(steps, np.cumsum(mb), lw=1.2, label=f"{memwatch.PHASE_NAMES.get(phase, phase)}"
+                    + (f": {s['slope_mb_per_step']:+.3f} MB/step ({s['verdict']})" if "slope_mb_per_step" in s else ""))
+        ax.set_ylabel(f"MB added, summed ({family})")
+        ax.set_title(f"memory each phase added since step {recs[0]['step']}")
     for ax, group in zip(axes[:, 0], groups):
         for name in group:
             steps, values = memwatch.series(recs, name)
@@ -332,17 +459,22 @@ def plot_run(path, records, report):
                 ax.plot(x, [s["intercept_mb"] + s["slope_mb_per_step"] * v for v in x], "--", lw=2,
                         color=line.get_color(),
                         label=f"Theil-Sen {s['slope_mb_per_step']:+.3f} MB/step ({s['verdict']})")
+        ax.set_ylabel("process RSS (MB)" if group[0] == memwatch.RSS else "CUDA memory (MB)")
+    axes[0, 0].set_title(f"memory per step: {report['verdict']}")
+    # The y axis spans at least the leak threshold over the run: flat memory looks flat, and a leak at
+    # the threshold climbs the whole height (autoscaling would blow noise of a few MB up to fill it).
+    span = report["leak_mb_per_step"] * (recs[-1]["step"] - recs[0]["step"]) if recs else 0.0
+    for ax in axes[:, 0]:
+        low, high = ax.get_ylim()
+        if high - low < span:
+            ax.set_ylim((low + high - span) / 2, (low + high + span) / 2)
         if report["warmup"] and len(recs) > 1:
             ax.axvspan(recs[0]["step"], recs[min(report["warmup"], len(recs)) - 1]["step"],
                        color="0.9", label="warm-up (not fitted)")
         ax.set_xlabel("step")
-        ax.set_ylabel("process RSS (MB)" if group[0] == memwatch.RSS else "CUDA memory (MB)")
         ax.legend(fontsize=8, loc="best")
         ax.grid(alpha=0.3)
-    axes[0, 0].set_title(f"memory per step: {report['verdict']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 # --- the batch-size sweep -----------------------------------------------------------------------
@@ -480,11 +612,9 @@ def sweep(args, train):
     return result
 
 
-def plot_sweep(path, result):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def sweep_figure(result):
+    """Peak memory and throughput against the batch size, the sizes as the ticks."""
+    plt = pyplot()
     rows = [r for r in result["rows"] if r["peak_mb"] is not None]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     ax1.plot([r["batch_size"] for r in rows], [r["peak_mb"] for r in rows], "o", label="measured peak")
@@ -504,11 +634,10 @@ def plot_sweep(path, result):
     ax2.plot([r["batch_size"] for r in timed], [r["samples_per_s"] for r in timed], "o-")
     ax2.set(xscale="log", xlabel="batch size", ylabel="samples/s", title="throughput")
     for ax in (ax1, ax2):
+        ax.minorticks_off()   # a log axis labels its minor ticks ("6x10^1") when it spans less than a decade
         ax.set_xticks([r["batch_size"] for r in result["rows"]], [str(r["batch_size"]) for r in result["rows"]])
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -535,14 +664,24 @@ def main(argv):
             code = EXIT_UNJUDGED
         summary = dict(mode="sweep", command=train, exit_code=code, **result)
         if args.plot:
-            plot_sweep(args.plot, result)
+            save(sweep_figure(result), args.plot)
     else:
         if args.from_log:
             records, returncode, interrupted = read_log(args.from_log), 0, False
+            evidence_path, started = os.path.join(os.path.dirname(os.path.abspath(args.from_log)), EVIDENCE), 0.0
         else:
+            evidence_path, started = evidence_file(args, train), time.time()
             records, returncode, interrupted = watch(args, train)
         report = memwatch.analyse(records, args.warmup, args.leak_mb_per_step, args.frag_ratio, args.churn_spread)
         print_report(report)
+        evidence = None
+        # a file from before this run started is an earlier run's evidence, not this one's
+        if evidence_path and os.path.exists(evidence_path) and os.path.getmtime(evidence_path) >= started:
+            with open(evidence_path) as f:
+                evidence = json.load(f)
+            print_evidence(evidence, evidence_path, report["verdict"] == "LEAK", records)
+        elif args.trace:
+            print("\nno evidence: the run ended before its trace window's first step did")
         failed = returncode != 0 and not interrupted
         code = (EXIT_LEAK if report["verdict"] == "LEAK" else
                 EXIT_UNJUDGED if report["verdict"] != "ok" or failed else EXIT_OK)
@@ -555,9 +694,9 @@ def main(argv):
                                                       " (too few records after the warm-up)")}[code])
         summary = dict(mode="log" if args.from_log else "watch", source=args.from_log, command=train,
                        trainer_exit_code=None if args.from_log else returncode, interrupted=interrupted,
-                       exit_code=code, **report)
+                       exit_code=code, evidence=evidence, **report)
         if args.plot:
-            plot_run(args.plot, records, report)
+            save(run_figure(records, report), args.plot)
     if args.summary:
         with open(args.summary, "w") as f:
             json.dump(summary, f, indent=2)

@@ -15,7 +15,6 @@ import functools
 import os
 import random
 import sys
-import time
 
 import torch
 from tqdm import tqdm
@@ -142,10 +141,10 @@ def main(argv=None):
                                    min_new_tokens=cfg.min_new_tokens, autocast=autocast, device=device,
                                    compile=cfg.compile)
 
+        phases = stack.enter_context(memory.Phases(device, rank, cfg, say))  # time and memory per phase, traces
         with guards.StopOnSignal(say) as stop:
             for step in bar:
-                t_start = time.perf_counter()
-                memory.reset_peak(device)
+                phases.start(step)
                 oom.notes.clear()
 
                 # ---- prompts: the step's groups, this rank's share of them ---------------------------
@@ -154,7 +153,7 @@ def main(argv=None):
 
                 # ---- rollout: G completions per prompt, sampled ids and logprobs kept --------------
                 rollout = sample(prompts, seed=step_seed(cfg.seed, step), first_row=rank * B)
-                t_gen = time.perf_counter()
+                phases.end("gen")
 
                 # ---- rewards: the task scores the decoded text; a failing reward gets min_reward ----
                 rewards, components, errors = task_lib.score(task, rollout.prompts, rollout.texts)
@@ -173,7 +172,7 @@ def main(argv=None):
                     say(f"step {step}: the task's reward raised {kind}; such completions get the task's "
                         f"min_reward (counted in reward_errors)")
                 seen_errors |= errors.keys()
-                t_score = time.perf_counter()
+                phases.end("score")
 
                 # ---- reference logprobs, once per row: the KL penalty in the loss or in the reward ----
                 ref_logp = None
@@ -186,7 +185,7 @@ def main(argv=None):
                         rewards.to(device), rollout.old_logp, ref_logp, rollout.completion_mask, cfg.kl_coef,
                         cfg.kl_estimator).cpu())
                     extra["kl_reward_penalty"] = (all_rewards - train_rewards).mean().item()
-                t_ref = time.perf_counter()
+                phases.end("ref")
 
                 # ---- advantages: each completion against its group (--scale-rewards batch: all ranks') ---
                 all_advantages, frac_zero_std = group_advantages(train_rewards, G, cfg.scale_rewards)
@@ -197,14 +196,11 @@ def main(argv=None):
                                                          layout=layout, micro=micro, cfg=cfg, autocast=autocast,
                                                          on_oom=oom, nonfinite_streak=nonfinite_streak)
                 saver.completed(step, nonfinite_streak)
-                t_end = time.perf_counter()
+                phases.end("train")
 
                 # ---- log: one JSON record and one console line per step ------------------------------
-                memory.release_free_heap()  # else RSS ratchets up to the largest step's peak (grpo/memory.py)
-                times = {"step": t_end - t_start, "gen": t_gen - t_start, "score": t_score - t_gen,
-                         "ref": t_ref - t_score, "train": t_end - t_ref}
                 extra.update(log.batch_stats(rollout, all_rewards, G, components, errors, oom.notes, micro))
-                rec = log.step_record(step, all_rewards, frac_zero_std, totals, times, extra, memory.snapshot(device))
+                rec = log.step_record(step, all_rewards, frac_zero_std, totals, phases.times(), extra, phases.record())
                 if cfg.log_completions:
                     log.write_completions(completions_file, step, rollout, all_rewards)
                 if main_rank:

@@ -142,6 +142,11 @@ class Config:
     overwrite: bool = opt(False, "start over in an OUT_DIR that holds an earlier run: its logs, checkpoints, model "
                           "and reports are deleted first (without it such a folder is refused)", const="true")
     max_nonfinite: int = opt(10, "abort (saving a checkpoint) after this many non-finite updates in a row")
+    # where memory goes (grpo/memory.py; monitor_memory.py --trace sets both)
+    trace_memory: int = opt(0, "trace N steps (0: off; at least 2) for leak evidence: allocation sites (tracemalloc), "
+                            "live tensors by shape, on CUDA the allocator's history, in OUT_DIR/memory/trace.json; "
+                            "the traced steps run 2.5-9x slower (the tiny model on CPU; BENCHMARKS.md)")
+    trace_memory_after: int = opt(20, "--trace-memory starts after this many steps of the process (the warm-up)")
 
 
 def fields_of(cls) -> dict:
@@ -174,6 +179,8 @@ RESUME_FREE = frozenset({
     "micro_batch_size", "generation_batch_size", "logprob_chunk_size", "gradient_checkpointing", "compile", "device",
     # where and how it reports
     "out_dir", "log_file", "log_completions", "log_level", "report_to",
+    # what it traces for memory evidence: the traced steps compute what untraced ones do
+    "trace_memory", "trace_memory_after",
     # the resume itself
     "resume", "resume_allow_change", "overwrite",
 })
@@ -459,9 +466,11 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if not 0 <= cfg.overlong_buffer <= cfg.max_new_tokens:
         raise ConfigError(f"--overlong-buffer {cfg.overlong_buffer} must be in [0, --max-new-tokens {cfg.max_new_tokens}]")
     for name in ("kl_coef", "weight_decay", "max_grad_norm", "eval_interval", "entropy_coef", "overlong_penalty",
-                 "max_sampling_rounds"):
+                 "max_sampling_rounds", "trace_memory", "trace_memory_after"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)} must be >= 0")
+    if cfg.trace_memory == 1:
+        raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
     per_device = cfg.batch_size // world
     return Layout(devices=world, prompts_per_step=prompts, prompts_per_device=prompts // world,
                   completions_per_step=cfg.batch_size, completions_per_device=per_device, mini_batch=mini,

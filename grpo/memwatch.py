@@ -11,6 +11,18 @@ line but moves the median of the pairwise slopes very little. A series is a LEAK
 95% confidence interval of its slope lies above the threshold (the growth is both big enough to
 matter and too steady to be noise) and the second half of the window alone still climbs faster
 than the threshold (it has not levelled off).
+
+Where it grows. A record also holds the memory at the end of each phase of its step (grpo/memory.py:
+start, gen, score, ref, train). The difference between consecutive readings is what that phase added
+in that step (the step's start minus the previous step's end: what happened between steps, the log,
+evaluation and checkpoints). A leak that one phase makes shows in that phase's increments alone; the
+readings themselves all climb, since what a phase keeps stays for the phases after it. So each phase's
+running sum of increments is fitted with the same Theil-Sen rule as a series: its slope is the MB/step
+the phase adds, and the phases' slopes add up to about the step series' slope. A running sum of noise
+is a random walk, for which the interval is too narrow, so a phase is named only when a step series is
+itself a LEAK (the verdict never rests on the phases). The readings are taken after malloc_trim
+(grpo/memory.py), which keeps the increments' noise to about a page or two. The peak within each
+phase (CUDA) is a level, fitted as a series.
 """
 import math
 import re
@@ -23,6 +35,13 @@ import numpy as np
 # early spike stays in it for ever and its trend says nothing that rss_mb does not.
 RSS = "rss_mb"
 CUDA_KEY = re.compile(r"^(cuda\w*?)_(allocated|reserved|peak)_mb$")
+# A phase's reading: {phase}_{family}_mb, the phases in the order the record lists them (the order they
+# ran). The increments of rss and cuda_allocated are judged; cuda_peak (the peak within a phase) is a level.
+PHASE_KEY = re.compile(r"^([a-z]+)_(rss|cuda_allocated|cuda_peak)_mb$")
+INCREMENTS = ("rss", "cuda_allocated")
+BETWEEN = "between"
+PHASE_NAMES = {"gen": "gen (prompts, rollout)", "score": "score (rewards)", "ref": "ref (reference)",
+               "train": "train (update)", BETWEEN: "between steps (log, eval)"}
 
 # Defaults for the thresholds (all overridable from the command line).
 #
@@ -146,6 +165,70 @@ def judge_series(steps, values, warmup=WARMUP, leak_mb_per_step=LEAK_MB_PER_STEP
     return out
 
 
+def phase_marks(records):
+    """family -> the phases whose readings the records hold, in the order they ran (the record's order)."""
+    marks = {}
+    for r in records:
+        for k, v in r.items():
+            m = PHASE_KEY.match(k)
+            if m and isinstance(v, (int, float)) and m.group(1) not in marks.setdefault(m.group(2), []):
+                marks[m.group(2)].append(m.group(1))
+    return marks
+
+
+def phase_increments(records, family, phases):
+    """phase -> (steps, MB) the phase added in each step: its reading minus the one before it. The first
+    reading is the step's start; the start minus the previous record's last reading is BETWEEN."""
+    out = {p: [] for p in phases[1:] + [BETWEEN]}
+    prev = None
+    for r in records:
+        v = [r.get(f"{p}_{family}_mb") for p in phases]
+        if not all(isinstance(x, (int, float)) for x in v):
+            prev = None
+            continue
+        for p, a, b in zip(phases[1:], v, v[1:]):
+            out[p].append((r["step"], round(b - a, 4)))   # readings are to 0.1 MB: no float dust
+        if prev is not None:
+            out[BETWEEN].append((r["step"], round(v[0] - prev, 4)))
+        prev = v[-1]
+    return {p: tuple(np.asarray(pts, dtype=float).reshape(-1, 2).T) for p, pts in out.items()}
+
+
+def judge_phases(records, warmup=WARMUP, leak_mb_per_step=LEAK_MB_PER_STEP):
+    """family -> phase -> judge_series of the running sum of its increments (rss, cuda_allocated) or of
+    its level (cuda_peak); a phase that would be a LEAK "grows"."""
+    report, after = {}, records[warmup - 1]["step"] if 0 < warmup <= len(records) else -math.inf
+    for family, phases in phase_marks(records).items():
+        fits = {}
+        for p in phases if family not in INCREMENTS else ():
+            fits[p] = judge_series(*series(records, f"{p}_{family}_mb"), warmup, leak_mb_per_step)
+        for p, (s, added) in phase_increments(records, family, phases).items() if family in INCREMENTS else ():
+            fits[p] = judge_series(s, np.cumsum(added), int((s <= after).sum()), leak_mb_per_step)
+        for fit in fits.values():
+            fit["verdict"] = "grows" if fit["verdict"] == "LEAK" else fit["verdict"]
+        report[family] = fits
+    return report
+
+
+def growing_phases(phases):
+    """The phases whose running sum of increments grows (family, phase, MB/step); failing those, the
+    phases whose peak grows."""
+    grows = [{"family": f, "phase": p, "mb_per_step": s["slope_mb_per_step"]}
+             for f, fits in phases.items() for p, s in fits.items() if s["verdict"] == "grows"]
+    return [g for g in grows if g["family"] in INCREMENTS] or grows
+
+
+def retry_warnings(records, warmup=WARMUP):
+    """Warn when the CUDA allocator had to free its cache and retry a cudaMalloc after the warm-up."""
+    counts = [r["cuda_alloc_retries"] for r in records if isinstance(r.get("cuda_alloc_retries"), (int, float))]
+    if len(counts) <= warmup or counts[-1] <= counts[warmup - 1 if warmup else 0]:
+        return []
+    n = counts[-1] - counts[warmup - 1 if warmup else 0]
+    return [f"the CUDA allocator retried {n:.0f} allocation(s) after the warm-up (cudaMalloc failed; it freed its "
+            f"whole cache and tried again): the run is at the edge of the device's memory and slowed by it; "
+            f"a smaller --micro-batch-size or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
+
+
 def fragmentation_warnings(records, warmup=WARMUP, ratio=FRAG_RATIO, min_gap_mb=FRAG_MIN_GAP_MB):
     """Warn for each CUDA device whose reserved pool stays well above what the step needed.
 
@@ -164,11 +247,14 @@ def fragmentation_warnings(records, warmup=WARMUP, ratio=FRAG_RATIO, min_gap_mb=
         reserved = np.median([r[f"{prefix}_reserved_mb"] for r in rows])
         needed = np.median([max(r[f"{prefix}_allocated_mb"], r.get(f"{prefix}_peak_mb") or 0.0)
                             for r in rows])
+        split = [r[f"{prefix}_inactive_split_mb"] for r in rows if isinstance(r.get(f"{prefix}_inactive_split_mb"), (int, float))]
         if reserved > ratio * max(needed, 1e-9) and reserved - needed > min_gap_mb:
             warnings.append(f"fragmentation on {prefix}: reserved {reserved:.0f} MB stays at "
                             f"{reserved / max(needed, 1e-9):.1f}x the {needed:.0f} MB the steps use "
-                            f"(median after warm-up); try PYTORCH_CUDA_ALLOC_CONF="
-                            f"expandable_segments:True or fewer distinct sequence lengths")
+                            f"(median after warm-up"
+                            + (f"; {np.median(split):.0f} MB of it in free pieces of split blocks" if split else "")
+                            + "); try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or fewer distinct "
+                            "sequence lengths")
     return warnings
 
 
@@ -207,9 +293,12 @@ def analyse(records, warmup=WARMUP, leak_mb_per_step=LEAK_MB_PER_STEP, frag_rati
                                               leak_mb_per_step=leak_mb_per_step)
     report["warnings"] += fragmentation_warnings(recs, warmup, frag_ratio)
     report["warnings"] += churn_warnings(recs, warmup, churn_spread)
+    report["warnings"] += retry_warnings(recs, warmup)
     verdicts = [s["verdict"] for s in report["series"].values()]
     report["verdict"] = ("LEAK" if "LEAK" in verdicts else "ok" if "ok" in verdicts
                          else "too few points")
+    report["phases"] = judge_phases(recs, warmup, leak_mb_per_step)
+    report["growing"] = growing_phases(report["phases"]) if report["verdict"] == "LEAK" else []
     return report
 
 

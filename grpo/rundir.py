@@ -16,11 +16,12 @@ import fcntl
 import os
 import shutil
 
-from grpo import checkpoint, config, log
+from grpo import checkpoint, config, log, memory
 
 LOCK = ".lock"
-# what a run writes into OUT_DIR besides the lock: its metrics, checkpoints, model and --report-to folders
-OUTPUTS = ("metrics.jsonl", checkpoint.SUBDIR, "model", "tensorboard", "wandb")
+# what a run writes into OUT_DIR besides the lock: its metrics, checkpoints, model, --report-to folders and
+# memory evidence
+OUTPUTS = ("metrics.jsonl", checkpoint.SUBDIR, "model", "tensorboard", "wandb", memory.SUBDIR)
 
 
 def lock(out_dir: str):

@@ -48,6 +48,7 @@ RANGES = [
     ("--resume-allow-change", "bogus", "'bogus' is not a setting"), ("--resume-allow-change", ",", "names no setting"),
     ("--resume-allow-change", "steps", "--steps may change on --resume without it"),
     ("--resume-allow-change", "learning_rate", "applies only with --resume"),
+    ("--trace-memory", "-1", ">= 0"), ("--trace-memory", "1", "trace 2 or more"), ("--trace-memory-after", "-1", ">= 0"),
 ]
 
 

@@ -48,6 +48,8 @@ def test_derived_sizes():
     (["--clip-range", "0"], 1, "--clip-range 0.0 must be > 0"),
     (["--kl-coef", "-0.1"], 1, "--kl-coef -0.1 must be >= 0"),
     (["--learning-rate", "0"], 1, "--learning-rate 0.0 must be > 0"),
+    (["--trace-memory", "-2"], 1, "--trace-memory -2 must be >= 0"),
+    (["--trace-memory", "1"], 1, "--trace-memory 1: the evidence compares the first traced step with the last"),
 ])
 def test_batch_rule_violations_name_the_values_and_a_fix(argv, world, message):
     with pytest.raises(ConfigError) as e:

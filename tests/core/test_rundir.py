@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import tasks
+from grpo import config, rundir
 from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, train
 
 
@@ -114,3 +116,11 @@ def test_a_disk_too_small_for_a_checkpoint_and_the_model_is_refused_before_loadi
                                 "--out-dir", str(tmp_path / "out")))
     assert "free on its disk" in line and "pass an --out-dir on another disk" in line
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_an_earlier_runs_memory_evidence_is_one_of_its_records(tmp_path):
+    # a traced run leaves OUT_DIR/memory/trace.json: a new run there would mix its evidence with that one
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "trace.json").write_text("{}")
+    cfg = config.load(["--task", "toy", "--out-dir", str(tmp_path)], environ={}, builtin=tasks.BUILTIN).cfg
+    assert rundir.earlier_run(cfg) == [str(tmp_path / "memory")]

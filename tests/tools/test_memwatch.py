@@ -119,8 +119,9 @@ def test_a_restarted_run_in_the_same_log_is_analysed_alone():
 
 def test_fragmentation_warning_when_reserved_stays_far_above_the_step_peak():
     frag = records(100, cuda_allocated_mb=lambda s: 1000.0, cuda_peak_mb=lambda s: 2000.0,
-                   cuda_reserved_mb=lambda s: 6000.0)
-    assert any("fragmentation on cuda" in w for w in mw.analyse(frag)["warnings"])
+                   cuda_reserved_mb=lambda s: 6000.0, cuda_inactive_split_mb=lambda s: 700.0)
+    assert any("fragmentation on cuda" in w and "700 MB of it in free pieces of split blocks" in w
+               for w in mw.analyse(frag)["warnings"])
     # Reserved far above the end-of-step allocation but close to the step's peak is the normal
     # state of a caching allocator in training: no warning.
     healthy = records(100, cuda_allocated_mb=lambda s: 1000.0, cuda_peak_mb=lambda s: 5000.0,
@@ -149,3 +150,84 @@ def test_sweep_fit_and_largest_batch_in_budget():
     assert mw.largest_batch(fixed, 0.0, 4000.0, multiple=8) is None             # no growth, no limit
     with pytest.raises(ValueError):
         mw.fit_memory([64], [1000.0])
+
+
+# --- where it grows: the phases of a step ------------------------------------------------------------
+
+PHASES = ("start", "gen", "score", "ref", "train")
+
+
+def phase_records(n, adds, family="rss", noise=0.05, seed=0):
+    """n records of one family's readings at each phase's end, the phases adding adds[phase] MB each step
+    (a negative value frees); each reading with its own noise, rounded to 0.1 MB as the trainer writes it."""
+    rng, level, recs = np.random.default_rng(seed), 1000.0, []
+    for s in range(1, n + 1):
+        rec = {"step": s}
+        for p in PHASES:
+            level += adds.get(p, 0.0)
+            rec[f"{p}_{family}_mb"] = round(level + rng.normal(0, noise), 1)
+        rec["rss_mb" if family == "rss" else "cuda_allocated_mb"] = rec[f"train_{family}_mb"]
+        recs.append(rec)
+    return recs
+
+
+def test_the_leaking_phase_is_named_and_the_phases_add_up_to_the_series():
+    recs = phase_records(200, {"score": 1.0})
+    report = mw.analyse(recs)
+    assert report["verdict"] == "LEAK"
+    fits = report["phases"]["rss"]
+    assert list(fits) == ["gen", "score", "ref", "train", mw.BETWEEN]
+    assert {p: f["verdict"] for p, f in fits.items()} == {"gen": "ok", "score": "grows", "ref": "ok", "train": "ok",
+                                                          mw.BETWEEN: "ok"}
+    assert fits["score"]["slope_mb_per_step"] == pytest.approx(1.0, abs=0.01)
+    total = sum(f["slope_mb_per_step"] for f in fits.values())
+    assert total == pytest.approx(report["series"]["rss_mb"]["slope_mb_per_step"], abs=0.02)
+    assert report["growing"] == [{"family": "rss", "phase": "score", "mb_per_step": fits["score"]["slope_mb_per_step"]}]
+
+
+def test_a_leak_between_steps_is_named_between():
+    # what the step's start reads above the previous step's end was kept by the log, eval or a checkpoint
+    report = mw.analyse(phase_records(200, {"start": 0.6}))
+    assert [g["phase"] for g in report["growing"]] == [mw.BETWEEN]
+
+
+def test_a_leak_that_comes_in_bursts_is_still_named():
+    # 4 MB every 8th step: the median step adds nothing, the running sum climbs 0.5 MB/step
+    recs = phase_records(200, {})
+    for r in recs:
+        burst = 4.0 * (r["step"] // 8)
+        for p in ("ref", "train"):
+            r[f"{p}_rss_mb"] += burst
+        r["rss_mb"] = r["train_rss_mb"]
+        r["start_rss_mb"] += 4.0 * ((r["step"] - 1) // 8)
+        r["gen_rss_mb"] += 4.0 * ((r["step"] - 1) // 8)
+        r["score_rss_mb"] += 4.0 * ((r["step"] - 1) // 8)
+    report = mw.analyse(recs)
+    assert report["verdict"] == "LEAK" and [g["phase"] for g in report["growing"]] == ["ref"]
+    assert report["growing"][0]["mb_per_step"] == pytest.approx(0.5, abs=0.05)
+
+
+def test_memory_a_phase_keeps_until_a_later_phase_frees_it_is_no_leak_and_names_nothing():
+    report = mw.analyse(phase_records(200, {"gen": 300.0, "train": -300.0}))
+    assert report["verdict"] == "ok" and report["growing"] == []
+
+
+def test_cuda_phases_allocated_increments_and_the_peak_within_each_phase():
+    recs = phase_records(200, {"train": 2.0}, family="cuda_allocated")
+    for r in recs:   # the generation's peak grows by itself (a cache that is never trimmed); the others' stay
+        r.update(gen_cuda_peak_mb=3000.0 + 0.5 * r["step"], score_cuda_peak_mb=3050.0,
+                 ref_cuda_peak_mb=3100.0, train_cuda_peak_mb=3200.0)
+    report = mw.analyse(recs)
+    assert report["phases"]["cuda_allocated"]["train"]["verdict"] == "grows"
+    assert report["phases"]["cuda_peak"]["gen"]["verdict"] == "grows"
+    # the allocated increments name the phase that keeps memory; a growing peak is named only without one
+    assert [(g["family"], g["phase"]) for g in report["growing"]] == [("cuda_allocated", "train")]
+    assert mw.growing_phases({"cuda_peak": report["phases"]["cuda_peak"]}) == [
+        {"family": "cuda_peak", "phase": "gen", "mb_per_step": pytest.approx(0.5)}]
+
+
+def test_allocator_retries_after_the_warm_up_are_a_warning():
+    recs = records(100, cuda_alloc_retries=lambda s: 2 if s < 10 else 2 + (s > 60))
+    assert any("retried 1 allocation(s) after the warm-up" in w for w in mw.analyse(recs)["warnings"])
+    steady = records(100, cuda_alloc_retries=lambda s: 2 if s > 5 else 0)   # retries while warming up only
+    assert mw.analyse(steady)["warnings"] == []

@@ -1,15 +1,19 @@
 """monitor_memory.py end to end: usage errors, --from-log, watching a run (a fake trainer for the
-mechanics, the real train_lean.py with and without an injected leak), Ctrl-C, and the sweep."""
+mechanics, the real train_lean.py with and without an injected leak, traced), Ctrl-C, kill -9, the
+sweep, and what the plots show."""
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+import monitor_memory
+from grpo import memwatch
 from helpers import REPO as ROOT
-from helpers import children, process_alive
+from helpers import children, process_alive, wait_until
 MONITOR = os.path.join(ROOT, "monitor_memory.py")
 FAKE = os.path.join(ROOT, "tests", "tools", "fake_trainer.py")
 TRAINER = os.path.join(ROOT, "train_lean.py")
@@ -43,6 +47,11 @@ def write_log(path, rss):
     ["--trainer", FAKE, "0"],
     ["--from-log", "a.jsonl", "200"],
     ["--trainer", FAKE, "--sweep", "8,16", "5", "8", "--", "--group-size", "8"],
+    ["--from-log", "a.jsonl", "--trace"],
+    ["--trainer", FAKE, "--sweep", "8,16", "--trace", "--", "--group-size", "8"],
+    ["--trainer", FAKE, "10", "--trace-steps", "5"],                         # without --trace
+    ["--trainer", FAKE, "10", "--trace", "--trace-steps", "1"],              # nothing to compare
+    ["--trainer", FAKE, "10", "--trace", "--", "--trace-memory", "5"],       # --trace sets it
 ])
 def test_usage_errors_exit_2_with_one_line(tmp_path, args):
     (tmp_path / "a.jsonl").write_text("")
@@ -97,18 +106,24 @@ def test_steps_and_batch_size_as_positionals(tmp_path):
     assert json.loads((tmp_path / "s.json").read_text())["records"] == 120
 
 
+def start_watching(tmp_path, args, rows, **popen):
+    """The monitor started with `args`; returns (monitor, trainer pid) once it has printed `rows` table rows."""
+    p = subprocess.Popen([sys.executable, MONITOR, *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, **popen)
+    seen = 0
+    for line in p.stdout:  # wait for evidence of the run, not for a time
+        seen += line.strip()[:1].isdigit()
+        if seen >= rows:
+            break
+    (trainer,) = children(p.pid)
+    return p, trainer
+
+
 def watch_forever(tmp_path, **popen):
     """The monitor watching a fake trainer that would run for minutes; returns (monitor, trainer pid, marker)."""
     marker = tmp_path / "stopped.txt"
-    p = subprocess.Popen([sys.executable, MONITOR, "--trainer", FAKE, "100000", "--every", "1", "--",
-                          "--log-file", "m.jsonl", "--sleep", "0.005", "--interrupted-marker", str(marker)],
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
-    rows = 0
-    for line in p.stdout:  # wait for evidence of the run, not for a time
-        rows += line.strip()[:1].isdigit()
-        if rows >= 10:
-            break
-    (trainer,) = children(p.pid)
+    p, trainer = start_watching(tmp_path, ["--trainer", FAKE, "100000", "--every", "1", "--", "--log-file", "m.jsonl",
+                                           "--sleep", "0.005", "--interrupted-marker", str(marker)], 10, **popen)
     return p, trainer, marker
 
 
@@ -138,6 +153,19 @@ def test_watch_reports_a_crashed_trainer_with_exit_3(tmp_path):
     assert "exited with code 1" in r.stdout and "simulated crash" in r.stdout
 
 
+def test_evidence_from_before_the_run_is_not_this_runs(tmp_path):
+    # a resumed run's folder still holds the last run's trace until this run's window writes its own
+    stale = tmp_path / "out" / "memory" / "trace.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps({"from_step": 1, "to_step": 5, "ended_early": False, "sites": [], "tensors": []}))
+    os.utime(stale, (time.time() - 60, time.time() - 60))
+    r = monitor("--trainer", FAKE, "--steps", 30, "--trace", "--summary", "s.json", "--", "--log-file", "m.jsonl",
+                "--out-dir", "out", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "s.json").read_text())["evidence"] is None
+    assert "no evidence" in r.stdout and "steps 1-5" not in r.stdout
+
+
 def test_trainer_flag_errors_are_usage_errors(tmp_path):
     r = monitor("--trainer", FAKE, "--steps", 10, "--", "--log-file", "m.jsonl", "--no-such-flag", cwd=tmp_path)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -146,15 +174,8 @@ def test_trainer_flag_errors_are_usage_errors(tmp_path):
 
 def test_ctrl_c_stops_the_child_cleanly_and_still_analyses(tmp_path):
     marker = tmp_path / "stopped.txt"
-    p = subprocess.Popen([sys.executable, MONITOR, "--trainer", FAKE, "100000", "--every", "1",
-                          "--summary", "s.json", "--", "--log-file", "m.jsonl", "--sleep", "0.005",
-                          "--interrupted-marker", str(marker)],
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = 0
-    for line in p.stdout:  # wait for evidence of the run, not for a time
-        seen += line.strip()[:1].isdigit()
-        if seen >= 40:
-            break
+    p, _ = start_watching(tmp_path, ["--trainer", FAKE, "100000", "--every", "1", "--summary", "s.json", "--",
+                                     "--log-file", "m.jsonl", "--sleep", "0.005", "--interrupted-marker", str(marker)], 40)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, out + err
@@ -204,14 +225,15 @@ def test_sweep_of_a_failing_trainer_exits_3(tmp_path):
 
 needs_trainer = pytest.mark.skipif(not os.path.isfile(TRAINER), reason="train_lean.py not merged yet")
 
-# Keeps LEAK_MB megabytes of real, touched memory per step in the trainer process: prompts() is
-# called once per step. np.ones writes every page (np.zeros would map untouched pages that never
-# count in RSS).
-LEAKY_TASK = '''
+# A user's task whose reward keeps every completion's data: a numpy array (Python's allocators, so
+# tracemalloc sees it and names its line) and a tensor (torch's allocator: only the census of live
+# tensors sees it). 128 + 64 kB of touched memory per completion: 1.5 MB per step at batch 8.
+LEAKY_TASK = """
 import numpy as np
+import torch
 from tasks.toy import ToyTask
 
-LEAK_MB = {leak_mb}
+LEAK = {leak}
 
 
 class LeakyToy(ToyTask):
@@ -219,18 +241,19 @@ class LeakyToy(ToyTask):
 
     def __init__(self):
         super().__init__()
-        self.kept = []
+        self.seen = []
 
-    def prompts(self, n, rng):
-        if LEAK_MB:
-            self.kept.append(np.ones(int(LEAK_MB * 2**20) // 8))
-        return super().prompts(n, rng)
-'''
+    def reward(self, prompt, completion):
+        if LEAK:
+            self.seen.append(np.full(2**14, len(completion), dtype=np.float64))  # the leak
+            self.seen.append(torch.full((128, 128), float(len(completion))))
+        return super().reward(prompt, completion)
+"""
 
 # Small enough to be quick on two shared cores, long enough for a clear verdict: 30 steps, 10 of
-# them warm-up, leaves 20 points. The tiny model's RSS moves by about 0.1 MB from step to step,
-# so a 1 MB/step leak fits to 1.0 with an interval far above the 0.25 threshold, and a clean
-# run's slope is ~0.
+# them warm-up, leaves 20 points, all traced (the first is the evidence's baseline). The tiny model's
+# RSS moves by about 0.1 MB from step to step, so a 1.5 MB/step leak fits far above the 0.25
+# threshold, and a clean run's slope is ~0.
 TRAIN = ["--group-size", "4", "--max-new-tokens", "8", "--device", "cpu", "--seed", "0"]
 # One thread: the tiny model gains nothing from more, and on a shared two-core machine extra
 # threads only wait for each other.
@@ -238,19 +261,72 @@ ONE_THREAD = dict(os.environ, OMP_NUM_THREADS="1")
 
 
 @needs_trainer
-@pytest.mark.parametrize("leak_mb,expected", [(1.0, 1), (0.0, 0)])
-def test_real_trainer_with_and_without_an_injected_leak(tmp_path, tiny_model_dir, leak_mb, expected):
-    (tmp_path / "leaky.py").write_text(LEAKY_TASK.format(leak_mb=leak_mb))
-    r = monitor("--steps", 30, "--batch-size", 8, "--warmup", 10, "--summary", "s.json", "--",
-                "--model", tiny_model_dir, "--task", "leaky.py:LeakyToy", "--out-dir", "run", *TRAIN, cwd=tmp_path,
+@pytest.mark.parametrize("leak", [True, False])
+def test_a_leaking_reward_is_named_by_phase_line_and_tensors(tmp_path, tiny_model_dir, leak):
+    task = tmp_path / "leaky.py"
+    task.write_text(LEAKY_TASK.format(leak=leak))
+    line = next(i for i, text in enumerate(task.read_text().splitlines(), 1) if text.endswith("# the leak"))
+    r = monitor("--steps", 30, "--batch-size", 8, "--warmup", 10, "--trace", "--summary", "s.json", "--",
+                "--model", tiny_model_dir, "--task", f"{task}:LeakyToy", "--out-dir", "run", *TRAIN, cwd=tmp_path,
                 env=ONE_THREAD)
-    assert r.returncode == expected, r.stdout + r.stderr
-    rss = json.loads((tmp_path / "s.json").read_text())["series"]["rss_mb"]
-    assert rss["points"] == 20
-    if leak_mb:
-        assert rss["verdict"] == "LEAK" and rss["slope_mb_per_step"] == pytest.approx(leak_mb, rel=0.25)
-    else:
-        assert rss["verdict"] == "ok" and abs(rss["slope_mb_per_step"]) < 0.1
+    assert r.returncode == (1 if leak else 0), r.stdout + r.stderr
+    summary = json.loads((tmp_path / "s.json").read_text())
+    rss, evidence = summary["series"]["rss_mb"], summary["evidence"]
+    assert rss["points"] == 20 and (evidence["from_step"], evidence["to_step"]) == (11, 30)
+    if not leak:   # traced, and still no leak: tracing's own memory does not read as one
+        assert rss["verdict"] == "ok" and abs(rss["slope_mb_per_step"]) < 0.1 and summary["growing"] == []
+        assert not any(s["site"].startswith(str(task)) and s["mb"] > 0.1 for s in evidence["sites"])
+        assert "verdict: no leak" in r.stdout
+        return
+    assert rss["verdict"] == "LEAK" and rss["slope_mb_per_step"] == pytest.approx(1.5, rel=0.25)
+    (grows,) = summary["growing"]
+    assert (grows["family"], grows["phase"]) == ("rss", "score") and grows["mb_per_step"] == pytest.approx(1.5, rel=0.25)
+    assert "it grows in score (rewards)" in r.stdout
+    # 19 steps of leak between the baseline (end of step 11) and the end of step 30: 8 x 128 kB each
+    site = evidence["sites"][0]
+    assert site["site"] == f"{task}:{line}" and site["mb"] == pytest.approx(19.0, rel=0.05)
+    assert f" leaky.py:{line}  " in r.stdout   # printed by its name under the working directory
+    tensors = evidence["tensors"][0]
+    assert (tensors["shape"], tensors["dtype"], tensors["device"], tensors["count"]) == ([128, 128], "float32", "cpu", 152)
+    assert "+152 x (128, 128) float32 cpu" in r.stdout
+
+
+@needs_trainer
+def test_kill_9_of_the_monitor_ends_its_trainer(tmp_path, tiny_model_dir):
+    p, trainer = start_watching(tmp_path, ["--steps", "100000", "--batch-size", "8", "--every", "1", "--", "--model",
+                                           tiny_model_dir, "--task", "toy", "--out-dir", "run", *TRAIN], 3, env=ONE_THREAD)
+    p.kill()   # SIGKILL: no handler of the monitor runs
+    p.communicate()
+    try:
+        assert wait_until(lambda: not process_alive(trainer), timeout=15), "the trainer outlived its monitor"
+    finally:
+        if process_alive(trainer):
+            os.kill(trainer, signal.SIGKILL)
+    # its parent-death signal is SIGTERM, the trainer's clean stop: the step finished, a checkpoint saved
+    output = (tmp_path / "run" / "train_output.txt").read_text()
+    assert "SIGTERM: finishing this step" in output and "stopped after step" in output
+
+
+# --- what the plots show -------------------------------------------------------------------------
+
+def test_the_leak_plot_spans_the_threshold_over_the_run_so_flat_memory_looks_flat():
+    flat = [{"step": s, "rss_mb": 400.0 + 0.1 * (s % 3)} for s in range(1, 201)]
+    fig = monitor_memory.run_figure(flat, memwatch.analyse(flat))
+    low, high = fig.axes[0].get_ylim()
+    assert high - low >= memwatch.LEAK_MB_PER_STEP * 199 and low < 400.0 < 400.2 < high
+    leak = [{"step": s, "rss_mb": 400.0 + 2.0 * s} for s in range(1, 201)]
+    low, high = monitor_memory.run_figure(leak, memwatch.analyse(leak)).axes[0].get_ylim()
+    assert 2.0 * 199 <= high - low < 2.0 * 199 * 1.2   # wider than the minimum: the data's own range
+
+
+def test_the_sweep_plot_ticks_are_the_batch_sizes():
+    rows = [{"batch_size": b, "peak_mb": 300 + 0.7 * b, "samples_per_s": 10 + b / 10, "status": "OK"} for b in (48, 64, 80)]
+    fig = monitor_memory.sweep_figure({"rows": rows, "device": "cpu", "budget_mb": 24000.0, "fixed_mb": 300.0,
+                                       "per_sample_mb": 0.7})
+    fig.canvas.draw()
+    for ax in fig.axes:   # a log axis within a decade would label its minor ticks "5x10^1", "6x10^1", ...
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["48", "64", "80"]
+        assert [t.get_text() for t in ax.get_xticklabels(minor=True) if t.get_text()] == []
 
 
 @needs_trainer
