@@ -24,6 +24,7 @@ import warnings
 from collections import Counter
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 MB = 2**20
 SUBDIR = "memory"   # OUT_DIR/memory: the evidence a run writes
@@ -266,9 +267,12 @@ def tensor_census() -> dict:
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
             try:
-                if not isinstance(obj, torch.Tensor):
+                if not isinstance(obj, torch.Tensor) or is_fake(obj):
+                    continue   # a compiler's fake tensors (--compile) hold no memory and may have symbolic shapes
+                shape = tuple(obj.shape)
+                if not all(type(d) is int for d in shape):
                     continue
-                key = (tuple(obj.shape), str(obj.dtype).replace("torch.", ""), str(obj.device))
+                key = (shape, str(obj.dtype).replace("torch.", ""), str(obj.device))
                 nbytes = obj.nelement() * obj.element_size()
             except Exception:  # noqa: BLE001 - an object that fails isinstance or has no storage is not counted
                 continue
