@@ -53,6 +53,10 @@ class Config:
                                      "module:Name; a task with options adds its own flags (see --task T --help)")
     prompt_bos: str = opt("auto", "start each prompt with the tokenizer's BOS/EOS token "
                           "(auto: on when BOS == EOS, as in GPT-2)", ["auto", "on", "off"])
+    reward_errors: str = opt("stop", "a step in which every completion's reward failed (raised, or returned no "
+                             "finite number): stop the run with the task's traceback, or tolerate it (those "
+                             "completions get the task's min_reward, as a failed reward always does)",
+                             ["stop", "tolerate"])
     # the task's held-out evaluation (its evaluate(complete), greedy decoding)
     eval_interval: int = opt(100, "evaluate before training, every N steps and after the last (0: off); "
                              "by default only for a task that has evaluate()")

@@ -4,6 +4,7 @@ no model and task files that fail. Each must exit with code 2 and one line namin
 no traceback, before a model is loaded. README.md states how many cases this table holds."""
 import dataclasses
 import os
+import pathlib
 import re
 import typing
 
@@ -12,7 +13,7 @@ import pytest
 import tasks
 import train_lean
 from grpo import config
-from helpers import REPO
+from helpers import REPO, small_vocab_model, without_tokenizer
 from tasks.rookworld.task import MixOptions
 
 
@@ -62,9 +63,30 @@ def cases():
 CASES = cases()
 
 
+PROMPTS = """
+class Base:
+    name = "base"
+    def prompts(self, n, rng): return ["Repeat a: "] * n
+    def reward(self, prompt, completion): return 0.0
+class Fewer(Base):
+    def prompts(self, n, rng): return ["Repeat a: "] * (n - 1)
+class Empty(Base):
+    def prompts(self, n, rng): return []
+class NotStr(Base):
+    def prompts(self, n, rng): return [b"Repeat a: "] * n
+class Long(Base):
+    def prompts(self, n, rng): return ["Repeat a: " * 200] * n
+class NanFloor(Base):
+    min_reward = float("nan")
+"""
+
+
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("bad")
+    (root / "prompts.py").write_text(PROMPTS)
+    without_tokenizer(tiny_model_dir, root / "no-tokenizer")
+    small_vocab_model(tiny_model_dir, root / "small-vocab")
     (root / "a-file").write_text("not a folder\n")
     (root / "empty-model").mkdir()
     (root / "not-rookworld.txt").write_text("hello\nworld\n")
@@ -96,12 +118,26 @@ def file_cases(root):
         (["--task", "no.such.module:T"], "cannot import"),
         (["--task", "chess", "--stockfish-path", str(root / "nowhere")], "no executable Stockfish"),
         (["--report-to", "tensorboard"] if not _importable("tensorboard") else ["--report-to", "x"], "--report-to"),
+        # the task and the model: checked with the tokenizer and the model's config, before the weights load
+        (["--model", str(root / "no-tokenizer")], "its tokenizer has no vocabulary"),
+        (["--model", str(root / "small-vocab")], "token ids up to 319, but the model's vocab_size is 300"),
+        (["--task", f"{root / 'prompts.py'}:Fewer"], "prompts(2, rng) returned 1 prompts, not 2"),
+        (["--task", f"{root / 'prompts.py'}:Empty"], "prompts(2, rng) returned 0 prompts, not 2"),
+        (["--task", f"{root / 'prompts.py'}:NotStr"], "returned b'Repeat a: ' as prompt 0"),
+        (["--task", f"{root / 'prompts.py'}:Long"], "more than the model's 512: shorten the task's prompts"),
+        (["--max-new-tokens", "510"], "plus --max-new-tokens 510 needs 515 positions, more than the model's 512: "
+                                      "lower --max-new-tokens to 507"),
+        (["--task", f"{root / 'prompts.py'}:NanFloor"], "min_reward nan is not a finite number"),
     ]
+
 
 
 def _importable(name: str) -> bool:
     import importlib.util
     return importlib.util.find_spec(name) is not None
+
+
+FILE_CASES = len(file_cases(pathlib.Path("unused")))
 
 
 def expect_usage_error(argv, needle, capsys):
@@ -121,7 +157,7 @@ def test_a_bad_value_of_every_flag_exits_2_with_one_line(flag, value, needle, tm
                        needle, capsys)
 
 
-@pytest.mark.parametrize("i", range(19))
+@pytest.mark.parametrize("i", range(FILE_CASES))
 def test_bad_files_and_tasks_exit_2_with_one_line(i, files, tiny_model_dir, tmp_path, capsys, clean_env):
     args, needle = file_cases(files)[i]
     base = ["--model", tiny_model_dir, "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4",
@@ -141,6 +177,6 @@ def test_the_same_values_from_the_environment_are_caught_alike(tmp_path, capsys,
 
 
 def test_the_readme_counts_the_cases():
-    total = len(CASES) + 19
+    total = len(CASES) + FILE_CASES
     readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
     assert re.search(rf"\b{total} bad inputs\b", readme), total
