@@ -381,8 +381,8 @@ def run_size(args, train, batch, device, budget_mb):
     os.makedirs(out, exist_ok=True)
     if os.path.exists(log):
         os.remove(log)  # this sweep's own file from an earlier sweep: its records are not this run's
-    cmd = [sys.executable, args.trainer, "--steps", str(args.steps or SWEEP_STEPS),
-           "--batch-size", str(batch), "--out-dir", out, "--log-file", log] + train
+    cmd = [sys.executable, args.trainer, "--steps", str(args.steps or SWEEP_STEPS), "--batch-size", str(batch),
+           "--out-dir", out, "--log-file", log, "--overwrite"] + train   # the folder is this sweep point's own
     output = os.path.join(out, "train_output.txt")
     row = {"batch_size": batch, "peak_mb": None, "step_time_s": None, "samples_per_s": None}
     over_budget = interrupted = False

@@ -11,7 +11,6 @@ the trained model is saved as a Hugging Face folder. The pieces live in grpo/, o
 the tasks live in tasks/, which grpo/ never imports.
 """
 import contextlib
-import dataclasses
 import functools
 import os
 import random
@@ -22,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 import tasks
-from grpo import checkpoint, config, distributed, dynamic_sampling, evaluate, guards, log, memory, report
+from grpo import checkpoint, config, distributed, dynamic_sampling, evaluate, guards, log, memory, report, rundir
 from grpo import task as task_lib
 from grpo.advantages import group_advantages
 from grpo.kl import kl_penalised_rewards
@@ -34,8 +33,7 @@ from grpo.update import probe_micro_batch, reference_logprobs, update
 
 
 def usage_error(message: str):
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike; one says so
-        print(f"train_lean.py: error: {message}", file=sys.stderr)
+    log.note(f"error: {message}")  # under torchrun every rank fails alike; rank 0 says so
     sys.exit(2)
 
 
@@ -52,18 +50,16 @@ def configure(argv):
         layout = config.batch_layout(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
         config.check_paths(cfg)
         config.check_paths(loaded.options)
-        resume_from = checkpoint.resolve(cfg.resume, cfg.out_dir) if cfg.resume else None
-        if resume_from is None and checkpoint.latest(os.path.join(cfg.out_dir, checkpoint.SUBDIR)):
-            raise config.ConfigError(f"--out-dir {cfg.out_dir} holds checkpoints of an earlier run: pass --resume "
-                                     f"to continue it, or another --out-dir to start afresh")
+        held, resume_from = rundir.claim(cfg, loaded.options)  # OUT_DIR locked, never another run's records
     except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
         usage_error(str(e))
-    return loaded, layout, resume_from, hasattr(loaded.task, "evaluate") and (cfg.eval_only or cfg.eval_interval > 0)
+    evaluating = hasattr(loaded.task, "evaluate") and (cfg.eval_only or cfg.eval_interval > 0)
+    return loaded, layout, held, resume_from, evaluating
 
 
 def main(argv=None):
     # ---- configuration ---------------------------------------------------------------------------
-    loaded, layout, resume_from, evaluating = configure(argv)
+    loaded, layout, held, resume_from, evaluating = configure(argv)
     cfg = loaded.cfg
     rank, world, device = distributed.init(cfg.device)
     main_rank = rank == 0  # only rank 0 prints, logs and saves
@@ -76,6 +72,7 @@ def main(argv=None):
     mini = layout.mini_batch_per_device
 
     with contextlib.ExitStack() as stack:  # every way out, an exception included, closes what the run opened
+        stack.enter_context(held)       # the lock on OUT_DIR, released last
         stack.push(distributed.close)   # told whether the run ended by an exception
         # ---- task, model, reference ------------------------------------------------------------------
         try:
@@ -124,7 +121,7 @@ def main(argv=None):
             oom.notes.clear()
             say(f"micro-batch auto: {micro} per device ({micro * world} global) fits at {longest} tokens, "
                 f"{mini // micro} gradient-accumulation steps")
-        settings = {**dataclasses.asdict(cfg), **(dataclasses.asdict(loaded.options) if loaded.options else {})}
+        settings = config.settings(cfg, loaded.options)
         metrics_file, completions_file = log.open_run_logs(
             cfg.log_file or os.path.join(cfg.out_dir, "metrics.jsonl"), cfg.log_completions,
             start_step if resume_from else None, stack) if main_rank else (None, None)
@@ -133,9 +130,12 @@ def main(argv=None):
         except report.ReportError as e:
             usage_error(str(e))
         stack.callback(reporter.close)
+        # checkpoints; and on a failure after a completed step, that step's (grpo/checkpoint.py)
+        saver = stack.enter_context(checkpoint.Saver(cfg.out_dir, policy, tokenizer, optimizer, settings,
+                                                     cfg.keep_checkpoints, start_step, nonfinite_streak))
         if evaluating and start_step == 0:  # where the run starts from
             evaluate.run(task, complete, 0, metrics_file, reporter)
-        scorer, exit_code = task_lib.Scorer(task, cfg.reward_errors == "tolerate", say), 0
+        scorer, exit_code = task_lib.Scorer(task, cfg.reward_errors == "tolerate"), 0
         bar = tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", initial=start_step, total=cfg.steps,
                    disable=not (main_rank and sys.stderr.isatty()), file=sys.stderr)
 
@@ -196,6 +196,7 @@ def main(argv=None):
                 totals, micro, nonfinite_streak = update(policy, optimizer, rollout, advantages, ref_logp,
                                                          layout=layout, micro=micro, cfg=cfg, autocast=autocast,
                                                          on_oom=oom, nonfinite_streak=nonfinite_streak)
+                saver.completed(step, nonfinite_streak)
                 t_end = time.perf_counter()
 
                 # ---- log: one JSON record and one console line per step ------------------------------
@@ -218,8 +219,7 @@ def main(argv=None):
                 stopping = distributed.any_rank(stop.requested)
                 aborting = nonfinite_streak >= cfg.max_nonfinite
                 if stopping or aborting or (cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps)):
-                    path = checkpoint.save_run(cfg.out_dir, step, policy, tokenizer, optimizer, nonfinite_streak,
-                                               settings, cfg.keep_checkpoints)
+                    path = saver.save()
                     say(f"saved {path}")
                 if aborting:
                     if main_rank:

@@ -1,12 +1,17 @@
 """Checkpoints: the policy and tokenizer as plain transformers folders, plus the trainer state.
 
     OUT_DIR/checkpoints/step_000120/   model.safetensors, config.json, tokenizer files (from_pretrained works)
-                                       trainer_state.pt: optimizer, step, RNG states, the config
+                                       trainer_state.pt: optimizer, step, RNG states, the settings
+                                       manifest.json: every file's size and sha256
 
 A checkpoint is written under a temporary name and renamed into place, so a process killed while
 writing leaves at worst a stray temporary folder, never a broken latest checkpoint; the last
 `keep` are kept. The prompt stream is a function of (seed, step), so the step is its position.
+What the disk did to it later is what the manifest is for: --resume checks it against the files and
+continues from the newest intact checkpoint, and moves a damaged one aside (damaged-step_000120).
 """
+import hashlib
+import json
 import os
 import random
 import re
@@ -14,16 +19,18 @@ import shutil
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
-from grpo import distributed
+from grpo import distributed, log
 
 SUBDIR = "checkpoints"
 STATE = "trainer_state.pt"
+MANIFEST = "manifest.json"
 _NAME = re.compile(r"step_(\d+)$")
 
 
 class CheckpointError(ValueError):
-    """A resume path that holds no checkpoint (reported as a usage error)."""
+    """A resume path that holds no intact checkpoint (reported as a usage error)."""
 
 
 def seed_all(seed: int) -> None:
@@ -67,22 +74,88 @@ def step_of(path: str) -> int:
     return int(_NAME.match(os.path.basename(os.path.normpath(path))).group(1))
 
 
-def latest(path: str):
-    """The newest checkpoint at path: a checkpoint itself, a checkpoints folder or an out dir; or None."""
+def candidates(path: str) -> list:
+    """The checkpoints at path, newest first: a checkpoint itself, or those of a checkpoints folder or out dir."""
     if os.path.isfile(os.path.join(path, STATE)):
-        return path
+        return [path]
     found = _checkpoints(path) or _checkpoints(os.path.join(path, SUBDIR))
-    return found[-1][1] if found else None
+    return [p for _, p in reversed(found)]
 
 
-def resolve(resume: str, out_dir: str) -> str:
-    """The checkpoint --resume names: 'latest' means the newest in out_dir."""
+def _digest(path: str) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return {"size": os.path.getsize(path), "sha256": h.hexdigest()}
+
+
+def write_manifest(folder: str) -> None:
+    """Every file's size and sha256, written last into the (still temporary) checkpoint folder."""
+    files = {name: _digest(os.path.join(folder, name)) for name in sorted(os.listdir(folder))}
+    with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump(files, f, indent=1)
+
+
+def damage(path: str):
+    """What is wrong with the checkpoint at path, or None when it is intact: its files against its manifest;
+    a checkpoint of an older trainer, without one, must at least load."""
+    try:
+        if not os.path.exists(os.path.join(path, MANIFEST)):
+            torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True)
+            for name in os.listdir(path):
+                if name.endswith(".safetensors"):
+                    load_file(os.path.join(path, name))
+            return None
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            files = json.load(f)
+        for check in ("size", "sha256"):   # sizes first: a truncated file is found without reading the others
+            for name, expected in files.items():
+                file = os.path.join(path, name)
+                if not os.path.isfile(file):
+                    return f"{name} is missing"
+                got = os.path.getsize(file) if check == "size" else _digest(file)["sha256"]
+                if got != expected[check]:
+                    return f"{name} has {check} {got}, its manifest says {expected[check]}"
+    except Exception as e:  # noqa: BLE001 - whatever a damaged file makes a loader raise
+        return f"{type(e).__name__}: {str(e).split('. ')[0].splitlines()[0] if str(e) else 'unreadable'}"
+    return None
+
+
+def resolve(resume: str, out_dir: str, set_aside: bool = False) -> str:
+    """The intact checkpoint --resume names: 'latest' means the newest in out_dir. A checkpoint named
+    itself must be intact; of a folder's, the newest intact one is taken and each damaged one newer than
+    it said (with set_aside, one in out_dir's checkpoints is renamed damaged-step_N: never the latest again)."""
     where = out_dir if resume == "latest" else resume
-    found = latest(where)
-    if found is None:
+    named, found = os.path.isfile(os.path.join(where, STATE)), candidates(where)
+    if not found:
         raise CheckpointError(f"--resume {resume}: no checkpoint in {where} (a checkpoint is a folder with "
                               f"{STATE}): pass a checkpoint path, or run without --resume to start fresh")
-    return found
+    damaged = []
+    for path in found:
+        problem = damage(path)
+        if problem is None:
+            for bad, why in damaged:
+                log.note(f"checkpoint {bad} is damaged ({why}): skipped")
+            return path
+        if named:
+            raise CheckpointError(f"--resume {resume}: the checkpoint is damaged ({problem}): pass another one")
+        own = os.path.realpath(os.path.dirname(path)) == os.path.realpath(os.path.join(out_dir, SUBDIR))
+        if set_aside and own:
+            aside = os.path.join(os.path.dirname(path), "damaged-" + os.path.basename(path))
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(path, aside)
+            problem += f"; moved aside to {aside}"
+        damaged.append((path, problem))
+    more = f" (and {len(damaged) - 1} older, as damaged)" if len(damaged) > 1 else ""
+    raise CheckpointError(f"--resume {resume}: no intact checkpoint in {where}: the newest, {damaged[0][0]}, is "
+                          f"damaged ({damaged[0][1]}){more}: pass a checkpoint from elsewhere, or --overwrite to "
+                          f"start over")
+
+
+def saved_settings(path: str):
+    """The settings the checkpoint at path recorded (None for an older trainer's); memory-mapped, not read."""
+    return torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True).get("config")
 
 
 def save(out_dir: str, step: int, policy, tokenizer, state: dict, keep: int) -> str:
@@ -95,6 +168,7 @@ def save(out_dir: str, step: int, policy, tokenizer, state: dict, keep: int) -> 
     policy.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save({**state, "step": step}, os.path.join(tmp, STATE))
+    write_manifest(tmp)
     if os.path.exists(final):  # the same step saved again (a resumed run interrupted at once)
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -106,16 +180,65 @@ def save(out_dir: str, step: int, policy, tokenizer, state: dict, keep: int) -> 
     return final
 
 
-def save_run(out_dir: str, step: int, policy, tokenizer, optimizer, nonfinite_streak: int, config: dict,
-             keep: int):
-    """Every rank's RNG states gathered, then rank 0 writes the checkpoint and returns its path (None elsewhere)."""
-    rngs = distributed.gather_objects(rng_states())
-    path = None
-    if distributed.is_main():
-        path = save(out_dir, step, policy, tokenizer, {"optimizer": optimizer.state_dict(), "rng": rngs,
-                                                        "nonfinite_streak": nonfinite_streak, "config": config}, keep)
-    distributed.barrier()
-    return path
+class Saver:
+    """The run's checkpoints. save() writes one on every rank's behalf; completed(step) follows the training
+    done; and as the context around the loop it keeps that training when the run fails after it.
+
+    On an exception (evaluation, logging, the final save, a full disk: anything outside an update), rank 0
+    writes a checkpoint of the last completed step, if it is newer than the last one saved, and the
+    exception goes on (traceback, exit 1). Rank 0 writes it alone, with no collective: another rank may be
+    waiting in one, and its weights and optimizer state are every rank's. What it cannot keep: an exception
+    in the middle of an update that had stepped the optimizer (the weights are no step's then), and one on
+    another rank under torchrun (rank 0 is waiting in a collective then, until torchrun ends it). A save
+    that fails too is said in one line beside the traceback.
+    """
+
+    def __init__(self, out_dir: str, policy, tokenizer, optimizer, config: dict, keep: int, step: int,
+                 nonfinite_streak: int):
+        self.out_dir, self.policy, self.tokenizer, self.optimizer = out_dir, policy, tokenizer, optimizer
+        self.config, self.keep = config, keep
+        self.step = self.saved = step   # a fresh run's step 0 is its --model; a resumed run's is on disk
+        self.streak = nonfinite_streak
+        self.updates = self.updates_at_step = 0   # optimizer steps taken, and when the last step completed
+        optimizer.register_step_post_hook(self._counted)
+
+    def _counted(self, optimizer, args, kwargs) -> None:
+        self.updates += 1
+
+    def completed(self, step: int, nonfinite_streak: int) -> None:
+        """Step `step`'s update returned: the weights and optimizer state are those after it."""
+        self.step, self.streak, self.updates_at_step = step, nonfinite_streak, self.updates
+
+    def _write(self, rngs: list) -> str:
+        state = {"optimizer": self.optimizer.state_dict(), "rng": rngs, "nonfinite_streak": self.streak,
+                 "config": self.config}
+        return save(self.out_dir, self.step, self.policy, self.tokenizer, state, self.keep)
+
+    def save(self):
+        """Every rank's RNG states gathered, then rank 0 writes the checkpoint and returns its path (None elsewhere)."""
+        rngs = distributed.gather_objects(rng_states())
+        path = self._write(rngs) if distributed.is_main() else None
+        distributed.barrier()
+        self.saved = self.step
+        return path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None or not issubclass(exc_type, Exception) or not distributed.is_main():
+            return False
+        if self.updates != self.updates_at_step:
+            log.note(f"the run failed in the middle of step {self.step + 1}'s update, which had changed the weights: "
+                     f"nothing newer than {f'step {self.saved}' if self.saved else 'the start'} is saved")
+        elif self.step > self.saved:
+            try:   # rank 0's RNG states only: the others' cannot be gathered now
+                log.note(f"the run failed after step {self.step}: saved it to {self._write([rng_states()])}; "
+                         f"fix the cause, then continue with --resume")
+            except Exception as e:  # noqa: BLE001 - the traceback that follows is the run's own failure
+                log.note(f"could not save step {self.step} after the failure either ({type(e).__name__}: {e}): "
+                         f"the steps after {f'step {self.saved}' if self.saved else 'the start'} are lost")
+        return False
 
 
 def save_model(folder: str, policy, tokenizer) -> str:

@@ -36,12 +36,13 @@ class Loaded(typing.NamedTuple):
     task: typing.Any          # the class or object --task names, imported, not yet built
 
 
-def opt(default, help, choices=None, const=None, path=None, auto=False):
+def opt(default, help, choices=None, const=None, path=None, auto=False, resume_free=False):
     """A field. With const the flag may be given bare (`--resume` means `--resume latest`); path="in" marks
     a file the run reads and path="out" one it writes (a file, or with the name out_dir a folder), which
-    check_paths tests before anything heavy is loaded; auto=True keeps the value "auto" as itself."""
+    check_paths tests before anything heavy is loaded; auto=True keeps the value "auto" as itself.
+    resume_free=True marks a task's option that may differ on --resume (see RESUME_FREE)."""
     return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
-                                            "auto": auto})
+                                            "auto": auto, "resume_free": resume_free})
 
 
 @dataclass
@@ -137,8 +138,13 @@ class Config:
     save_interval: int = opt(0, "write a checkpoint to OUT_DIR/checkpoints every N steps and at the end "
                              "(0: only when interrupted or aborted)")
     keep_checkpoints: int = opt(2, "keep the last K checkpoints")
-    resume: typing.Optional[str] = opt(None, "continue from a checkpoint: bare (or 'latest') for the latest in "
-                                       "OUT_DIR, or a checkpoint / folder path", const="latest")
+    resume: typing.Optional[str] = opt(None, "continue from a checkpoint: bare (or 'latest') for the newest intact "
+                                       "one in OUT_DIR, or a checkpoint / folder path", const="latest")
+    resume_allow_change: typing.Optional[str] = opt(None, "settings that may differ from the checkpoint's on --resume, "
+                                                    "comma-separated (e.g. learning_rate,kl_coef); any other "
+                                                    "difference in a setting that defines the run is refused")
+    overwrite: bool = opt(False, "start over in an OUT_DIR that holds an earlier run: its logs, checkpoints, model "
+                          "and reports are deleted first (without it such a folder is refused)", const="true")
     max_nonfinite: int = opt(10, "abort (saving a checkpoint) after this many non-finite updates in a row")
 
 
@@ -153,6 +159,29 @@ def fields_of(cls) -> dict:
 
 
 FIELDS = fields_of(Config)
+
+# The settings a resumed run may change freely. Every other setting defines the run, and so does every option
+# of the task unless the task marks it opt(..., resume_free=True): --resume refuses a difference from what the
+# checkpoint recorded unless --resume-allow-change names it. They define it because they change what is
+# trained or how: --model (the start and the KL reference), the task, its options and --prompt-bos (prompts and
+# rewards), --seed (the prompt stream), the batch arithmetic (batch, group, mini-batch, PPO epochs), sampling
+# (token limits, temperature, top-k/p), the optimizer, every loss and algorithm knob, and --dtype (bf16 changes
+# the numbers the loss sees, not only the order of float sums).
+RESUME_FREE = frozenset({
+    # how long it runs, how often it is evaluated and saved, when it gives up: extending a run is normal, and
+    # none of these touches the weights
+    "steps", "eval_interval", "eval_only", "save_final", "save_interval", "keep_checkpoints", "max_nonfinite",
+    "reward_errors",
+    # how the same arithmetic is cut into work on this machine: micro-batches accumulate to the same
+    # mini-batch, checkpointed layers recompute the same activations, chunked log-softmax and compiled decoding
+    # compute the same values (up to the order of float sums); another generation batch draws other samples
+    # from the same distribution (as another device count does)
+    "micro_batch_size", "generation_batch_size", "logprob_chunk_size", "gradient_checkpointing", "compile", "device",
+    # where and how it reports
+    "out_dir", "log_file", "log_completions", "log_level", "report_to",
+    # the resume itself
+    "resume", "resume_allow_change", "overwrite",
+})
 
 
 def flag(name: str) -> str:
@@ -273,6 +302,7 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
     except ValueError:
         raise ConfigError(f"--loss-agg {values['loss_agg']!r} is not one of token-mean, seq-mean, dr-grpo "
                           f"(or TRL's dapo, bnpo, grpo, dr_grpo)") from None
+    _check_resume_flags(values, task_fields, task_name)
     asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")
     if asked and not hasattr(target, "evaluate"):
         raise ConfigError(f"{'--eval-only' if values['eval_only'] else '--eval-interval'}: --task {task_name} "
@@ -282,6 +312,76 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
     except (TypeError, ValueError) as e:   # the options' own checks (__post_init__) say what is wrong
         raise ConfigError(str(e).splitlines()[0] if str(e) else f"bad options for --task {task_name}") from None
     return Loaded(Config(**values), options, {**sources, **option_sources}, target)
+
+
+def allowed_changes(text) -> list:
+    """The names --resume-allow-change gives: comma-separated, as fields (learning_rate) or flags (--learning-rate)."""
+    return [n.strip().lstrip("-").replace("-", "_") for n in (text or "").split(",") if n.strip()]
+
+
+def resume_free(option_fields) -> frozenset:
+    """The settings that may change on --resume: RESUME_FREE and the task's options marked resume_free."""
+    return RESUME_FREE | {f.name for f in option_fields if f.metadata.get("resume_free")}
+
+
+def _check_resume_flags(values: dict, task_fields: dict, task_name: str) -> None:
+    if values["overwrite"] and values["resume"]:
+        raise ConfigError("--overwrite starts a run over and --resume continues one: pass only one of them")
+    text = values["resume_allow_change"]
+    if text is None:
+        return
+    names = allowed_changes(text)
+    if not names:
+        raise ConfigError(f"--resume-allow-change {text!r} names no setting: pass e.g. learning_rate,kl_coef")
+    free = resume_free(task_fields.values())
+    for name in names:
+        if name not in FIELDS and name not in task_fields:
+            raise ConfigError(f"--resume-allow-change: {name!r} is not a setting of train_lean.py nor of --task "
+                              f"{task_name}")
+        if name in free:
+            raise ConfigError(f"--resume-allow-change: {flag(name)} may change on --resume without it: leave it out")
+    if not values["resume"]:
+        raise ConfigError(f"--resume-allow-change {text}: it applies only with --resume")
+
+
+def settings(cfg: "Config", options) -> dict:
+    """Every setting of the run, the task's options included, by field name (what a checkpoint records)."""
+    return {**dataclasses.asdict(cfg), **(dataclasses.asdict(options) if options is not None else {})}
+
+
+def _same(old, new) -> bool:
+    """Equal, or two spellings of one existing path (a --model folder given relative, then absolute)."""
+    if old == new:
+        return True
+    return isinstance(old, str) and isinstance(new, str) and os.path.exists(old) and os.path.exists(new) \
+        and os.path.samefile(old, new)
+
+
+def _changes(names, old: dict, new: dict) -> str:
+    return "; ".join(f"{flag(n)} {old[n]} -> {new[n]}" for n in names)
+
+
+def check_resume(saved, cfg: "Config", options, checkpoint: str) -> list:
+    """Compare the settings that define the run with those `checkpoint` recorded (saved: its settings, None
+    when an older trainer recorded none). A difference is a ConfigError naming each (old -> new), unless
+    --resume-allow-change names it. Returns the notes to print: the changes allowed, and the settings the
+    checkpoint does not record (an older trainer's), which are not compared."""
+    if saved is None:
+        return [f"{checkpoint} records no settings (an older trainer's checkpoint): they are not compared"]
+    current, free = settings(cfg, options), resume_free(dataclasses.fields(options) if options is not None else ())
+    changed = [n for n in current if n in saved and n not in free and not _same(saved[n], current[n])]
+    refused = [n for n in changed if n not in allowed_changes(cfg.resume_allow_change)]
+    if refused:
+        raise ConfigError(f"--resume: {checkpoint} was trained with other settings: "
+                          f"{_changes(refused, saved, current)}: pass the checkpoint's values, or "
+                          f"--resume-allow-change {','.join(refused)} to change them on purpose")
+    notes = [f"resuming with changed settings (--resume-allow-change): {_changes(changed, saved, current)}"] \
+        if changed else []
+    unrecorded = [flag(n) for n in current if n not in saved and n not in free]
+    if unrecorded:
+        notes.append(f"{checkpoint} does not record {', '.join(unrecorded)} (an older trainer's checkpoint): "
+                     f"not compared")
+    return notes
 
 
 def _multiples(value: int, of: int) -> str:

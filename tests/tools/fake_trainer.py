@@ -30,6 +30,7 @@ p.add_argument("--interrupted-marker")
 p.add_argument("--oom-above", type=int)
 p.add_argument("--hold-mb-above", type=int)
 p.add_argument("--out-dir")                 # accepted like the real trainer's; nothing else is written
+p.add_argument("--overwrite", nargs="?", const="true")
 p.add_argument("--group-size", type=int)
 p.add_argument("--device")
 args = p.parse_args()

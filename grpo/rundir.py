@@ -1,0 +1,124 @@
+"""The output folder belongs to one run: locked while it runs, never overwritten after.
+
+While a run trains, its rank 0 holds a lock on OUT_DIR/.lock (flock). The kernel releases it when the
+process ends, however it ends (kill -9 included), so a killed run leaves no stale lock behind; a second
+run started in the folder meanwhile exits 2 naming the pid that holds it. After a run, its records stay
+its own: a new run into a folder that holds an earlier run's logs, checkpoints, model or reports is
+refused, unless it continues that run (--resume) or starts over on purpose (--overwrite, which deletes
+them first). --eval-only takes no lock and writes nothing but a --log-file it is given.
+
+All of this happens at start-up, before a model loads: the folder and the lock file are created (a
+folder that cannot be written says so at once), --resume finds and checks its checkpoint and compares
+the settings, and a disk that clearly cannot hold a checkpoint and the trained model is refused.
+"""
+import contextlib
+import fcntl
+import os
+import shutil
+
+from grpo import checkpoint, config, log
+
+LOCK = ".lock"
+# what a run writes into OUT_DIR besides the lock: its metrics, checkpoints, model and --report-to folders
+OUTPUTS = ("metrics.jsonl", checkpoint.SUBDIR, "model", "tensorboard", "wandb")
+
+
+def lock(out_dir: str):
+    """OUT_DIR/.lock, locked by this process and holding its pid; ConfigError when another process holds it."""
+    path = os.path.join(out_dir, LOCK)
+    try:
+        f = open(path, "a+", encoding="utf-8")
+    except OSError as e:
+        raise config.ConfigError(f"--out-dir {out_dir}: cannot create {path} ({e.strerror}): pass a writable "
+                                 f"folder") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise config.ConfigError(f"--out-dir {out_dir} is in use by another run (pid {holder}): wait for it to end, "
+                                 f"or pass another --out-dir") from None
+    except OSError as e:   # a file system without locks (some network ones): run, but say what is not guarded
+        log.note(f"--out-dir {out_dir}: cannot lock {path} ({e.strerror}): a second run there would not be stopped")
+        return f
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def _holds_something(path: str) -> bool:
+    return os.path.getsize(path) > 0 if os.path.isfile(path) else os.path.isdir(path) and bool(os.listdir(path))
+
+
+def earlier_run(cfg) -> list:
+    """The records of an earlier run that this one would overwrite or mix with its own."""
+    paths = [os.path.join(cfg.out_dir, name) for name in OUTPUTS]
+    paths += [p for p in (cfg.log_file, cfg.log_completions) if p]
+    unique = {os.path.abspath(p): p for p in paths}
+    return [p for p in unique.values() if _holds_something(p)]
+
+
+def check_space(out_dir: str, model: str) -> None:
+    """Refuse a disk that clearly cannot hold the trained model and one checkpoint: about 4 x the weights'
+    files (the model; a checkpoint's weights and AdamW's two moments). A hub id's size is not known here."""
+    if not os.path.isdir(model):
+        return
+    weights = sum(os.path.getsize(os.path.join(model, n)) for n in os.listdir(model)
+                  if n.endswith((".safetensors", ".bin")))
+    free, need = shutil.disk_usage(out_dir).free, 4 * weights
+    if free < need:
+        raise config.ConfigError(f"--out-dir {out_dir}: {free / 2**20:.0f} MB free on its disk, but the trained model "
+                                 f"and one checkpoint take about {need / 2**20:.0f} MB (4 x the weights of {model}): "
+                                 f"free some space or pass an --out-dir on another disk")
+
+
+def _continues(resume_from, out_dir: str) -> bool:
+    """Whether the run continues one of OUT_DIR's own checkpoints (a checkpoint from elsewhere starts a new folder)."""
+    return resume_from is not None and \
+        os.path.realpath(os.path.dirname(resume_from)) == os.path.realpath(os.path.join(out_dir, checkpoint.SUBDIR))
+
+
+def claim(cfg, options) -> tuple:
+    """Make OUT_DIR this run's and find what it resumes: (a context that holds the lock until the run ends,
+    the intact checkpoint to resume from or None). Raises ConfigError / CheckpointError, lock released."""
+    main = os.environ.get("RANK", "0") == "0"
+    held = contextlib.ExitStack()
+    try:
+        if not cfg.eval_only and main:
+            held.enter_context(lock(cfg.out_dir))
+        resume_from = None
+        if cfg.resume:   # only a locked run moves damaged checkpoints aside: no one else is writing them
+            resume_from = checkpoint.resolve(cfg.resume, cfg.out_dir, set_aside=main and not cfg.eval_only)
+            for note in [] if cfg.eval_only else config.check_resume(checkpoint.saved_settings(resume_from), cfg,
+                                                                     options, resume_from):
+                log.note(note)
+        if cfg.eval_only:   # it writes only a --log-file, and that only when it holds no earlier records
+            found = [cfg.log_file] if cfg.log_file and _holds_something(cfg.log_file) else []
+        else:
+            found = [] if _continues(resume_from, cfg.out_dir) else earlier_run(cfg)
+        if found and not cfg.overwrite:
+            if cfg.resume:
+                hint = "another --out-dir for this run, which resumes a checkpoint from elsewhere"
+            elif checkpoint.candidates(cfg.out_dir):
+                hint = "--resume to continue that run, another --out-dir, or --overwrite to delete them and start over"
+            else:  # no checkpoint to continue from (it ran with --save-interval 0): --resume would fail too
+                hint = "another --out-dir, or --overwrite to delete them and start over (it kept no checkpoint " \
+                       "to --resume; --save-interval N keeps them)"
+            raise config.ConfigError(f"--out-dir {cfg.out_dir} holds an earlier run's records ({', '.join(found)}): "
+                                     f"pass {hint}")
+        if found and main:
+            for path in found:
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+            log.note(f"--overwrite: deleted the earlier run's {', '.join(found)}")
+        if not cfg.eval_only:
+            check_space(cfg.out_dir, resume_from or cfg.model)
+    except BaseException:
+        held.close()
+        raise
+    return held, resume_from

@@ -1,0 +1,116 @@
+"""A run owns its --out-dir: locked while it runs (a killed run leaves no stale lock), never overwritten after
+(--resume continues it, --overwrite starts over on purpose), and a disk too small for it is refused at start-up."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, train
+
+
+def toy(model):
+    return ["--model", model, *SMALL, "--task", "toy"]
+
+
+def snapshot(folder) -> dict:
+    """Every file under folder with its bytes (what an earlier run left must stay as it was)."""
+    out = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            if name != ".lock":
+                with open(os.path.join(root, name), "rb") as f:
+                    out[os.path.relpath(os.path.join(root, name), folder)] = f.read()
+    return out
+
+
+def test_a_second_run_in_a_running_runs_folder_exits_2_naming_its_pid(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    first = subprocess.Popen([sys.executable, TRAIN, *toy(tiny_model_dir), "--steps", "1000", "--out-dir", str(out)],
+                             env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 90
+        while not (out / "metrics.jsonl").exists() or not read_jsonl(out / "metrics.jsonl"):
+            assert first.poll() is None, first.communicate()[1][-2000:]
+            assert time.time() < deadline, "the first run wrote no record"
+            time.sleep(0.05)
+        # a second run, fresh or resuming, must not train into the folder while the first one does
+        for extra in ([], ["--overwrite"], ["--resume"]):
+            line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out), *extra))
+            assert f"--out-dir {out} is in use by another run (pid {first.pid})" in line, line
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    # the kernel released the killed run's lock: the folder is free again (and still holds its records)
+    refused = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out)))
+    assert "earlier run's records" in refused and "in use" not in refused
+    again = train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out), "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1]
+
+
+def test_a_finished_runs_folder_is_refused_and_overwrite_starts_over(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    first = train(*toy(tiny_model_dir), "--steps", "2", "--save-interval", "1", "--out-dir", str(out),
+                  "--log-completions", str(out / "completions.jsonl"))
+    assert first.returncode == 0, first.stderr
+    before = snapshot(out)
+    assert {"metrics.jsonl", "completions.jsonl", "model/model.safetensors",
+            "checkpoints/step_000002/trainer_state.pt"} <= before.keys()
+    # the default --save-interval 0 and the default log paths: the case the default out/ makes normal
+    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out)))
+    assert f"--out-dir {out} holds an earlier run's records" in line
+    assert "metrics.jsonl" in line and "model" in line and "--resume" in line and "--overwrite" in line
+    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(tmp_path / "other"),
+                                "--log-completions", str(out / "completions.jsonl")))
+    assert "completions.jsonl" in line   # another folder, but the same completions log
+    (tmp_path / "nockpt").mkdir()   # a finished run that kept no checkpoint: --resume could not continue it
+    (tmp_path / "nockpt" / "metrics.jsonl").write_text('{"step": 1}\n')
+    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(tmp_path / "nockpt")))
+    assert "pass --resume" not in line and "kept no checkpoint" in line and "--overwrite" in line
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text('{"step": 1}\n')
+    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "3", "--out-dir", str(tmp_path / "used"),
+                                "--resume", str(out / "checkpoints" / "step_000002")))
+    assert "holds an earlier run's records" in line and "resumes a checkpoint from elsewhere" in line
+    assert snapshot(out) == before   # not a byte of the earlier run changed
+
+    fresh = train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out), "--overwrite",
+                  "--log-completions", str(out / "completions.jsonl"))
+    assert fresh.returncode == 0, fresh.stderr
+    assert "--overwrite: deleted the earlier run's" in fresh.stderr
+    # nothing of the earlier run is left to mix with this one: no record, no checkpoint a --resume could pick
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1]
+    assert {r["step"] for r in read_jsonl(out / "completions.jsonl")} == {1}
+    assert not (out / "checkpoints").exists()
+
+
+def test_eval_only_works_on_a_finished_runs_folder_and_overwrites_no_log(tiny_model_dir, tmp_path):
+    (tmp_path / "evaluated.py").write_text(EVALUATED_TASK)
+    task = ["--model", tiny_model_dir, *SMALL, "--task", f"{tmp_path / 'evaluated.py'}:Evaluated"]
+    out = tmp_path / "out"
+    first = train(*task, "--steps", "2", "--eval-interval", "2", "--save-interval", "2", "--out-dir", str(out))
+    assert first.returncode == 0, first.stderr
+    before = snapshot(out)
+    for args in (["--model", str(out / "model")], ["--resume"]):   # the trained model, and the checkpoint
+        result = train(*task, "--eval-only", "--out-dir", str(out), *args)
+        assert result.returncode == 0, result.stderr
+        assert "first_letter_rate" in result.stdout and "step 1/" not in result.stdout
+    assert snapshot(out) == before
+    # asked to log into the run's own metrics: that would overwrite them
+    line = one_line_error(train(*task, "--eval-only", "--out-dir", str(out), "--log-file", str(out / "metrics.jsonl")))
+    assert "metrics.jsonl" in line and "--overwrite" in line
+    assert snapshot(out) == before
+
+
+def test_a_disk_too_small_for_a_checkpoint_and_the_model_is_refused_before_loading(tiny_model_dir, tmp_path):
+    # a model folder whose weights file claims as many bytes as the disk has free (a sparse file: it takes
+    # none): one checkpoint and the trained model need about four times that
+    big = tmp_path / "big-model"
+    shutil.copytree(tiny_model_dir, big)
+    os.truncate(big / "model.safetensors", shutil.disk_usage(tmp_path).free)
+    line = one_line_error(train("--model", str(big), *SMALL, "--task", "toy", "--steps", "1",
+                                "--out-dir", str(tmp_path / "out")))
+    assert "free on its disk" in line and "pass an --out-dir on another disk" in line
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
