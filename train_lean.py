@@ -24,7 +24,8 @@ from grpo import checkpoint, config, distributed, dynamic_sampling, evaluate, gu
 from grpo import task as task_lib
 from grpo.advantages import group_advantages
 from grpo.kl import kl_penalised_rewards
-from grpo.model import ModelLoadError, frozen_copy, load_policy, load_tokenizer, model_autocast
+from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
+                        model_autocast)
 from grpo.overlong import overlong_penalty
 from grpo.rollout import encode_prompts, sample_groups
 from grpo.update import probe_micro_batch, reference_logprobs, update
@@ -76,10 +77,14 @@ def main(argv=None):
         try:
             task = task_lib.build(loaded.task, loaded.options, cfg.task)
             stack.callback(task_lib.close, task)
-            # the first step's prompts, drawn now: a task that cannot run says so before a model loads
-            first_prompts = [] if cfg.eval_only else task.prompts(layout.prompts_per_step,
-                                                                  random.Random(step_seed(cfg.seed, start_step + 1)))
-            tokenizer = load_tokenizer(resume_from or cfg.model)
+            # the first step's prompts, checked with the tokenizer and the model's config before the weights load
+            first_prompts = [] if cfg.eval_only else task_lib.draw_prompts(task, layout.prompts_per_step, random.Random(
+                step_seed(cfg.seed, start_step + 1)))
+            tokenizer = load_tokenizer(resume_from or cfg.model)   # checked against the model's vocab_size
+            eos = tokenizer.eos_token_id
+            prepend_bos = cfg.prompt_bos == "on" or (cfg.prompt_bos == "auto" and tokenizer.bos_token_id == eos)
+            first_ids = encode_prompts(tokenizer, first_prompts, prepend_bos, cfg.max_new_tokens,
+                                       context_length(load_config(resume_from or cfg.model)))
             policy = load_policy(resume_from or cfg.model, device)
             # the reference is a frozen copy of the starting policy on the same device, only when used;
             # a resumed run anchors its KL to the starting model too, not to the checkpoint
@@ -90,8 +95,6 @@ def main(argv=None):
             usage_error(str(e))
         if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/loss.py)
             policy.activation_checkpointing_enable({"use_reentrant": False})
-        eos = tokenizer.eos_token_id
-        prepend_bos = cfg.prompt_bos == "on" or (cfg.prompt_bos == "auto" and tokenizer.bos_token_id == eos)
         complete = evaluate.completer(policy, tokenizer, prepend_bos=prepend_bos, max_new_tokens=cfg.max_new_tokens,
                                       batch=layout.generation_batch, device=device, autocast=autocast)
         if cfg.eval_only:  # a log file only when asked for: an earlier run's metrics are not overwritten
@@ -112,7 +115,7 @@ def main(argv=None):
         oom = guards.OomNotes(say)  # this step's out-of-memory retries
         micro = layout.micro_batch
         if layout.micro_batch_auto:
-            longest = max(map(len, encode_prompts(tokenizer, first_prompts, prepend_bos))) + cfg.max_new_tokens
+            longest = max(map(len, first_ids)) + cfg.max_new_tokens
             micro = probe_micro_batch(policy, optimizer, longest, eos, layout, cfg, autocast, oom)
             oom.notes.clear()
             say(f"micro-batch auto: {micro} per device ({micro * world} global) fits at {longest} tokens, "
@@ -131,7 +134,7 @@ def main(argv=None):
                                                      cfg.keep_checkpoints, start_step, nonfinite_streak))
         if evaluating and start_step == 0:  # where the run starts from
             evaluate.run(task, complete, 0, metrics_file, reporter)
-        seen_errors, exit_code = set(), 0
+        scorer, exit_code = task_lib.Scorer(task, cfg.reward_errors == "tolerate"), 0
         bar = tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", initial=start_step, total=cfg.steps,
                    disable=not (main_rank and sys.stderr.isatty()), file=sys.stderr)
 
@@ -149,18 +152,18 @@ def main(argv=None):
 
                 # ---- prompts: the step's groups, this rank's share of them ---------------------------
                 rng = random.Random(step_seed(cfg.seed, step))
-                prompts = task.prompts(layout.prompts_per_step, rng)[rank * P:(rank + 1) * P]
+                prompts = task_lib.draw_prompts(task, layout.prompts_per_step, rng)[rank * P:(rank + 1) * P]
 
                 # ---- rollout: G completions per prompt, sampled ids and logprobs kept --------------
                 rollout = sample(prompts, seed=step_seed(cfg.seed, step), first_row=rank * B)
                 phases.end("gen")
 
                 # ---- rewards: the task scores the decoded text; a failing reward gets min_reward ----
-                rewards, components, errors = task_lib.score(task, rollout.prompts, rollout.texts)
+                rewards, components, errors = scorer(rollout.prompts, rollout.texts)
                 rewards, extra = torch.from_numpy(rewards), {}
                 if cfg.dynamic_sampling:  # more of the step's prompts until the groups' rewards differ
                     rollout, rewards, components, errors, extra = dynamic_sampling.fill(
-                        rollout, rewards, components, errors, task=task, rng=rng, sample=sample,
+                        rollout, rewards, components, errors, task=task, score=scorer, rng=rng, sample=sample,
                         seed=step_seed(cfg.seed, step), rank=rank, world=world, group_size=G,
                         max_rounds=cfg.max_sampling_rounds, pad_id=eos)
                 if cfg.overlong_buffer:  # DAPO's soft penalty on completions near the length limit
@@ -168,10 +171,6 @@ def main(argv=None):
                                                          cfg.overlong_buffer, cfg.overlong_penalty)
                 all_rewards = distributed.gather_rows(rewards)
                 components, errors = log.over_ranks(components, errors)
-                for kind in sorted(errors.keys() - seen_errors):  # once per kind; counts go in every record
-                    say(f"step {step}: the task's reward raised {kind}; such completions get the task's "
-                        f"min_reward (counted in reward_errors)")
-                seen_errors |= errors.keys()
                 phases.end("score")
 
                 # ---- reference logprobs, once per row: the KL penalty in the loss or in the reward ----
@@ -189,6 +188,7 @@ def main(argv=None):
 
                 # ---- advantages: each completion against its group (--scale-rewards batch: all ranks') ---
                 all_advantages, frac_zero_std = group_advantages(train_rewards, G, cfg.scale_rewards)
+                scorer.after_step(step, errors, frac_zero_std)  # failures shown; all failed: stop; all flat: said
                 advantages = all_advantages[rank * B:(rank + 1) * B].to(device)
 
                 # ---- update: clipped PPO surrogate (+ KL, entropy), mini-batches of micro-batches ------

@@ -54,6 +54,10 @@ class Config:
                                      "module:Name; a task with options adds its own flags (see --task T --help)")
     prompt_bos: str = opt("auto", "start each prompt with the tokenizer's BOS/EOS token "
                           "(auto: on when BOS == EOS, as in GPT-2)", ["auto", "on", "off"])
+    reward_errors: str = opt("stop", "a step in which every completion's reward failed (raised, or returned no "
+                             "finite number): stop the run with the task's traceback, or tolerate it (those "
+                             "completions get the task's min_reward, as a failed reward always does)",
+                             ["stop", "tolerate"])
     # the task's held-out evaluation (its evaluate(complete), greedy decoding)
     eval_interval: int = opt(100, "evaluate before training, every N steps and after the last (0: off); "
                              "by default only for a task that has evaluate()")
@@ -172,6 +176,7 @@ RESUME_FREE = frozenset({
     # how long it runs, how often it is evaluated and saved, when it gives up: extending a run is normal, and
     # none of these touches the weights
     "steps", "eval_interval", "eval_only", "save_final", "save_interval", "keep_checkpoints", "max_nonfinite",
+    "reward_errors",
     # how the same arithmetic is cut into work on this machine: micro-batches accumulate to the same
     # mini-batch, checkpointed layers recompute the same activations, chunked log-softmax and compiled decoding
     # compute the same values (up to the order of float sums); another generation batch draws other samples

@@ -14,7 +14,7 @@ import torch
 from grpo import distributed
 from grpo.advantages import informative_groups
 from grpo.rollout import select_rows
-from grpo.task import score
+from grpo.task import draw_prompts
 
 
 def missing_groups(round_rewards: list, group_size: int, groups: int) -> int:
@@ -45,22 +45,23 @@ def merge_rounds(round_rewards: list, group_size: int, groups: int):
     return rows, counts
 
 
-def fill(rollout, rewards, components: dict, errors: dict, *, task, rng, sample, seed: int, rank: int, world: int,
-         group_size: int, max_rounds: int, pad_id: int):
+def fill(rollout, rewards, components: dict, errors: dict, *, task, score, rng, sample, seed: int, rank: int,
+         world: int, group_size: int, max_rounds: int, pad_id: int):
     """Draw more rounds while any device lacks informative groups, then keep a batch of them.
 
     rollout, rewards (a [B] tensor), components and errors: this device's first round of the step, scored.
     Each extra round takes the next prompts of the step's stream (rng, seeded by the step), this device's
-    share of them, and samples them with sample(prompts, seed=, first_row=) at rows past every earlier
-    round's, so that no two rounds share sampling seeds. Returns the batch's rollout and rewards, the reward
-    components (averaged over the rounds) and errors (summed), and merge_rounds' counts."""
+    share of them, samples them with sample(prompts, seed=, first_row=) at rows past every earlier round's,
+    so that no two rounds share sampling seeds, and scores them with score(prompts, completions). Returns the
+    batch's rollout and rewards, the reward components (averaged over the rounds) and errors (summed), and
+    merge_rounds' counts."""
     rounds, round_rewards, parts, errors = [rollout], [rewards], [components], Counter(errors)
     B = rewards.numel()
     groups = B // group_size
     while len(rounds) <= max_rounds and distributed.any_rank(missing_groups(round_rewards, group_size, groups) > 0):
-        prompts = task.prompts(groups * world, rng)[rank * groups:(rank + 1) * groups]
+        prompts = draw_prompts(task, groups * world, rng)[rank * groups:(rank + 1) * groups]
         rounds.append(sample(prompts, seed=seed, first_row=(len(rounds) * world + rank) * B))
-        scored, part, errs = score(task, rounds[-1].prompts, rounds[-1].texts)
+        scored, part, errs = score(rounds[-1].prompts, rounds[-1].texts)
         round_rewards.append(torch.from_numpy(scored))
         parts.append(part)
         errors.update(errs)

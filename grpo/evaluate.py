@@ -1,13 +1,14 @@
 """Held-out evaluation through the task's evaluate(complete): the trainer decodes, the task scores.
 
 `complete(prompts) -> list[str]` is greedy decoding of the policy being trained (the same prompt encoding,
-BOS and --max-new-tokens as training). What the task returns is printed as a table and written to the
-metrics log as a record with "kind": "eval".
+BOS and --max-new-tokens as training). What the task returns (checked: names to finite numbers) is printed
+as a table and written to the metrics log as a record with "kind": "eval".
 """
 import functools
 import time
 
 from grpo import distributed, log
+from grpo.task import check_metrics
 from grpo.rollout import greedy_completions
 
 
@@ -23,7 +24,7 @@ def run(task, complete, step: int, metrics_file=None, reporter=None) -> dict | N
     record = None
     if distributed.is_main():
         t0 = time.perf_counter()
-        result = task.evaluate(complete)
+        result = check_metrics(task.evaluate(complete))
         record = {"kind": "eval", "step": step, **result, "eval_time_s": time.perf_counter() - t0}
         print(table(record), flush=True)
         if metrics_file is not None:

@@ -31,9 +31,38 @@ def _from_pretrained(cls, name_or_path: str, **kwargs):
         raise ModelLoadError(f"cannot load --model {name_or_path}: {first}{where}") from None
 
 
+def load_config(name_or_path: str):
+    """The model's config (config.json) alone: what can be checked before the weights load."""
+    from transformers import AutoConfig
+    return _from_pretrained(AutoConfig, name_or_path)
+
+
+def context_length(config) -> int | None:
+    """The most positions the model takes (GPT-2's n_positions, Llama's max_position_embeddings), or None
+    where its config names none."""
+    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def load_tokenizer(name_or_path: str):
+    """The model's tokenizer, checked against it: a vocabulary beyond the special tokens (a folder without
+    tokenizer files loads as an empty one that encodes every prompt to nothing), and no token id past the
+    model's vocab_size (its embeddings)."""
     from transformers import AutoTokenizer
     tok = _from_pretrained(AutoTokenizer, name_or_path)
+    vocab = tok.get_vocab()
+    if len(vocab) <= len(set(tok.all_special_ids)):
+        raise ModelLoadError(f"--model {name_or_path}: its tokenizer has no vocabulary ({len(vocab)} special "
+                             f"token(s) only): the folder lacks the tokenizer's files (tokenizer.json, or vocab.json "
+                             f"and merges.txt); copy them from where the model came from")
+    top, size = max(vocab.values()), getattr(load_config(name_or_path), "vocab_size", None)
+    if isinstance(size, int) and top >= size:
+        raise ModelLoadError(f"--model {name_or_path}: its tokenizer has token ids up to {top}, but the model's "
+                             f"vocab_size is {size}: ids from {size} on are outside its embeddings; use the "
+                             f"tokenizer the model was trained with")
     # Left padding: every prompt then ends at the same column, so all rows of a batch start
     # generating at the same index and a completion is simply "everything after the prompt".
     tok.padding_side = "left"

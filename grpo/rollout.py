@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from grpo.decoders import decoder_for
-from grpo.model import position_ids_from_mask
+from grpo.model import context_length, position_ids_from_mask
 from grpo.overlong import truncated_rows
+from grpo.task import TaskError
 
 
 def logprob_temperature(temperature: float) -> float:
@@ -23,12 +24,24 @@ def logprob_temperature(temperature: float) -> float:
     return temperature if temperature > 0 else 1.0
 
 
-def encode_prompts(tokenizer, prompts, prepend_bos: bool) -> list:
-    """Token ids of each prompt; with prepend_bos, the tokenizer's BOS (GPT-2: <|endoftext|>) first."""
-    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+def encode_prompts(tokenizer, prompts, prepend_bos: bool, max_new_tokens: int = 0, context: int | None = None) -> list:
+    """Token ids of each prompt; with prepend_bos, the tokenizer's BOS (GPT-2: <|endoftext|>) first.
+
+    With context (the model's positions, grpo/model.py context_length) each prompt must leave room for
+    max_new_tokens: past it a learned-position model indexes outside its embeddings. Else a TaskError
+    naming the prompt, its length, the limit and what to change."""
+    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"] if len(prompts) else []
     if prepend_bos:
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         ids = [[bos] + row for row in ids]
+    for prompt, row in zip(prompts, ids):
+        if not row:
+            raise TaskError(f"the prompt {prompt[:60]!r} encodes to no tokens with the model's tokenizer")
+        if context is not None and len(row) + max_new_tokens > context:
+            fix = (f"lower --max-new-tokens to {context - len(row)} or shorten" if len(row) < context else "shorten")
+            raise TaskError(f"a prompt of {len(row)} tokens ({prompt[:40]!r}...) plus --max-new-tokens "
+                            f"{max_new_tokens} needs {len(row) + max_new_tokens} positions, more than the model's "
+                            f"{context}: {fix} the task's prompts")
     return ids
 
 
@@ -204,7 +217,8 @@ def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_
     its offset here): the rollouts depend neither on the number of devices (for the same generation batch) nor on
     a resume."""
     eos = tokenizer.eos_token_id
-    prompt_ids, prompt_mask = left_pad(encode_prompts(tokenizer, prompts, prepend_bos), eos, device)
+    ids = encode_prompts(tokenizer, prompts, prepend_bos, max_new_tokens, context_length(policy.config))
+    prompt_ids, prompt_mask = left_pad(ids, eos, device)
     prompt_ids, prompt_mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
     chunks = []
     for s in range(0, prompt_ids.shape[0], generation_batch):
@@ -242,7 +256,8 @@ def greedy_completions(model, tokenizer, prompts: list, *, prepend_bos: bool, ma
     eos = tokenizer.eos_token_id
     texts = []
     for s in range(0, len(prompts), batch):
-        ids, mask = left_pad(encode_prompts(tokenizer, prompts[s:s + batch], prepend_bos), eos, device)
+        ids = encode_prompts(tokenizer, prompts[s:s + batch], prepend_bos, max_new_tokens, context_length(model.config))
+        ids, mask = left_pad(ids, eos, device)
         out_ids, out_mask, _ = generate(model, ids, mask, eos_id=eos, max_new_tokens=max_new_tokens,
                                         temperature=0.0, autocast=autocast)
         texts += decode_completions(tokenizer, out_ids, out_mask, eos)

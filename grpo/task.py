@@ -3,10 +3,11 @@
 A task is any object with
     name: str
     prompts(n: int, rng: random.Random) -> list[str]      n prompts, drawn with rng
-    reward(prompt: str, completion: str) -> float          a verifiable reward
+    reward(prompt: str, completion: str) -> float          a verifiable reward (a bool counts as 1.0 / 0.0)
 and optionally
     reward_breakdown(prompt, completion) -> dict[str, float]   the reward's components (and "reward")
-    min_reward: float                     given to a completion whose scoring raised or was not finite
+    min_reward: float                     given to a completion whose reward failed: raised, or returned no
+                                          number finite in float32 (default 0.0)
     options                               a dataclass type: its fields become flags (--field-name) and
                                           GRPO_FIELD_NAME overrides when this task is chosen, validated and
                                           shown like the trainer's own; the task is built as Task(**options)
@@ -17,21 +18,39 @@ and optionally
 The trainer draws each step's prompts with an rng seeded by (seed, step), so the prompt stream needs no
 state of its own: a resumed run draws exactly the prompts the killed one would have.
 
+What a task gives is checked where it enters (a TaskError names the bad value): prompts() must return
+exactly n non-empty strings, min_reward must be a finite number, evaluate() a dict of names to finite
+numbers. A reward that fails gets min_reward and is counted; Scorer prints the first failure of each kind
+with its traceback and stops the run when every reward of a step failed (--reward-errors).
+
 --task takes a built-in name (the trainer passes the registry of tasks/__init__.py), path/to/file.py:Name
 or package.module:Name. Name may be a class (built with the task's options) or a ready object.
 """
 import dataclasses
 import importlib
 import importlib.util
+import inspect
+import math
+import numbers
 import os
 import sys
+import traceback
 from collections import Counter
 
 import numpy as np
 
+from grpo import distributed, log
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)   # rewards are stored as float32: a larger one is inf there
+
 
 class TaskError(ValueError):
-    """A task that cannot be found, built or run as configured (reported as a usage error)."""
+    """A task that cannot be found, built or run as configured, or that returned what the protocol does not
+    allow (at start-up a usage error; at a later step an error with its traceback)."""
+
+
+class RewardError(RuntimeError):
+    """Every reward of a step failed: the run would train on nothing (--reward-errors stop)."""
 
 
 def resolve(name: str, builtin: dict):
@@ -95,7 +114,27 @@ def build(target, options=None, name: str = ""):
         if not hasattr(task, need):
             close(task)
             raise TaskError(f"--task {name}: the task has no {need!r} (see grpo/task.py)")
+    floor = getattr(task, "min_reward", 0.0)
+    if not (isinstance(floor, numbers.Real) and abs(floor) <= FLOAT32_MAX):  # NaN fails the comparison too
+        close(task)
+        raise TaskError(f"--task {name}: min_reward {floor!r} is not a finite number (it is the reward a failed "
+                        f"completion gets)")
     return task
+
+
+def draw_prompts(task, n: int, rng) -> list:
+    """task.prompts(n, rng), checked: exactly n prompts, each a non-empty str."""
+    got = task.prompts(n, rng)
+    if not isinstance(got, (list, tuple)):
+        raise TaskError(f"the task's prompts({n}, rng) returned a {type(got).__name__}, not a list of {n} str")
+    if len(got) != n:
+        raise TaskError(f"the task's prompts({n}, rng) returned {len(got)} prompts, not {n}: it must return "
+                        f"exactly n (the batch is n groups)")
+    for i, p in enumerate(got):
+        if not isinstance(p, str) or not p:
+            raise TaskError(f"the task's prompts({n}, rng) returned {_short(p)} as prompt {i}: each prompt "
+                            f"must be a non-empty str")
+    return list(got)
 
 
 def close(task) -> None:
@@ -104,21 +143,49 @@ def close(task) -> None:
         task.close()
 
 
-def _number(value) -> float:
-    """A reward as a finite float; a string, None or NaN is the task's bug, counted like an exception."""
-    if isinstance(value, (str, bytes, bool)) or value is None:
-        raise TypeError(f"reward is a {type(value).__name__}, not a number")
-    value = float(value)
-    if not np.isfinite(value):
-        raise FloatingPointError("non-finite reward")
-    return value
+class NotANumber(Exception):
+    """A reward or metric that is no finite number; kind names it for the counts ("returned str")."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
-def score(task, prompts, completions):
+def _number(value, limit: float = FLOAT32_MAX) -> float:
+    """value as a float no larger than limit in size (a bool is 1.0 or 0.0), else NotANumber saying what it was."""
+    name = type(value).__name__
+    if value is None:
+        raise NotANumber("returned None", "returned None, not a number")
+    try:
+        if isinstance(value, (str, bytes)):   # float("0.5") would parse it: a str reward is a bug, not a number
+            raise TypeError
+        number = float(value)
+    except (TypeError, ValueError):
+        raise NotANumber(f"returned {name}", f"returned a {name} ({_short(value)}), not a number") from None
+    if math.isnan(number):
+        raise NotANumber("returned nan", "returned nan")
+    if abs(number) > limit:
+        size = "inf" if math.isinf(number) else f"{abs(number):g}, which is inf in float32 (the rewards' dtype)"
+        raise NotANumber("returned inf", f"returned {'-' if number < 0 else ''}{size}")
+    return number
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def _short(value, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def score(task, prompts, completions, failures: dict = None):
     """Score completions. Returns (rewards [n] float32, component means, error counts by kind).
 
-    A reward function that raises never stops training: that completion gets the task's
-    min_reward and the error is counted by exception type.
+    A reward that fails gets the task's min_reward and is counted by kind: the exception's type when it
+    raised, "returned str" / "returned nan" / "returned inf" ... when it returned no finite number.
+    failures, when given, keeps the first failure of each kind: kind -> (exception, prompt, completion).
     """
     floor = float(getattr(task, "min_reward", 0.0))
     errors = Counter()
@@ -129,16 +196,110 @@ def score(task, prompts, completions):
         try:
             if breakdown is not None:
                 parts = breakdown(p, c)
-                components.update({k: float(v) for k, v in parts.items()})
+                components.update({k: _number(v) for k, v in parts.items()})
                 reported.update(parts.keys())
                 r = _number(parts["reward"] if "reward" in parts else task.reward(p, c))
             else:
                 r = _number(task.reward(p, c))
         except Exception as e:  # noqa: BLE001 - any scoring failure is the completion's fault
-            errors[type(e).__name__] += 1
+            kind = e.kind if isinstance(e, NotANumber) else type(e).__name__
+            errors[kind] += 1
+            if failures is not None and kind not in failures:
+                failures[kind] = (e, p, c)
             r = floor
         rewards.append(r)
     # Each component is averaged over the completions that report it: in a task mixture the
     # components of one kind are means over that kind's completions, not diluted by the others.
     means = {k: v / reported[k] for k, v in components.items() if k != "reward"}
     return np.asarray(rewards, dtype=np.float32), means, dict(errors)
+
+
+class Scorer:
+    """score() for a run, its failures made loud. Called like score() without the task; after_step() once a
+    step on every rank: the first failure of each kind is printed with its traceback (the task's file and
+    line), a step in which every reward failed stops the run (unless tolerate), and the first step whose
+    groups all got equal rewards is named, with what to try."""
+
+    def __init__(self, task, tolerate: bool):
+        self.task, self.tolerate = task, tolerate
+        self.shown, self.flat_named = set(), False
+        self.scored, self.failures = 0, {}
+
+    def __call__(self, prompts, completions):
+        self.scored += len(completions)
+        return score(self.task, prompts, completions, self.failures)
+
+    def after_step(self, step: int, errors: dict, frac_zero_std: float) -> None:
+        """errors: the step's failures by kind, summed over every rank (the same on each, so are the
+        collectives and the decision here). Raises RewardError when every reward failed."""
+        failures, scored, self.failures, self.scored = self.failures, self.scored, {}, 0
+        all_failed = bool(errors) and sum(errors.values()) >= distributed.all_sum([scored])[0]
+        if all_failed and not self.tolerate:   # the most frequent kind's first failure: its traceback, or where
+            e = failures[max(failures, key=errors.get)][0]
+            counts = ", ".join(f"{k} {n}" for k, n in sorted(errors.items()))
+            error = RewardError(f"step {step}: every reward failed ({counts}; the first "
+                                f"{self._what(e)}): a step like this trains on nothing. Fix the task's "
+                                f"reward, or pass --reward-errors tolerate to give such completions the task's "
+                                f"min_reward and go on")
+            raise error from (None if isinstance(e, NotANumber) else e.with_traceback(_from_task(e)))
+        new = sorted(errors.keys() - self.shown)
+        if new:   # each rank's first failure of the kinds new to the run, the lowest rank's shown
+            reports = {}
+            mine = {k: self._report(*failures[k]) for k in new if k in failures}
+            for part in reversed(distributed.gather_objects(mine)):
+                reports.update(part)
+            for kind in new:
+                log.note(f"step {step}: the task's reward {reports[kind]}")
+            self.shown.update(new)
+        if frac_zero_std == 1.0 and not all_failed and not self.flat_named:
+            self.flat_named = True
+            log.note(f"step {step}: every group's completions got equal rewards (frac_zero_std 1.0), so every "
+                     f"advantage is 0 and the step learns nothing. Try a higher --temperature, a larger --group-size, "
+                     f"a reward with partial credit, or a model that sometimes solves the task (said once)")
+
+    def _what(self, e) -> str:
+        """What the reward did: "raised NameError: ..." or "returned a str ('0.5'), not a number (where)"."""
+        if isinstance(e, NotANumber):
+            return f"{e}{_where(getattr(self.task, 'reward_breakdown', None) or self.task.reward)}"
+        return f"raised {type(e).__name__}: {_first_line(e)}"
+
+    def _report(self, e, prompt, completion) -> str:
+        floor = float(getattr(self.task, "min_reward", 0.0))
+        text = (f"{self._what(e)}, for the prompt {_short(prompt)} and completion {_short(completion)}; such "
+                f"completions get min_reward {floor:g} and are counted in reward_errors (each kind shown once)")
+        if not isinstance(e, NotANumber):
+            text += "\n" + "".join(traceback.format_exception(type(e), e, _from_task(e))).rstrip()
+        return text
+
+
+def _from_task(e):
+    """The traceback of an exception caught in score() without score()'s own frame: the task's frames first."""
+    return e.__traceback__.tb_next or e.__traceback__
+
+
+def _where(fn) -> str:
+    try:
+        return f" ({fn.__qualname__}, {inspect.getsourcefile(fn)} line {inspect.getsourcelines(fn)[1]})"
+    except (TypeError, OSError, AttributeError):
+        return ""
+
+
+EVAL_RECORD_KEYS = ("kind", "step", "eval_time_s")   # the eval record's own keys, not the task's to give
+
+
+def check_metrics(result) -> dict:
+    """What evaluate() returned, checked: a dict of names (str) to finite numbers; ints stay ints."""
+    if not isinstance(result, dict):
+        raise TaskError(f"the task's evaluate() returned a {type(result).__name__} ({_short(result)}), not a dict "
+                        f"of metric names to numbers")
+    out = {}
+    for k, v in result.items():
+        if not isinstance(k, str) or k in EVAL_RECORD_KEYS:
+            raise TaskError(f"the task's evaluate() returned the key {k!r}: metric names are str, and "
+                            f"{', '.join(EVAL_RECORD_KEYS)} are the eval record's own")
+        try:
+            out[k] = int(v) if isinstance(v, numbers.Integral) else _number(v, sys.float_info.max)
+        except NotANumber:
+            raise TaskError(f"the task's evaluate() returned {{{k!r}: {_short(v)}}}: {k!r} must be a finite "
+                            f"number") from None
+    return out

@@ -4,6 +4,7 @@ Fixtures live in conftest.py; everything a test imports comes from here, never f
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -63,6 +64,23 @@ def build_tiny_llama(path: str, tokenizer_dir: str) -> str:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def small_vocab_model(tokenizer_dir: str, path: str, vocab_size: int = 300) -> str:
+    """A tiny GPT-2 whose vocabulary is smaller than the tokenizer of tokenizer_dir it is saved with."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_positions=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return str(path)
+
+
+def without_tokenizer(model_dir: str, path: str) -> str:
+    """The model's config and weights alone: a folder copied without the tokenizer's files."""
+    os.makedirs(path)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(model_dir, name), path)
+    return str(path)
 
 
 def env(**extra):

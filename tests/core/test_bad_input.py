@@ -1,7 +1,8 @@
 """Bad input, tried systematically: every flag of the trainer (and of the chess task's options) with a
 value of the wrong type, out of range or empty, plus missing, unreadable or wrong files, a folder that is
-no model and task files that fail, output folders that are not this run's, damaged checkpoints. Each must
-exit with code 2 and one line naming the flag or file, with no traceback, before a model is loaded."""
+no model and task files that fail, output folders that are not this run's, damaged checkpoints, task files
+whose prompts or min_reward are wrong, models whose tokenizer does not fit them. Each must exit with code 2
+and one line naming the flag or file, with no traceback, before a model is loaded."""
 import pathlib
 import shutil
 
@@ -9,6 +10,7 @@ import pytest
 
 import train_lean
 from grpo import config, rundir
+from helpers import small_vocab_model, without_tokenizer
 from tasks.rookworld.task import MixOptions
 
 
@@ -62,9 +64,30 @@ def cases():
 CASES = cases()
 
 
+PROMPTS = """
+class Base:
+    name = "base"
+    def prompts(self, n, rng): return ["Repeat a: "] * n
+    def reward(self, prompt, completion): return 0.0
+class Fewer(Base):
+    def prompts(self, n, rng): return ["Repeat a: "] * (n - 1)
+class Empty(Base):
+    def prompts(self, n, rng): return []
+class NotStr(Base):
+    def prompts(self, n, rng): return [b"Repeat a: "] * n
+class Long(Base):
+    def prompts(self, n, rng): return ["Repeat a: " * 200] * n
+class NanFloor(Base):
+    min_reward = float("nan")
+"""
+
+
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("bad")
+    (root / "prompts.py").write_text(PROMPTS)
+    without_tokenizer(tiny_model_dir, root / "no-tokenizer")
+    small_vocab_model(tiny_model_dir, root / "small-vocab")
     (root / "a-file").write_text("not a folder\n")
     (root / "empty-model").mkdir()
     (root / "not-rookworld.txt").write_text("hello\nworld\n")
@@ -110,6 +133,16 @@ def file_cases(root):
         (["--out-dir", str(root / "busy")], "is in use by another run"),
         (["--resume", str(root / "damaged-checkpoint")], "the checkpoint is damaged"),
         (["--model", str(root / "huge-model")], "free on its disk"),
+        # the task and the model: checked with the tokenizer and the model's config, before the weights load
+        (["--model", str(root / "no-tokenizer")], "its tokenizer has no vocabulary"),
+        (["--model", str(root / "small-vocab")], "token ids up to 319, but the model's vocab_size is 300"),
+        (["--task", f"{root / 'prompts.py'}:Fewer"], "prompts(2, rng) returned 1 prompts, not 2"),
+        (["--task", f"{root / 'prompts.py'}:Empty"], "prompts(2, rng) returned 0 prompts, not 2"),
+        (["--task", f"{root / 'prompts.py'}:NotStr"], "returned b'Repeat a: ' as prompt 0"),
+        (["--task", f"{root / 'prompts.py'}:Long"], "more than the model's 512: shorten the task's prompts"),
+        (["--max-new-tokens", "510"], "plus --max-new-tokens 510 needs 515 positions, more than the model's 512: "
+                                      "lower --max-new-tokens to 507"),
+        (["--task", f"{root / 'prompts.py'}:NanFloor"], "min_reward nan is not a finite number"),
     ]
 
 

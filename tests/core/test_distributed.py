@@ -45,3 +45,44 @@ def test_two_processes_make_the_one_process_update(tiny_model_dir, tmp_path):
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-5)
     assert os.listdir(two / "checkpoints") == ["step_000002"]  # saved once, by rank 0
+
+
+HALF_FAILING = '''
+class Half:
+    name = "half"
+
+    def prompts(self, n, rng):
+        return ["Repeat a: "] * (n // 2) + ["Repeat b: "] * (n - n // 2)   # rank 0 gets the a's, rank 1 the b's
+
+    def reward(self, prompt, completion):
+        if prompt == "Repeat b: " or self.always:
+            return undefined_name
+        return completion.count("a") / 10
+
+    always = False
+
+
+class Always(Half):
+    always = True
+'''
+
+
+def torchrun(*args):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           TRAIN, *args], capture_output=True, text=True, env=env(), timeout=300)
+
+
+def test_reward_errors_are_decided_on_the_global_count_and_shown_by_rank_0(tiny_model_dir, tmp_path):
+    (tmp_path / "half.py").write_text(HALF_FAILING)
+    args = ["--model", tiny_model_dir, *SMALL, "--batch-size", "8", "--group-size", "2", "--steps", "2"]
+    # every reward of rank 1 fails, none of rank 0: half the step's rewards, so both ranks train on
+    half = torchrun(*args, "--task", f"{tmp_path / 'half.py'}:Half", "--out-dir", str(tmp_path / "half"))
+    assert half.returncode == 0, half.stderr[-3000:]
+    assert [r["reward_errors"] for r in records(tmp_path / "half" / "metrics.jsonl")] == [{"NameError": 4}] * 2
+    # rank 0 shows rank 1's first failure, once, with the task's line
+    assert half.stderr.count("the task's reward raised NameError: name 'undefined_name' is not defined") == 1
+    assert half.stderr.count(f'File "{tmp_path / "half.py"}", line 10, in reward') == 1
+    # every reward of both ranks fails: both stop at step 1 (none waits for the other)
+    always = torchrun(*args, "--task", f"{tmp_path / 'half.py'}:Always", "--out-dir", str(tmp_path / "always"))
+    assert always.returncode != 0 and "step 1/2" not in always.stdout
+    assert always.stderr.count("RewardError: step 1: every reward failed (NameError 8;") == 2   # each rank's own

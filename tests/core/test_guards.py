@@ -101,6 +101,7 @@ def test_too_many_non_finite_updates_in_a_row_abort_with_a_checkpoint(tiny_model
 
 
 def test_a_reward_that_raises_gets_the_minimum_and_is_reported_once_per_kind(tiny_model_dir, tmp_path, capsys):
+    # every reward raises: only --reward-errors tolerate trains on (tests/core/test_task.py: the default stops)
     task = tmp_path / "flaky.py"
     task.write_text(
         "class Flaky:\n"
@@ -110,12 +111,14 @@ def test_a_reward_that_raises_gets_the_minimum_and_is_reported_once_per_kind(tin
         "        return [f'Repeat {rng.choice(\"ab\")}: ' for _ in range(n)]\n"
         "    def reward(self, prompt, completion):\n"
         "        raise (ValueError if len(completion) % 2 else KeyError)('no reward for this one')\n")
-    recs = run(tiny_model_dir, tmp_path / "out", "--task", f"{task}:Flaky", "--steps", "3")
+    recs = run(tiny_model_dir, tmp_path / "out", "--task", f"{task}:Flaky", "--steps", "3", "--reward-errors",
+               "tolerate")
     assert [r["reward_mean"] for r in recs] == [-1.0] * 3
     assert all(sum(r["reward_errors"].values()) == 8 for r in recs)
     kinds = set().union(*(r["reward_errors"] for r in recs))
-    out = capsys.readouterr().out
-    assert kinds and all(out.count(f"the task's reward raised {k}") == 1 for k in kinds)
+    err = capsys.readouterr().err
+    assert kinds and all(err.count(f"the task's reward raised {k}: ") == 1 for k in kinds)
+    assert err.count(f'File "{task}", line 7, in reward') == len(kinds)   # each kind's traceback, once
 
 
 def test_empty_enormous_and_invalid_completions_are_scored():

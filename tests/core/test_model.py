@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from grpo.model import ModelLoadError, frozen_copy, load_policy, load_tokenizer
+from grpo.model import ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer
+from helpers import small_vocab_model, without_tokenizer
 
 
 def test_tokenizer_pads_left_with_eos_when_it_has_no_pad(tiny_model_dir):
@@ -43,3 +44,23 @@ def test_unreachable_hub_id_says_the_machine_may_be_offline(monkeypatch):
 def test_folder_without_a_model_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="cannot load --model"):
         load_policy(str(tmp_path), "cpu")
+
+
+def test_a_folder_without_tokenizer_files_fails_at_load(tiny_model_dir, tmp_path):
+    # transformers builds an empty GPT-2 tokenizer from the config: every prompt would encode to nothing
+    with pytest.raises(ModelLoadError, match=r"its tokenizer has no vocabulary \(1 special token\(s\) only\): the "
+                                             r"folder lacks the tokenizer's files"):
+        load_tokenizer(without_tokenizer(tiny_model_dir, tmp_path / "bare"))
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_fails_at_load(tiny_model_dir, tmp_path):
+    path = small_vocab_model(tiny_model_dir, tmp_path / "small-vocab")
+    with pytest.raises(ModelLoadError, match="its tokenizer has token ids up to 319, but the model's vocab_size is "
+                                             "300: ids from 300 on are outside its embeddings"):
+        load_tokenizer(path)
+
+
+def test_context_length_reads_the_config(tiny_model_dir, tiny_rotary_dir):
+    assert context_length(load_config(tiny_model_dir)) == 512        # GPT-2: n_positions
+    assert context_length(load_config(tiny_rotary_dir)) == 512       # Llama: max_position_embeddings
+    assert context_length(object()) is None

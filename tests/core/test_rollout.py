@@ -1,10 +1,13 @@
 import pytest
 import torch
 
+import train_lean
 from grpo.loss import completion_logprobs
 from grpo.model import load_policy, load_tokenizer, position_ids_from_mask
 from grpo.rollout import (completion_mask, decode_completions, encode_prompts, generate, left_pad,
                           sample_token)
+from grpo.task import TaskError
+from helpers import read_jsonl
 
 
 def _padded(tok, prompt, completion_ids, pad):
@@ -140,3 +143,33 @@ def test_sampling_follows_the_tempered_distribution(temperature):
     tokens, _ = sample_token(logits, temperature, 0, 1.0)
     freq = torch.bincount(tokens, minlength=3).float() / len(tokens)
     assert torch.allclose(freq, torch.softmax(logits[0] / temperature, -1), atol=0.015)
+
+
+def test_a_prompt_that_encodes_to_nothing_is_named():
+    # a tokenizer whose normaliser strips whitespace: "   " is a non-empty prompt with no tokens
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    bare = Tokenizer(models.WordLevel({"<eos>": 0, "a": 1}, unk_token="<eos>"))
+    bare.normalizer, bare.pre_tokenizer = normalizers.Strip(), pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bare, eos_token="<eos>")
+    assert encode_prompts(tok, ["a", "a a"], prepend_bos=False) == [[1], [1, 1]]
+    with pytest.raises(TaskError, match=r"the prompt '   ' encodes to no tokens with the model's tokenizer"):
+        encode_prompts(tok, ["a", "   "], prepend_bos=False)
+
+
+def test_a_prompt_and_its_completion_may_fill_the_context_exactly(tiny_model_dir, tmp_path, clean_env):
+    tok = load_tokenizer(tiny_model_dir)
+    room = 512 - len(encode_prompts(tok, ["Repeat a: "], True)[0])   # the toy task's prompts are this long
+    base = ["--model", tiny_model_dir, "--task", "toy", "--batch-size", "2", "--group-size", "2", "--steps", "1",
+            "--eval-interval", "0", "--log-level", "warning"]
+    assert len(encode_prompts(tok, ["Repeat b: "], True, room, 512)[0]) == 512 - room
+    with pytest.raises(TaskError, match=f"plus --max-new-tokens {room + 1} needs 513 positions, more than the model's "
+                                        f"512: lower --max-new-tokens to {room} or shorten the task's prompts"):
+        encode_prompts(tok, ["Repeat b: "], True, room + 1, 512)
+    # every completion as long as the limit allows: the last position is 511, the model's last
+    train_lean.main([*base, "--max-new-tokens", str(room), "--min-new-tokens", str(room), "--out-dir",
+                     str(tmp_path / "fits")])
+    assert read_jsonl(tmp_path / "fits" / "metrics.jsonl")[0]["completion_len_mean"] == room
+    with pytest.raises(SystemExit) as exit_:   # one more and it does not fit: said before the weights load
+        train_lean.main([*base, "--max-new-tokens", str(room + 1), "--out-dir", str(tmp_path / "over")])
+    assert exit_.value.code == 2

@@ -7,7 +7,7 @@ import pytest
 import train_lean
 from helpers import SMALL, read_jsonl, train
 
-from grpo.task import TaskError, score
+from grpo.task import TaskError, build, check_metrics, draw_prompts, score
 from tasks import get_task
 from tasks.toy import ToyTask
 
@@ -63,7 +63,7 @@ class Flaky:
 def test_a_raising_reward_gets_the_minimum_and_is_counted():
     rewards, _, errors = score(Flaky(), ["p"] * 4, ["ok", "boom", "nan", "boom"])
     assert rewards.tolist() == [1.0, -1.0, -1.0, -1.0]
-    assert errors == {"KeyError": 2, "FloatingPointError": 1}
+    assert errors == {"KeyError": 2, "returned nan": 1}
 
 
 class Parts:
@@ -174,10 +174,236 @@ def test_a_task_file_that_raises_on_import_is_a_usage_error(tmp_path):
                                    f"{tmp_path / 'broken.py'} raised RuntimeError: no data set here")
 
 
-def test_reward_values_that_are_not_numbers_get_the_minimum():
+def test_reward_values_that_are_not_numbers_get_the_minimum_counted_by_what_they_were():
     class Odd(Flaky):
         def reward(self, prompt, completion):
-            return {"s": "0.5", "none": None, "inf": float("inf"), "ok": 0.25}[completion]
-    rewards, _, errors = score(Odd(), ["p"] * 4, ["s", "none", "inf", "ok"])
-    assert rewards.tolist() == [-1.0, -1.0, -1.0, 0.25]
-    assert errors == {"TypeError": 2, "FloatingPointError": 1}
+            return {"s": "0.5", "none": None, "inf": float("-inf"), "f32": 1e39, "list": [0.5], "ok": 0.25,
+                    "np": np.float64(0.75), "true": True, "false": False, "max": 3e38}[completion]
+    kinds = ["s", "none", "inf", "f32", "list", "ok", "np", "true", "false", "max"]
+    failures = {}
+    rewards, _, errors = score(Odd(), ["p"] * len(kinds), kinds, failures)
+    # rewards are stored as float32: 1e39 is finite as a Python float and inf there; 3e38 still fits.
+    # A bool is a number (True counts 1.0): `return answer == expected` is a common, correct reward.
+    assert rewards.tolist() == [-1.0] * 5 + [0.25, 0.75, 1.0, 0.0, np.float32(3e38)]
+    assert errors == {"returned str": 1, "returned None": 1, "returned inf": 2, "returned list": 1}
+    assert [str(failures[k][0]) for k in ("returned str", "returned None", "returned inf", "returned list")] == [
+        "returned a str ('0.5'), not a number", "returned None, not a number", "returned -inf",
+        "returned a list ([0.5]), not a number"]
+    assert failures["returned inf"][1:] == ("p", "inf")   # the first of the kind, with its prompt and completion
+
+
+def test_reward_breakdown_components_must_be_numbers_too():
+    class Parted(Parts):
+        def reward_breakdown(self, prompt, completion):
+            return {"reward": 1.0, "format": "yes"}
+    rewards, means, errors = score(Parted(), ["p"], ["c"])
+    assert rewards.tolist() == [0.0] and errors == {"returned str": 1} and means == {}
+
+
+@pytest.mark.parametrize("floor", [float("nan"), float("inf"), 1e39, "0", None])
+def test_min_reward_must_be_a_finite_number(floor):
+    class Floored(Flaky):
+        min_reward = floor
+    with pytest.raises(TaskError, match=r"--task t: min_reward .* is not a finite number"):
+        build(Floored, None, "t")
+
+
+def test_min_reward_that_is_a_number_builds():
+    class Floored(Flaky):
+        min_reward = np.float32(-2)
+    assert build(Floored, None, "t").min_reward == -2
+
+
+class Counted(Flaky):
+    def __init__(self, result):
+        self.result = result
+
+    def prompts(self, n, rng):
+        return self.result(n)
+
+
+@pytest.mark.parametrize("result, message", [
+    (lambda n: ["p"] * (n - 1), "returned 3 prompts, not 4: it must return exactly n"),
+    (lambda n: ["p"] * (n + 1), "returned 5 prompts, not 4"),
+    (lambda n: [], "returned 0 prompts, not 4"),
+    (lambda n: "pppp", "returned a str, not a list of 4 str"),
+    (lambda n: (p for p in "pppp"), "returned a generator, not a list of 4 str"),
+    (lambda n: ["p", "p", 3, "p"], "returned 3 as prompt 2: each prompt must be a non-empty str"),
+    (lambda n: ["p", "", "p", "p"], "returned '' as prompt 1"),
+    (lambda n: ["p", None, "p", "p"], "returned None as prompt 1"),
+])
+def test_prompts_are_exactly_n_non_empty_strings(result, message):
+    with pytest.raises(TaskError, match=re.escape(f"the task's prompts(4, rng) {message}")):
+        draw_prompts(Counted(result), 4, random.Random(0))
+
+
+def test_prompts_as_a_tuple_are_fine():
+    assert draw_prompts(Counted(lambda n: ("a",) * n), 3, random.Random(0)) == ["a", "a", "a"]
+
+
+@pytest.mark.parametrize("result, message", [
+    ([("accuracy", 0.5)], "returned a list ([('accuracy', 0.5)]), not a dict"),
+    ({"accuracy": float("nan")}, "returned {'accuracy': nan}: 'accuracy' must be a finite number"),
+    ({"accuracy": float("inf")}, "returned {'accuracy': inf}: 'accuracy' must be a finite number"),
+    ({"accuracy": "0.5"}, "returned {'accuracy': '0.5'}: 'accuracy' must be a finite number"),
+    ({"accuracy": None}, "returned {'accuracy': None}"),
+    ({"step": 3}, "returned the key 'step'"),   # would overwrite the record's own step
+    ({1: 0.5}, "returned the key 1: metric names are str"),
+])
+def test_what_evaluate_returns_is_checked(result, message):
+    with pytest.raises(TaskError, match=re.escape(f"the task's evaluate() {message}")):
+        check_metrics(result)
+
+
+def test_evaluate_numbers_become_plain_json_numbers():
+    checked = check_metrics({"a": np.float32(0.5), "n": np.int64(3), "b": 2, "ok": True})
+    assert checked == {"a": 0.5, "n": 3, "b": 2, "ok": 1}
+    assert [type(v) for v in checked.values()] == [float, int, int, int]
+
+
+# ---- through the trainer: what the user sees ---------------------------------------------------------------
+
+REWARDS = '''
+class Base:
+    name = "base"
+    min_reward = -1.0
+
+    def prompts(self, n, rng):
+        return [f"Repeat {rng.choice('ab')}: " for _ in range(n)]
+
+
+class Buggy(Base):
+    def reward(self, prompt, completion):
+        return len(completion) * scale      # scale is never defined
+
+
+class SomeStr(Base):
+    def reward(self, prompt, completion):
+        return "0.5" if len(completion) % 2 else 0.5
+
+
+class Flat(Base):
+    def reward(self, prompt, completion):
+        return 0.5
+
+
+class BreaksAfterStep1(Base):
+    scored = 0
+
+    def reward(self, prompt, completion):
+        self.scored += 1   # 8 completions a step: an outside service that goes away after step 1
+        if self.scored > 8:
+            raise ConnectionError("the grader is gone")
+        return len(completion) / 10
+
+
+class Shrinking(Flat):
+    calls = 0
+
+    def prompts(self, n, rng):
+        self.calls += 1   # the trainer draws step 1 before the model loads and again in the loop
+        return ["Repeat a: "] * (n if self.calls <= 2 else n - 1)
+
+
+class NanEval(Flat):
+    def evaluate(self, complete):
+        return {"accuracy": float("nan")}
+
+
+class LongEval(Flat):
+    def evaluate(self, complete):
+        complete(["Repeat a: " * 200])
+        return {"accuracy": 0.0}
+'''
+
+
+@pytest.fixture
+def rewards_file(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text(REWARDS)
+    return path
+
+
+def line_of(path, text: str) -> int:
+    return next(i for i, line in enumerate(open(path), 1) if text in line)
+
+
+def test_a_reward_that_always_raises_stops_the_run_with_the_tasks_traceback(rewards_file, tiny_model_dir, tmp_path):
+    proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:Buggy", *SMALL, "--steps", "3",
+                 "--out-dir", str(tmp_path / "run"))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    # the user's file and line, the real exception, then one line saying why and how to opt out
+    assert f'File "{rewards_file}", line {line_of(rewards_file, "scale is never")}, in reward' in proc.stderr
+    assert "NameError: name 'scale' is not defined" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("grpo.task.RewardError: step 1: every reward failed (NameError 8; the first raised "
+                           "NameError: name 'scale' is not defined)")
+    assert "--reward-errors tolerate" in last
+    assert "step 1/3" not in proc.stdout and not (tmp_path / "run" / "model").exists()
+
+
+def test_a_reward_that_fails_everywhere_later_stops_and_keeps_the_steps_done(rewards_file, tiny_model_dir, tmp_path):
+    proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:BreaksAfterStep1", *SMALL, "--steps", "3",
+                 "--out-dir", str(tmp_path))
+    assert proc.returncode == 1 and "step 1/3" in proc.stdout and "step 2/3" not in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1].startswith("grpo.task.RewardError: step 2: every reward failed "
+                                                           "(ConnectionError 8; the first raised ConnectionError: the "
+                                                           "grader is gone)")
+    assert (tmp_path / "checkpoints" / "step_000001").is_dir()   # what --resume continues once the grader is back
+
+
+def test_a_reward_that_sometimes_returns_a_str_is_named_once_and_training_goes_on(rewards_file, tiny_model_dir,
+                                                                                 tmp_path):
+    proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:SomeStr", *SMALL, "--steps", "3",
+                 "--out-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    where = f"(SomeStr.reward, {rewards_file} line {line_of(rewards_file, 'class SomeStr') + 1})"
+    said = [line for line in proc.stderr.splitlines() if "the task's reward" in line]
+    assert len(said) == 1 and "returned a str ('0.5'), not a number " + where in said[0], proc.stderr
+    assert said[0].startswith("train_lean.py: step ") and "min_reward -1" in said[0]
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert sum(r.get("reward_errors", {}).get("returned str", 0) for r in records) > 1   # each counted
+
+
+def test_tolerated_reward_errors_train_on_and_show_the_traceback_once(rewards_file, tiny_model_dir, tmp_path):
+    proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:Buggy", *SMALL, "--steps", "3",
+                 "--out-dir", str(tmp_path), extra_env={"GRPO_REWARD_ERRORS": "tolerate"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("NameError: name 'scale' is not defined") == 2   # the warning line and the traceback
+    assert proc.stderr.count(f'File "{rewards_file}", line') == 1
+    assert [r["reward_errors"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [{"NameError": 8}] * 3
+
+
+def test_a_step_without_signal_is_named_once_with_what_to_try(rewards_file, tiny_model_dir, tmp_path):
+    proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:Flat", *SMALL, "--steps", "3",
+                 "--log-level", "warning", "--out-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    notes = [line for line in proc.stderr.splitlines() if "frac_zero_std 1.0" in line]   # --log-level keeps it
+    assert len(notes) == 1 and notes[0].startswith("train_lean.py: step 1: every group's completions got equal "
+                                                   "rewards"), proc.stderr
+    for hint in ("--temperature", "--group-size", "partial credit", "model that sometimes solves"):
+        assert hint in notes[0]
+    assert [r["frac_zero_std"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1.0] * 3
+
+
+def test_a_step_whose_prompts_come_up_short_stops_with_a_clear_error(rewards_file, tiny_model_dir, tmp_path):
+    proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:Shrinking", *SMALL, "--steps", "3",
+                 "--out-dir", str(tmp_path))
+    assert proc.returncode == 1 and "step 1/3" in proc.stdout and "step 2/3" not in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1] == ("grpo.task.TaskError: the task's prompts(4, rng) returned 3 "
+                                                     "prompts, not 4: it must return exactly n (the batch is n groups)")
+
+
+def test_an_evaluation_that_returns_nan_is_a_clear_error(rewards_file, tiny_model_dir, tmp_path, clean_env):
+    with pytest.raises(TaskError, match=re.escape("the task's evaluate() returned {'accuracy': nan}: 'accuracy' "
+                                                  "must be a finite number")):
+        train_lean.main(["--model", tiny_model_dir, "--task", f"{rewards_file}:NanEval", *SMALL, "--steps", "1",
+                         "--eval-interval", "1", "--out-dir", str(tmp_path)])
+
+
+def test_an_evaluation_prompt_too_long_for_the_model_is_a_clear_error(rewards_file, tiny_model_dir, tmp_path,
+                                                                       clean_env):
+    with pytest.raises(TaskError, match=r"a prompt of 60\d tokens \('Repeat a: Repeat a: .*more than the model's 512"):
+        train_lean.main(["--model", tiny_model_dir, "--task", f"{rewards_file}:LongEval", *SMALL, "--steps", "1",
+                         "--eval-only", "--out-dir", str(tmp_path)])
