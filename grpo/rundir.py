@@ -96,6 +96,10 @@ def claim(cfg, options) -> tuple:
             for note in [] if cfg.eval_only else config.check_resume(checkpoint.saved_settings(resume_from), cfg,
                                                                      options, resume_from):
                 log.note(note)
+            done = checkpoint.step_of(resume_from)
+            if not cfg.eval_only and cfg.steps <= done:   # it would train nothing and save step `done` as final
+                raise config.ConfigError(f"--steps {cfg.steps}: the checkpoint {resume_from} is at step {done} already "
+                                         f"(nothing to train): pass --steps above {done}")
         if cfg.eval_only:   # it writes only a --log-file, and that only when it holds no earlier records
             found = [cfg.log_file] if cfg.log_file and _holds_something(cfg.log_file) else []
         else:

@@ -158,6 +158,9 @@ def test_resume_refuses_other_settings_and_allows_the_named_ones(two_saved_steps
     assert f"--task {evaluated} -> chess-env" in line
     line = one_line_error(train(*run_args(tiny_model_dir, evaluated, *resume, "--width", "4")))
     assert "--width 10 -> 4" in line   # a task's option defines the run too
+    line = one_line_error(train(*run_args(tiny_model_dir, evaluated, "--steps", "2", "--out-dir", str(out),
+                                          "--resume")))
+    assert f"--steps 2: the checkpoint {ckpt} is at step 2 already" in line   # it would train nothing, silently
 
     # on purpose: the named change is said; settings that do not define the run change freely
     result = train(*run_args(tiny_model_dir, evaluated, *resume, "--learning-rate", "5e-4", "--resume-allow-change",
