@@ -82,6 +82,17 @@ def _continues(resume_from, out_dir: str) -> bool:
         os.path.realpath(os.path.dirname(resume_from)) == os.path.realpath(os.path.join(out_dir, checkpoint.SUBDIR))
 
 
+def set_aside_later(out_dir: str, step: int) -> None:
+    """Rename OUT_DIR's checkpoints after `step` to abandoned-step_N: a run resumed from an older checkpoint
+    starts another future, and a later --resume (or the pruning of --keep-checkpoints) must not take the old one."""
+    for path in checkpoint.candidates(os.path.join(out_dir, checkpoint.SUBDIR)):
+        if checkpoint.step_of(path) > step:
+            aside = os.path.join(os.path.dirname(path), "abandoned-" + os.path.basename(path))
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(path, aside)
+            log.note(f"resuming from step {step}: the later checkpoint {path} is moved aside to {aside}")
+
+
 def claim(cfg, options) -> tuple:
     """Make OUT_DIR this run's and find what it resumes: (a context that holds the lock until the run ends,
     the intact checkpoint to resume from or None). Raises ConfigError / CheckpointError, lock released."""
@@ -97,6 +108,8 @@ def claim(cfg, options) -> tuple:
                                                                      options, resume_from):
                 log.note(note)
             done = checkpoint.step_of(resume_from)
+            if main and not cfg.eval_only and _continues(resume_from, cfg.out_dir):
+                set_aside_later(cfg.out_dir, done)
             if not cfg.eval_only and cfg.steps <= done:   # it would train nothing and save step `done` as final
                 raise config.ConfigError(f"--steps {cfg.steps}: the checkpoint {resume_from} is at step {done} already "
                                          f"(nothing to train): pass --steps above {done}")

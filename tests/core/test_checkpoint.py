@@ -254,3 +254,23 @@ def test_a_full_disk_at_the_final_save_is_said_beside_the_traceback(tiny_model_d
     said = [line for line in result.stderr.splitlines() if line.startswith("train_lean.py: could not save step 2")]
     assert len(said) == 1 and "the steps after the start are lost" in said[0], result.stderr
     assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_resuming_an_older_checkpoint_moves_the_later_ones_aside(two_saved_steps, evaluated, tiny_model_dir,
+                                                                 tmp_path):
+    # step 1 resumed with another learning rate: step 2 of the first run belongs to the abandoned future, so
+    # neither pruning nor a later bare --resume may pick it over the new run's own checkpoints
+    out = copy_of(two_saved_steps, tmp_path)
+    ckpts = out / "checkpoints"
+    branch = train(*run_args(tiny_model_dir, evaluated, "--steps", "2", "--save-interval", "5", "--out-dir", str(out),
+                             "--resume", str(ckpts / "step_000001"), "--learning-rate", "5e-4",
+                             "--resume-allow-change", "learning_rate"))
+    assert branch.returncode == 0, branch.stderr
+    assert f"the later checkpoint {ckpts / 'step_000002'} is moved aside to {ckpts / 'abandoned-step_000002'}" \
+        in branch.stderr
+    assert checkpoint.saved_settings(str(ckpts / "step_000002"))["learning_rate"] == 5e-4   # the new run's own
+    assert checkpoint.saved_settings(str(ckpts / "abandoned-step_000002"))["learning_rate"] == 1e-3
+    later = train(*run_args(tiny_model_dir, evaluated, "--steps", "3", "--out-dir", str(out), "--resume",
+                            "--learning-rate", "5e-4"))
+    assert later.returncode == 0, later.stderr   # the same settings as the branch it continues
+    assert f"resumed from {ckpts / 'step_000002'}" in later.stdout
