@@ -44,4 +44,8 @@ default-model: install stockfish
 test: install stockfish
 	$(PY) -m pytest -q tests $(ARGS)
 
-.PHONY: install stockfish train default-model test bench
+# The fast tier: the math, equivalences, masks, decoders and a few end-to-end runs (no test marked slow).
+test-fast: install stockfish
+	$(PY) -m pytest -q tests -m "not slow" $(ARGS)
+
+.PHONY: install stockfish train default-model test test-fast bench

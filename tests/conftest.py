@@ -6,6 +6,12 @@ import pytest
 from helpers import build_tiny_llama, build_tiny_model
 
 
+def pytest_configure(config):
+    # make test runs both tiers (so does CI); make test-fast leaves the slow one out
+    config.addinivalue_line("markers", "slow: real processes at length (torchrun-style gloo ranks, kill -9 and "
+                                       "resume, engines, the full bad-input table, --compile)")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random-init 2-layer GPT-2 with a byte-level BPE tokenizer (pad == EOS, dropout 0.1 in its config)."""

@@ -13,6 +13,8 @@ from grpo import config, rundir
 from helpers import small_vocab_model, without_tokenizer
 from tasks.rookworld.task import MixOptions
 
+pytestmark = pytest.mark.slow   # the full bad-input table
+
 
 def wrong_values(f) -> list:
     """Values no field of f's type accepts: another type, and empty where the field is not optional."""

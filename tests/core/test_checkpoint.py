@@ -27,6 +27,7 @@ def saved_steps(out):
         if os.path.isdir(os.path.join(out, "checkpoints")) else []
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     steps = 8
@@ -63,6 +64,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model_dir, tmp_pat
     assert tok.eos_token_id is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_finishes_the_step_saves_and_exits_0(tiny_model_dir, tmp_path, sig):
     out = str(tmp_path / "out")
@@ -142,6 +144,7 @@ def copy_of(out, tmp_path):
     return tmp_path / "out"
 
 
+@pytest.mark.slow
 def test_resume_refuses_other_settings_and_allows_the_named_ones(two_saved_steps, evaluated, tiny_model_dir,
                                                                  tiny_rotary_dir, tmp_path):
     out = copy_of(two_saved_steps, tmp_path)
@@ -172,6 +175,7 @@ def test_resume_refuses_other_settings_and_allows_the_named_ones(two_saved_steps
     assert checkpoint.saved_settings(str(out / "checkpoints" / "step_000003"))["learning_rate"] == 5e-4
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_an_older_trainer_resumes_with_a_note(two_saved_steps, evaluated, tiny_model_dir, tmp_path):
     # no manifest, and settings without a field that a later trainer added
     out = copy_of(two_saved_steps, tmp_path)
@@ -188,6 +192,7 @@ def test_a_checkpoint_of_an_older_trainer_resumes_with_a_note(two_saved_steps, e
 
 @pytest.mark.parametrize("name, manifest", [("model.safetensors", True), (checkpoint.STATE, True),
                                             ("model.safetensors", False), (checkpoint.STATE, False)])
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_said_and_the_intact_one_used(two_saved_steps, evaluated, tiny_model_dir,
                                                                      tmp_path, name, manifest):
     out = copy_of(two_saved_steps, tmp_path)
@@ -215,6 +220,7 @@ def test_a_damaged_newest_checkpoint_is_said_and_the_intact_one_used(two_saved_s
     assert "no intact checkpoint in" in line and "damaged" in line
 
 
+@pytest.mark.slow
 def test_a_failure_after_a_completed_step_keeps_it_for_resume(evaluated, tiny_model_dir, tmp_path):
     # the default --save-interval 0; the task's evaluation raises at step 2 (its 2nd call: steps 0, 2, 4)
     args = run_args(tiny_model_dir, evaluated, "--steps", "4", "--eval-interval", "2")
@@ -244,6 +250,7 @@ def no_bigger_files_than(limit: int):
     return apply
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_the_final_save_is_said_beside_the_traceback(tiny_model_dir, tmp_path):
     # the logs fit, the weights (600 KB) do not: the final save fails, and so does the checkpoint after it
     result = subprocess.run([sys.executable, TRAIN, *run_args(tiny_model_dir, "toy", "--steps", "2",
@@ -256,6 +263,7 @@ def test_a_full_disk_at_the_final_save_is_said_beside_the_traceback(tiny_model_d
     assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_resuming_an_older_checkpoint_moves_the_later_ones_aside(two_saved_steps, evaluated, tiny_model_dir,
                                                                  tmp_path):
     # step 1 resumed with another learning rate: step 2 of the first run belongs to the abandoned future, so

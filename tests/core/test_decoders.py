@@ -105,6 +105,7 @@ def test_greedy_decoding_equals_hf_generate(family):
     assert torch.equal(ours, theirs[:, ids.shape[1]:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_compiled_decode_step_equals_the_eager_one(arch, tiny_model_dir, tiny_rotary_dir):
     """Batches of two prompt widths, the first one again last: the compiled step recompiles for the second

@@ -9,9 +9,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import torch
 
 from helpers import SMALL, TRAIN, env, records, train, weights
+
+pytestmark = pytest.mark.slow   # gloo processes, as under torchrun
 
 ARGS = [*SMALL, "--task", "toy", "--batch-size", "16", "--group-size", "4", "--steps", "2", "--save-interval", "2",
         "--scale-rewards", "batch", "--seed", "3"]

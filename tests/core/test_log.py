@@ -1,8 +1,11 @@
 """The JSONL logs on --resume: a torn last line (a kill or a full disk mid-write) is dropped with a note; a damaged
 line before it is dropped loudly, the file as it was kept beside it."""
+import pytest
+
 from helpers import SMALL, read_jsonl, train
 
 
+@pytest.mark.slow
 def test_torn_and_damaged_lines_are_dropped_on_resume_and_said(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     metrics, completions = out / "metrics.jsonl", out / "completions.jsonl"

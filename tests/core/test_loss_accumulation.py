@@ -71,6 +71,7 @@ def test_dr_grpo_denominator_is_the_same_whatever_the_lengths(batch):
     assert loss_denominator(torch.ones_like(cmask), "dr_grpo", MAX_NEW_TOKENS) == 64 * MAX_NEW_TOKENS
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_sum_to_the_one_process_gradient(rollout64, batch, tiny_model_dir, tmp_path):
     batch_file, out_file, init_file = tmp_path / "batch.pt", tmp_path / "grads.pt", tmp_path / "rendezvous"
     torch.save(batch, batch_file)

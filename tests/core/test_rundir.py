@@ -7,9 +7,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import tasks
 from grpo import config, rundir
 from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, train
+
+pytestmark = pytest.mark.slow   # concurrent and repeated real runs in one folder
 
 
 def toy(model):

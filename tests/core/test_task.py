@@ -328,6 +328,7 @@ def line_of(path, text: str) -> int:
     return next(i for i, line in enumerate(open(path), 1) if text in line)
 
 
+@pytest.mark.slow
 def test_a_reward_that_always_raises_stops_the_run_with_the_tasks_traceback(rewards_file, tiny_model_dir, tmp_path):
     proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:Buggy", *SMALL, "--steps", "3",
                  "--out-dir", str(tmp_path / "run"))
@@ -342,6 +343,7 @@ def test_a_reward_that_always_raises_stops_the_run_with_the_tasks_traceback(rewa
     assert "step 1/3" not in proc.stdout and not (tmp_path / "run" / "model").exists()
 
 
+@pytest.mark.slow
 def test_a_reward_that_fails_everywhere_later_stops_and_keeps_the_steps_done(rewards_file, tiny_model_dir, tmp_path):
     proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:BreaksAfterStep1", *SMALL, "--steps", "3",
                  "--out-dir", str(tmp_path))
@@ -352,6 +354,7 @@ def test_a_reward_that_fails_everywhere_later_stops_and_keeps_the_steps_done(rew
     assert (tmp_path / "checkpoints" / "step_000001").is_dir()   # what --resume continues once the grader is back
 
 
+@pytest.mark.slow
 def test_a_reward_that_sometimes_returns_a_str_is_named_once_and_training_goes_on(rewards_file, tiny_model_dir,
                                                                                  tmp_path):
     proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:SomeStr", *SMALL, "--steps", "3",
@@ -366,6 +369,7 @@ def test_a_reward_that_sometimes_returns_a_str_is_named_once_and_training_goes_o
     assert sum(r.get("reward_errors", {}).get("returned str", 0) for r in records) > 1   # each counted
 
 
+@pytest.mark.slow
 def test_tolerated_reward_errors_train_on_and_show_the_traceback_once(rewards_file, tiny_model_dir, tmp_path):
     proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:Buggy", *SMALL, "--steps", "3",
                  "--out-dir", str(tmp_path), extra_env={"GRPO_REWARD_ERRORS": "tolerate"})
@@ -387,6 +391,7 @@ def test_a_step_without_signal_is_named_once_with_what_to_try(rewards_file, tiny
     assert [r["frac_zero_std"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1.0] * 3
 
 
+@pytest.mark.slow
 def test_a_step_whose_prompts_come_up_short_stops_with_a_clear_error(rewards_file, tiny_model_dir, tmp_path):
     proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:Shrinking", *SMALL, "--steps", "3",
                  "--out-dir", str(tmp_path))

@@ -152,6 +152,7 @@ def test_each_algorithm_knob_runs_end_to_end_and_logs(knob, tiny_model_dir, tmp_
         assert all(r["truncated_frac"] < 1 or r["reward_mean"] <= 1 - 0.5 for r in recs)
 
 
+@pytest.mark.slow
 def test_compiled_decoding_trains_on_policy(tiny_rotary_dir, tmp_path, clean_env):
     # --compile: the decode step goes through torch.compile; its sampling logprobs must still be the
     # training forward's, so the first update of a step is exactly on-policy (ratio 1, nothing clipped)

@@ -5,8 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO, env
 from tasks.rookworld.engine import find_stockfish
+
+pytestmark = pytest.mark.slow   # kill -9 chaos on real runs
 
 CHAOS = os.path.join(REPO, "scripts", "chaos.py")
 

@@ -261,6 +261,7 @@ ONE_THREAD = dict(os.environ, OMP_NUM_THREADS="1")
 
 
 @needs_trainer
+@pytest.mark.slow
 @pytest.mark.parametrize("leak", [True, False])
 def test_a_leaking_reward_is_named_by_phase_line_and_tensors(tmp_path, tiny_model_dir, leak):
     task = tmp_path / "leaky.py"
@@ -292,6 +293,7 @@ def test_a_leaking_reward_is_named_by_phase_line_and_tensors(tmp_path, tiny_mode
 
 
 @needs_trainer
+@pytest.mark.slow
 def test_kill_9_of_the_monitor_ends_its_trainer(tmp_path, tiny_model_dir):
     p, trainer = start_watching(tmp_path, ["--steps", "100000", "--batch-size", "8", "--every", "1", "--", "--model",
                                            tiny_model_dir, "--task", "toy", "--out-dir", "run", *TRAIN], 3, env=ONE_THREAD)
@@ -330,6 +332,7 @@ def test_the_sweep_plot_ticks_are_the_batch_sizes():
 
 
 @needs_trainer
+@pytest.mark.slow
 def test_real_trainer_sweep_point(tmp_path, tiny_model_dir):
     # One size: the table, fit and OOM logic are covered with the fake above; this checks that
     # the real trainer's records give a peak, a step time and a throughput; run twice, the second sweep

@@ -19,7 +19,8 @@ from tasks.rookworld.format import policy_prompt
 from helpers import env, line_starting, process_alive, wait_until
 
 STOCKFISH = find_stockfish()
-pytestmark = pytest.mark.skipif(STOCKFISH is None, reason="no Stockfish on PATH or at /usr/games/stockfish")
+pytestmark = [pytest.mark.slow,   # real engines hung, killed and replaced
+              pytest.mark.skipif(STOCKFISH is None, reason="no Stockfish on PATH or at /usr/games/stockfish")]
 DEPTH = 8
 ITALIAN = "r1bqkbnr/pppp1ppp/2n5/4p3/2B1P3/5N2/PPPP1PPP/RNBQK2R b KQkq - 3 3"
 SICILIAN = "rnbqkbnr/pp1ppppp/8/2p5/4P3/8/PPPP1PPP/RNBQKBNR w KQkq - 0 2"

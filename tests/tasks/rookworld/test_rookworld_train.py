@@ -96,6 +96,7 @@ train_lean.main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(find_stockfish() is None, reason="needs Stockfish")
 def test_a_crash_mid_run_exits_1_promptly_and_leaves_no_engine(tiny_model_dir, tmp_path):
     (tmp_path / "crash.py").write_text(CRASHING)
