@@ -20,14 +20,12 @@ import torch
 from tqdm import tqdm
 
 import tasks
-from grpo import checkpoint, config, distributed, dynamic_sampling, evaluate, guards, log, memory, report, rundir
+from grpo import checkpoint, config, distributed, guards, log, memory, rundir
 from grpo import task as task_lib
-from grpo.advantages import group_advantages
-from grpo.kl import kl_penalised_rewards
+from grpo.algorithm import group_advantages, kl_penalised_rewards, missing_groups, overlong_penalty
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
                         model_autocast)
-from grpo.overlong import overlong_penalty
-from grpo.rollout import encode_prompts, sample_groups
+from grpo.rollout import encode_prompts, greedy_completions, merge, sample_groups
 from grpo.update import probe_micro_batch, reference_logprobs, update
 
 
@@ -95,11 +93,13 @@ def main(argv=None):
             usage_error(str(e))
         if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/loss.py)
             policy.activation_checkpointing_enable({"use_reentrant": False})
-        complete = evaluate.completer(policy, tokenizer, prepend_bos=prepend_bos, max_new_tokens=cfg.max_new_tokens,
-                                      batch=layout.generation_batch, device=device, autocast=autocast)
+        # greedy decoding of the policy, for the task's held-out evaluate(complete); rank 0 alone evaluates
+        complete = functools.partial(greedy_completions, policy, tokenizer, prepend_bos=prepend_bos, device=device,
+                                     max_new_tokens=cfg.max_new_tokens, batch=layout.generation_batch, autocast=autocast)
         if cfg.eval_only:  # a log file only when asked for: an earlier run's metrics are not overwritten
-            log_file = stack.enter_context(log.open_jsonl(cfg.log_file)) if cfg.log_file and main_rank else None
-            evaluate.run(task, complete, start_step, log_file)
+            if main_rank:
+                task_lib.evaluate(task, complete, start_step, stack.enter_context(log.open_jsonl(cfg.log_file))
+                                  if cfg.log_file else None)
             return
 
         params = [p for p in policy.parameters() if p.requires_grad]
@@ -125,15 +125,15 @@ def main(argv=None):
             cfg.log_file or os.path.join(cfg.out_dir, "metrics.jsonl"), cfg.log_completions,
             start_step if resume_from else None, stack) if main_rank else (None, None)
         try:  # TensorBoard or W&B as well, on rank 0 (--report-to)
-            reporter = report.open_reporter(cfg.report_to if main_rank else "none", cfg.out_dir, settings)
-        except report.ReportError as e:
+            reporter = log.open_reporter(cfg.report_to if main_rank else "none", cfg.out_dir, settings)
+        except log.ReportError as e:
             usage_error(str(e))
         stack.callback(reporter.close)
         # checkpoints; and on a failure after a completed step, that step's (grpo/checkpoint.py)
         saver = stack.enter_context(checkpoint.Saver(cfg.out_dir, policy, tokenizer, optimizer, settings,
                                                      cfg.keep_checkpoints, start_step, nonfinite_streak))
-        if evaluating and start_step == 0:  # where the run starts from
-            evaluate.run(task, complete, 0, metrics_file, reporter)
+        if evaluating and start_step == 0 and main_rank:  # where the run starts from
+            task_lib.evaluate(task, complete, 0, metrics_file, reporter)
         scorer, exit_code = task_lib.Scorer(task, cfg.reward_errors == "tolerate"), 0
         bar = tqdm(range(start_step + 1, cfg.steps + 1), desc="steps", initial=start_step, total=cfg.steps,
                    disable=not (main_rank and sys.stderr.isatty()), file=sys.stderr)
@@ -149,73 +149,78 @@ def main(argv=None):
             for step in bar:
                 phases.start(step)
                 oom.notes.clear()
+                rec = {"step": step}  # the step's JSON record: the stages below add to it
 
                 # ---- prompts: the step's groups, this rank's share of them ---------------------------
                 rng = random.Random(step_seed(cfg.seed, step))
                 prompts = task_lib.draw_prompts(task, layout.prompts_per_step, rng)[rank * P:(rank + 1) * P]
 
                 # ---- rollout: G completions per prompt, sampled ids and logprobs kept --------------
-                rollout = sample(prompts, seed=step_seed(cfg.seed, step), first_row=rank * B)
+                batch = sample(prompts, seed=step_seed(cfg.seed, step), first_row=rank * B)  # the stages fill it
                 phases.end("gen")
 
                 # ---- rewards: the task scores the decoded text; a failing reward gets min_reward ----
-                rewards, components, errors = scorer(rollout.prompts, rollout.texts)
-                rewards, extra = torch.from_numpy(rewards), {}
-                if cfg.dynamic_sampling:  # more of the step's prompts until the groups' rewards differ
-                    rollout, rewards, components, errors, extra = dynamic_sampling.fill(
-                        rollout, rewards, components, errors, task=task, score=scorer, rng=rng, sample=sample,
-                        seed=step_seed(cfg.seed, step), rank=rank, world=world, group_size=G,
-                        max_rounds=cfg.max_sampling_rounds, pad_id=eos)
+                rounds = [batch.score(scorer)]
+                # DAPO's dynamic sampling: more of the step's prompts while any rank lacks groups whose rewards
+                # differ (later rounds sample at rows past every earlier round's: no two share a seed)
+                while cfg.dynamic_sampling and len(rounds) <= cfg.max_sampling_rounds and distributed.any_rank(
+                        missing_groups([r.rewards for r in rounds], G, P) > 0):  # every rank
+                    more = task_lib.draw_prompts(task, layout.prompts_per_step, rng)[rank * P:(rank + 1) * P]
+                    rounds.append(sample(more, seed=step_seed(cfg.seed, step),
+                                         first_row=(len(rounds) * world + rank) * B).score(scorer))
+                if cfg.dynamic_sampling:  # the informative groups first
+                    batch, counts = merge(rounds, G, P, eos)
+                    rec.update(counts)
                 if cfg.overlong_buffer:  # DAPO's soft penalty on completions near the length limit
-                    rewards = rewards + overlong_penalty(rollout.completion_mask.sum(1).cpu(), cfg.max_new_tokens,
-                                                         cfg.overlong_buffer, cfg.overlong_penalty)
-                all_rewards = distributed.gather_rows(rewards)
-                components, errors = log.over_ranks(components, errors)
+                    batch.rewards = batch.rewards + overlong_penalty(batch.completion_mask.sum(1).cpu(),
+                                                                     cfg.max_new_tokens, cfg.overlong_buffer,
+                                                                     cfg.overlong_penalty)
                 phases.end("score")
 
                 # ---- reference logprobs, once per row: the KL penalty in the loss or in the reward ----
-                ref_logp = None
                 if reference is not None:
-                    ref_logp, micro = guards.shrinking(functools.partial(
-                        reference_logprobs, reference, rollout, cfg=cfg, autocast=autocast), micro, mini, oom)
-                train_rewards = all_rewards
-                if cfg.kl_in == "reward" and ref_logp is not None:
-                    train_rewards = distributed.gather_rows(kl_penalised_rewards(
-                        rewards.to(device), rollout.old_logp, ref_logp, rollout.completion_mask, cfg.kl_coef,
-                        cfg.kl_estimator).cpu())
-                    extra["kl_reward_penalty"] = (all_rewards - train_rewards).mean().item()
+                    batch.ref_logp, micro = reference_logprobs(reference, batch, micro, mini, cfg, autocast, oom)
+                    if cfg.kl_in == "reward":
+                        batch.train_rewards = kl_penalised_rewards(batch.rewards.to(device), batch.old_logp,
+                                                                   batch.ref_logp, batch.completion_mask,
+                                                                   cfg.kl_coef, cfg.kl_estimator).cpu()
                 phases.end("ref")
 
-                # ---- advantages: each completion against its group (--scale-rewards batch: all ranks') ---
-                all_advantages, frac_zero_std = group_advantages(train_rewards, G, cfg.scale_rewards)
-                scorer.after_step(step, errors, frac_zero_std)  # failures shown; all failed: stop; all flat: said
-                advantages = all_advantages[rank * B:(rank + 1) * B].to(device)
+                # ---- every rank's share of the step, gathered once (every rank): the advantages with
+                # --scale-rewards batch, the record and the reward failures read it --------------------
+                everyone = log.combine(distributed.gather_objects(log.share(batch, scorer, cfg.log_completions)))
+
+                # ---- advantages: each completion against its group ------------------------------------
+                advantages, frac_zero_std = group_advantages(everyone["train_rewards"], G, cfg.scale_rewards)
+                scorer.after_step(step, everyone, frac_zero_std)  # failures shown; all failed: stop; all flat: said
+                batch.advantages = advantages[rank * B:(rank + 1) * B].to(device)
 
                 # ---- update: clipped PPO surrogate (+ KL, entropy), mini-batches of micro-batches ------
-                totals, micro, nonfinite_streak = update(policy, optimizer, rollout, advantages, ref_logp,
-                                                         layout=layout, micro=micro, cfg=cfg, autocast=autocast,
-                                                         on_oom=oom, nonfinite_streak=nonfinite_streak)
+                stats, micro, nonfinite_streak = update(policy, optimizer, batch, layout=layout, micro=micro, cfg=cfg,
+                                                        autocast=autocast, on_oom=oom, nonfinite_streak=nonfinite_streak)
                 saver.completed(step, nonfinite_streak)
                 phases.end("train")
 
                 # ---- log: one JSON record and one console line per step ------------------------------
-                extra.update(log.batch_stats(rollout, all_rewards, G, components, errors, oom.notes, micro))
-                rec = log.step_record(step, all_rewards, frac_zero_std, totals, phases.times(), extra, phases.record())
-                if cfg.log_completions:
-                    log.write_completions(completions_file, step, rollout, all_rewards)
+                rec.update(log.batch_stats(everyone, G), frac_zero_std=frac_zero_std, **stats)
+                if oom.notes:
+                    rec.update(oom_retries=len(oom.notes), micro_batch=micro)
+                rec.update(log.throughput(phases.times(), everyone), **phases.record())
                 if main_rank:
+                    if cfg.log_completions:
+                        log.write_completions(completions_file, step, everyone)
                     log.write(metrics_file, rec)
                     reporter.log(rec, step)
                     if cfg.log_level != "warning":
                         (tqdm.write if not bar.disable else print)(log.step_line(rec, cfg.steps))
-                if evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):  # the last step: "after"
-                    evaluate.run(task, complete, step, metrics_file, reporter)
+                    if evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):  # the last: "after"
+                        task_lib.evaluate(task, complete, step, metrics_file, reporter)
 
                 # ---- checkpoint, stop ----------------------------------------------------------------
-                stopping = distributed.any_rank(stop.requested)
+                stopping = distributed.any_rank(stop.requested)  # every rank
                 aborting = nonfinite_streak >= cfg.max_nonfinite
                 if stopping or aborting or (cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps)):
-                    path = saver.save()
+                    path = saver.save(distributed.gather_objects(checkpoint.rng_states()))  # every rank; rank 0 writes
                     say(f"saved {path}")
                 if aborting:
                     if main_rank:

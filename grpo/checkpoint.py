@@ -181,7 +181,7 @@ def save(out_dir: str, step: int, policy, tokenizer, state: dict, keep: int) -> 
 
 
 class Saver:
-    """The run's checkpoints. save() writes one on every rank's behalf; completed(step) follows the training
+    """The run's checkpoints. save() writes one (rank 0) on every rank's behalf; completed(step) follows the training
     done; and as the context around the loop it keeps that training when the run fails after it.
 
     On an exception (evaluation, logging, the final save, a full disk: anything outside an update), rank 0
@@ -214,11 +214,10 @@ class Saver:
                  "config": self.config}
         return save(self.out_dir, self.step, self.policy, self.tokenizer, state, self.keep)
 
-    def save(self):
-        """Every rank's RNG states gathered, then rank 0 writes the checkpoint and returns its path (None elsewhere)."""
-        rngs = distributed.gather_objects(rng_states())
+    def save(self, rngs: list):
+        """Rank 0 writes the checkpoint and returns its path (None elsewhere); rngs: every rank's rng_states(),
+        gathered by the caller."""
         path = self._write(rngs) if distributed.is_main() else None
-        distributed.barrier()
         self.saved = self.step
         return path
 

@@ -16,8 +16,8 @@ import tempfile
 import typing
 from dataclasses import dataclass, field
 
+from grpo import algorithm, log
 from grpo import task as tasks
-from grpo.loss import normalise_loss_agg
 
 
 # The shipped default model (models/rook-tiny, built by the default task's own script). An absolute
@@ -40,7 +40,10 @@ def opt(default, help, choices=None, const=None, path=None, auto=False, resume_f
     """A field. With const the flag may be given bare (`--resume` means `--resume latest`); path="in" marks
     a file the run reads and path="out" one it writes (a file, or with the name out_dir a folder), which
     check_paths tests before anything heavy is loaded; auto=True keeps the value "auto" as itself.
-    resume_free=True marks a task's option that may differ on --resume (see RESUME_FREE)."""
+    resume_free=True marks a task's option that may differ on --resume (see RESUME_FREE). choices given as a
+    dict (name -> what it does, defined by the module that owns them) are listed in the help."""
+    if isinstance(choices, dict):
+        help = f"{help}: " + "; ".join(f"{k}: {v}" for k, v in choices.items())
     return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
                                             "auto": auto, "resume_free": resume_free})
 
@@ -94,20 +97,15 @@ class Config:
     clip_range: float = opt(0.2, "PPO clip range (low side, and high side unless --clip-range-high)")
     clip_range_high: typing.Optional[float] = opt(None, "PPO clip range on the high side (default: --clip-range)")
     kl_coef: float = opt(0.02, "k3 KL penalty against the frozen reference (0: no reference model)")
-    scale_rewards: str = opt("group", "divide advantages by the group's std, the batch's, or not at all",
-                             ["group", "batch", "none"])
-    loss_agg: str = opt("token-mean", "loss normaliser: token-mean (over the mini-batch's tokens), seq-mean (each "
-                        "sequence's mean, then over sequences) or dr-grpo (over max-new-tokens x sequences); TRL's "
-                        "names also work: dapo and bnpo = token-mean, grpo = seq-mean, dr_grpo = dr-grpo")
-    importance_level: str = opt("token", "importance ratio per token (PPO/GRPO) or per sequence (GSPO: the "
-                                "exp of the mean log-ratio, clipped per sequence; use clip ranges of a few 1e-4, "
-                                "such as 3e-4 low and 4e-4 high)", ["token", "sequence"])
+    scale_rewards: str = opt("group", "each completion's advantage", algorithm.ADVANTAGES)
+    loss_agg: str = opt("token-mean", "the loss normaliser", {
+        **algorithm.LOSS_AGGS, **{k: f"TRL's name for {v}" for k, v in algorithm.TRL_LOSS_TYPES.items()}})
+    importance_level: str = opt("token", "the importance ratio", algorithm.IMPORTANCE_LEVELS)
     dual_clip: typing.Optional[float] = opt(None, "dual-clip PPO: for negative advantages the loss is at most "
                                             "C x |A| (C > 1, e.g. 3; default off)")
-    kl_estimator: str = opt("k3", "KL estimator: k1 (log-ratio), k2 (half its square) or k3 (exp(d) - d - 1); "
-                            "k1 belongs in the reward, k2 and k3 in the loss (grpo/kl.py says why)", ["k1", "k2", "k3"])
-    kl_in: str = opt("loss", "where the KL penalty goes: per token in the loss, or per sequence subtracted from "
-                     "the reward before the advantages", ["loss", "reward"])
+    kl_estimator: str = opt("k3", "the KL estimator (grpo/algorithm.py says which belongs where)",
+                            algorithm.KL_ESTIMATORS)
+    kl_in: str = opt("loss", "where the KL penalty goes", algorithm.KL_PLACES)
     entropy_coef: float = opt(0.0, "entropy bonus: the loss minus this x the mean token entropy (0: off)")
     top_entropy_quantile: float = opt(1.0, "only this share of a mini-batch's tokens, the highest-entropy ones, "
                                       "carry the policy-gradient loss (1: all)")
@@ -130,8 +128,7 @@ class Config:
                                          path="out")
     log_completions: typing.Optional[str] = opt(None, "JSONL file with every sampled completion", path="out")
     log_level: str = opt("info", "console verbosity", ["debug", "info", "warning"])
-    report_to: str = opt("none", "also send every record to TensorBoard (OUT_DIR/tensorboard) or Weights & Biases "
-                         "(offline unless WANDB_MODE says otherwise; OUT_DIR/wandb)", ["none", "tensorboard", "wandb"])
+    report_to: str = opt("none", "where every record goes", log.REPORTERS)
     # long runs (see grpo/checkpoint.py and grpo/guards.py)
     save_final: bool = opt(True, "save the trained model at the end as a Hugging Face folder, OUT_DIR/model",
                            const="true")
@@ -304,11 +301,7 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
         raise ConfigError(f"unknown environment variable {unknown[0]}: not a setting of train_lean.py nor of "
                           f"--task {task_name} (see train_lean.py --task {task_name} --help)")
     values["task"] = task_name
-    try:
-        values["loss_agg"] = normalise_loss_agg(values["loss_agg"])
-    except ValueError:
-        raise ConfigError(f"--loss-agg {values['loss_agg']!r} is not one of token-mean, seq-mean, dr-grpo "
-                          f"(or TRL's dapo, bnpo, grpo, dr_grpo)") from None
+    values["loss_agg"] = algorithm.TRL_LOSS_TYPES.get(values["loss_agg"], values["loss_agg"])
     _check_resume_flags(values, task_fields, task_name)
     asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")
     if asked and not hasattr(target, "evaluate"):

@@ -5,8 +5,6 @@ import signal
 
 import torch
 
-from grpo import distributed
-
 
 def is_oom(e: BaseException) -> bool:
     """CUDA's OutOfMemoryError, or an allocator failure on CPU (a plain RuntimeError)."""
@@ -27,32 +25,6 @@ def smaller_micro(micro: int, mini: int):
         if mini % m == 0:
             return m
     return None
-
-
-def shrinking(run, micro: int, mini: int, note):
-    """Return (run(micro), micro), where micro is halved (to a divisor of mini) until run fits in memory.
-
-    `run` must start from a clean slate (zeroed gradients) each call. All ranks agree on each retry,
-    so no rank waits in a collective for one that ran out of memory.
-    """
-    while True:
-        try:
-            result, oom = run(micro), False
-        except Exception as e:  # noqa: BLE001 - anything but an out-of-memory is re-raised
-            if not is_oom(e):
-                raise
-            result, oom = None, True
-        if not distributed.any_rank(oom):
-            return result, micro
-        # the exception (and its frames' tensors) is released by now
-        result = None
-        free_memory()
-        smaller = smaller_micro(micro, mini)
-        if smaller is None:
-            raise torch.OutOfMemoryError("out of memory with a micro-batch of 1: lower --max-new-tokens, "
-                                         "use --dtype bf16 or a smaller model")
-        note(f"out of memory at micro-batch {micro}: freed memory, retrying with {smaller}")
-        micro = smaller
 
 
 class OomNotes:

@@ -1,13 +1,19 @@
-"""Logging: one JSON object per line (flushed at once, so a crash loses nothing written) and a console line."""
+"""Logging: one JSON object per line (flushed at once, so a crash loses nothing written), a console line, and
+TensorBoard or Weights & Biases as well (--report-to).
+
+Every function here is local to its process: what the step's record needs from every device is gathered
+once in train_lean.py (share -> distributed.gather_objects -> combine), so a logging call can sit under
+`if main_rank:` without leaving another rank waiting.
+"""
 import json
 import math
+import numbers
 import os
 import shutil
 import sys
 from collections import Counter
 
-from grpo import distributed
-from grpo.stats import group_reward_std, length_stats
+import torch
 
 
 def open_jsonl(path: str, append: bool = False):
@@ -95,71 +101,151 @@ STEP_FIELDS = [("reward_mean", "reward {:.3f}"), ("loss", "loss {:+.4f}"), ("kl"
                ("step_time_s", "{:.2f}s"), ("rss_mb", "rss {:.0f}MB"), ("cuda_peak_mb", "peak {:.0f}MB")]
 
 
-def over_ranks(components: dict, errors: dict) -> tuple[dict, dict]:
-    """The reward components averaged and the reward errors summed over all devices."""
-    gathered = distributed.gather_objects((components, errors))
-    means = {k: sum(c.get(k, 0.0) for c, _ in gathered) / len(gathered) for k in gathered[0][0]}
-    return means, dict(sum((Counter(e) for _, e in gathered), Counter()))
+def share(batch, scorer, with_rows: bool) -> dict:
+    """This device's part of the step that the record needs from every device (the caller gathers it):
+    rewards, lengths, reward parts and failures, and with_rows (--log-completions) every row."""
+    lengths = batch.completion_mask.sum(1).cpu()
+    out = {"rewards": batch.rewards, "train_rewards": batch.train_rewards, "lengths": lengths,
+           "truncated": batch.truncated.cpu(), "components": batch.components, "errors": batch.errors,
+           **scorer.share()}
+    if with_rows:
+        out["rows"] = list(zip(batch.prompts, batch.texts, lengths.tolist(),
+                               (batch.old_logp * batch.completion_mask).sum(1).tolist()))
+    return out
 
 
-def write_completions(f, step: int, rollout, rewards) -> None:
-    """Every device's completions with their rewards, written by rank 0 (f is None on the others)."""
-    lengths = rollout.completion_mask.sum(1).tolist()
-    logprob_sums = (rollout.old_logp * rollout.completion_mask).sum(1).tolist()
-    parts = distributed.gather_objects(list(zip(rollout.prompts, rollout.texts, lengths, logprob_sums)))
-    if f is None:
-        return
-    for (prompt, text, n, s), r in zip([row for part in parts for row in part], rewards.tolist()):
+def combine(shares: list) -> dict:
+    """The step over every device, from share() of each in rank order: rows concatenated (train_rewards are
+    the rewards unless a KL penalty was taken out of them), reward components averaged over the devices,
+    errors and scored rows summed, and of each reward failure's report the lowest rank's."""
+    out = {k: torch.cat([s[k] for s in shares]) for k in ("rewards", "lengths", "truncated")}
+    penalised = shares[0]["train_rewards"] is not None
+    out["train_rewards"] = torch.cat([s["train_rewards"] for s in shares]) if penalised else out["rewards"]
+    out["components"] = {k: sum(s["components"].get(k, 0.0) for s in shares) / len(shares)
+                         for k in shares[0]["components"]}
+    out["errors"] = dict(sum((Counter(s["errors"]) for s in shares), Counter()))
+    out["scored"] = sum(s["scored"] for s in shares)
+    out["reports"] = {k: v for s in reversed(shares) for k, v in s["reports"].items()}
+    out["rows"] = [row for s in shares for row in s.get("rows", ())]
+    return out
+
+
+def write_completions(f, step: int, everyone: dict) -> None:
+    """Every device's completions with their rewards (everyone: combine()'s)."""
+    for (prompt, text, n, s), r in zip(everyone["rows"], everyone["rewards"].tolist()):
         write(f, {"step": step, "prompt": prompt, "completion": text, "reward": r, "completion_tokens": n,
                   "logprob_sum": s})
 
 
-def batch_stats(rollout, rewards, group_size: int, components: dict, errors: dict, oom_notes: list, micro: int) -> dict:
-    """What a step's record says about its batch (every device's rows): completion lengths and the share cut
-    off, the reward's spread within groups and its components, reward errors, out-of-memory retries."""
-    lengths = distributed.gather_rows(rollout.completion_mask.sum(1).cpu())
-    truncated = distributed.gather_rows(rollout.truncated.long().cpu())
-    out = {**length_stats(lengths, truncated), "reward_std_group": group_reward_std(rewards, group_size),
-           **{f"reward_{k}": v for k, v in components.items()}}
-    if errors:
-        out["reward_errors"] = errors
-    if oom_notes:
-        out["oom_retries"], out["micro_batch"] = len(oom_notes), micro
+def batch_stats(everyone: dict, group_size: int) -> dict:
+    """What a step's record says about its batch (every device's rows, combine()'s): the reward over the batch
+    and its spread within groups (the spread the advantages are made of; the unbiased std, as the advantages
+    divide by), completion lengths (EOS included) and the share cut off at max_new_tokens, the reward's
+    components, reward errors, and the KL penalty taken out of the rewards (--kl-in reward)."""
+    rewards, lengths = everyone["rewards"].float(), everyone["lengths"].float()
+    out = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+           "reward_std_group": rewards.view(-1, group_size).std(1).mean().item(),
+           "completion_len_min": lengths.min().item(), "completion_len_mean": lengths.mean().item(),
+           "completion_len_max": lengths.max().item(), "truncated_frac": everyone["truncated"].float().mean().item(),
+           **{f"reward_{k}": v for k, v in everyone["components"].items()}}
+    if everyone["errors"]:
+        out["reward_errors"] = everyone["errors"]
+    if everyone["train_rewards"] is not everyone["rewards"]:
+        out["kl_reward_penalty"] = (rewards - everyone["train_rewards"]).mean().item()
     return out
 
 
-def step_record(step: int, rewards, frac_zero_std: float, totals: dict, times: dict, extra: dict, memory: dict) -> dict:
-    """The JSONL record of one training step: rewards over the global batch, loss statistics summed over
-    devices (ratios per loss token), timings, the caller's extra keys (lengths, rewards' parts) and memory."""
-    tokens, updates = max(totals["tokens"], 1), max(totals["updates"], 1)
-    return {
-        "step": step,
-        "reward_mean": rewards.mean().item(),
-        "reward_std": rewards.std().item(),
-        "frac_zero_std": frac_zero_std,
-        "loss": totals["loss"] / updates,
-        "kl": totals["kl"] / tokens,
-        "clip_frac": totals["clip"] / tokens,
-        "clip_low_frac": totals["clip_low"] / tokens,
-        "clip_high_frac": totals["clip_high"] / tokens,
-        "clip_dual_frac": totals["clip_dual"] / tokens,
-        "ratio_mean": totals["ratio"] / tokens,
-        "entropy": totals["entropy"] / tokens,
-        "grad_norm": totals["grad_norm"] / updates,
-        "skipped_nonfinite": totals["skipped"],
-        **extra,
-        "step_time_s": times["step"],
-        "gen_time_s": times["gen"],
-        "score_time_s": times["score"],
-        "ref_time_s": times["ref"],
-        "train_time_s": times["train"],
-        "samples_per_s": len(rewards) / times["step"],
-        "tokens_per_s": extra["completion_len_mean"] * len(rewards) / times["step"],
-        **memory,
-    }
+def throughput(times: dict, everyone: dict) -> dict:
+    """Seconds per phase (grpo/memory.py Phases.times) and samples and completion tokens per second."""
+    rows, seconds = len(everyone["rewards"]), times["step"]
+    return {"step_time_s": seconds, **{f"{k}_time_s": v for k, v in times.items() if k != "step"},
+            "samples_per_s": rows / seconds, "tokens_per_s": everyone["lengths"].float().sum().item() / seconds}
 
 
 def step_line(rec: dict, steps: int) -> str:
     parts = [f"step {rec['step']}/{steps}"]
     parts += [fmt.format(rec[k]) for k, fmt in STEP_FIELDS if rec.get(k) is not None]
     return " | ".join(parts)
+
+
+# ---- --report-to: TensorBoard or Weights & Biases as well as the JSONL file -------------------------------
+# Neither package is a dependency of the trainer. Asking for one that is not installed raises ReportError,
+# one line naming the package to pip install (the trainer exits with code 2). wandb runs offline unless
+# WANDB_MODE says otherwise: the run is written under OUT_DIR/wandb and nothing leaves the machine; `wandb
+# sync` uploads it later. Only the main rank reports.
+REPORTERS = {"none": "the JSONL file only", "tensorboard": "also TensorBoard, in OUT_DIR/tensorboard",
+             "wandb": "also Weights & Biases, offline unless WANDB_MODE says otherwise, in OUT_DIR/wandb"}
+
+
+class ReportError(RuntimeError):
+    """A --report-to backend that cannot be used (exit code 2, one line, no traceback)."""
+
+
+def scalars(record: dict, prefix: str = "") -> dict:
+    """The numbers of a JSONL record by name, nested dicts as "outer/inner"; "step", text and bools left out."""
+    out = {}
+    for key, value in record.items():
+        name = prefix + str(key)
+        if isinstance(value, dict):
+            out.update(scalars(value, name + "/"))
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool) and name != "step":
+            out[name] = float(value)
+    return out
+
+
+class _Nothing:
+    def log(self, record: dict, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _TensorBoard:
+    def __init__(self, out_dir: str):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ReportError("--report-to tensorboard needs the tensorboard package: "
+                              "pip install tensorboard") from None
+        self.writer = SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"))
+
+    def log(self, record: dict, step: int) -> None:
+        for name, value in scalars(record).items():
+            self.writer.add_scalar(name, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    def __init__(self, out_dir: str, config: dict):
+        try:
+            import wandb
+        except ImportError:
+            raise ReportError("--report-to wandb needs the wandb package: pip install wandb") from None
+        self.wandb = wandb
+        os.makedirs(out_dir, exist_ok=True)
+        # console "off": wandb leaves the trainer's stdout and stderr alone
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "lean-grpo"), dir=out_dir, config=config,
+                              mode=os.environ.get("WANDB_MODE", "offline"), settings=wandb.Settings(console="off"))
+
+    def log(self, record: dict, step: int) -> None:
+        self.run.log(scalars(record), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+        self.wandb.teardown()  # waits for wandb's service process to write out the run before returning
+
+
+def open_reporter(kind: str, out_dir: str, config_dict: dict):
+    """A reporter with log(record, step) and close(): "none" does nothing, "tensorboard" writes events to
+    OUT_DIR/tensorboard, "wandb" a run under OUT_DIR/wandb with the run's config. Raises ReportError."""
+    if kind == "none":
+        return _Nothing()
+    if kind == "tensorboard":
+        return _TensorBoard(out_dir)
+    if kind == "wandb":
+        return _WandB(out_dir, config_dict)
+    raise ReportError(f"--report-to {kind!r} is not one of {', '.join(REPORTERS)}")

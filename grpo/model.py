@@ -1,13 +1,15 @@
-"""Model loading: policy, frozen reference, tokenizer with left padding, and a tiny offline model.
+"""Model loading (policy, frozen reference, tokenizer with left padding) and the logprobs of completions.
 
 Nothing here is GPT-2-specific: any AutoModelForCausalLM whose forward takes position_ids
 (GPT-2's learned absolute positions, Llama's rotary ones, ...) works with the trainer.
 """
+import contextlib
 import copy
 import os
 import sys
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from grpo.decoders import fuse_tanh_gelu
 
@@ -117,3 +119,94 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     Pad columns get position 0 (they are masked out of attention anyway).
     """
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def _chosen_logprobs(hidden, targets, weight, bias, temperature, with_entropy=False):
+    """(logprob of each row's target,) or with_entropy (logprob, entropy of the row's distribution)."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return (logp,)
+    # H = -sum p log p = logsumexp(z) - sum p z, from the chunk's logits already in memory
+    return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+@contextlib.contextmanager
+def _checkpointed_layers(model, on: bool):
+    """Recompute each layer in backward when the model has gradient checkpointing enabled.
+
+    Hugging Face checkpoints a layer only while that layer is in training mode, and the policy stays
+    in eval mode (dropout off). So only the layer modules themselves are switched, for this forward:
+    their submodules, dropout included, stay in eval mode. Yields whether any layer checkpoints.
+    """
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True] if on else []
+    for m in layers:
+        m.training = True
+    try:
+        yield bool(layers)
+    finally:
+        for m in layers:
+            m.training = False
+
+
+def _completion_hidden(model, input_ids, attention_mask, n_completion: int, share_prompts: bool):
+    """The last hidden states whose logits predict the completion tokens: [B, n_completion, width].
+
+    The rows of a group share one prompt. With share_prompts, each distinct prompt runs through the
+    model once and every completion attends to its prompt's keys and values (a KV cache that carries
+    gradients back to the shared prompt forward): the same function, without recomputing a prompt
+    for every completion of its group (8x less prompt work at group size 8).
+    """
+    positions = position_ids_from_mask(attention_mask)
+    split = input_ids.shape[1] - n_completion
+    if share_prompts and split > 0:
+        prompts, inverse = torch.unique(torch.cat([input_ids[:, :split], attention_mask[:, :split]], 1),
+                                        dim=0, return_inverse=True)
+        share_prompts = prompts.shape[0] < input_ids.shape[0]
+    if not share_prompts or split == 0:
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=positions).last_hidden_state
+        return hidden[:, split - 1:-1]  # the logits at position t predict token t + 1
+    prompt_ids, prompt_mask = prompts[:, :split], prompts[:, split:]
+    head = model.base_model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                            position_ids=position_ids_from_mask(prompt_mask), use_cache=True)
+    cache = head.past_key_values
+    cache.batch_select_indices(inverse)  # each row gets its prompt's keys and values
+    tail = model.base_model(input_ids=input_ids[:, split:], attention_mask=attention_mask,
+                            position_ids=positions[:, split:], past_key_values=cache, use_cache=True)
+    return torch.cat([head.last_hidden_state[inverse, -1:], tail.last_hidden_state[:, :-1]], 1)
+
+
+def completion_logprobs(model, input_ids, attention_mask, n_completion: int, temperature: float,
+                        chunk_rows: int, autocast=None, share_prompts: bool = True, with_entropy: bool = False):
+    """Logprob of each of the last n_completion tokens of input_ids under `model`: [B, n_completion].
+
+    position_ids come from the attention mask, so a left-padded prompt is scored at the positions it
+    was sampled at. Rows with the same (padded) prompt share one prompt forward (_completion_hidden).
+    Only completion positions go through the output head, and never as a whole [B, T, vocab] fp32
+    tensor: the chosen logit minus a logsumexp, chunk_rows token rows at a time (recomputed in
+    backward when chunking), which bounds the logits' memory.
+
+    with_entropy: returns (logprobs, entropies), the entropy of the temperature-scaled distribution
+    the token was sampled from at each position, computed from the same chunks of logits (with
+    gradients, for an entropy bonus).
+    """
+    autocast = autocast or torch.autocast(input_ids.device.type, enabled=False)
+    with autocast, _checkpointed_layers(model, torch.is_grad_enabled()) as checkpointing:
+        # a checkpointed layer drops its KV cache (Hugging Face), so prompts are not shared then
+        hidden = _completion_hidden(model, input_ids, attention_mask, n_completion,
+                                    share_prompts and not checkpointing)
+        batch = hidden.shape[0]
+        hidden = hidden.reshape(batch * n_completion, -1)
+        targets = input_ids[:, -n_completion:].reshape(-1)
+        head = model.get_output_embeddings()
+        recompute = torch.is_grad_enabled() and hidden.shape[0] > chunk_rows
+        parts = []
+        for s in range(0, hidden.shape[0], chunk_rows):
+            args = (hidden[s:s + chunk_rows], targets[s:s + chunk_rows], head.weight, head.bias, temperature,
+                    with_entropy)
+            parts.append(checkpoint(_chosen_logprobs, *args, use_reentrant=False) if recompute
+                         else _chosen_logprobs(*args))
+        out = [torch.cat(p).view(batch, n_completion) for p in zip(*parts)]
+    return tuple(out) if with_entropy else out[0]

@@ -4,13 +4,14 @@ The sampled token ids are what the trainer scores; text is decoded only for the 
 decoded text would give different tokens (BPE is not a bijection on what a model can emit), and the
 logprobs would then belong to a sequence the policy never sampled.
 """
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
+from grpo.algorithm import merge_rounds
 from grpo.decoders import decoder_for
 from grpo.model import context_length, position_ids_from_mask
-from grpo.overlong import truncated_rows
 from grpo.task import TaskError
 
 
@@ -165,7 +166,9 @@ def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperatur
 
 @dataclass
 class Rollout:
-    """One step's sampled batch on this device; the rows of a group are contiguous.
+    """One step's batch on this device, the record its stages fill in turn: sampled (prompts, completions,
+    their ids and logprobs), then scored (rewards), then the reference's logprobs, then the advantages.
+    The rows of a group are contiguous.
 
     input_ids = prompt_ids + completion_ids and attention = prompt_mask + completion_mask, side by side:
     the prompts left-padded to a common width, the completions right-padded with EOS after each row's
@@ -177,10 +180,34 @@ class Rollout:
     completion_mask: torch.Tensor    # [B, T]
     old_logp: torch.Tensor           # [B, T] the sampling logprobs
     truncated: torch.Tensor          # [B] bool: stopped by max_new_tokens before an EOS
+    # scored (score), then shaped: DAPO's overlong penalty, the KL penalty with --kl-in reward
+    rewards: torch.Tensor = None     # [B] float32 on the host: what the task gave (with --overlong-buffer's penalty)
+    train_rewards: torch.Tensor = None   # [B] what the advantages are made of: rewards, less a KL penalty
+    components: dict = field(default_factory=dict)   # the reward's parts (the task's reward_breakdown), means
+    errors: dict = field(default_factory=dict)       # failed rewards by kind
+    ref_logp: torch.Tensor = None    # [B, T] the frozen reference's, when the run has a KL penalty
+    advantages: torch.Tensor = None  # [B] on the device
 
     @property
     def completion_len(self) -> int:
         return self.completion_mask.shape[1]
+
+    def score(self, scorer) -> "Rollout":
+        """Fill rewards, components and errors with scorer(prompts, completions) (grpo/task.py Scorer)."""
+        rewards, self.components, self.errors = scorer(self.prompts, self.texts)
+        self.rewards = torch.from_numpy(rewards)
+        return self
+
+
+def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[B] bool: the completions that end without an EOS, i.e. were stopped by max_new_tokens.
+
+    completion_mask runs up to and including a row's first EOS (grpo/rollout.py), so a row is
+    truncated exactly when its last masked token is not EOS.
+    """
+    lengths = completion_mask.sum(1)
+    last = completion_ids.gather(1, (lengths - 1).clamp_min(0)[:, None]).squeeze(1)
+    return (lengths > 0) & (last != eos_id)
 
 
 def _pad_sides(t: torch.Tensor, width: int, P: int, T: int, value: int) -> torch.Tensor:
@@ -205,7 +232,19 @@ def select_rows(rollouts: list, rows: torch.Tensor, pad_id: int) -> Rollout:
                    attention=torch.cat([_pad_sides(r.attention, w, P, T, 0) for r, w in zip(rollouts, widths)])[rows],
                    completion_mask=torch.cat([pad(r.completion_mask, (0, T - r.completion_len)) for r in rollouts])[rows],
                    old_logp=torch.cat([pad(r.old_logp, (0, T - r.completion_len)) for r in rollouts])[rows],
-                   truncated=torch.cat([r.truncated for r in rollouts])[rows])
+                   truncated=torch.cat([r.truncated for r in rollouts])[rows],
+                   rewards=None if rollouts[0].rewards is None else torch.cat([r.rewards for r in rollouts])[rows])
+
+
+def merge(rounds: list, group_size: int, groups: int, pad_id: int):
+    """DAPO's dynamic sampling: the batch of `groups` groups from scored generation rounds (algorithm.merge_rounds
+    chooses them, informative ones first), with the rounds' reward components averaged and errors summed;
+    returns (batch, merge_rounds' counts)."""
+    rows, counts = merge_rounds([r.rewards for r in rounds], group_size, groups)
+    batch = select_rows(rounds, rows, pad_id)
+    batch.components = {k: sum(r.components.get(k, 0.0) for r in rounds) / len(rounds) for k in rounds[0].components}
+    batch.errors = dict(sum((Counter(r.errors) for r in rounds), Counter()))
+    return batch, counts
 
 
 def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_bos: bool, generation_batch: int,

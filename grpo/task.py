@@ -34,12 +34,13 @@ import math
 import numbers
 import os
 import sys
+import time
 import traceback
 from collections import Counter
 
 import numpy as np
 
-from grpo import distributed, log
+from grpo import log
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)   # rewards are stored as float32: a larger one is inf there
 
@@ -215,10 +216,11 @@ def score(task, prompts, completions, failures: dict = None):
 
 
 class Scorer:
-    """score() for a run, its failures made loud. Called like score() without the task; after_step() once a
-    step on every rank: the first failure of each kind is printed with its traceback (the task's file and
-    line), a step in which every reward failed stops the run (unless tolerate), and the first step whose
-    groups all got equal rewards is named, with what to try."""
+    """score() for a run, its failures made loud. Called like score() without the task; share() gives what the
+    step's record gathers from every device; after_step() reads the gathered step on every rank: the first
+    failure of each kind is printed with its traceback (the task's file and line), a step in which every
+    reward failed stops the run (unless tolerate), and the first step whose groups all got equal rewards is
+    named, with what to try."""
 
     def __init__(self, task, tolerate: bool):
         self.task, self.tolerate = task, tolerate
@@ -229,11 +231,16 @@ class Scorer:
         self.scored += len(completions)
         return score(self.task, prompts, completions, self.failures)
 
-    def after_step(self, step: int, errors: dict, frac_zero_std: float) -> None:
-        """errors: the step's failures by kind, summed over every rank (the same on each, so are the
-        collectives and the decision here). Raises RewardError when every reward failed."""
-        failures, scored, self.failures, self.scored = self.failures, self.scored, {}, 0
-        all_failed = bool(errors) and sum(errors.values()) >= distributed.all_sum([scored])[0]
+    def share(self) -> dict:
+        """This device's rows scored this step, and a report of its first failure of each kind not yet shown."""
+        return {"scored": self.scored,
+                "reports": {k: self._report(*f) for k, f in self.failures.items() if k not in self.shown}}
+
+    def after_step(self, step: int, everyone: dict, frac_zero_std: float) -> None:
+        """everyone: the step over every device (grpo/log.py combine: errors by kind, rows scored, reports), the
+        same on each rank, so is the decision here. Raises RewardError when every reward failed."""
+        errors, failures, self.failures, self.scored = everyone["errors"], self.failures, {}, 0
+        all_failed = bool(errors) and sum(errors.values()) >= everyone["scored"]
         if all_failed and not self.tolerate:   # the most frequent kind's first failure: its traceback, or where
             e = failures[max(failures, key=errors.get)][0]
             counts = ", ".join(f"{k} {n}" for k, n in sorted(errors.items()))
@@ -242,15 +249,9 @@ class Scorer:
                                 f"reward, or pass --reward-errors tolerate to give such completions the task's "
                                 f"min_reward and go on")
             raise error from (None if isinstance(e, NotANumber) else e.with_traceback(_from_task(e)))
-        new = sorted(errors.keys() - self.shown)
-        if new:   # each rank's first failure of the kinds new to the run, the lowest rank's shown
-            reports = {}
-            mine = {k: self._report(*failures[k]) for k in new if k in failures}
-            for part in reversed(distributed.gather_objects(mine)):
-                reports.update(part)
-            for kind in new:
-                log.note(f"step {step}: the task's reward {reports[kind]}")
-            self.shown.update(new)
+        for kind in sorted(errors.keys() - self.shown):   # each kind new to the run, the lowest rank's first
+            log.note(f"step {step}: the task's reward {everyone['reports'][kind]}")
+            self.shown.add(kind)
         if frac_zero_std == 1.0 and not all_failed and not self.flat_named:
             self.flat_named = True
             log.note(f"step {step}: every group's completions got equal rewards (frac_zero_std 1.0), so every "
@@ -303,3 +304,29 @@ def check_metrics(result) -> dict:
             raise TaskError(f"the task's evaluate() returned {{{k!r}: {_short(v)}}}: {k!r} must be a finite "
                             f"number") from None
     return out
+
+
+def evaluate(task, complete, step: int, metrics_file=None, reporter=None) -> dict:
+    """The task's held-out evaluation: evaluate(complete), where complete(prompts) -> list[str] is greedy
+    decoding of the policy (the same prompt encoding, BOS and --max-new-tokens as training). What the task
+    returns (checked: names to finite numbers) is printed as a table and logged as a record with "kind":
+    "eval" (to the JSONL file and the --report-to reporter). Rank 0 alone calls it: nothing here waits on
+    another rank."""
+    t0 = time.perf_counter()
+    result = check_metrics(task.evaluate(complete))
+    record = {"kind": "eval", "step": step, **result, "eval_time_s": time.perf_counter() - t0}
+    print(eval_table(record), flush=True)
+    if metrics_file is not None:
+        log.write(metrics_file, record)
+    if reporter is not None:
+        reporter.log(record, step)
+    return record
+
+
+def eval_table(record: dict) -> str:
+    keys = [k for k in record if k not in ("kind", "step", "eval_time_s")]
+    width = max(map(len, keys), default=0)
+    lines = [f"eval at step {record['step']} ({record['eval_time_s']:.1f} s)"]
+    lines += [f"  {k:<{width}}  {record[k]:.4f}" if isinstance(record[k], float) else f"  {k:<{width}}  {record[k]}"
+              for k in keys]
+    return "\n".join(lines)

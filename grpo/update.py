@@ -1,9 +1,10 @@
 """The policy update of one step: reference logprobs, then clipped-surrogate updates over mini-batches,
 each accumulated over micro-batches and summed over devices before the optimizer steps.
 
-The loss of a micro-batch is divided by its whole mini-batch's global denominator (loss_denominator),
-and a top-entropy threshold is taken over the whole mini-batch of every device, so accumulating
-micro-batches and summing over devices gives exactly the gradient of one large batch.
+The math is grpo/algorithm.py; this is the loop around it. Every cross-device call of the update is
+here, marked `# every rank`, and every rank makes them in the same order: the mini-batch's loss
+denominator and top-entropy threshold (before its micro-batches run), the agreement on an
+out-of-memory retry, the gradient sum and the statistics' sum.
 """
 import functools
 from collections import Counter
@@ -11,103 +12,135 @@ from collections import Counter
 import torch
 
 from grpo import distributed, guards
-from grpo.loss import completion_logprobs, grpo_loss, loss_denominator, top_entropy_threshold
+from grpo.algorithm import grpo_loss, loss_denominator, top_entropy_threshold
+from grpo.model import completion_logprobs
 from grpo.rollout import logprob_temperature
 
 
-def reference_logprobs(reference, rollout, micro: int, cfg, autocast) -> torch.Tensor:
-    """The frozen reference's logprobs of every completion token, micro rows at a time."""
-    T, temperature = rollout.completion_len, logprob_temperature(cfg.temperature)
+def shrinking(run, micro: int, mini: int, note):
+    """Return (run(micro), micro), where micro is halved (to a divisor of mini) until run fits in memory.
+
+    `run` must start from a clean slate (zeroed gradients) each call. All ranks agree on each retry,
+    so no rank waits in a collective for one that ran out of memory.
+    """
+    while True:
+        try:
+            result, oom = run(micro), False
+        except Exception as e:  # noqa: BLE001 - anything but an out-of-memory is re-raised
+            if not guards.is_oom(e):
+                raise
+            result, oom = None, True
+        if not distributed.any_rank(oom):  # every rank
+            return result, micro
+        # the exception (and its frames' tensors) is released by now
+        result = None
+        guards.free_memory()
+        smaller = guards.smaller_micro(micro, mini)
+        if smaller is None:
+            raise torch.OutOfMemoryError("out of memory with a micro-batch of 1: lower --max-new-tokens, "
+                                         "use --dtype bf16 or a smaller model")
+        note(f"out of memory at micro-batch {micro}: freed memory, retrying with {smaller}")
+        micro = smaller
+
+
+def _reference_logprobs(reference, batch, micro: int, cfg, autocast) -> torch.Tensor:
+    T, temperature = batch.completion_len, logprob_temperature(cfg.temperature)
     with torch.no_grad():
-        return torch.cat([completion_logprobs(reference, rollout.input_ids[s:s + micro], rollout.attention[s:s + micro],
+        return torch.cat([completion_logprobs(reference, batch.input_ids[s:s + micro], batch.attention[s:s + micro],
                                               T, temperature, cfg.logprob_chunk_size, autocast)
-                          for s in range(0, rollout.input_ids.shape[0], micro)])
+                          for s in range(0, batch.input_ids.shape[0], micro)])
 
 
-STATS = ("loss", "kl", "clip", "clip_low", "clip_high", "clip_dual", "ratio", "tokens", "entropy")
+def reference_logprobs(reference, batch, micro: int, mini: int, cfg, autocast, on_oom):
+    """(the frozen reference's logprobs of every completion token, micro-batch size now): micro rows at a
+    time, fewer after an out-of-memory."""
+    return shrinking(functools.partial(_reference_logprobs, reference, batch, cfg=cfg, autocast=autocast),
+                     micro, mini, on_oom)
 
 
-def loss_mask(rollout, cfg) -> torch.Tensor:
+def loss_mask(batch, cfg) -> torch.Tensor:
     """The completion tokens that carry loss: all of them, or with --mask-truncated none of a cut-off row's."""
     if not cfg.mask_truncated:
-        return rollout.completion_mask
-    return rollout.completion_mask * ~rollout.truncated[:, None]
+        return batch.completion_mask
+    return batch.completion_mask * ~batch.truncated[:, None]
 
 
-def high_entropy_tokens(policy, rollout, rows, mask, micro: int, cfg, autocast) -> torch.Tensor:
+def high_entropy_tokens(policy, batch, rows, mask, micro: int, cfg, autocast) -> torch.Tensor:
     """[B, T] bool: the tokens of the mini-batch `rows` among its top --top-entropy-quantile by entropy, the
     threshold taken over the mini-batch of every device before any micro-batch runs."""
     with torch.no_grad():
-        entropy = torch.cat([completion_logprobs(policy, rollout.input_ids[part], rollout.attention[part],
-                                                 rollout.completion_len, logprob_temperature(cfg.temperature),
+        entropy = torch.cat([completion_logprobs(policy, batch.input_ids[part], batch.attention[part],
+                                                 batch.completion_len, logprob_temperature(cfg.temperature),
                                                  cfg.logprob_chunk_size, autocast, with_entropy=True)[1]
                              for part in rows.split(micro)])
     carried = mask[rows].bool()
-    threshold = top_entropy_threshold(torch.cat(distributed.gather_objects(entropy[carried].cpu())),
-                                      cfg.top_entropy_quantile)
+    every = distributed.gather_objects(entropy[carried].cpu())  # every rank
+    threshold = top_entropy_threshold(torch.cat(every), cfg.top_entropy_quantile)
     chosen = torch.zeros_like(mask, dtype=torch.bool)
     chosen[rows] = entropy >= threshold
     return chosen
 
 
-def accumulate(policy, optimizer, rollout, advantages, ref_logp, rows, micro: int, mask, pg_mask,
-               denominator: float, cfg, autocast) -> list:
-    """Forward and backward of one mini-batch (rows), micro rows at a time; returns its summed statistics."""
+def accumulate(policy, optimizer, batch, rows, micro: int, mask, pg_mask, denominator: float, cfg,
+               autocast) -> Counter:
+    """Forward and backward of one mini-batch (rows), micro rows at a time; returns its summed statistics
+    (grpo_loss's, "loss" and "tokens")."""
     optimizer.zero_grad(set_to_none=True)
-    clip_high = cfg.clip_range_high if cfg.clip_range_high is not None else cfg.clip_range
     sums = Counter()
     for part in rows.split(micro):
-        logp, entropy = completion_logprobs(policy, rollout.input_ids[part], rollout.attention[part],
-                                            rollout.completion_len, logprob_temperature(cfg.temperature),
+        logp, entropy = completion_logprobs(policy, batch.input_ids[part], batch.attention[part],
+                                            batch.completion_len, logprob_temperature(cfg.temperature),
                                             cfg.logprob_chunk_size, autocast, with_entropy=True)
-        loss, stats = grpo_loss(logp, rollout.old_logp[part], advantages[part], mask[part], denominator,
-                                ref_logp=None if ref_logp is None else ref_logp[part],
-                                kl_coef=cfg.kl_coef if cfg.kl_in == "loss" else 0.0, clip_low=cfg.clip_range,
-                                clip_high=clip_high, loss_agg=cfg.loss_agg, importance_level=cfg.importance_level,
-                                dual_clip=cfg.dual_clip, kl_estimator=cfg.kl_estimator, entropy=entropy,
-                                entropy_coef=cfg.entropy_coef, pg_mask=None if pg_mask is None else pg_mask[part])
+        loss, stats = grpo_loss(logp, batch.old_logp[part], batch.advantages[part], mask[part], denominator, cfg,
+                                ref_logp=None if batch.ref_logp is None else batch.ref_logp[part], entropy=entropy,
+                                pg_mask=None if pg_mask is None else pg_mask[part])
         loss.backward()
-        sums.update(loss=loss.item(), **stats)
-    return [sums[k] for k in STATS]
+        sums.update(stats, loss=loss.item(), tokens=mask[part].sum().item())
+    return sums
 
 
-def update(policy, optimizer, rollout, advantages, ref_logp, *, layout, micro: int, cfg, autocast, on_oom,
-           nonfinite_streak: int):
-    """--ppo-epochs passes over the rollout in shuffled mini-batches, one optimizer step each.
+def update(policy, optimizer, batch, *, layout, micro: int, cfg, autocast, on_oom, nonfinite_streak: int):
+    """--ppo-epochs passes over the batch (a Rollout with its advantages, and ref_logp when the loss has a KL
+    term) in shuffled mini-batches, one optimizer step each.
 
     An update whose loss or gradient norm is not finite is skipped (the weights and AdamW's moments stay
-    as they were). Returns (summed statistics, micro-batch size now, non-finite streak)."""
+    as they were). Returns (the step's record entries, micro-batch size now, non-finite streak): grpo_loss's
+    statistics per loss token, and the loss and gradient norm per update, all over every device."""
     params = [p for p in policy.parameters() if p.requires_grad]
-    B, mini = rollout.input_ids.shape[0], layout.mini_batch_per_device
-    lengths = rollout.attention.sum(1).cpu()  # sorted on the host: no device round trip per mini-batch
-    mask = loss_mask(rollout, cfg)
-    totals = Counter()
+    B, mini = batch.input_ids.shape[0], layout.mini_batch_per_device
+    lengths = batch.attention.sum(1).cpu()  # sorted on the host: no device round trip per mini-batch
+    mask = loss_mask(batch, cfg)
+    totals, grad_norms, skipped = Counter(), [], 0
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B) if mini < B else torch.arange(B)
         for rows in order.split(mini):
             # micro-batches of similar length waste less compute on padding
-            rows = rows[torch.argsort(lengths[rows], stable=True)].to(rollout.input_ids.device)
+            rows = rows[torch.argsort(lengths[rows], stable=True)].to(batch.input_ids.device)
             # the denominator is global, so summing gradients over ranks gives the one-process gradient
-            local = loss_denominator(mask[rows], cfg.loss_agg, cfg.max_new_tokens)
-            denominator = max(distributed.all_sum([local])[0], 1)
+            denominator = max(distributed.all_sum([loss_denominator(mask[rows], cfg)])[0], 1)  # every rank
             pg_mask = None
             if cfg.top_entropy_quantile < 1:
-                pg_mask = high_entropy_tokens(policy, rollout, rows, mask, micro, cfg, autocast)
-            run = functools.partial(accumulate, policy, optimizer, rollout, advantages, ref_logp, rows, mask=mask,
-                                    pg_mask=pg_mask, denominator=denominator, cfg=cfg, autocast=autocast)
-            sums, micro = guards.shrinking(run, micro, mini, on_oom)
-            distributed.sum_gradients(params)
-            stats = dict(zip(STATS, distributed.all_sum(sums)))
+                pg_mask = high_entropy_tokens(policy, batch, rows, mask, micro, cfg, autocast)
+            run = functools.partial(accumulate, policy, optimizer, batch, rows, mask=mask, pg_mask=pg_mask,
+                                    denominator=denominator, cfg=cfg, autocast=autocast)
+            sums, micro = shrinking(run, micro, mini, on_oom)
+            distributed.sum_gradients(params)  # every rank
+            names = sorted(sums)
+            sums = dict(zip(names, distributed.all_sum([sums[k] for k in names])))  # every rank
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
-            if guards.finite(stats["loss"], grad_norm):
+            if guards.finite(sums["loss"], grad_norm):
                 optimizer.step()
                 nonfinite_streak = 0
             else:  # one bad batch must not poison the weights or AdamW's moments
                 optimizer.zero_grad(set_to_none=True)
-                totals["skipped"] += 1
+                skipped += 1
                 nonfinite_streak += 1
-            totals.update(stats, grad_norm=grad_norm, updates=1)
-    return totals, micro, nonfinite_streak
+            totals.update(sums)
+            grad_norms.append(grad_norm)
+    tokens, updates = max(totals.pop("tokens"), 1), len(grad_norms)
+    record = {"loss": totals.pop("loss") / updates, **{k: v / tokens for k, v in totals.items()},
+              "grad_norm": sum(grad_norms) / updates, "skipped_nonfinite": skipped}
+    return record, micro, nonfinite_streak
 
 
 def _fit_test(policy, optimizer, moments: int, longest: int, eos: int, micro: int, cfg, autocast):
@@ -127,4 +160,4 @@ def probe_micro_batch(policy, optimizer, longest: int, eos: int, layout, cfg, au
     their place."""
     moments = 0 if optimizer.state else sum(2 * p.numel() for p in policy.parameters() if p.requires_grad)
     run = functools.partial(_fit_test, policy, optimizer, moments, longest, eos, cfg=cfg, autocast=autocast)
-    return guards.shrinking(run, layout.micro_batch, layout.mini_batch_per_device, on_oom)[1]
+    return shrinking(run, layout.micro_batch, layout.mini_batch_per_device, on_oom)[1]

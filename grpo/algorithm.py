@@ -1,0 +1,295 @@
+"""The GRPO math, top to bottom: rewards -> advantages -> the loss of a micro-batch and its statistics.
+
+Plain functions on tensors: no model, no processes, no files. The choices a flag offers are the dicts
+here (name -> what it does); grpo/config.py reads them, so a new choice is one entry and its branch.
+The update loop that calls the loss (mini-batches, micro-batches, devices) is grpo/update.py.
+
+Exactness under gradient accumulation and data parallelism: a micro-batch's loss is divided by its
+whole mini-batch's denominator summed over devices (loss_denominator), and a top-entropy threshold is
+taken over the whole mini-batch of every device, so summed micro-batch gradients are exactly the
+gradient of one large batch.
+"""
+import math
+
+import torch
+
+# ---- advantages: each completion judged against the other completions of its prompt ------------------
+
+ADVANTAGES = {  # --scale-rewards
+    "group": "(r - the group's mean) / (the group's std + eps)",
+    "batch": "(r - the group's mean) / (the whole batch's std + eps), every device's rows",
+    "none": "r - the group's mean (Dr. GRPO)",
+}
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[groups] bool: whether a group's rewards are not all equal (only such a group has advantages).
+
+    Rows of one group are contiguous. Exact equality, not a tolerance: a group is uninformative
+    exactly when group_advantages sets its advantages to 0.
+    """
+    r = rewards.float().view(-1, group_size)
+    return r.max(1).values != r.min(1).values
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4):
+    """Each reward against its group, as ADVANTAGES[scale] says. Rows of one group are contiguous.
+
+    A group whose rewards are all equal carries no signal: its advantages are exactly 0 (set, not
+    computed, so float rounding in the mean cannot leak a tiny gradient). Returns (advantages,
+    fraction of groups with zero std).
+    """
+    r = rewards.float().view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if scale == "group":
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    elif scale == "batch":
+        adv = adv / (rewards.float().std() + eps)
+    elif scale != "none":
+        raise ValueError(f"scale_rewards {scale!r} is not one of {', '.join(ADVANTAGES)}")
+    zero = ~informative_groups(rewards, group_size)[:, None]
+    adv = adv.masked_fill(zero, 0.0)
+    return adv.reshape(-1), zero.float().mean().item()
+
+
+# ---- DAPO's dynamic sampling: which groups of several generation rounds make the batch ------------------
+
+def missing_groups(round_rewards: list, group_size: int, groups: int) -> int:
+    """How many informative groups the rounds so far lack for a batch of `groups` (0: enough)."""
+    found = sum(int(informative_groups(r, group_size).sum()) for r in round_rewards)
+    return max(0, groups - found)
+
+
+def merge_rounds(round_rewards: list, group_size: int, groups: int):
+    """Choose a batch of `groups` groups from generation rounds; return (rows, counts).
+
+    round_rewards: one 1-D reward tensor per round, in draw order, rows of a group contiguous.
+    Informative groups are taken first, in draw order; when the rounds hold too few, the earliest
+    uninformative groups fill the batch (the rounds ran out: the batch keeps its size, those groups
+    add no policy gradient). rows: LongTensor of row indices into the rounds' rows concatenated in
+    draw order, whole groups in draw order. counts: groups_drawn, groups_dropped (drawn, not kept)
+    and groups_uninformative (kept although uninformative).
+    """
+    informative = torch.cat([informative_groups(r, group_size) for r in round_rewards])
+    drawn = informative.numel()
+    if drawn < groups:
+        raise ValueError(f"{drawn} groups drawn, fewer than the batch's {groups}")
+    order = torch.argsort((~informative).int(), stable=True)  # informative first, each in draw order
+    chosen = torch.sort(order[:groups]).values
+    rows = (chosen[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+    counts = {"groups_drawn": drawn, "groups_dropped": drawn - groups,
+              "groups_uninformative": int((~informative[chosen]).sum())}
+    return rows, counts
+
+
+# ---- reward shaping: DAPO's overlong penalty, and the KL penalty taken out of the reward ---------------
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """[B] rewards to add (<= 0): 0 up to max_new_tokens - buffer tokens, then linear down to -penalty at the limit.
+
+    DAPO's soft overlong punishment, so the policy learns to finish before the limit. lengths are
+    completion tokens, the EOS included (completion_mask.sum(1)); 0 < buffer <= max_new_tokens
+    (grpo/config.py checks it). Added to the task reward before the advantages.
+    """
+    over = (lengths.float() - (max_new_tokens - buffer)).clamp(0, buffer)
+    return -penalty * over / buffer
+
+
+# KL(policy || reference) per token. Each estimator is a function of d = ref_logp - logp at a token the
+# policy sampled:
+#     k1 = -d                 unbiased for the KL, high variance, negative on some tokens
+#     k2 = d^2 / 2            biased for the KL, low variance, >= 0
+#     k3 = exp(d) - d - 1     unbiased for the KL, low variance, >= 0
+# What matters for training is the gradient the penalty gives, and that depends on where it is placed:
+# - k1 in the reward (--kl-in reward, kl_penalised_rewards): the sequence's summed k1, detached, is
+#   subtracted from its reward before the advantages, so it reaches the policy through the score
+#   function like the reward does. E[grad log pi(y) * log(pi(y) / ref(y))] is exactly the gradient of
+#   the sequence-level KL(pi || ref): an unbiased gradient of the regularised objective (as PPO-style
+#   RLHF does it). Group baselines and std scaling then act on it as on the task reward.
+# - k2 in the loss: its gradient is (logp - ref_logp) * grad logp, whose expectation under the policy
+#   is the gradient of KL(pi || ref) at each position given its prefix. On-policy this matches k1 in
+#   the reward token by token, except that it ignores how a token changes the KL of the tokens after it.
+# - k3 in the loss (GRPO's choice, the default): its gradient is (1 - ref/pi) * grad logp, whose
+#   expectation is the gradient of the *forward* KL(ref || pi), not of KL(pi || ref). It agrees with
+#   the reverse KL's gradient only to first order (while pi is close to ref): a biased gradient for
+#   the stated objective, though a well-behaved penalty.
+# - k1 in the loss gives no regularisation in expectation: E[grad logp] = 0.
+# All of these are on-policy statements. After the first update on a batch (mini-batches, ppo_epochs
+# > 1) the tokens were sampled by the old policy, and a penalty in the loss is not importance-weighted.
+KL_ESTIMATORS = {  # --kl-estimator
+    "k1": "the log-ratio logp - ref_logp (belongs in the reward)",
+    "k2": "half its square",
+    "k3": "exp(d) - d - 1 with d = ref_logp - logp",
+}
+KL_PLACES = {  # --kl-in
+    "loss": "per token in the loss",
+    "reward": "per sequence, subtracted from the reward before the advantages",
+}
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(policy || reference): exp(d) - d - 1 with d = ref - policy. >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) at the sampled tokens: k1, k2 or k3 (above)."""
+    if estimator == "k3":
+        return k3_kl(logp, ref_logp)
+    if estimator == "k2":
+        return 0.5 * (logp - ref_logp) ** 2
+    if estimator == "k1":
+        return logp - ref_logp
+    raise ValueError(f"kl estimator {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+
+
+def kl_penalised_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
+                         kl_coef: float, estimator: str = "k1") -> torch.Tensor:
+    """rewards [B] minus kl_coef x each sequence's summed per-token KL estimate (detached), for --kl-in reward.
+
+    logp are the policy's logprobs of the sampled tokens when they were sampled (the rollout's
+    old_logp), ref_logp the reference's, mask the completion mask: the penalty is a fixed part of
+    the reward, computed once per rollout. k1 gives the unbiased gradient (above). Subtract it
+    before group_advantages, so the group baseline and scaling see the penalised reward. With
+    scale_rewards "group", a group whose task rewards are all equal has advantages made of its KL
+    penalties divided by their own spread: of unit size, however small kl_coef, once that spread is
+    well above group_advantages' eps.
+    """
+    kl = kl_estimate(logp.detach().float(), ref_logp.detach().float(), estimator)
+    return rewards.float() - kl_coef * (kl * mask.float()).sum(1)
+
+
+# ---- the loss ---------------------------------------------------------------------------------------------
+
+LOSS_AGGS = {  # --loss-agg
+    "token-mean": "over the mini-batch's loss tokens",
+    "seq-mean": "each sequence's token mean, then over the sequences",
+    "dr-grpo": "over max-new-tokens x sequences",
+}
+# TRL's loss_type names for the same aggregations. TRL's "dapo" is exactly token-mean (its count is
+# over the whole accumulated batch on all processes). TRL's "bnpo" aims at the same mean but divides
+# each micro-batch by its own, per-process token count, so it equals token-mean only with one
+# micro-batch on one device: here it is taken to mean token-mean. TRL's "dr_grpo" divides per
+# micro-batch and averages, the same when micro-batches are of equal size, as here.
+TRL_LOSS_TYPES = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean", "dr_grpo": "dr-grpo"}
+IMPORTANCE_LEVELS = {  # --importance-level
+    "token": "pi / pi_old per token (PPO, GRPO)",
+    "sequence": "per sequence (GSPO): the exp of the mean log-ratio, clipped per sequence; use clip ranges of "
+                "a few 1e-4, such as 3e-4 low and 4e-4 high",
+}
+
+
+def normalise_loss_agg(name: str) -> str:
+    """Our name for a loss aggregation (LOSS_AGGS), also given as TRL's loss_type (TRL_LOSS_TYPES)."""
+    if name in LOSS_AGGS:
+        return name
+    if name in TRL_LOSS_TYPES:
+        return TRL_LOSS_TYPES[name]
+    raise ValueError(f"loss aggregation {name!r} is not one of {', '.join([*LOSS_AGGS, *TRL_LOSS_TYPES])}")
+
+
+def loss_denominator(mask: torch.Tensor, cfg) -> float:
+    """This device's part of a mini-batch's loss denominator, from the mini-batch rows' loss mask [B, T].
+
+    token-mean: the tokens that carry loss; seq-mean: the sequences that carry loss (at least one
+    token); dr-grpo: every sequence x max_new_tokens, a constant for a given batch size, so no
+    sequence's tokens weigh more for it being short (Dr. GRPO). The caller sums it over devices and
+    passes the total to grpo_loss for every micro-batch of the mini-batch.
+    """
+    loss_agg = normalise_loss_agg(cfg.loss_agg)
+    if loss_agg == "token-mean":
+        return float(mask.sum().item())
+    if loss_agg == "seq-mean":
+        return float((mask.sum(1) > 0).sum().item())
+    return float(mask.shape[0] * cfg.max_new_tokens)
+
+
+def importance_ratio(logp, old_logp, mask, importance_level: str = "token") -> torch.Tensor:
+    """pi / pi_old of each token [B, T], or with "sequence" (GSPO) of each sequence [B, 1].
+
+    The sequence ratio is exp of the mean over the sequence's tokens of logp - old_logp: the
+    length-normalised likelihood ratio. Its gradient flows through the mean to every token.
+    """
+    log_ratio = logp - old_logp
+    if importance_level == "token":
+        return torch.exp(log_ratio)
+    if importance_level == "sequence":
+        mask = mask.to(log_ratio.dtype)
+        return torch.exp((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1))
+    raise ValueError(f"importance level {importance_level!r} is not one of {', '.join(IMPORTANCE_LEVELS)}")
+
+
+def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
+    """The entropy at or above which a token is among the top `quantile` share of a mini-batch's tokens.
+
+    entropies: 1-D, the entropy of every loss-carrying token of the whole mini-batch, every device's
+    (gathered before the micro-batches run). ceil(quantile x n) tokens are kept, at least one, and
+    every token tied with the last of them. pg_mask = entropy >= threshold, for grpo_loss.
+    """
+    n = entropies.numel()
+    if n == 0:
+        return math.inf
+    keep = max(1, math.ceil(quantile * n - 1e-9))  # the 1e-9: 0.1 * 30 is 3.0000000000000004 in floats
+    return torch.kthvalue(entropies.detach().float().cpu(), n - keep + 1).values.item()
+
+
+def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_logp=None, entropy=None,
+              pg_mask=None):
+    """Loss of one micro-batch, already divided by the whole mini-batch's `denominator` (loss_denominator).
+
+    Passing the mini-batch total (not this micro-batch's) is what makes gradient accumulation give
+    exactly the gradient of one large batch. Per token, the policy-gradient term is the clipped PPO
+    surrogate -min(r A, clip(r, 1 - clip_range, 1 + clip_range_high) A), plus kl_coef x the KL
+    estimate (with --kl-in loss) and minus entropy_coef x the entropy; cfg.loss_agg sums it.
+
+    cfg: the run's Config (or anything with its fields). importance_level "sequence" is GSPO: r is
+    the sequence's ratio (importance_ratio), clipped per sequence, every token carrying its sequence's
+    term. dual_clip C > 1 (dual-clip PPO): for A < 0 the term is at most -C A, so a token whose ratio
+    has grown far past 1 cannot push the loss without bound. entropy: the per-token entropies [B, T]
+    (needed for entropy_coef and the "entropy" statistic). pg_mask [B, T] (bool): the tokens that
+    carry the policy-gradient term (the top-entropy tokens); the KL and entropy terms stay on every token.
+
+    Returns (loss, stats): each statistic is a sum over this micro-batch's loss tokens, and the step's
+    record shows it divided by the step's loss tokens (grpo/update.py), under the same name. A new
+    statistic is one line in the dict below.
+    """
+    clip_low = cfg.clip_range
+    clip_high = cfg.clip_range_high if cfg.clip_range_high is not None else cfg.clip_range
+    kl_coef = cfg.kl_coef if cfg.kl_in == "loss" else 0.0
+    mask = mask.to(logp.dtype)
+    ratio = importance_ratio(logp, old_logp, mask, cfg.importance_level)
+    adv = advantages[:, None].to(logp.dtype)
+    surrogate = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv)
+    if cfg.dual_clip is not None:
+        surrogate = torch.where(adv < 0, torch.minimum(surrogate, -cfg.dual_clip * adv), surrogate)
+    per_token = surrogate.expand_as(logp)  # a sequence-level term is every token's
+    if pg_mask is not None:
+        per_token = per_token * pg_mask
+    if ref_logp is not None and kl_coef > 0:
+        per_token = per_token + kl_coef * kl_estimate(logp, ref_logp, cfg.kl_estimator)
+    if cfg.entropy_coef:
+        per_token = per_token - cfg.entropy_coef * entropy
+    if normalise_loss_agg(cfg.loss_agg) == "seq-mean":
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1)).sum() / denominator
+    else:  # token-mean and dr-grpo differ only in the denominator
+        loss = (per_token * mask).sum() / denominator
+
+    with torch.no_grad():
+        ratio = ratio.expand_as(logp)
+        counted = mask if pg_mask is None else mask * pg_mask   # the clip counts: tokens with a policy gradient
+        low = (ratio < 1 - clip_low) & (adv < 0)     # the clamp decides the minimum: no gradient
+        high = (ratio > 1 + clip_high) & (adv > 0)
+        dual = (adv < 0) & (ratio > cfg.dual_clip) if cfg.dual_clip is not None else torch.zeros_like(low)
+        stats = {
+            # always the k3 estimate, a low-variance measure of the divergence, whichever estimator the loss uses
+            "kl": k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp),
+            "clip_frac": (low | high) * counted,
+            "clip_low_frac": low * counted,
+            "clip_high_frac": high * counted,
+            "clip_dual_frac": dual * counted,        # the dual clip bounds the term
+            "ratio_mean": ratio,
+            "entropy": entropy if entropy is not None else torch.zeros_like(logp),
+        }
+        stats = {k: (v * mask).sum().item() for k, v in stats.items()}
+    return loss, stats
