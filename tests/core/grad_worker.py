@@ -15,7 +15,8 @@ import torch
 
 from grpo import distributed, update
 from grpo.config import Config
-from grpo.loss import completion_logprobs, loss_denominator, top_entropy_threshold
+from grpo.algorithm import loss_denominator, top_entropy_threshold
+from grpo.model import completion_logprobs
 from grpo.rollout import Rollout
 
 MAX_NEW_TOKENS = 24  # the rollout64 fixture's
@@ -51,7 +52,8 @@ def config_for(knobs: dict) -> Config:
 def as_rollout(batch) -> Rollout:
     n = batch["cmask"].shape[0]
     return Rollout(prompts=[""] * n, texts=[""] * n, input_ids=batch["inputs"], attention=batch["attention"],
-                   completion_mask=batch["cmask"], old_logp=batch["old"], truncated=torch.zeros(n, dtype=torch.bool))
+                   completion_mask=batch["cmask"], old_logp=batch["old"], truncated=torch.zeros(n, dtype=torch.bool),
+                   ref_logp=batch["ref"], advantages=batch["adv"])
 
 
 def per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg):
@@ -72,15 +74,15 @@ def minibatch_gradient(model, batch, knobs, micro, *, threshold_per_micro_batch=
     cfg, rollout = config_for(knobs), as_rollout(batch)
     rows = torch.arange(rollout.input_ids.shape[0])
     mask = update.loss_mask(rollout, cfg)
-    denominator = distributed.all_sum([loss_denominator(mask, cfg.loss_agg, cfg.max_new_tokens)])[0]
+    denominator = distributed.all_sum([loss_denominator(mask, cfg)])[0]
     pg_mask = None
     if threshold_per_micro_batch:
         pg_mask = per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg)
     elif cfg.top_entropy_quantile < 1:
         pg_mask = update.high_entropy_tokens(model, rollout, rows, mask, micro, cfg, None)
     params = [p for p in model.parameters() if p.requires_grad]
-    update.accumulate(model, torch.optim.SGD(params, lr=0.0), rollout, batch["adv"], batch["ref"], rows, micro,
-                      mask, pg_mask, denominator, cfg, None)
+    update.accumulate(model, torch.optim.SGD(params, lr=0.0), rollout, rows, micro, mask, pg_mask, denominator, cfg,
+                      None)
     distributed.sum_gradients(params)
     return torch.cat([p.grad.reshape(-1) for p in params])
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from grpo.advantages import group_advantages
+from grpo.algorithm import group_advantages
 
 
 def test_group_advantages_are_standardised_within_each_group():

@@ -5,7 +5,7 @@ import torch
 
 import grpo.decoders as decoders
 import grpo.rollout as rollout
-from grpo.loss import completion_logprobs
+from grpo.model import completion_logprobs
 from grpo.model import load_policy, load_tokenizer
 from grpo.rollout import encode_prompts, generate, left_pad, sample_token
 

@@ -1,8 +1,7 @@
 import pytest
 import torch
 
-from grpo.advantages import group_advantages, informative_groups
-from grpo.dynamic_sampling import merge_rounds, missing_groups
+from grpo.algorithm import group_advantages, informative_groups, merge_rounds, missing_groups
 
 
 def test_informative_groups_are_those_with_nonzero_advantages():

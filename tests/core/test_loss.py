@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from grpo.loss import completion_logprobs, grpo_loss, k3_kl
+from helpers import loss_config
+from grpo.algorithm import grpo_loss, k3_kl
+from grpo.model import completion_logprobs
 from grpo.model import frozen_copy, load_policy, load_tokenizer
 from grpo.rollout import encode_prompts, left_pad
 
@@ -17,8 +19,7 @@ def _grad(model, inputs, attention, cmask, old, adv, micro, loss_agg="token-mean
         with torch.no_grad():
             ref_logp = completion_logprobs(ref, inputs[sl], attention[sl], T, 1.5, 4096)
         denom = (cmask[sl].sum().item() if loss_agg == "token-mean" else micro) if per_micro_denominator else total
-        loss, _ = grpo_loss(logp, old[sl], adv[sl], cmask[sl], denom, ref_logp=ref_logp - 0.1, kl_coef=0.02,
-                            loss_agg=loss_agg)
+        loss, _ = grpo_loss(logp, old[sl], adv[sl], cmask[sl], denom, loss_config(kl_coef=0.02, loss_agg=loss_agg), ref_logp=ref_logp - 0.1)
         (loss / (inputs.shape[0] // micro) if per_micro_denominator else loss).backward()
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
@@ -42,11 +43,11 @@ def test_per_micro_batch_token_mean_is_a_different_gradient(rollout64):
 def test_first_on_policy_update_has_ratio_one_and_no_clipping(rollout64):
     model, inputs, attention, cmask, old, adv = rollout64
     logp = completion_logprobs(model, inputs, attention, cmask.shape[1], 1.5, 4096)
-    _, stats = grpo_loss(logp, old, adv, cmask, cmask.sum().item())
+    _, stats = grpo_loss(logp, old, adv, cmask, cmask.sum().item(), loss_config())
     ratio = torch.exp(logp - old)[cmask.bool()]
     assert (ratio - 1).abs().max().item() <= 1e-5
-    assert stats["clip"] == 0
-    assert abs(stats["ratio"] / stats["tokens"] - 1) <= 1e-6
+    assert stats["clip_frac"] == 0
+    assert abs(stats["ratio_mean"] / cmask.sum().item() - 1) <= 1e-6
 
 
 def test_k3_kl_is_zero_for_the_same_policy_and_positive_otherwise(rollout64):
@@ -64,24 +65,24 @@ def test_clipped_tokens_carry_no_gradient():
     old = torch.zeros(1, 4)
     logp = torch.tensor([[0.5, -0.5, 0.05, 0.5]], requires_grad=True)  # ratios e^.5, e^-.5, e^.05, e^.5
     adv = torch.tensor([1.0])
-    loss, stats = grpo_loss(logp, old, adv, torch.ones(1, 4), 4)
+    loss, stats = grpo_loss(logp, old, adv, torch.ones(1, 4), 4, loss_config())
     loss.backward()
     # adv > 0: the ratio above 1 + 0.2 is clipped (no gradient); below 1 - 0.2 it is not clipped
     assert logp.grad[0, 0] == 0 and logp.grad[0, 3] == 0
     assert logp.grad[0, 1] != 0 and logp.grad[0, 2] != 0
-    assert stats["clip"] == 2
+    assert stats["clip_frac"] == 2
     # the high side follows clip_high
-    loss, stats = grpo_loss(logp, old, adv, torch.ones(1, 4), 4, clip_high=0.7)
-    assert stats["clip"] == 0
+    loss, stats = grpo_loss(logp, old, adv, torch.ones(1, 4), 4, loss_config(clip_high=0.7))
+    assert stats["clip_frac"] == 0
 
 
 def test_masked_tokens_do_not_count(rollout64):
     old = torch.zeros(2, 3)
     logp = torch.zeros(2, 3, requires_grad=True)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    loss, stats = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, 3)
+    loss, stats = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, 3, loss_config())
     loss.backward()
-    assert stats["tokens"] == 3
+    assert stats["ratio_mean"] == 3  # statistics are sums over the 3 unmasked tokens (each ratio 1)
     assert logp.grad[0, 2] == 0 and logp.grad[1, 1] == 0 and logp.grad[1, 2] == 0
     assert torch.allclose(logp.grad[0, :2], torch.tensor([-1 / 3, -1 / 3]))
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from grad_worker import KNOBS, MAX_NEW_TOKENS, TEMPERATURE, minibatch_gradient
-from grpo.loss import completion_logprobs, grpo_loss, importance_ratio, loss_denominator
-from helpers import env
+from grpo.algorithm import grpo_loss, importance_ratio, loss_denominator
+from grpo.model import completion_logprobs
+from helpers import env, loss_config
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +47,11 @@ def test_the_batch_exercises_every_clip(rollout64, batch):
     with torch.no_grad():
         logp = completion_logprobs(model, batch["inputs"], batch["attention"], cmask.shape[1], TEMPERATURE, 4096)
     for knobs in (KNOBS["token-mean"], KNOBS["dual clip"], KNOBS["gspo token-mean"]):
-        _, stats = grpo_loss(logp, batch["old"], batch["adv"], cmask, 1.0, **knobs)
-        assert 0 < stats["clip_low"] and 0 < stats["clip_high"], knobs
-        assert stats["clip"] < stats["tokens"]
-    _, stats = grpo_loss(logp, batch["old"], batch["adv"], cmask, 1.0, **KNOBS["dual clip"])
-    assert stats["clip_dual"] > 0
+        _, stats = grpo_loss(logp, batch["old"], batch["adv"], cmask, 1.0, loss_config(**knobs))
+        assert 0 < stats["clip_low_frac"] and 0 < stats["clip_high_frac"], knobs
+        assert stats["clip_frac"] < cmask.sum()
+    _, stats = grpo_loss(logp, batch["old"], batch["adv"], cmask, 1.0, loss_config(**KNOBS["dual clip"]))
+    assert stats["clip_dual_frac"] > 0
     # sequence ratios: some sequences inside the GSPO clip range, some outside it
     seq = importance_ratio(logp, batch["old"], cmask, "sequence").squeeze(1)
     assert ((seq - 1).abs() < 0.02).any() and ((seq - 1).abs() > 0.03).any()
@@ -67,8 +68,8 @@ def test_a_threshold_per_micro_batch_is_a_different_gradient(rollout64, batch):
 
 def test_dr_grpo_denominator_is_the_same_whatever_the_lengths(batch):
     cmask = batch["cmask"]
-    assert loss_denominator(cmask, "dr-grpo", MAX_NEW_TOKENS) == 64 * MAX_NEW_TOKENS
-    assert loss_denominator(torch.ones_like(cmask), "dr_grpo", MAX_NEW_TOKENS) == 64 * MAX_NEW_TOKENS
+    assert loss_denominator(cmask, loss_config(loss_agg="dr-grpo", max_new_tokens=MAX_NEW_TOKENS)) == 64 * MAX_NEW_TOKENS
+    assert loss_denominator(torch.ones_like(cmask), loss_config(loss_agg="dr_grpo", max_new_tokens=MAX_NEW_TOKENS)) == 64 * MAX_NEW_TOKENS
 
 
 @pytest.mark.slow

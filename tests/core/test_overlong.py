@@ -1,9 +1,12 @@
+import math
+
 import pytest
 import torch
 
-from grpo.loss import grpo_loss, loss_denominator
+from helpers import loss_config
+from grpo.algorithm import grpo_loss, loss_denominator, overlong_penalty
 from grpo.model import load_tokenizer
-from grpo.overlong import overlong_penalty, truncated_rows
+from grpo.rollout import truncated_rows
 
 
 def test_truncated_rows_by_hand():
@@ -31,13 +34,13 @@ def test_masked_truncated_rows_carry_no_loss():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     loss_mask = mask * ~truncated_rows(ids, mask, 0)[:, None]
     logp = torch.tensor([[0.1, 0.05, 0.0], [0.1, 0.05, 0.0]], requires_grad=True)
-    assert loss_denominator(loss_mask, "token-mean", 3) == 2
-    assert loss_denominator(loss_mask, "seq-mean", 3) == 1
-    assert loss_denominator(loss_mask, "dr-grpo", 3) == 6  # the constant keeps every row
-    loss, stats = grpo_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), loss_mask, 2.0)
+    assert loss_denominator(loss_mask, loss_config(loss_agg="token-mean", max_new_tokens=3)) == 2
+    assert loss_denominator(loss_mask, loss_config(loss_agg="seq-mean", max_new_tokens=3)) == 1
+    assert loss_denominator(loss_mask, loss_config(loss_agg="dr-grpo", max_new_tokens=3)) == 6  # the constant keeps every row
+    loss, stats = grpo_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), loss_mask, 2.0, loss_config())
     loss.backward()
     assert torch.equal(logp.grad[1], torch.zeros(3)) and (logp.grad[0, :2] != 0).all()
-    assert stats["tokens"] == 2
+    assert stats["ratio_mean"] == pytest.approx(math.exp(0.1) + math.exp(0.05))  # the kept row's tokens only
 
 
 def test_overlong_penalty_ramps_linearly_over_the_buffer():
@@ -46,6 +49,3 @@ def test_overlong_penalty_ramps_linearly_over_the_buffer():
     assert overlong_penalty(lengths, 16, 4, 2.0).tolist() == [0.0, 0.0, -0.5, -1.0, -1.5, -2.0]
     assert overlong_penalty(lengths, 16, 16, 1.0).tolist() == pytest.approx([-1 / 16, -12 / 16, -13 / 16,
                                                                              -14 / 16, -15 / 16, -1.0])
-    for bad in (0, 17):
-        with pytest.raises(ValueError, match="overlong buffer"):
-            overlong_penalty(lengths, 16, bad, 1.0)

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from grpo.report import ReportError, open_reporter, scalars
+from grpo.log import ReportError, open_reporter, scalars
 
 RECORD = {"step": 3, "loss": 0.5, "kl": 1, "skipped_nonfinite": 0, "kind": "eval", "done": True,
           "reward_errors": {"ValueError": 2}}

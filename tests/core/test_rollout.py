@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import train_lean
-from grpo.loss import completion_logprobs
+from grpo.model import completion_logprobs
 from grpo.model import load_policy, load_tokenizer, position_ids_from_mask
 from grpo.rollout import (completion_mask, decode_completions, encode_prompts, generate, left_pad,
                           sample_token)

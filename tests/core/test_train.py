@@ -1,5 +1,4 @@
 """End to end: the real train_lean.py on a tiny real model, through its command line."""
-import json
 import os
 import subprocess
 import sys

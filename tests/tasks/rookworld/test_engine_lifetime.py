@@ -13,7 +13,7 @@ import chess.engine
 import pytest
 
 from grpo.task import score
-from tasks.rookworld.engine import EnginePool, EngineTimeout, _quiet_about_engine_deaths, find_stockfish
+from tasks.rookworld.engine import EnginePool, _quiet_about_engine_deaths, find_stockfish
 from tasks.rookworld.format import policy_prompt
 
 from helpers import env, line_starting, process_alive, wait_until
