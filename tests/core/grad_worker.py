@@ -1,6 +1,6 @@
 """One mini-batch's gradient under each set of loss knobs, accumulated over micro-batches, summed over ranks.
 
-test_loss_accumulation.py calls minibatch_gradient in its own process, and runs this file once per rank
+test_update.py calls minibatch_gradient in its own process, and runs this file once per rank
 of a 2-process gloo group (CPU, a file:// rendezvous, nothing on the network):
 
     python grad_worker.py RANK WORLD INIT_FILE MODEL_DIR BATCH_FILE OUT_FILE
@@ -13,32 +13,36 @@ import sys
 
 import torch
 
-from grpo import distributed, update
-from grpo.config import Config
-from grpo.algorithm import loss_denominator, top_entropy_threshold
+from grpo import algorithm, distributed, update
+from grpo.algorithm import group_advantages, loss_denominator, top_entropy_threshold
+from grpo.config import FIELDS, Config
 from grpo.model import completion_logprobs
 from grpo.rollout import Rollout
 
 MAX_NEW_TOKENS = 24  # the rollout64 fixture's
 TEMPERATURE = 1.5
+GROUP = 8            # the rollout64 fixture's: 8 prompts x 8 completions
 CHUNK_ROWS = 50      # token rows per output-head chunk: the chunked (checkpointed) path, entropies included
 GSPO = {"importance_level": "sequence", "clip_low": 0.02, "clip_high": 0.03}
+# Every choice grpo/algorithm.py offers a flag (--scale-rewards, --loss-agg, --importance-level, --kl-estimator,
+# --kl-in, and any such flag to come) is a knob of its own, so a new choice is tested here without a line for it;
+# TRL's names for our aggregations are the same loss. The knobs with a number, and combinations, by hand.
+CHOICES = {f"{name} {choice}": {name: choice} for name, f in FIELDS.items()
+           if any(f.metadata["choices"] is d for d in vars(algorithm).values())
+           for choice in f.metadata["choices"] if choice != f.default}
 KNOBS = {
-    "token-mean": {},
-    "seq-mean": {"loss_agg": "seq-mean"},
-    "dr-grpo": {"loss_agg": "dr-grpo"},
+    "defaults": {},
+    **CHOICES,
     "gspo token-mean": GSPO,
     "gspo seq-mean": {**GSPO, "loss_agg": "seq-mean"},
     "gspo dr-grpo": {**GSPO, "loss_agg": "dr-grpo"},
     "dual clip": {"dual_clip": 1.5},
-    "kl k1": {"kl_estimator": "k1"},
-    "kl k2": {"kl_estimator": "k2"},
     "entropy bonus": {"entropy_coef": 0.05},
     "top entropy token-mean": {"top_entropy_quantile": 0.2},
     "top entropy seq-mean": {"top_entropy_quantile": 0.2, "loss_agg": "seq-mean"},
     "top entropy dr-grpo": {"top_entropy_quantile": 0.2, "loss_agg": "dr-grpo"},
     "all at once": {**GSPO, "loss_agg": "dr-grpo", "dual_clip": 1.2, "kl_estimator": "k2", "entropy_coef": 0.05,
-                    "top_entropy_quantile": 0.3},
+                    "top_entropy_quantile": 0.3, "scale_rewards": "batch"},
 }
 
 
@@ -49,11 +53,14 @@ def config_for(knobs: dict) -> Config:
                   kl_coef=0.05, clip_range=k.pop("clip_low", 0.2), clip_range_high=k.pop("clip_high", None), **k)
 
 
-def as_rollout(batch) -> Rollout:
-    n = batch["cmask"].shape[0]
-    return Rollout(prompts=[""] * n, texts=[""] * n, input_ids=batch["inputs"], attention=batch["attention"],
-                   completion_mask=batch["cmask"], old_logp=batch["old"], truncated=torch.zeros(n, dtype=torch.bool),
-                   ref_logp=batch["ref"], advantages=batch["adv"])
+def as_rollout(batch, cfg, rank: int, world: int) -> Rollout:
+    """This rank's rows of the batch, with advantages from every rank's rewards (as the trainer makes them)."""
+    advantages, _ = group_advantages(batch["rewards"], GROUP, cfg.scale_rewards)
+    n = batch["cmask"].shape[0] // world
+    mine = {k: v[rank * n:(rank + 1) * n] for k, v in {**batch, "adv": advantages}.items()}
+    return Rollout(prompts=[""] * n, texts=[""] * n, input_ids=mine["inputs"], attention=mine["attention"],
+                   completion_mask=mine["cmask"], old_logp=mine["old"], truncated=torch.zeros(n, dtype=torch.bool),
+                   ref_logp=mine["ref"], advantages=mine["adv"])
 
 
 def per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg):
@@ -67,11 +74,12 @@ def per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg):
     return torch.cat(parts)
 
 
-def minibatch_gradient(model, batch, knobs, micro, *, threshold_per_micro_batch=False):
+def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold_per_micro_batch=False):
     """The flat gradient of this rank's rows of the mini-batch `batch`, micro rows per forward/backward,
     through the trainer's own update functions (grpo/update.py): the denominator summed over ranks, the
     top-entropy threshold over every rank's tokens, the micro-batches accumulated, the ranks summed."""
-    cfg, rollout = config_for(knobs), as_rollout(batch)
+    cfg = config_for(knobs)
+    rollout = as_rollout(batch, cfg, rank, world)
     rows = torch.arange(rollout.input_ids.shape[0])
     mask = update.loss_mask(rollout, cfg)
     denominator = distributed.all_sum([loss_denominator(mask, cfg)])[0]
@@ -92,9 +100,8 @@ def main(rank, world, init_file, model_dir, batch_file, out_file):
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     model = load_policy(model_dir, "cpu")
     batch = torch.load(batch_file)
-    share = batch["cmask"].shape[0] // world
-    mine = {k: v[rank * share:(rank + 1) * share] for k, v in batch.items()}
-    grads = {name: minibatch_gradient(model, mine, knobs, micro=8) for name, knobs in KNOBS.items()}
+    grads = {name: minibatch_gradient(model, batch, knobs, micro=8, rank=rank, world=world)
+             for name, knobs in KNOBS.items()}
     if rank == 0:
         torch.save(grads, out_file)
     distributed.close()

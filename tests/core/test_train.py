@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import train_lean
+from grpo import algorithm, config
 
 from helpers import REPO, read_jsonl as records
 
@@ -115,19 +116,22 @@ def test_env_values_are_validated_like_flags(tmp_path):
     assert proc.returncode == 2 and "--batch-size 60 is not a multiple" in proc.stderr
 
 
-KNOBS = {
-    "dr-grpo": (["--loss-agg", "dr-grpo"], "loss"),
+# Every choice grpo/algorithm.py offers a flag runs end to end, so a new choice needs no line here; the knobs
+# with a number, and combinations, by hand.
+KNOBS = {f"{config.flag(name)} {choice}": ([config.flag(name), choice], "loss") for name, f in config.FIELDS.items()
+         if any(f.metadata["choices"] is d for d in vars(algorithm).values())
+         for choice in f.metadata["choices"] if choice != f.default}
+KNOBS.update({
     "trl-name": (["--loss-agg", "dapo"], "loss"),
     "gspo": (["--importance-level", "sequence", "--clip-range", "3e-4", "--clip-range-high", "4e-4"], "clip_frac"),
     "dual-clip": (["--dual-clip", "3"], "clip_dual_frac"),
-    "k2-in-loss": (["--kl-estimator", "k2"], "kl"),
     "k1-in-reward": (["--kl-in", "reward", "--kl-estimator", "k1"], "kl_reward_penalty"),
     "dynamic-sampling": (["--dynamic-sampling", "--max-sampling-rounds", "2"], "groups_drawn"),
     "entropy-bonus": (["--entropy-coef", "0.01"], "entropy"),
     "top-entropy": (["--top-entropy-quantile", "0.2"], "entropy"),
     "mask-truncated": (["--mask-truncated"], "truncated_frac"),
     "overlong": (["--overlong-buffer", "4", "--overlong-penalty", "0.5"], "reward_mean"),
-}
+})
 
 
 @pytest.mark.parametrize("knob", KNOBS)

@@ -1,4 +1,4 @@
-"""Every loss knob keeps gradient accumulation exact: 8 micro-batches of 8 give the gradient of one batch of
+"""grpo/update.py: every loss knob keeps gradient accumulation exact: 8 micro-batches of 8 give the gradient of one batch of
 64, and 2 gloo ranks of 32 rows each, their gradients summed, give the one-process gradient.
 
 The batch is real: 64 completions sampled from the tiny GPT-2 (rollout64), with sampling logprobs moved
@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from grad_worker import KNOBS, MAX_NEW_TOKENS, TEMPERATURE, minibatch_gradient
-from grpo.algorithm import grpo_loss, importance_ratio, loss_denominator
+from grad_worker import GROUP, KNOBS, MAX_NEW_TOKENS, TEMPERATURE, minibatch_gradient
+from grpo.algorithm import group_advantages, grpo_loss, importance_ratio, loss_denominator
 from grpo.model import completion_logprobs
 from helpers import env, loss_config
 
@@ -23,7 +23,7 @@ def batch(rollout64):
     torch.manual_seed(2)
     with torch.no_grad():
         logp = completion_logprobs(model, inputs, attention, cmask.shape[1], TEMPERATURE, 4096)
-    return {"inputs": inputs, "attention": attention, "cmask": cmask, "adv": adv,
+    return {"inputs": inputs, "attention": attention, "cmask": cmask, "rewards": adv,
             "old": old + 0.3 * torch.randn_like(old) * cmask, "ref": logp + 0.2 * torch.randn_like(logp) * cmask}
 
 
@@ -46,11 +46,12 @@ def test_the_batch_exercises_every_clip(rollout64, batch):
     cmask = batch["cmask"]
     with torch.no_grad():
         logp = completion_logprobs(model, batch["inputs"], batch["attention"], cmask.shape[1], TEMPERATURE, 4096)
-    for knobs in (KNOBS["token-mean"], KNOBS["dual clip"], KNOBS["gspo token-mean"]):
-        _, stats = grpo_loss(logp, batch["old"], batch["adv"], cmask, 1.0, loss_config(**knobs))
+    adv = group_advantages(batch["rewards"], GROUP)[0]
+    for knobs in (KNOBS["defaults"], KNOBS["dual clip"], KNOBS["gspo token-mean"]):
+        _, stats = grpo_loss(logp, batch["old"], adv, cmask, 1.0, loss_config(**knobs))
         assert 0 < stats["clip_low_frac"] and 0 < stats["clip_high_frac"], knobs
         assert stats["clip_frac"] < cmask.sum()
-    _, stats = grpo_loss(logp, batch["old"], batch["adv"], cmask, 1.0, loss_config(**KNOBS["dual clip"]))
+    _, stats = grpo_loss(logp, batch["old"], adv, cmask, 1.0, loss_config(**KNOBS["dual clip"]))
     assert stats["clip_dual_frac"] > 0
     # sequence ratios: some sequences inside the GSPO clip range, some outside it
     seq = importance_ratio(logp, batch["old"], cmask, "sequence").squeeze(1)

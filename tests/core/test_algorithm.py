@@ -1,14 +1,135 @@
-"""Each loss knob against its formula, on small hand-made tensors (expected values written out or looped naively)."""
+"""grpo/algorithm.py, each piece against its formula: group advantages, DAPO's choice of informative groups, the
+overlong penalty and truncated rows, every loss knob on small hand-made tensors (expected values written out or
+looped naively), and the loss on a real tiny model's completions (accumulation, the first on-policy update)."""
 import math
 
 import pytest
 import torch
 
+from grpo.algorithm import (group_advantages, grpo_loss, importance_ratio, informative_groups, k3_kl, kl_estimate,
+                            kl_penalised_rewards, loss_denominator, merge_rounds, missing_groups, normalise_loss_agg,
+                            overlong_penalty, top_entropy_threshold)
+from grpo.model import completion_logprobs, frozen_copy, load_policy, load_tokenizer, position_ids_from_mask
+from grpo.rollout import encode_prompts, left_pad, truncated_rows
 from helpers import loss_config
-from grpo.algorithm import (grpo_loss, importance_ratio, k3_kl, kl_estimate, kl_penalised_rewards, loss_denominator,
-                            normalise_loss_agg, top_entropy_threshold)
-from grpo.model import completion_logprobs
-from grpo.model import position_ids_from_mask
+
+
+def test_group_advantages_are_standardised_within_each_group():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 4.0, 6.0, 8.0])
+    adv, frac = group_advantages(rewards, 4, "group", eps=0.0)
+    g1, g2 = adv[:4], adv[4:]
+    assert torch.allclose(g1, (rewards[:4] - 0.5) / rewards[:4].std())
+    assert torch.allclose(g2, (rewards[4:] - 5.0) / rewards[4:].std())
+    # scaling the rewards of one group does not change its advantages
+    assert torch.allclose(group_advantages(rewards * 10, 4, "group", eps=0.0)[0], adv)
+    assert frac == 0.0
+
+
+def test_equal_rewards_give_exactly_zero_advantage_and_are_counted():
+    rewards = torch.tensor([0.1] * 8 + [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    adv, frac = group_advantages(rewards, 8, "group")
+    assert torch.equal(adv[:8], torch.zeros(8))  # 0.1 * 8 / 8 is not exactly 0.1 in float
+    assert frac == 0.5
+    assert (adv[8:] != 0).all()
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_sum_to_zero_per_group(scale):
+    torch.manual_seed(0)
+    rewards = torch.rand(32)
+    adv, _ = group_advantages(rewards, 8, scale)
+    assert torch.allclose(adv.view(4, 8).sum(1), torch.zeros(4), atol=1e-5)
+
+
+def test_batch_and_none_scaling():
+    rewards = torch.tensor([0.0, 2.0, 10.0, 30.0])
+    none, _ = group_advantages(rewards, 2, "none")
+    assert torch.allclose(none, torch.tensor([-1.0, 1.0, -10.0, 10.0]))
+    batch, _ = group_advantages(rewards, 2, "batch", eps=0.0)
+    assert torch.allclose(batch, none / rewards.std())
+
+
+def test_unknown_scaling_is_an_error():
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(4), 2, "rank")
+
+
+def test_informative_groups_are_those_with_nonzero_advantages():
+    rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.0, 0.5, 0.5000001])
+    assert informative_groups(rewards, 2).tolist() == [False, True, False, True]
+    adv, _ = group_advantages(rewards, 2)
+    assert ((adv.view(-1, 2) != 0).any(1) == informative_groups(rewards, 2)).all()
+
+
+def test_merge_rounds_takes_informative_groups_in_draw_order():
+    # group size 2; round 0: [equal, differ], round 1: [differ, equal, differ]
+    rounds = [torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0.0, 2.0, 3.0, 3.0, 1.0, 0.0])]
+    assert missing_groups(rounds[:1], 2, 2) == 1
+    assert missing_groups(rounds, 2, 2) == 0
+    rows, counts = merge_rounds(rounds, 2, 2)
+    # concatenated rows: round 0 is rows 0-3, round 1 rows 4-9; kept: round 0 group 1, round 1 group 0
+    assert rows.tolist() == [2, 3, 4, 5]
+    assert counts == {"groups_drawn": 5, "groups_dropped": 3, "groups_uninformative": 0}
+    rows, counts = merge_rounds(rounds, 2, 3)
+    assert rows.tolist() == [2, 3, 4, 5, 8, 9]
+    assert counts == {"groups_drawn": 5, "groups_dropped": 2, "groups_uninformative": 0}
+    # whatever is picked, every picked group is informative when enough were drawn
+    all_rewards = torch.cat(rounds)
+    assert informative_groups(all_rewards[rows], 2).all()
+
+
+def test_merge_rounds_fills_with_the_earliest_uninformative_groups_when_rounds_run_out():
+    rounds = [torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([2.0, 2.0, 5.0, 5.0])]
+    assert missing_groups(rounds, 2, 3) == 2
+    rows, counts = merge_rounds(rounds, 2, 3)
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5]  # the informative group, then uninformative ones by draw order
+    assert counts == {"groups_drawn": 4, "groups_dropped": 1, "groups_uninformative": 2}
+    with pytest.raises(ValueError, match="fewer than the batch"):
+        merge_rounds(rounds, 2, 5)
+
+
+def test_truncated_rows_by_hand():
+    eos = 0
+    ids = torch.tensor([[5, 6, 0, 0],    # EOS at position 2: finished
+                        [5, 6, 7, 8],    # no EOS within max_new_tokens 4: truncated
+                        [5, 6, 7, 0],    # EOS as the last allowed token: finished
+                        [0, 0, 0, 0]])   # EOS first: finished
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]])
+    assert truncated_rows(ids, mask, eos).tolist() == [False, True, False, False]
+
+
+def test_truncated_rows_are_the_real_rollouts_without_eos(rollout64, tiny_model_dir):
+    _, inputs, _, cmask, _, _ = rollout64
+    eos = load_tokenizer(tiny_model_dir)("a", add_special_tokens=False)["input_ids"][0]  # the fixture's EOS
+    completions = inputs[:, -cmask.shape[1]:]
+    truncated = truncated_rows(completions, cmask, eos)
+    assert torch.equal(truncated, ~(completions == eos).any(1))
+    assert truncated.any() and not truncated.all()
+    assert (cmask.sum(1)[truncated] == 24).all()  # the fixture's max_new_tokens
+
+
+def test_masked_truncated_rows_carry_no_loss():
+    ids = torch.tensor([[5, 0, 0], [5, 6, 7]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    loss_mask = mask * ~truncated_rows(ids, mask, 0)[:, None]
+    logp = torch.tensor([[0.1, 0.05, 0.0], [0.1, 0.05, 0.0]], requires_grad=True)
+    assert loss_denominator(loss_mask, loss_config(loss_agg="token-mean", max_new_tokens=3)) == 2
+    assert loss_denominator(loss_mask, loss_config(loss_agg="seq-mean", max_new_tokens=3)) == 1
+    # dr-grpo: the constant keeps every row
+    assert loss_denominator(loss_mask, loss_config(loss_agg="dr-grpo", max_new_tokens=3)) == 6
+    loss, stats = grpo_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), loss_mask, 2.0, loss_config())
+    loss.backward()
+    assert torch.equal(logp.grad[1], torch.zeros(3)) and (logp.grad[0, :2] != 0).all()
+    assert stats["ratio_mean"] == pytest.approx(math.exp(0.1) + math.exp(0.05))  # the kept row's tokens only
+
+
+def test_overlong_penalty_ramps_linearly_over_the_buffer():
+    lengths = torch.tensor([1, 12, 13, 14, 15, 16])
+    # max_new_tokens 16, buffer 4: 0 up to 12 tokens, then -0.5 per token of the 4 to -2 at 16
+    assert overlong_penalty(lengths, 16, 4, 2.0).tolist() == [0.0, 0.0, -0.5, -1.0, -1.5, -2.0]
+    assert overlong_penalty(lengths, 16, 16, 1.0).tolist() == pytest.approx([-1 / 16, -12 / 16, -13 / 16,
+                                                                             -14 / 16, -15 / 16, -1.0])
+
 
 # two sequences of 3 and 2 tokens (the last position of the second is padding)
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
@@ -62,7 +183,8 @@ def test_three_aggregations_against_a_loop():
     assert loss.item() == pytest.approx(token_sum / 5, rel=1e-6)
     loss, _ = grpo_loss(LOGP, OLD, ADV, MASK, 2.0, loss_config(loss_agg="seq-mean"))
     assert loss.item() == pytest.approx((sum(rows[0]) / 3 + sum(rows[1]) / 2) / 2, rel=1e-6)
-    loss, _ = grpo_loss(LOGP, OLD, ADV, MASK, 2 * 4.0, loss_config(loss_agg="dr-grpo"))  # 2 sequences x max_new_tokens 4
+    loss, _ = grpo_loss(LOGP, OLD, ADV, MASK, 2 * 4.0,
+                        loss_config(loss_agg="dr-grpo"))  # 2 sequences x max_new_tokens 4
     assert loss.item() == pytest.approx(token_sum / 8, rel=1e-6)
     # TRL names give the same numbers
     assert grpo_loss(LOGP, OLD, ADV, MASK, 2.0, loss_config(loss_agg="grpo"))[0].item() == pytest.approx(
@@ -77,7 +199,8 @@ def test_defaults_are_the_token_mean_k3_loss():
         d = float(ref[i, t] - LOGP[i, t])
         expected += v + 0.1 * (math.exp(d) - d - 1)
     assert loss.item() == pytest.approx(expected / 5, rel=1e-6)
-    assert set(stats) >= {"kl", "clip_frac", "ratio_mean", "clip_low_frac", "clip_high_frac", "clip_dual_frac", "entropy"}
+    assert set(stats) >= {"kl", "clip_frac", "ratio_mean", "clip_low_frac", "clip_high_frac", "clip_dual_frac",
+                          "entropy"}
 
 
 # ---- clipping statistics -----------------------------------------------------------------------------------
@@ -111,7 +234,8 @@ def test_gspo_loss_and_gradient_by_hand():
     """
     s = math.exp(0.1)
     logp = leaf(torch.tensor([[0.1, 0.1, 0.1], [0.0, 0.2, 5.0]]))
-    loss, stats = grpo_loss(logp, OLD, torch.tensor([1.0, -2.0]), MASK, 5.0, loss_config(importance_level="sequence", clip_low=0.05, clip_high=0.2))
+    loss, stats = grpo_loss(logp, OLD, torch.tensor([1.0, -2.0]), MASK, 5.0,
+                            loss_config(importance_level="sequence", clip_low=0.05, clip_high=0.2))
     assert loss.item() == pytest.approx((3 * -s + 2 * 2 * s) / 5, rel=1e-6)
     loss.backward()
     assert torch.allclose(logp.grad[0], torch.full((3,), -s / 5))
@@ -119,7 +243,8 @@ def test_gspo_loss_and_gradient_by_hand():
     assert logp.grad[1, 2] == 0
     # a high range of 0.05 clips row 0 (A > 0, s > 1.05) as a whole; row 1 (A < 0) keeps -s A, the larger
     logp.grad = None
-    loss, stats = grpo_loss(logp, OLD, torch.tensor([1.0, -2.0]), MASK, 5.0, loss_config(importance_level="sequence", clip_low=0.05, clip_high=0.05))
+    loss, stats = grpo_loss(logp, OLD, torch.tensor([1.0, -2.0]), MASK, 5.0,
+                            loss_config(importance_level="sequence", clip_low=0.05, clip_high=0.05))
     assert loss.item() == pytest.approx((3 * -1.05 + 2 * 2 * s) / 5, rel=1e-6)
     loss.backward()
     assert torch.equal(logp.grad[0], torch.zeros(3))
@@ -165,7 +290,8 @@ def test_kl_estimator_in_the_loss():
     ref = torch.tensor([[0.0, 0.2, -0.1], [0.5, 0.1, 0.0]])
     zero_adv = torch.zeros(2)
     for estimator, f in (("k1", lambda lp, r: lp - r), ("k2", lambda lp, r: 0.5 * (lp - r) ** 2)):
-        loss, stats = grpo_loss(LOGP, OLD, zero_adv, MASK, 5.0, loss_config(kl_coef=0.1, kl_estimator=estimator), ref_logp=ref)
+        loss, stats = grpo_loss(LOGP, OLD, zero_adv, MASK, 5.0,
+                                loss_config(kl_coef=0.1, kl_estimator=estimator), ref_logp=ref)
         expected = sum(0.1 * f(float(LOGP[i, t]), float(ref[i, t])) for i in range(2) for t in range(3) if MASK[i, t])
         assert loss.item() == pytest.approx(expected / 5, rel=1e-6), estimator
         # the logged kl stays the k3 estimate
@@ -289,3 +415,110 @@ def test_top_entropy_mask_keeps_kl_and_entropy_on_every_token():
     # a masked-out token's gradient is its KL term's alone: 0.1 (1 - e^d) / 5
     d = float(ref[0, 1] - LOGP[0, 1])
     assert logp.grad[0, 1].item() == pytest.approx(0.1 * (1 - math.exp(d)) / 5, rel=1e-5)
+
+
+def _grad(model, inputs, attention, cmask, old, adv, micro, loss_agg="token-mean", per_micro_denominator=False):
+    model.zero_grad(set_to_none=True)
+    T = cmask.shape[1]
+    ref = frozen_copy(model)
+    total = cmask.sum().item() if loss_agg == "token-mean" else cmask.shape[0]
+    for s in range(0, inputs.shape[0], micro):
+        sl = slice(s, s + micro)
+        logp = completion_logprobs(model, inputs[sl], attention[sl], T, 1.5, 4096)
+        with torch.no_grad():
+            ref_logp = completion_logprobs(ref, inputs[sl], attention[sl], T, 1.5, 4096)
+        denom = (cmask[sl].sum().item() if loss_agg == "token-mean" else micro) if per_micro_denominator else total
+        loss, _ = grpo_loss(logp, old[sl], adv[sl], cmask[sl], denom,
+                            loss_config(kl_coef=0.02, loss_agg=loss_agg), ref_logp=ref_logp - 0.1)
+        (loss / (inputs.shape[0] // micro) if per_micro_denominator else loss).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean"])
+def test_gradient_accumulation_equals_one_big_batch(rollout64, loss_agg):
+    model, inputs, attention, cmask, old, adv = rollout64
+    whole = _grad(model, inputs, attention, cmask, old, adv, micro=64, loss_agg=loss_agg)
+    accumulated = _grad(model, inputs, attention, cmask, old, adv, micro=8, loss_agg=loss_agg)
+    assert ((whole - accumulated).norm() / whole.norm()).item() <= 1e-5
+
+
+def test_per_micro_batch_token_mean_is_a_different_gradient(rollout64):
+    """The trap the test above guards against: normalising each micro-batch by its own token count."""
+    model, inputs, attention, cmask, old, adv = rollout64
+    whole = _grad(model, inputs, attention, cmask, old, adv, micro=64)
+    wrong = _grad(model, inputs, attention, cmask, old, adv, micro=8, per_micro_denominator=True)
+    assert ((whole - wrong).norm() / whole.norm()).item() > 1e-3
+
+
+def test_first_on_policy_update_has_ratio_one_and_no_clipping(rollout64):
+    model, inputs, attention, cmask, old, adv = rollout64
+    logp = completion_logprobs(model, inputs, attention, cmask.shape[1], 1.5, 4096)
+    _, stats = grpo_loss(logp, old, adv, cmask, cmask.sum().item(), loss_config())
+    ratio = torch.exp(logp - old)[cmask.bool()]
+    assert (ratio - 1).abs().max().item() <= 1e-5
+    assert stats["clip_frac"] == 0
+    assert abs(stats["ratio_mean"] / cmask.sum().item() - 1) <= 1e-6
+
+
+def test_k3_kl_is_zero_for_the_same_policy_and_positive_otherwise(rollout64):
+    model, inputs, attention, cmask, old, adv = rollout64
+    T = cmask.shape[1]
+    with torch.no_grad():
+        logp = completion_logprobs(model, inputs, attention, T, 1.0, 4096)
+        ref_logp = completion_logprobs(frozen_copy(model), inputs, attention, T, 1.0, 4096)
+    assert k3_kl(logp, ref_logp).abs().max().item() == 0.0
+    shifted = k3_kl(logp, ref_logp + 0.3 * torch.randn_like(ref_logp))
+    assert (shifted >= 0).all() and shifted.mean() > 0
+
+
+def test_clipped_tokens_carry_no_gradient():
+    old = torch.zeros(1, 4)
+    logp = torch.tensor([[0.5, -0.5, 0.05, 0.5]], requires_grad=True)  # ratios e^.5, e^-.5, e^.05, e^.5
+    adv = torch.tensor([1.0])
+    loss, stats = grpo_loss(logp, old, adv, torch.ones(1, 4), 4, loss_config())
+    loss.backward()
+    # adv > 0: the ratio above 1 + 0.2 is clipped (no gradient); below 1 - 0.2 it is not clipped
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 3] == 0
+    assert logp.grad[0, 1] != 0 and logp.grad[0, 2] != 0
+    assert stats["clip_frac"] == 2
+    # the high side follows clip_high
+    loss, stats = grpo_loss(logp, old, adv, torch.ones(1, 4), 4, loss_config(clip_high=0.7))
+    assert stats["clip_frac"] == 0
+
+
+def test_masked_tokens_do_not_count(rollout64):
+    old = torch.zeros(2, 3)
+    logp = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    loss, stats = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, 3, loss_config())
+    loss.backward()
+    assert stats["ratio_mean"] == 3  # statistics are sums over the 3 unmasked tokens (each ratio 1)
+    assert logp.grad[0, 2] == 0 and logp.grad[1, 1] == 0 and logp.grad[1, 2] == 0
+    assert torch.allclose(logp.grad[0, :2], torch.tensor([-1 / 3, -1 / 3]))
+
+
+def test_chunked_logprobs_equal_unchunked_with_gradients(rollout64):
+    model, inputs, attention, cmask, _, _ = rollout64
+    T = cmask.shape[1]
+    grads = []
+    for chunk in (10**6, 37):
+        model.zero_grad(set_to_none=True)
+        logp = completion_logprobs(model, inputs[:16], attention[:16], T, 1.0, chunk)
+        (logp * cmask[:16]).sum().backward()
+        grads.append((logp.detach(), model.get_output_embeddings().weight.grad.clone()))
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5)
+    assert ((grads[0][1] - grads[1][1]).norm() / grads[0][1].norm()).item() <= 1e-5
+
+
+def test_dropout_is_off_in_training_forwards(tiny_model_dir):
+    """The tiny model's config has dropout 0.1: two training forwards must still agree exactly."""
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    ids, mask = left_pad(encode_prompts(tok, ["Repeat a: aaaa", "Repeat b: bb"], True), tok.eos_token_id)
+    assert model.config.resid_pdrop > 0
+    a = completion_logprobs(model, ids, mask, 3, 1.0, 4096)
+    b = completion_logprobs(model, ids, mask, 3, 1.0, 4096)
+    assert a.requires_grad and torch.equal(a, b)
+    model.train()  # the control: with dropout on, the same forward differs
+    c = completion_logprobs(model, ids, mask, 3, 1.0, 4096)
+    model.eval()
+    assert not torch.equal(a, c)
