@@ -19,6 +19,7 @@ ADVANTAGES = {  # --scale-rewards
     "group": "(r - the group's mean) / (the group's std + eps)",
     "batch": "(r - the group's mean) / (the whole batch's std + eps), every device's rows",
     "none": "r - the group's mean (Dr. GRPO)",
+    "rloo": "r - the mean of the group's other rewards (RLOO's leave-one-out baseline), not divided",
 }
 
 
@@ -45,6 +46,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         adv = adv / (r.std(1, keepdim=True) + eps)
     elif scale == "batch":
         adv = adv / (rewards.float().std() + eps)
+    elif scale == "rloo":  # each completion's baseline leaves it out: the mean of the other G - 1
+        adv = r - (r.sum(1, keepdim=True) - r) / (group_size - 1)
     elif scale != "none":
         raise ValueError(f"scale_rewards {scale!r} is not one of {', '.join(ADVANTAGES)}")
     zero = ~informative_groups(rewards, group_size)[:, None]

@@ -54,6 +54,19 @@ def test_unknown_scaling_is_an_error():
         group_advantages(torch.zeros(4), 2, "rank")
 
 
+def test_rloo_baseline_leaves_each_completion_out():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 4.0, 6.0, 9.0])
+    adv, frac = group_advantages(rewards, 4, "rloo")
+    for i in range(8):   # the direct formula: r_i minus the mean of the other rewards of its group
+        group = rewards[i // 4 * 4:i // 4 * 4 + 4].tolist()
+        others = group[:i % 4] + group[i % 4 + 1:]
+        assert adv[i].item() == pytest.approx(rewards[i].item() - sum(others) / len(others))
+    # G / (G - 1) times the mean-centred advantage, and an equal group still carries nothing
+    assert torch.allclose(adv, group_advantages(rewards, 4, "none")[0] * 4 / 3)
+    assert group_advantages(torch.tensor([3.0, 3.0, 1.0, 2.0]), 2, "rloo")[0].tolist() == [0.0, 0.0, -1.0, 1.0]
+    assert frac == 0.0
+
+
 def test_informative_groups_are_those_with_nonzero_advantages():
     rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.0, 0.5, 0.5000001])
     assert informative_groups(rewards, 2).tolist() == [False, True, False, True]
