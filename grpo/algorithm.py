@@ -292,6 +292,7 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_
             "clip_high_frac": high * counted,
             "clip_dual_frac": dual * counted,        # the dual clip bounds the term
             "ratio_mean": ratio,
+            "approx_kl": (ratio - 1) - torch.log(ratio),   # KL(old || new) from the ratio (as cleanrl logs it)
             "entropy": entropy if entropy is not None else torch.zeros_like(logp),
         }
         stats = {k: (v * mask).sum().item() for k, v in stats.items()}

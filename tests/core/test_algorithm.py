@@ -239,6 +239,13 @@ def test_sequence_ratio_is_the_exp_of_the_mean_token_log_ratio():
         importance_ratio(LOGP, OLD, MASK, "group")
 
 
+def test_approx_kl_is_the_sum_of_each_tokens_ratio_minus_one_minus_its_log():
+    logp = torch.tensor([[0.5, -0.5, 0.0], [0.5, -0.5, 0.5]])   # the last token is masked out
+    _, stats = grpo_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), MASK, 1.0, loss_config())
+    expected = sum(math.exp(d) - 1 - d for d in (0.5, -0.5, 0.0, 0.5, -0.5))
+    assert stats["approx_kl"] == pytest.approx(expected, rel=1e-6)
+
+
 def test_gspo_loss_and_gradient_by_hand():
     """Both rows have the sequence ratio s = e^0.1 (mean token log-ratio 0.1); A = 1 and -2.
 
