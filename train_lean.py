@@ -7,8 +7,9 @@
 configuration -> task, model and reference -> a loop: draw prompts, sample groups of completions, score
 them, turn rewards into group-relative advantages, update the policy with a clipped PPO loss plus a KL
 penalty, log one line and one JSON record (with memory) per step, checkpoint now and then; at the end
-the trained model is saved as a Hugging Face folder. The pieces live in grpo/, one concept per module;
-the tasks live in tasks/, which grpo/ never imports.
+the trained model is saved as a Hugging Face folder. The math is grpo/algorithm.py, the update loop around it
+grpo/update.py, the other pieces beside them in grpo/; the tasks live in tasks/, which grpo/ never imports. The
+calls every rank makes together under torchrun are marked `# every rank`: here and in grpo/update.py only.
 """
 import contextlib
 import functools
@@ -91,7 +92,7 @@ def main(argv=None):
                 reference = frozen_copy(load_policy(cfg.model, device) if resume_from else policy)
         except (task_lib.TaskError, ModelLoadError) as e:
             usage_error(str(e))
-        if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/loss.py)
+        if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/model.py)
             policy.activation_checkpointing_enable({"use_reentrant": False})
         # greedy decoding of the policy, for the task's held-out evaluate(complete); rank 0 alone evaluates
         complete = functools.partial(greedy_completions, policy, tokenizer, prepend_bos=prepend_bos, device=device,

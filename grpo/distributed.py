@@ -4,7 +4,7 @@
 
 Gradients are summed with one all_reduce of a flat buffer per optimizer update, after the
 micro-batches have accumulated, rather than by wrapping the policy in DistributedDataParallel:
-the loss calls the policy's trunk and output head directly (grpo/loss.py), which a DDP wrapper's
+the loss calls the policy's trunk and output head directly (grpo/model.py completion_logprobs), which a DDP wrapper's
 forward would never see; and a single reduction point lets every rank agree on an out-of-memory
 retry or a skipped update before any of them waits on a collective. (DDP's bucketed reduction
 overlaps with backward; at the model sizes this trainer targets that overlap is small.)

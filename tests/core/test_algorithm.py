@@ -366,7 +366,7 @@ def _exact_gradients(n=5, seed=0):
 
 
 def test_which_kl_placement_gives_which_gradient():
-    """The claims of grpo/kl.py's docstring, exactly, on a small categorical policy."""
+    """The claims of grpo/algorithm.py's KL comment, exactly, on a small categorical policy."""
     g = _exact_gradients()
     assert torch.allclose(g["k1 reward"], g["reverse"], atol=1e-6)   # unbiased for KL(pi || ref)
     assert torch.allclose(g["k2 loss"], g["reverse"], atol=1e-6)     # per position, on-policy
