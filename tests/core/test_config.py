@@ -1,8 +1,8 @@
 import pytest
 
 import tasks
-from grpo import config
-from grpo.config import Config, ConfigError, batch_layout, describe
+from grpo import config, log
+from grpo.config import Config, ConfigError, batch_layout
 
 
 def load(argv, environ):
@@ -100,7 +100,7 @@ def test_every_field_is_a_flag_and_an_env_variable():
 
 def test_describe_shows_sources_and_sizes():
     loaded = config.load(["--batch-size", "32", "--task", "chess-env"], {"GRPO_SEED": "3"}, tasks.BUILTIN)
-    text = describe(loaded.cfg, loaded.options, loaded.sources, batch_layout(loaded.cfg))
+    text = log.describe(loaded.cfg, loaded.options, loaded.sources, batch_layout(loaded.cfg), config.flag)
     assert "--batch-size" in text and "cli" in text and "env" in text and "gradient-accumulation steps" in text
     assert "prompts (groups) per step" in text and "optimizer updates per step" in text
     assert "options of --task chess-env" in text and "--eval-samples" in text
