@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 import tasks
-from grpo import checkpoint, config, distributed, guards, log, memory, rundir
+from grpo import checkpoint, cli, config, distributed, guards, log, memory, rundir
 from grpo import task as task_lib
 from grpo.algorithm import group_advantages, kl_penalised_rewards, missing_groups, overlong_penalty
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
@@ -42,7 +42,7 @@ def step_seed(seed: int, step: int) -> int:
 def configure(argv):
     """Every setting, checked before anything heavy is loaded: a bad one exits 2 with one line."""
     try:
-        loaded = config.load(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
+        loaded = cli.load(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
         cfg = loaded.cfg
         layout = config.batch_layout(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
         rundir.check_paths(cfg)

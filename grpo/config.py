@@ -1,22 +1,17 @@
-"""Configuration: one dataclass that is the CLI, the GRPO_<FLAG> environment overrides and the defaults.
+"""Configuration: one dataclass whose fields are the settings, each with its default, help, choices, range
+and whether --resume may change it.
 
-Precedence: command line > environment > default. The chosen task may bring an options dataclass of its
-own (grpo/task.py); its fields become flags and overrides in the same way, for that task only.
-`load(argv)` returns the config, the task's options and where each value came from;
-`batch_layout(cfg, world)` checks every range and size rule before anything heavy is loaded and returns the
-derived sizes. User errors raise ConfigError with one line that names the bad value and a fix;
-train_lean.py prints it and exits with code 2. What --resume compares is grpo/rundir.py's.
+grpo/cli.py makes every field (and every field of a task's options dataclass) a flag and a GRPO_<FLAG>
+override; `batch_layout(cfg, world)` checks every range and size rule before anything heavy is loaded and
+returns the derived sizes; grpo/rundir.py compares the settings on --resume. User errors raise ConfigError
+with one line that names the bad value and a fix; train_lean.py prints it and exits with code 2.
 """
-import argparse
 import dataclasses
-import math
 import os
-import sys
 import typing
 from dataclasses import dataclass, field
 
 from grpo import algorithm, log
-from grpo import task as tasks
 
 
 # The shipped default model (models/rook-tiny, built by the default task's own script). An absolute
@@ -26,13 +21,6 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 class ConfigError(ValueError):
     """A bad flag, value or combination (exit code 2, one line, no traceback)."""
-
-
-class Loaded(typing.NamedTuple):
-    cfg: "Config"
-    options: typing.Any       # an instance of the task's options dataclass, or None
-    sources: dict             # field name -> "cli" | "env" | "default", the task's options included
-    task: typing.Any          # the class or object --task names, imported, not yet built
 
 
 # The ranges a field may declare, opt(..., must=...): batch_layout checks each field's, and its words are the
@@ -45,23 +33,23 @@ def opt(default, help, choices=None, const=None, path=None, auto=False, resume_f
     """A field. With const the flag may be given bare (`--resume` means `--resume latest`); path="in" marks
     a file the run reads and path="out" one it writes (a file, or with the name out_dir a folder), which
     rundir.check_paths tests before anything heavy is loaded; auto=True keeps the value "auto" as itself;
-    must names the field's range in RANGES (None and "auto" pass). resume_free=True: the setting may differ
-    on --resume (see Config). choices given as a dict (name -> what it does, defined by the module that owns
-    them) are listed in the help."""
+    must names its range in RANGES (None and "auto" pass) and note a hint its message adds; resume_free=True:
+    it may differ on --resume (see Config). choices given as a dict (name -> what it does, defined by the module
+    that owns them) are listed in the help."""
     if isinstance(choices, dict):
         help = f"{help}: " + "; ".join(f"{k}: {v}" for k, v in choices.items())
     return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
                                             "auto": auto, "resume_free": resume_free, "must": must, "note": note})
 
 
-# resume_free=True: --resume lets the setting differ from what the checkpoint recorded. Free are how long the run
-# goes and when it evaluates, saves or gives up; how the same arithmetic is cut into work on this machine
-# (micro-batches accumulate to the same mini-batch; checkpointed layers, chunked log-softmax and compiled decoding
-# compute the same values up to the order of float sums; another generation batch, like another device count,
-# draws other samples from the same distribution); where it reports, what it traces, and the resume itself. Every
-# other setting defines the run, and so does every task option not marked free: the model (the start and the KL
-# reference), the task, --prompt-bos, the seed, the batch arithmetic, sampling, the optimizer, every loss knob,
-# and --dtype (bf16 changes the numbers the loss sees, not only the order of float sums).
+# resume_free=True: --resume lets the setting differ from what the checkpoint recorded (any other difference is
+# refused unless --resume-allow-change names it). Free are how long the run goes and when it evaluates, saves or
+# gives up (none touches the weights); how the same arithmetic is cut into work on this machine (micro-batches
+# accumulate to the same mini-batch; checkpointed layers, chunked log-softmax and compiled decoding compute the
+# same values up to the order of float sums; another generation batch, like another device count, draws other
+# samples from the same distribution); where it reports, what it traces, and the resume itself. The rest define
+# the run, as do a task's options unless marked free: they change what is trained or how (the model is the start
+# and the KL reference, --seed the prompt stream; bf16 changes the numbers the loss sees, not only sum orders).
 @dataclass
 class Config:
     # model and task
@@ -128,7 +116,8 @@ class Config:
     kl_in: str = opt("loss", "where the KL penalty goes", algorithm.KL_PLACES)
     entropy_coef: float = opt(0.0, "entropy bonus: the loss minus this x the mean token entropy (0: off)", must=">= 0")
     top_entropy_quantile: float = opt(1.0, "only this share of a mini-batch's tokens, the highest-entropy ones, "
-                                      "carry the policy-gradient loss (1: all)", must="in (0, 1]", note="1: every token")
+                                      "carry the policy-gradient loss (1: all)", must="in (0, 1]",
+                                      note="1: every token")
     dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal and sample more prompts "
                                  "until the batch is full of groups that carry a signal", const="true")
     max_sampling_rounds: int = opt(4, "--dynamic-sampling: extra generation rounds per step at most", must=">= 0")
@@ -187,7 +176,6 @@ def fields_of(cls) -> dict:
 
 
 FIELDS = fields_of(Config)
-BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def flag(name: str) -> str:
@@ -198,121 +186,7 @@ def env_name(name: str) -> str:
     return "GRPO_" + name.upper()
 
 
-def _base_type(f):
-    args = typing.get_args(f.type)
-    if args and type(None) in args:
-        return next(a for a in args if a is not type(None)), True
-    return f.type, False
-
-
-def _convert(f, text: str, where: str):
-    base, optional = _base_type(f)
-    if f.metadata.get("auto") and text.lower() == "auto":
-        return "auto"
-    if optional and text.lower() in ("", "none", "auto"):
-        return None
-    if base is bool:   # bool("false") is True: spell the values out
-        if text.lower() not in BOOLS:
-            raise ConfigError(f"{where} {text!r} is not a valid bool (true/false, 1/0, yes/no, on/off)")
-        return BOOLS[text.lower()]
-    try:
-        value = base(text)
-    except ValueError:
-        raise ConfigError(f"{where} {text!r} is not a valid {base.__name__}") from None
-    if base is float and not math.isfinite(value):
-        raise ConfigError(f"{where} {text!r} is not a finite number")
-    choices = f.metadata.get("choices")
-    if choices and isinstance(value, str) and value not in choices and value.lower() in choices:
-        value = value.lower()   # --log-level INFO means info
-    if choices and value not in choices:
-        raise ConfigError(f"{where} {text!r} is not one of {', '.join(choices)}")
-    return value
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump: ConfigError is printed by the caller
-        raise ConfigError(message)
-
-
-def build_parser(task_name: str = "", task_fields: dict = None) -> argparse.ArgumentParser:
-    p = _Parser(prog="train_lean.py", allow_abbrev=False, description="GRPO on a small causal LM. Every flag also reads "
-                "GRPO_<FLAG> from the environment (CLI > environment > default).")
-    groups = [(p, FIELDS)]
-    if task_fields:
-        groups.append((p.add_argument_group(f"options of --task {task_name}"), task_fields))
-    for group, fields in groups:
-        for name, f in fields.items():
-            default = f.default if f.default is not dataclasses.MISSING else None
-            shown = default if default is not None else "derived"
-            const = f.metadata.get("const")
-            bare = {"nargs": "?", "const": const} if const is not None else {}
-            group.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=name.upper(), **bare,
-                               help=f"{f.metadata.get('help', '')} [{env_name(name)}; default {shown}]")
-    return p
-
-
-def _read(fields: dict, given: dict, environ) -> tuple[dict, dict]:
-    """Each field's value and its source: the command line, else the environment, else the default."""
-    values, sources = {}, {}
-    for name, f in fields.items():
-        if name in given:
-            values[name], sources[name] = _convert(f, given[name], flag(name)), "cli"
-        elif env_name(name) in environ:
-            values[name], sources[name] = _convert(f, environ[env_name(name)], env_name(name)), "env"
-        elif f.default is not dataclasses.MISSING:
-            values[name], sources[name] = f.default, "default"
-        elif f.default_factory is not dataclasses.MISSING:
-            values[name], sources[name] = f.default_factory(), "default"
-        else:
-            raise ConfigError(f"{flag(name)} is required by the task")
-    return values, sources
-
-
-def load(argv=None, environ=None, builtin: dict = None, default_task: str = None) -> Loaded:
-    """Parse argv and environ into the Config, the chosen task's options and each value's source.
-
-    The task is found first (--task, else GRPO_TASK, else default_task; builtin maps short names to
-    "module:Attribute"), because its options add flags. Raises ConfigError (or task.TaskError)."""
-    argv = sys.argv[1:] if argv is None else argv
-    environ = os.environ if environ is None else environ
-    first = _Parser(add_help=False, allow_abbrev=False)
-    first.add_argument("--task")
-    task_name = first.parse_known_args(argv)[0].task or environ.get(env_name("task")) or default_task
-    if not task_name:
-        raise ConfigError("no --task given: pass --task NAME, path/to/file.py:Name or module:Name")
-    target = tasks.resolve(task_name, builtin or {})
-    options_cls = tasks.options_type(target)
-    task_fields = fields_of(options_cls) if options_cls else {}
-    clash = sorted(FIELDS.keys() & task_fields.keys())
-    if clash:
-        raise tasks.TaskError(f"--task {task_name}: its option {clash[0]!r} has the name of a trainer setting "
-                              f"({flag(clash[0])}): rename it")
-    given, extra = build_parser(task_name, task_fields).parse_known_args(argv)
-    if extra:
-        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}: {extra[0]} does not apply to --task "
-                          f"{task_name} (see train_lean.py --task {task_name} --help)")
-    given = vars(given)
-    values, sources = _read(FIELDS, given, environ)
-    option_values, option_sources = _read(task_fields, given, environ)
-    known = FIELDS.keys() | task_fields.keys()
-    unknown = sorted(k for k in environ if k.startswith("GRPO_") and k[5:].lower() not in known)
-    if unknown:
-        raise ConfigError(f"unknown environment variable {unknown[0]}: not a setting of train_lean.py nor of "
-                          f"--task {task_name} (see train_lean.py --task {task_name} --help)")
-    values["task"] = task_name
-    values["loss_agg"] = algorithm.TRL_LOSS_TYPES.get(values["loss_agg"], values["loss_agg"])
-    asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")
-    if asked and not hasattr(target, "evaluate"):
-        raise ConfigError(f"{'--eval-only' if values['eval_only'] else '--eval-interval'}: --task {task_name} "
-                          f"has no evaluate(complete) method (grpo/task.py says how to add one)")
-    try:
-        options = options_cls(**option_values) if options_cls else None
-    except (TypeError, ValueError) as e:   # the options' own checks (__post_init__) say what is wrong
-        raise ConfigError(str(e).splitlines()[0] if str(e) else f"bad options for --task {task_name}") from None
-    return Loaded(Config(**values), options, {**sources, **option_sources}, target)
-
-
-def settings(cfg: "Config", options) -> dict:
+def settings(cfg: Config, options) -> dict:
     """Every setting of the run, the task's options included, by field name (what a checkpoint records)."""
     return {**dataclasses.asdict(cfg), **(dataclasses.asdict(options) if options is not None else {})}
 
@@ -340,8 +214,7 @@ def _multiples(value: int, of: int) -> str:
 
 
 def batch_layout(cfg: Config, world: int = 1) -> Layout:
-    """Check every field's range, then the rules between fields, and return the derived sizes (per device and
-    global)."""
+    """Check every field's range, then the rules between fields; return the derived sizes (per device, global)."""
     for name, f in FIELDS.items():
         value, must, note = getattr(cfg, name), f.metadata["must"], f.metadata["note"]
         if must and value is not None and value != "auto" and not RANGES[must](value):
@@ -354,15 +227,13 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     prompts = cfg.batch_size // cfg.group_size
     if prompts % world:
         raise ConfigError(f"--batch-size {cfg.batch_size} gives {prompts} prompts, which do not split over "
-                          f"{world} devices in whole groups: "
-                          f"{_multiples(cfg.batch_size, cfg.group_size * world)}")
+                          f"{world} devices in whole groups: {_multiples(cfg.batch_size, cfg.group_size * world)}")
     mini = cfg.mini_batch_size or cfg.batch_size
     if cfg.batch_size % mini:
         raise ConfigError(f"--batch-size {cfg.batch_size} is not a multiple of --mini-batch-size {mini}: "
                           f"use a divisor of {cfg.batch_size}")
     if mini % world:
-        raise ConfigError(f"--mini-batch-size {mini} does not split over {world} devices: "
-                          f"{_multiples(mini, world)}")
+        raise ConfigError(f"--mini-batch-size {mini} does not split over {world} devices: {_multiples(mini, world)}")
     mini_per_device = mini // world
     # auto: start from the whole per-device mini-batch; train_lean probes it down before training
     micro_auto = cfg.micro_batch_size == "auto"
@@ -371,10 +242,9 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
         raise ConfigError(f"--micro-batch-size {micro} does not divide the per-device mini-batch "
                           f"{mini_per_device} (= --mini-batch-size {mini} / {world} devices): "
                           f"use a divisor of {mini_per_device}")
-    for name in ("min_new_tokens", "overlong_buffer"):
-        if not 0 <= getattr(cfg, name) <= cfg.max_new_tokens:
-            raise ConfigError(f"{flag(name)} {getattr(cfg, name)} must be in [0, --max-new-tokens "
-                              f"{cfg.max_new_tokens}]")
+    for name, value in (("min_new_tokens", cfg.min_new_tokens), ("overlong_buffer", cfg.overlong_buffer)):
+        if not 0 <= value <= cfg.max_new_tokens:
+            raise ConfigError(f"{flag(name)} {value} must be in [0, --max-new-tokens {cfg.max_new_tokens}]")
     if cfg.trace_memory == 1:
         raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
     per_device = cfg.batch_size // world
