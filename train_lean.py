@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 import tasks
-from grpo import checkpoint, config, distributed, guards, log, memory, rundir
+from grpo import checkpoint, cli, config, distributed, guards, log, memory, rundir
 from grpo import task as task_lib
 from grpo.algorithm import group_advantages, kl_penalised_rewards, missing_groups, overlong_penalty
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
@@ -43,11 +43,11 @@ def step_seed(seed: int, step: int) -> int:
 def configure(argv):
     """Every setting, checked before anything heavy is loaded: a bad one exits 2 with one line."""
     try:
-        loaded = config.load(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
+        loaded = cli.load(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
         cfg = loaded.cfg
         layout = config.batch_layout(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
-        config.check_paths(cfg)
-        config.check_paths(loaded.options)
+        rundir.check_paths(cfg)
+        rundir.check_paths(loaded.options)
         held, resume_from = rundir.claim(cfg, loaded.options)  # OUT_DIR locked, never another run's records
     except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
         usage_error(str(e))
@@ -62,7 +62,7 @@ def main(argv=None):
     rank, world, device = distributed.init(cfg.device)
     main_rank = rank == 0  # only rank 0 prints, logs and saves
     say = functools.partial(log.say, main_rank and cfg.log_level != "warning")
-    say(config.describe(cfg, loaded.options, loaded.sources, layout))
+    say(log.describe(cfg, loaded.options, loaded.sources, layout, config.flag))
     autocast = model_autocast(device, cfg.dtype)   # bf16 matmuls over fp32 weights and AdamW state
     checkpoint.seed_all(cfg.seed)
     start_step = checkpoint.step_of(resume_from) if resume_from else 0

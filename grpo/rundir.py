@@ -7,14 +7,17 @@ its own: a new run into a folder that holds an earlier run's logs, checkpoints, 
 refused, unless it continues that run (--resume) or starts over on purpose (--overwrite, which deletes
 them first). --eval-only takes no lock and writes nothing but a --log-file it is given.
 
-All of this happens at start-up, before a model loads: the folder and the lock file are created (a
-folder that cannot be written says so at once), --resume finds and checks its checkpoint and compares
-the settings, and a disk that clearly cannot hold a checkpoint and the trained model is refused.
+All of this happens at start-up, before a model loads: every path a setting names is checked (a folder
+that cannot be written says so at once), the lock file is created, --resume finds and checks its
+checkpoint and compares the settings that define the run with those it recorded, and a disk that
+clearly cannot hold a checkpoint and the trained model is refused.
 """
 import contextlib
+import dataclasses
 import fcntl
 import os
 import shutil
+import tempfile
 
 from grpo import checkpoint, config, log, memory
 
@@ -22,6 +25,36 @@ LOCK = ".lock"
 # what a run writes into OUT_DIR besides the lock: its metrics, checkpoints, model, --report-to folders and
 # memory evidence
 OUTPUTS = ("metrics.jsonl", checkpoint.SUBDIR, "model", "tensorboard", "wandb", memory.SUBDIR)
+
+
+def check_paths(settings) -> None:
+    """Every file a run reads exists and is readable; every folder it writes to can be written.
+
+    Checked before anything heavy is loaded, so that a typo costs a second, not a model load. A field of
+    the Config or of a task's options opts in with opt(..., path="in" | "out"); settings may be None.
+    """
+    for f in dataclasses.fields(settings) if settings is not None else ():
+        name, value, kind = f.name, getattr(settings, f.name), f.metadata.get("path")
+        if value is None or kind is None:
+            continue
+        if kind == "in":
+            if not os.path.isfile(value):
+                raise config.ConfigError(f"{config.flag(name)} {value}: no such file: check the path")
+            try:
+                with open(value, "rb") as fh:
+                    fh.read(1)
+            except OSError as e:
+                raise config.ConfigError(f"{config.flag(name)} {value} cannot be read ({e.strerror}): "
+                                         f"fix its permissions or pass another file") from None
+        else:
+            folder = value if name == "out_dir" else (os.path.dirname(value) or ".")
+            try:
+                os.makedirs(folder, exist_ok=True)
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
+            except OSError as e:
+                raise config.ConfigError(f"{config.flag(name)} {value}: cannot write to {folder} "
+                                         f"({e.strerror or e}): pass a writable folder") from None
 
 
 def lock(out_dir: str):
@@ -93,9 +126,80 @@ def set_aside_later(out_dir: str, step: int) -> None:
             log.note(f"resuming from step {step}: the later checkpoint {path} is moved aside to {aside}")
 
 
+def allowed_changes(text) -> list:
+    """The names --resume-allow-change gives: comma-separated, as fields (learning_rate) or flags (--learning-rate)."""
+    return [n.strip().lstrip("-").replace("-", "_") for n in (text or "").split(",") if n.strip()]
+
+
+def resume_free(option_fields) -> frozenset:
+    """The settings that may change on --resume: the trainer's and the task's marked opt(..., resume_free=True)."""
+    return frozenset(f.name for f in (*config.FIELDS.values(), *option_fields) if f.metadata.get("resume_free"))
+
+
+def check_resume_flags(cfg, options) -> None:
+    """--overwrite and --resume exclude each other; --resume-allow-change names settings that exist, that
+    --resume would refuse to change, and comes with --resume."""
+    if cfg.overwrite and cfg.resume:
+        raise config.ConfigError("--overwrite starts a run over and --resume continues one: pass only one of them")
+    text = cfg.resume_allow_change
+    if text is None:
+        return
+    names = allowed_changes(text)
+    if not names:
+        raise config.ConfigError(f"--resume-allow-change {text!r} names no setting: pass e.g. learning_rate,kl_coef")
+    option_fields = dataclasses.fields(options) if options is not None else ()
+    free = resume_free(option_fields)
+    for name in names:
+        if name not in config.FIELDS and name not in {f.name for f in option_fields}:
+            raise config.ConfigError(f"--resume-allow-change: {name!r} is not a setting of train_lean.py nor of "
+                                     f"--task {cfg.task}")
+        if name in free:
+            raise config.ConfigError(f"--resume-allow-change: {config.flag(name)} may change on --resume without "
+                                     f"it: leave it out")
+    if not cfg.resume:
+        raise config.ConfigError(f"--resume-allow-change {text}: it applies only with --resume")
+
+
+def _same(old, new) -> bool:
+    """Equal, or two spellings of one existing path (a --model folder given relative, then absolute)."""
+    if old == new:
+        return True
+    return isinstance(old, str) and isinstance(new, str) and os.path.exists(old) and os.path.exists(new) \
+        and os.path.samefile(old, new)
+
+
+def _changes(names, old: dict, new: dict) -> str:
+    return "; ".join(f"{config.flag(n)} {old[n]} -> {new[n]}" for n in names)
+
+
+def check_resume(saved, cfg, options, checkpoint_path: str) -> list:
+    """Compare the settings that define the run with those the checkpoint recorded (saved: its settings, None
+    when an older trainer recorded none). A difference is a ConfigError naming each (old -> new), unless
+    --resume-allow-change names it. Returns the notes to print: the changes allowed, and the settings the
+    checkpoint does not record (an older trainer's), which are not compared."""
+    if saved is None:
+        return [f"{checkpoint_path} records no settings (an older trainer's checkpoint): they are not compared"]
+    current = config.settings(cfg, options)
+    free = resume_free(dataclasses.fields(options) if options is not None else ())
+    changed = [n for n in current if n in saved and n not in free and not _same(saved[n], current[n])]
+    refused = [n for n in changed if n not in allowed_changes(cfg.resume_allow_change)]
+    if refused:
+        raise config.ConfigError(f"--resume: {checkpoint_path} was trained with other settings: "
+                                 f"{_changes(refused, saved, current)}: pass the checkpoint's values, or "
+                                 f"--resume-allow-change {','.join(refused)} to change them on purpose")
+    notes = [f"resuming with changed settings (--resume-allow-change): {_changes(changed, saved, current)}"] \
+        if changed else []
+    unrecorded = [config.flag(n) for n in current if n not in saved and n not in free]
+    if unrecorded:
+        notes.append(f"{checkpoint_path} does not record {', '.join(unrecorded)} (an older trainer's checkpoint): "
+                     f"not compared")
+    return notes
+
+
 def claim(cfg, options) -> tuple:
     """Make OUT_DIR this run's and find what it resumes: (a context that holds the lock until the run ends,
     the intact checkpoint to resume from or None). Raises ConfigError / CheckpointError, lock released."""
+    check_resume_flags(cfg, options)
     main = os.environ.get("RANK", "0") == "0"
     held = contextlib.ExitStack()
     try:
@@ -104,8 +208,8 @@ def claim(cfg, options) -> tuple:
         resume_from = None
         if cfg.resume:   # only a locked run moves damaged checkpoints aside: no one else is writing them
             resume_from = checkpoint.resolve(cfg.resume, cfg.out_dir, set_aside=main and not cfg.eval_only)
-            for note in [] if cfg.eval_only else config.check_resume(checkpoint.saved_settings(resume_from), cfg,
-                                                                     options, resume_from):
+            for note in [] if cfg.eval_only else check_resume(checkpoint.saved_settings(resume_from), cfg, options,
+                                                              resume_from):
                 log.note(note)
             done = checkpoint.step_of(resume_from)
             if main and not cfg.eval_only and _continues(resume_from, cfg.out_dir):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 import train_lean
-from grpo import config, rundir
+from grpo import cli, config, rundir
 from helpers import small_vocab_model, without_tokenizer
 from tasks.rookworld.task import MixOptions
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow   # the full bad-input table
 
 def wrong_values(f) -> list:
     """Values no field of f's type accepts: another type, and empty where the field is not optional."""
-    base, optional = config._base_type(f)
+    base, optional = cli._base_type(f)
     if f.metadata.get("choices"):
         return ["bogus"] + ([] if optional else [""])
     if base is bool:

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from helpers import SMALL, one_line_error, train
-from grpo import config
+from grpo import config, rundir
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -58,13 +58,13 @@ class WithData(config.Config):
 
 def test_a_missing_or_unreadable_data_file(tmp_path):
     with pytest.raises(config.ConfigError, match="--data .*missing.txt: no such file"):
-        config.check_paths(WithData(data=str(tmp_path / "missing.txt"), out_dir=str(tmp_path)))
+        rundir.check_paths(WithData(data=str(tmp_path / "missing.txt"), out_dir=str(tmp_path)))
     with pytest.raises(config.ConfigError, match="no such file"):
-        config.check_paths(WithData(data=str(tmp_path), out_dir=str(tmp_path)))  # a folder is no data file
+        rundir.check_paths(WithData(data=str(tmp_path), out_dir=str(tmp_path)))  # a folder is no data file
     unreadable = tmp_path / "secret.txt"
     unreadable.write_text("x\n")
     os.chmod(unreadable, 0)
     if os.access(unreadable, os.R_OK):
         pytest.skip("running as root: permissions do not stop reading")
     with pytest.raises(config.ConfigError, match="cannot be read"):
-        config.check_paths(WithData(data=str(unreadable), out_dir=str(tmp_path)))
+        rundir.check_paths(WithData(data=str(unreadable), out_dir=str(tmp_path)))

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import tasks
-from grpo import config, rundir
+from grpo import cli, rundir
 from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, train
 
 pytestmark = pytest.mark.slow   # concurrent and repeated real runs in one folder
@@ -126,5 +126,5 @@ def test_an_earlier_runs_memory_evidence_is_one_of_its_records(tmp_path):
     # a traced run leaves OUT_DIR/memory/trace.json: a new run there would mix its evidence with that one
     (tmp_path / "memory").mkdir()
     (tmp_path / "memory" / "trace.json").write_text("{}")
-    cfg = config.load(["--task", "toy", "--out-dir", str(tmp_path)], environ={}, builtin=tasks.BUILTIN).cfg
+    cfg = cli.load(["--task", "toy", "--out-dir", str(tmp_path)], environ={}, builtin=tasks.BUILTIN).cfg
     assert rundir.earlier_run(cfg) == [str(tmp_path / "memory")]

@@ -1,0 +1,140 @@
+"""The command line and the GRPO_<FLAG> environment: argv and environ into the Config and the task's options.
+
+Every field of the Config (grpo/config.py) is a flag --field-name and an override GRPO_FIELD_NAME, and so is
+every field of the chosen task's options dataclass (grpo/task.py), for that task only. Precedence: command
+line > environment > default. A value is checked against its field's type and choices here, its range and the
+batch arithmetic in config.batch_layout. A bad one raises config.ConfigError: one line that names it.
+"""
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import typing
+
+from grpo import algorithm
+from grpo import task as tasks
+from grpo.config import FIELDS, Config, ConfigError, env_name, fields_of, flag
+
+BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+class Loaded(typing.NamedTuple):
+    cfg: Config
+    options: typing.Any       # an instance of the task's options dataclass, or None
+    sources: dict             # field name -> "cli" | "env" | "default", the task's options included
+    task: typing.Any          # the class or object --task names, imported, not yet built
+
+
+def _base_type(f):
+    args = typing.get_args(f.type)
+    if args and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return f.type, False
+
+
+def _convert(f, text: str, where: str):
+    base, optional = _base_type(f)
+    if f.metadata.get("auto") and text.lower() == "auto":
+        return "auto"
+    if optional and text.lower() in ("", "none", "auto"):
+        return None
+    if base is bool:   # bool("false") is True: spell the values out
+        if text.lower() not in BOOLS:
+            raise ConfigError(f"{where} {text!r} is not a valid bool (true/false, 1/0, yes/no, on/off)")
+        return BOOLS[text.lower()]
+    try:
+        value = base(text)
+    except ValueError:
+        raise ConfigError(f"{where} {text!r} is not a valid {base.__name__}") from None
+    if base is float and not math.isfinite(value):
+        raise ConfigError(f"{where} {text!r} is not a finite number")
+    choices = f.metadata.get("choices")
+    if choices and isinstance(value, str) and value not in choices and value.lower() in choices:
+        value = value.lower()   # --log-level INFO means info
+    if choices and value not in choices:
+        raise ConfigError(f"{where} {text!r} is not one of {', '.join(choices)}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump: ConfigError is printed by the caller
+        raise ConfigError(message)
+
+
+def build_parser(task_name: str = "", task_fields: dict = None) -> argparse.ArgumentParser:
+    p = _Parser(prog="train_lean.py", allow_abbrev=False, description="GRPO on a small causal LM. Every flag also reads "
+                "GRPO_<FLAG> from the environment (CLI > environment > default).")
+    groups = [(p, FIELDS)]
+    if task_fields:
+        groups.append((p.add_argument_group(f"options of --task {task_name}"), task_fields))
+    for group, fields in groups:
+        for name, f in fields.items():
+            default = f.default if f.default is not dataclasses.MISSING else None
+            shown = default if default is not None else "derived"
+            const = f.metadata.get("const")
+            bare = {"nargs": "?", "const": const} if const is not None else {}
+            group.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=name.upper(), **bare,
+                               help=f"{f.metadata.get('help', '')} [{env_name(name)}; default {shown}]")
+    return p
+
+
+def _read(fields: dict, given: dict, environ) -> tuple[dict, dict]:
+    """Each field's value and its source: the command line, else the environment, else the default."""
+    values, sources = {}, {}
+    for name, f in fields.items():
+        if name in given:
+            values[name], sources[name] = _convert(f, given[name], flag(name)), "cli"
+        elif env_name(name) in environ:
+            values[name], sources[name] = _convert(f, environ[env_name(name)], env_name(name)), "env"
+        elif f.default is not dataclasses.MISSING:
+            values[name], sources[name] = f.default, "default"
+        elif f.default_factory is not dataclasses.MISSING:
+            values[name], sources[name] = f.default_factory(), "default"
+        else:
+            raise ConfigError(f"{flag(name)} is required by the task")
+    return values, sources
+
+
+def load(argv=None, environ=None, builtin: dict = None, default_task: str = None) -> Loaded:
+    """Parse argv and environ into the Config, the chosen task's options and each value's source.
+
+    The task is found first (--task, else GRPO_TASK, else default_task; builtin maps short names to
+    "module:Attribute"), because its options add flags. Raises ConfigError (or task.TaskError)."""
+    argv = sys.argv[1:] if argv is None else argv
+    environ = os.environ if environ is None else environ
+    first = _Parser(add_help=False, allow_abbrev=False)
+    first.add_argument("--task")
+    task_name = first.parse_known_args(argv)[0].task or environ.get(env_name("task")) or default_task
+    if not task_name:
+        raise ConfigError("no --task given: pass --task NAME, path/to/file.py:Name or module:Name")
+    target = tasks.resolve(task_name, builtin or {})
+    options_cls = tasks.options_type(target)
+    task_fields = fields_of(options_cls) if options_cls else {}
+    clash = sorted(FIELDS.keys() & task_fields.keys())
+    if clash:
+        raise tasks.TaskError(f"--task {task_name}: its option {clash[0]!r} has the name of a trainer setting "
+                              f"({flag(clash[0])}): rename it")
+    given, extra = build_parser(task_name, task_fields).parse_known_args(argv)
+    if extra:
+        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}: {extra[0]} does not apply to --task "
+                          f"{task_name} (see train_lean.py --task {task_name} --help)")
+    given = vars(given)
+    values, sources = _read(FIELDS, given, environ)
+    option_values, option_sources = _read(task_fields, given, environ)
+    known = FIELDS.keys() | task_fields.keys()
+    unknown = sorted(k for k in environ if k.startswith("GRPO_") and k[5:].lower() not in known)
+    if unknown:
+        raise ConfigError(f"unknown environment variable {unknown[0]}: not a setting of train_lean.py nor of "
+                          f"--task {task_name} (see train_lean.py --task {task_name} --help)")
+    values["task"] = task_name
+    values["loss_agg"] = algorithm.TRL_LOSS_TYPES.get(values["loss_agg"], values["loss_agg"])
+    asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")
+    if asked and not hasattr(target, "evaluate"):
+        raise ConfigError(f"{'--eval-only' if values['eval_only'] else '--eval-interval'}: --task {task_name} "
+                          f"has no evaluate(complete) method (grpo/task.py says how to add one)")
+    try:
+        options = options_cls(**option_values) if options_cls else None
+    except (TypeError, ValueError) as e:   # the options' own checks (__post_init__) say what is wrong
+        raise ConfigError(str(e).splitlines()[0] if str(e) else f"bad options for --task {task_name}") from None
+    return Loaded(Config(**values), options, {**sources, **option_sources}, target)
