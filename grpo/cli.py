@@ -12,7 +12,6 @@ import os
 import sys
 import typing
 
-from grpo import algorithm
 from grpo import task as tasks
 from grpo.config import FIELDS, Config, ConfigError, env_name, fields_of, flag
 
@@ -49,11 +48,12 @@ def _convert(f, text: str, where: str):
         raise ConfigError(f"{where} {text!r} is not a valid {base.__name__}") from None
     if base is float and not math.isfinite(value):
         raise ConfigError(f"{where} {text!r} is not a finite number")
-    choices = f.metadata.get("choices")
-    if choices and isinstance(value, str) and value not in choices and value.lower() in choices:
+    choices, aliases = f.metadata.get("choices"), f.metadata.get("aliases", {})
+    if choices and isinstance(value, str) and value not in choices and value.lower() in {*choices, *aliases}:
         value = value.lower()   # --log-level INFO means info
+    value = aliases.get(value, value)   # --loss-agg dapo (TRL's name) means token-mean
     if choices and value not in choices:
-        raise ConfigError(f"{where} {text!r} is not one of {', '.join(choices)}")
+        raise ConfigError(f"{where} {text!r} is not one of {', '.join([*choices, *aliases])}")
     return value
 
 
@@ -128,7 +128,6 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
         raise ConfigError(f"unknown environment variable {unknown[0]}: not a setting of train_lean.py nor of "
                           f"--task {task_name} (see train_lean.py --task {task_name} --help)")
     values["task"] = task_name
-    values["loss_agg"] = algorithm.TRL_LOSS_TYPES.get(values["loss_agg"], values["loss_agg"])
     asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")
     if asked and not hasattr(target, "evaluate"):
         raise ConfigError(f"{'--eval-only' if values['eval_only'] else '--eval-interval'}: --task {task_name} "

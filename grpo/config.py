@@ -29,17 +29,21 @@ RANGES = {"at least 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambd
           "> 1": lambda v: v > 1, "in (0, 1]": lambda v: 0 < v <= 1}
 
 
-def opt(default, help, choices=None, const=None, path=None, auto=False, resume_free=False, must=None, note=None):
+def opt(default, help, choices=None, const=None, path=None, auto=False, resume_free=False, must=None, note=None,
+        aliases=None):
     """A field. With const the flag may be given bare (`--resume` means `--resume latest`); path="in" marks
     a file the run reads and path="out" one it writes (a file, or with the name out_dir a folder), which
     rundir.check_paths tests before anything heavy is loaded; auto=True keeps the value "auto" as itself;
     must names its range in RANGES (None and "auto" pass) and note a hint its message adds; resume_free=True:
     it may differ on --resume (see Config). choices given as a dict (name -> what it does, defined by the module
-    that owns them) are listed in the help."""
+    that owns them) are listed in the help; aliases maps other names for a choice to it (another trainer's)."""
     if isinstance(choices, dict):
         help = f"{help}: " + "; ".join(f"{k}: {v}" for k, v in choices.items())
+    if aliases:
+        help += " (also " + ", ".join(f"{k} = {v}" for k, v in aliases.items()) + ")"
     return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
-                                            "auto": auto, "resume_free": resume_free, "must": must, "note": note})
+                                            "auto": auto, "resume_free": resume_free, "must": must, "note": note,
+                                            "aliases": aliases or {}})
 
 
 # resume_free=True: --resume lets the setting differ from what the checkpoint recorded (any other difference is
@@ -105,8 +109,7 @@ class Config:
                                                   must="> 0")
     kl_coef: float = opt(0.02, "k3 KL penalty against the frozen reference (0: no reference model)", must=">= 0")
     scale_rewards: str = opt("group", "each completion's advantage", algorithm.ADVANTAGES)
-    loss_agg: str = opt("token-mean", "the loss normaliser", {
-        **algorithm.LOSS_AGGS, **{k: f"TRL's name for {v}" for k, v in algorithm.TRL_LOSS_TYPES.items()}})
+    loss_agg: str = opt("token-mean", "the loss normaliser", algorithm.LOSS_AGGS, aliases=algorithm.TRL_LOSS_TYPES)
     importance_level: str = opt("token", "the importance ratio", algorithm.IMPORTANCE_LEVELS)
     dual_clip: typing.Optional[float] = opt(None, "dual-clip PPO: for negative advantages the loss is at most "
                                             "C x |A| (C > 1, e.g. 3; default off)", must="> 1",
