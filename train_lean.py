@@ -60,7 +60,7 @@ def main(argv=None):
     loaded, layout, held, resume_from, evaluating = configure(argv)
     cfg = loaded.cfg
     rank, world, device = distributed.init(cfg.device)
-    main_rank = rank == 0  # only rank 0 prints, logs and saves
+    main_rank = rank == 0  # only rank 0 prints, logs, saves and evaluates
     say = functools.partial(log.say, main_rank and cfg.log_level != "warning")
     say(log.describe(cfg, loaded.options, loaded.sources, layout, config.flag))
     autocast = model_autocast(device, cfg.dtype)   # bf16 matmuls over fp32 weights and AdamW state
