@@ -4,12 +4,14 @@
 
 Gradients are summed with one all_reduce of a flat buffer per optimizer update, after the
 micro-batches have accumulated, rather than by wrapping the policy in DistributedDataParallel:
-the loss calls the policy's trunk and output head directly (grpo/model.py completion_logprobs), which a DDP wrapper's
-forward would never see; and a single reduction point lets every rank agree on an out-of-memory
-retry or a skipped update before any of them waits on a collective. (DDP's bucketed reduction
-overlaps with backward; at the model sizes this trainer targets that overlap is small.)
+the loss calls the policy's trunk and output head directly (grpo/model.py completion_logprobs), which
+a DDP wrapper's forward would never see; and a single reduction point lets every rank agree on an
+out-of-memory retry or a skipped update before any of them waits on a collective. (DDP's bucketed
+reduction overlaps with backward; at the model sizes this trainer targets that overlap is small.)
 
-Every helper is a no-op in a single process, so train_lean.py reads the same either way.
+Every helper is a no-op in a single process, so train_lean.py reads the same either way. The calls
+that every rank must make together are marked `# every rank` where they are made: in train_lean.py
+and grpo/update.py only.
 """
 import datetime
 import os
@@ -62,15 +64,6 @@ def any_rank(flag: bool) -> bool:
     return all_sum([float(flag)])[0] > 0
 
 
-def gather_rows(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate equally shaped tensors of all ranks along dim 0, in rank order."""
-    if not dist.is_initialized():
-        return t
-    parts = [torch.empty_like(t, device=_device()) for _ in range(world_size())]
-    dist.all_gather(parts, t.to(_device()).contiguous())
-    return torch.cat(parts).to(t.device)
-
-
 def gather_objects(obj) -> list:
     """Every rank's picklable `obj`, in rank order (for small things: error counts, log rows)."""
     if not dist.is_initialized():
@@ -91,11 +84,6 @@ def sum_gradients(params) -> None:
     for p, g in zip(params, grads):
         p.grad = flat[offset:offset + g.numel()].view_as(g)
         offset += g.numel()
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def close(exc_type=None, exc=None, tb=None) -> None:
