@@ -25,9 +25,9 @@ from grpo import checkpoint, cli, config, distributed, guards, log, memory, rund
 from grpo import task as task_lib
 from grpo.algorithm import group_advantages, kl_penalised_rewards, missing_groups, overlong_penalty
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
-                        model_autocast)
+                        model_autocast, sync_reference)
 from grpo.rollout import encode_prompts, greedy_completions, merge, sample_groups
-from grpo.update import probe_micro_batch, reference_logprobs, update
+from grpo.update import learning_rate, probe_micro_batch, reference_logprobs, update
 
 
 def usage_error(message: str):
@@ -86,7 +86,7 @@ def main(argv=None):
                                        context_length(load_config(resume_from or cfg.model)))
             policy = load_policy(resume_from or cfg.model, device)
             # the reference is a frozen copy of the starting policy on the same device, only when used;
-            # a resumed run anchors its KL to the starting model too, not to the checkpoint
+            # a resumed run anchors its KL to the starting model too, not to the checkpoint (unless synced)
             reference = None
             if cfg.kl_coef > 0 and not cfg.eval_only:
                 reference = frozen_copy(load_policy(cfg.model, device) if resume_from else policy)
@@ -110,6 +110,8 @@ def main(argv=None):
             state = checkpoint.load_state(resume_from)
             optimizer.load_state_dict(state["optimizer"])
             nonfinite_streak = state["nonfinite_streak"]
+            if "reference" in state:  # --ref-sync-steps moved it: the checkpoint holds where it was
+                reference.load_state_dict(state["reference"])
             # each rank continues its own RNG streams (rank 0's when the device count changed)
             checkpoint.set_rng_states(state["rng"][rank] if len(state["rng"]) == world else state["rng"][0])
             say(f"resumed from {resume_from} after step {start_step}")
@@ -132,7 +134,8 @@ def main(argv=None):
         stack.callback(reporter.close)
         # checkpoints; and on a failure after a completed step, that step's (grpo/checkpoint.py)
         saver = stack.enter_context(checkpoint.Saver(cfg.out_dir, policy, tokenizer, optimizer, settings,
-                                                     cfg.keep_checkpoints, start_step, nonfinite_streak))
+                                                     cfg.keep_checkpoints, start_step, nonfinite_streak,
+                                                     reference if cfg.ref_sync_steps else None))
         if evaluating and start_step == 0 and main_rank:  # where the run starts from
             task_lib.evaluate(task, complete, 0, metrics_file, reporter)
         scorer, exit_code = task_lib.Scorer(task, cfg.reward_errors == "tolerate"), 0
@@ -197,8 +200,13 @@ def main(argv=None):
                 batch.advantages = advantages[rank * B:(rank + 1) * B].to(device)
 
                 # ---- update: clipped PPO surrogate (+ KL, entropy), mini-batches of micro-batches ------
+                rec["lr"] = learning_rate(step, cfg)  # --lr-scheduler, after its warmup
+                for group in optimizer.param_groups:
+                    group["lr"] = rec["lr"]
                 stats, micro, nonfinite_streak = update(policy, optimizer, batch, layout=layout, micro=micro, cfg=cfg,
                                                         autocast=autocast, on_oom=oom, nonfinite_streak=nonfinite_streak)
+                if cfg.ref_sync_steps and step % cfg.ref_sync_steps == 0:  # TR-DPO: the reference follows
+                    sync_reference(reference, policy, cfg.ref_sync_alpha)
                 saver.completed(step, nonfinite_streak)
                 phases.end("train")
 
@@ -224,11 +232,7 @@ def main(argv=None):
                     path = saver.save(distributed.gather_objects(checkpoint.rng_states()))  # every rank; rank 0 writes
                     say(f"saved {path}")
                 if aborting:
-                    if main_rank:
-                        print(f"train_lean.py: aborting at step {step}: the last {nonfinite_streak} optimizer updates "
-                              f"had a non-finite loss or gradient norm and were skipped; checkpoint {path} holds the "
-                              f"weights from before them. Lower --learning-rate or check the task's rewards, then "
-                              f"--resume", file=sys.stderr)
+                    log.note(guards.nonfinite_abort(step, nonfinite_streak, path))
                     exit_code = 1
                     break
                 if stopping:

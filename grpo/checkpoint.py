@@ -194,8 +194,11 @@ class Saver:
     """
 
     def __init__(self, out_dir: str, policy, tokenizer, optimizer, config: dict, keep: int, step: int,
-                 nonfinite_streak: int):
+                 nonfinite_streak: int, reference=None):
+        """reference: a reference that moves (--ref-sync-steps), saved with the step; None when it stays the
+        starting model, which --resume loads again."""
         self.out_dir, self.policy, self.tokenizer, self.optimizer = out_dir, policy, tokenizer, optimizer
+        self.reference = reference
         self.config, self.keep = config, keep
         self.step = self.saved = step   # a fresh run's step 0 is its --model; a resumed run's is on disk
         self.streak = nonfinite_streak
@@ -212,6 +215,8 @@ class Saver:
     def _write(self, rngs: list) -> str:
         state = {"optimizer": self.optimizer.state_dict(), "rng": rngs, "nonfinite_streak": self.streak,
                  "config": self.config}
+        if self.reference is not None:
+            state["reference"] = self.reference.state_dict()
         return save(self.out_dir, self.step, self.policy, self.tokenizer, state, self.keep)
 
     def save(self, rngs: list):

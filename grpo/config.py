@@ -11,7 +11,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from grpo import algorithm, log
+from grpo import algorithm, log, update
 
 
 # The shipped default model (models/rook-tiny, built by the default task's own script). An absolute
@@ -26,6 +26,7 @@ class ConfigError(ValueError):
 # The ranges a field may declare, opt(..., must=...): batch_layout checks each field's, and its words are the
 # message ("--top-p 0.0 must be in (0, 1]"), followed by the field's note in brackets.
 RANGES = {"at least 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+          "in [0, 1)": lambda v: 0 <= v < 1,
           "> 1": lambda v: v > 1, "in (0, 1]": lambda v: 0 < v <= 1}
 
 
@@ -102,12 +103,20 @@ class Config:
     # algorithm
     learning_rate: float = opt(1e-4, "AdamW learning rate (1e-4 suits the shipped 5M-parameter default model; "
                                "use about 1e-5 for a 124M model such as RookWorld-LM)", must="> 0")
+    lr_scheduler: str = opt("constant", "the learning rate over the run, after its warmup", update.LR_SCHEDULES)
+    lr_warmup_steps: int = opt(0, "steps whose learning rate rises linearly to --learning-rate (0: none)", must=">= 0")
+    lr_warmup_ratio: float = opt(0.0, "the warmup as a share of --steps, instead of --lr-warmup-steps", must="in [0, 1)")
+    min_lr_ratio: float = opt(0.0, "the floor linear and cosine decay to, a share of --learning-rate", must="in [0, 1)")
     weight_decay: float = opt(0.0, "AdamW weight decay", must=">= 0")
     max_grad_norm: float = opt(1.0, "gradient-norm clipping", must=">= 0")
     clip_range: float = opt(0.2, "PPO clip range (low side, and high side unless --clip-range-high)", must="> 0")
     clip_range_high: typing.Optional[float] = opt(None, "PPO clip range on the high side (default: --clip-range)",
                                                   must="> 0")
     kl_coef: float = opt(0.02, "k3 KL penalty against the frozen reference (0: no reference model)", must=">= 0")
+    ref_sync_steps: int = opt(0, "every N steps the reference moves toward the policy (TR-DPO; 0: it stays the "
+                              "starting model)", must=">= 0")
+    ref_sync_alpha: float = opt(1.0, "with --ref-sync-steps: reference = alpha x policy + (1 - alpha) x reference "
+                                "(1: a copy of the policy)", must="in (0, 1]")
     scale_rewards: str = opt("group", "each completion's advantage", algorithm.ADVANTAGES)
     loss_agg: str = opt("token-mean", "the loss normaliser", algorithm.LOSS_AGGS, aliases=algorithm.TRL_LOSS_TYPES)
     importance_level: str = opt("token", "the importance ratio", algorithm.IMPORTANCE_LEVELS)
@@ -248,6 +257,12 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     for name, value in (("min_new_tokens", cfg.min_new_tokens), ("overlong_buffer", cfg.overlong_buffer)):
         if not 0 <= value <= cfg.max_new_tokens:
             raise ConfigError(f"{flag(name)} {value} must be in [0, --max-new-tokens {cfg.max_new_tokens}]")
+    if cfg.lr_warmup_steps and cfg.lr_warmup_ratio:
+        raise ConfigError(f"--lr-warmup-steps {cfg.lr_warmup_steps} and --lr-warmup-ratio {cfg.lr_warmup_ratio}: "
+                          f"give the warmup one way")
+    if cfg.ref_sync_steps and not cfg.kl_coef:
+        raise ConfigError(f"--ref-sync-steps {cfg.ref_sync_steps} moves the reference, and --kl-coef 0 has none: "
+                          f"pass a --kl-coef above 0, or leave --ref-sync-steps out")
     if cfg.trace_memory == 1:
         raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
     per_device = cfg.batch_size // world

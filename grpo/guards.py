@@ -42,6 +42,13 @@ def finite(*values: float) -> bool:
     return all(math.isfinite(v) for v in values)
 
 
+def nonfinite_abort(step: int, streak: int, path: str) -> str:
+    """What the run says when it gives up after --max-nonfinite skipped updates in a row."""
+    return (f"aborting at step {step}: the last {streak} optimizer updates had a non-finite loss or gradient norm "
+            f"and were skipped; checkpoint {path} holds the weights from before them. Lower --learning-rate or check "
+            f"the task's rewards, then --resume")
+
+
 class StopOnSignal:
     """SIGINT/SIGTERM set `requested`; the loop finishes its step, saves and exits 0. A second
     signal stops at once, without saving. Restores the previous handlers on exit."""

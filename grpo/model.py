@@ -111,6 +111,14 @@ def frozen_copy(model):
     return ref
 
 
+def sync_reference(reference, policy, alpha: float) -> None:
+    """Move the reference toward the policy (TR-DPO): each weight becomes alpha x the policy's + (1 - alpha) x
+    its own; alpha 1 copies the policy. In place, no gradients."""
+    with torch.no_grad():
+        for r, p in zip(reference.parameters(), policy.parameters()):
+            r.copy_(p) if alpha == 1 else r.lerp_(p, alpha)
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that count only real tokens: 0 at each row's first real token.
 

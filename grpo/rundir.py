@@ -193,6 +193,10 @@ def check_resume(saved, cfg, options, checkpoint_path: str) -> list:
     if unrecorded:
         notes.append(f"{checkpoint_path} does not record {', '.join(unrecorded)} (an older trainer's checkpoint): "
                      f"not compared")
+    if saved.get("steps", cfg.steps) != cfg.steps and (cfg.lr_scheduler != "constant" or cfg.lr_warmup_ratio):
+        notes.append(f"--steps {saved['steps']} -> {cfg.steps}: the learning-rate schedule (--lr-scheduler "
+                     f"{cfg.lr_scheduler}, --lr-warmup-ratio {cfg.lr_warmup_ratio}) is a function of --steps, so the "
+                     f"steps from here on follow the {cfg.steps}-step schedule, not the one the run began with")
     return notes
 
 

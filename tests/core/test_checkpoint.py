@@ -1,4 +1,5 @@
 """Checkpoints and resume: a run killed with SIGKILL and resumed equals an uninterrupted one, exactly."""
+import math
 import os
 import resource
 import shutil
@@ -116,6 +117,24 @@ def test_a_dynamic_sampling_run_resumes_exactly(tiny_model_dir, tmp_path, clean_
     assert [r["step"] for r in resumed] == [1, 2, 3] and resumed == straight
     assert all(r["groups_drawn"] >= 2 for r in straight)
 
+
+
+def test_a_scheduled_run_with_a_moving_reference_resumes_exactly(tiny_model_dir, tmp_path, clean_env):
+    # the learning rate is a function of the step; the reference that --ref-sync-steps moves is in the checkpoint
+    import train_lean
+    args = ["--model", tiny_model_dir, "--task", "toy", "--batch-size", "8", "--group-size", "4", "--max-new-tokens",
+            "8", "--learning-rate", "1e-2", "--lr-scheduler", "cosine", "--lr-warmup-steps", "1", "--min-lr-ratio",
+            "0.1", "--ref-sync-steps", "1", "--ref-sync-alpha", "0.5", "--kl-coef", "0.5", "--steps", "4",
+            "--log-level", "warning", "--save-final", "false"]
+    train_lean.main([*args, "--out-dir", str(tmp_path / "straight")])
+    train_lean.main([*args, "--save-interval", "2", "--out-dir", str(tmp_path / "resumed")])
+    step_2 = tmp_path / "resumed" / "checkpoints" / "step_000002"
+    train_lean.main([*args, "--resume", str(step_2), "--out-dir", str(tmp_path / "resumed")])
+    straight, resumed = records(tmp_path / "straight" / "metrics.jsonl"), records(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and resumed == straight
+    assert [r["lr"] for r in straight] == pytest.approx([1e-2, 1e-2, 1e-3 + 9e-3 * 0.5 * (1 + math.cos(math.pi / 3)),
+                                                         1e-3 + 9e-3 * 0.5 * (1 + math.cos(2 * math.pi / 3))])
+    assert straight[2]["kl"] > 0   # the reference moved and the KL term sees it
 
 def run_args(model, task, *extra):
     return ["--model", model, *SMALL, "--task", task, *extra]

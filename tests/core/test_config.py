@@ -52,6 +52,8 @@ def test_derived_sizes():
     (["--learning-rate", "0"], 1, "--learning-rate 0.0 must be > 0"),
     (["--trace-memory", "-2"], 1, "--trace-memory -2 must be >= 0"),
     (["--trace-memory", "1"], 1, "--trace-memory 1: the evidence compares the first traced step with the last"),
+    (["--lr-warmup-steps", "5", "--lr-warmup-ratio", "0.1"], 1, "--lr-warmup-steps 5 and --lr-warmup-ratio 0.1: give"),
+    (["--ref-sync-steps", "10", "--kl-coef", "0"], 1, "--ref-sync-steps 10 moves the reference, and --kl-coef 0 has"),
 ])
 def test_batch_rule_violations_name_the_values_and_a_fix(argv, world, message):
     with pytest.raises(ConfigError) as e:
@@ -61,7 +63,8 @@ def test_batch_rule_violations_name_the_values_and_a_fix(argv, world, message):
 
 
 # for each range opt(..., must=...) may declare: a value just outside it, and its edge (inside)
-OUTSIDE = {"at least 1": (0, 1), ">= 0": (-1, 0), "> 0": (0.0, 1e-9), "> 1": (1.0, 1.5), "in (0, 1]": (0.0, 1.0)}
+OUTSIDE = {"at least 1": (0, 1), ">= 0": (-1, 0), "> 0": (0.0, 1e-9), "> 1": (1.0, 1.5), "in (0, 1]": (0.0, 1.0),
+           "in [0, 1)": (1.0, 0.0)}
 
 
 @pytest.mark.parametrize("name", [n for n, f in config.FIELDS.items() if f.metadata["must"]])

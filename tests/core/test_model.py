@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from grpo.model import ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer
+from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
+                        sync_reference)
 from helpers import small_vocab_model, without_tokenizer
 
 
@@ -64,3 +65,17 @@ def test_context_length_reads_the_config(tiny_model_dir, tiny_rotary_dir):
     assert context_length(load_config(tiny_model_dir)) == 512        # GPT-2: n_positions
     assert context_length(load_config(tiny_rotary_dir)) == 512       # Llama: max_position_embeddings
     assert context_length(object()) is None
+
+
+def test_sync_reference_mixes_the_policy_in_at_alpha(tiny_model_dir):
+    policy = load_policy(tiny_model_dir, "cpu")
+    reference = frozen_copy(policy)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p))
+    before = [r.clone() for r in reference.parameters()]
+    sync_reference(reference, policy, 0.3)
+    for r, old, p in zip(reference.parameters(), before, policy.parameters()):
+        assert torch.allclose(r, 0.3 * p + 0.7 * old, atol=1e-6) and not r.requires_grad
+    sync_reference(reference, policy, 1.0)   # alpha 1: the policy's weights exactly
+    assert all(torch.equal(r, p) for r, p in zip(reference.parameters(), policy.parameters()))

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import tasks
-from grpo import cli, rundir
+from grpo import cli, config, rundir
 from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, train
 
 pytestmark = pytest.mark.slow   # concurrent and repeated real runs in one folder
@@ -128,3 +128,12 @@ def test_an_earlier_runs_memory_evidence_is_one_of_its_records(tmp_path):
     (tmp_path / "memory" / "trace.json").write_text("{}")
     cfg = cli.load(["--task", "toy", "--out-dir", str(tmp_path)], environ={}, builtin=tasks.BUILTIN).cfg
     assert rundir.earlier_run(cfg) == [str(tmp_path / "memory")]
+
+
+def test_a_longer_resumed_run_says_that_its_schedule_stretches():
+    saved = config.settings(config.Config(lr_scheduler="cosine", steps=4), None)
+    notes = rundir.check_resume(saved, config.Config(lr_scheduler="cosine", steps=8), None, "ckpt")
+    assert any("--steps 4 -> 8" in n and "8-step schedule" in n for n in notes)
+    assert not rundir.check_resume(saved, config.Config(lr_scheduler="cosine", steps=4), None, "ckpt")
+    constant = config.settings(config.Config(steps=4), None)   # a constant rate does not depend on --steps
+    assert not rundir.check_resume(constant, config.Config(steps=8), None, "ckpt")

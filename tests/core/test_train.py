@@ -125,6 +125,8 @@ KNOBS.update({
     "trl-name": (["--loss-agg", "dapo"], "loss"),
     "gspo": (["--importance-level", "sequence", "--clip-range", "3e-4", "--clip-range-high", "4e-4"], "clip_frac"),
     "dual-clip": (["--dual-clip", "3"], "clip_dual_frac"),
+    "lr-schedule": (["--lr-scheduler", "cosine", "--lr-warmup-steps", "1", "--min-lr-ratio", "0.1"], "lr"),
+    "ref-sync": (["--ref-sync-steps", "1", "--ref-sync-alpha", "0.5"], "kl"),
     "k1-in-reward": (["--kl-in", "reward", "--kl-estimator", "k1"], "kl_reward_penalty"),
     "dynamic-sampling": (["--dynamic-sampling", "--max-sampling-rounds", "2"], "groups_drawn"),
     "entropy-bonus": (["--entropy-coef", "0.01"], "entropy"),
