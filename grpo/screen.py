@@ -125,7 +125,7 @@ def header(loaded, layout, device, model, resume_from) -> str:
         rows += [("completions", cfg.log_completions)] if cfg.log_completions else []
         rows += [("reports", os.path.join(cfg.out_dir, cfg.report_to))] if cfg.report_to != "none" else []
         every = "every step" if cfg.save_interval == 1 else f"every {cfg.save_interval} steps"
-        rows += [("checkpoints", f"{ckpt} {every} (the last {cfg.keep_checkpoints} kept)"
+        rows += [("checkpoints", f"{ckpt} {every} and at the end (the last {cfg.keep_checkpoints} kept)"
                   if cfg.save_interval else f"{ckpt} only when stopped or aborted (--save-interval N: every N steps)"),
                  ("final model", f"{os.path.join(cfg.out_dir, 'model')} at the end" if cfg.save_final
                   else "not saved (--save-final false)"),
