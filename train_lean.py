@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 import tasks
-from grpo import checkpoint, cli, config, distributed, guards, log, memory, rundir
+from grpo import checkpoint, cli, config, distributed, guards, log, memory, rundir, screen
 from grpo import task as task_lib
 from grpo.algorithm import group_advantages, kl_penalised_rewards, missing_groups, overlong_penalty
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
@@ -62,7 +62,7 @@ def main(argv=None):
     rank, world, device = distributed.init(cfg.device)
     main_rank = rank == 0  # only rank 0 prints, logs, saves and evaluates
     say = functools.partial(log.say, main_rank and cfg.log_level != "warning")
-    say(log.describe(cfg, loaded.options, loaded.sources, layout, config.flag))
+    screen.keep_settings(cfg, screen.describe(cfg, loaded.options, loaded.sources, layout), main_rank)  # settings.txt
     autocast = model_autocast(device, cfg.dtype)   # bf16 matmuls over fp32 weights and AdamW state
     checkpoint.seed_all(cfg.seed)
     start_step = checkpoint.step_of(resume_from) if resume_from else 0
@@ -92,6 +92,7 @@ def main(argv=None):
                 reference = frozen_copy(load_policy(cfg.model, device) if resume_from else policy)
         except (task_lib.TaskError, ModelLoadError) as e:
             usage_error(str(e))
+        say(screen.header(loaded, layout, device, policy, resume_from))   # what runs, where its results go
         if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/model.py)
             policy.activation_checkpointing_enable({"use_reentrant": False})
         # greedy decoding of the policy, for the task's held-out evaluate(complete); rank 0 alone evaluates

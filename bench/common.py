@@ -42,8 +42,7 @@ MODELS = {
     "tiny": {},
     # a Llama of the tiny GPT-2's size (151,872 vs 153,344 parameters): 2 x 64, 4 query heads on 2 K/V heads
     # (grouped-query attention), gated MLP 224 wide, untied head; the same tokenizer
-    "tiny-llama": {"llama": {"hidden_size": 64, "intermediate_size": 224, "num_hidden_layers": 2,
-                             "num_attention_heads": 4, "num_key_value_heads": 2}},
+    "tiny-llama": {"arch": "llama", "intermediate": 224, "dropout": 0.0},
     # GPT-2 124M's shape (12 x 768, 12 heads, vocab 50257, context 1024), random weights. The bench's
     # byte-level tokenizer knows 320 of the ids; the others decode to nothing, which changes no cost
     # that matters here (the reward only sees text).
@@ -61,22 +60,17 @@ def model_dir(name: str, root: str) -> str:
     return path
 
 
-def build(path: str, vocab_size: int = 320, llama: dict = None, **shape):
+def build(path: str, vocab_size: int = 320, **shape):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     from make_tiny_model import build_tiny_model
     build_tiny_model(path, seed=0, **shape)
-    if vocab_size > 320 or llama:  # the tokenizer stays small; the model gets the full vocabulary (and its head cost)
+    if vocab_size > 320:  # the tokenizer stays small; the model gets the full vocabulary (and its head cost)
         import torch
-        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+        from transformers import GPT2Config, GPT2LMHeadModel
         gpt2 = GPT2Config.from_pretrained(path)
         torch.manual_seed(0)
-        if llama:  # the GPT-2's folder, tokenizer and all, with a Llama in place of its model
-            config = LlamaConfig(vocab_size=max(vocab_size, gpt2.vocab_size), max_position_embeddings=gpt2.n_positions,
-                                 bos_token_id=gpt2.bos_token_id, eos_token_id=gpt2.eos_token_id, **llama)
-            LlamaForCausalLM(config).save_pretrained(path)
-        else:
-            gpt2.vocab_size = vocab_size
-            GPT2LMHeadModel(gpt2).save_pretrained(path)
+        gpt2.vocab_size = vocab_size
+        GPT2LMHeadModel(gpt2).save_pretrained(path)
 
 
 def weights_per_token(path: str) -> int:

@@ -7,6 +7,7 @@ batch arithmetic in config.batch_layout. A bad one raises config.ConfigError: on
 """
 import argparse
 import dataclasses
+import difflib
 import math
 import os
 import sys
@@ -62,21 +63,81 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def build_parser(task_name: str = "", task_fields: dict = None) -> argparse.ArgumentParser:
-    p = _Parser(prog="train_lean.py", allow_abbrev=False, description="GRPO on a small causal LM. Every flag also reads "
-                "GRPO_<FLAG> from the environment (CLI > environment > default).")
-    groups = [(p, FIELDS)]
+# --help in sections: each starts at the named field of the Config and runs to the next one's (grpo/config.py
+# keeps its fields in this order, under comments of these names); a new field joins the section it is put in
+HELP_GROUPS = [("model and task", "model"), ("evaluation", "eval_interval"), ("batch", "batch_size"),
+               ("sampling", "max_new_tokens"), ("algorithm", "learning_rate"), ("run", "steps"),
+               ("output and logging", "out_dir"), ("checkpoints and resume", "save_final"),
+               ("memory tracing", "trace_memory")]
+
+
+def help_groups(fields: dict) -> list:
+    """(title, [field names]) of each HELP_GROUPS section, in the fields' order. Raises KeyError naming a first
+    field that is not a field, or one out of order: the table must follow grpo/config.py."""
+    names = list(fields)
+    starts = [names.index(first) if first in fields else None for _, first in HELP_GROUPS]
+    if None in starts or starts != sorted(starts) or starts[0] != 0:
+        raise KeyError(f"cli.HELP_GROUPS {[first for _, first in HELP_GROUPS]} must name fields of the Config in "
+                       f"their order, the first field first")
+    return [(title, names[a:b]) for (title, _), a, b in zip(HELP_GROUPS, starts, [*starts[1:], len(names)])]
+
+
+def _metavar(name: str, f) -> str:
+    """What a flag takes, as --help shows it: its choices, BOOL, INT, FLOAT (INT|auto), PATH, else its name."""
+    base, _ = _base_type(f)
+    if f.metadata.get("choices"):
+        return "{" + ",".join(f.metadata["choices"]) + "}"
+    if base in (bool, int, float):
+        return base.__name__.upper() + ("|auto" if f.metadata.get("auto") else "")
+    return "PATH" if f.metadata.get("path") else name.upper()
+
+
+def _help(f, default_task: str) -> str:
+    """A flag's help with its default and its range: "[default 64; at least 1]". An unset default is "off",
+    unless the help says what it comes to ("(default: batch)")."""
+    text = f.metadata.get("help", "")
+    if f.name == "task":
+        default = default_task
+    elif f.default is not dataclasses.MISSING:
+        default = "off" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    else:
+        default = "required"
+    shown = [] if f.default is None and "default" in text else [f"default {default}"]
+    shown += [f.metadata["must"]] if f.metadata.get("must") else []
+    return f"{text} [{'; '.join(shown)}]" if shown else text
+
+
+def build_parser(task_name: str = "", task_fields: dict = None, default_task: str = None) -> argparse.ArgumentParser:
+    p = _Parser(prog="train_lean.py", allow_abbrev=False, usage="train_lean.py [--task TASK] [--flag VALUE ...]",
+                description="GRPO on a small causal LM. Every flag also reads GRPO_<FLAG> from the environment "
+                "(--batch-size: GRPO_BATCH_SIZE; command line > environment > default). A flag shown [BOOL] may "
+                "be given bare (true); true/false, 1/0, yes/no, on/off.")
+    groups = [(p.add_argument_group(title), {n: FIELDS[n] for n in names}) for title, names in help_groups(FIELDS)]
     if task_fields:
         groups.append((p.add_argument_group(f"options of --task {task_name}"), task_fields))
     for group, fields in groups:
         for name, f in fields.items():
-            default = f.default if f.default is not dataclasses.MISSING else None
-            shown = default if default is not None else "derived"
             const = f.metadata.get("const")
             bare = {"nargs": "?", "const": const} if const is not None else {}
-            group.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=name.upper(), **bare,
-                               help=f"{f.metadata.get('help', '')} [{env_name(name)}; default {shown}]")
+            group.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=_metavar(name, f), **bare,
+                               help=_help(f, default_task))
     return p
+
+
+def did_you_mean(given: str, names) -> list:
+    """The names (fields) that a misspelt or shortened flag most likely meant: those whose words' initials it is
+    (--lr: learning_rate), else those it begins (--batch: batch_size), else the closest spelling (difflib)."""
+    word = given.split("=", 1)[0].lstrip("-").replace("-", "_").lower()
+    names = list(names)
+    initials = [n for n in names if "".join(w[:1] for w in n.split("_")) == word]
+    prefixed = [n for n in names if n.startswith(word)]
+    return initials or prefixed or difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+
+
+def _either(names: list) -> str:
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def _read(fields: dict, given: dict, environ) -> tuple[dict, dict]:
@@ -115,18 +176,25 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
     if clash:
         raise tasks.TaskError(f"--task {task_name}: its option {clash[0]!r} has the name of a trainer setting "
                               f"({flag(clash[0])}): rename it")
-    given, extra = build_parser(task_name, task_fields).parse_known_args(argv)
+    given, extra = build_parser(task_name, task_fields, default_task).parse_known_args(argv)
     if extra:
-        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}: {extra[0]} does not apply to --task "
-                          f"{task_name} (see train_lean.py --task {task_name} --help)")
+        bad = next((a for a in extra if a.startswith("-")), extra[0])
+        near = did_you_mean(bad, [*FIELDS, *task_fields]) if bad.startswith("--") else []
+        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}: " + (
+            f"did you mean {_either([flag(n) for n in near])}?" if near else
+            f"{bad} is not a flag of train_lean.py nor of --task {task_name}") +
+            f" (see train_lean.py --task {task_name} --help)")
     given = vars(given)
     values, sources = _read(FIELDS, given, environ)
     option_values, option_sources = _read(task_fields, given, environ)
     known = FIELDS.keys() | task_fields.keys()
     unknown = sorted(k for k in environ if k.startswith("GRPO_") and k[5:].lower() not in known)
     if unknown:
-        raise ConfigError(f"unknown environment variable {unknown[0]}: not a setting of train_lean.py nor of "
-                          f"--task {task_name} (see train_lean.py --task {task_name} --help)")
+        near = did_you_mean(unknown[0][5:], known)
+        raise ConfigError(f"unknown environment variable {unknown[0]}: " + (
+            f"did you mean {_either([env_name(n) for n in near])}?" if near else
+            f"not a setting of train_lean.py nor of --task {task_name}") +
+            f" (see train_lean.py --task {task_name} --help)")
     values["task"] = task_name
     asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")
     if asked and not hasattr(target, "evaluate"):

@@ -235,7 +235,22 @@ class HFDecoder:
         return out.logits[:, -1]
 
 
-def decoder_for(model, cache, inverse, prompt_mask, max_new_tokens: int, compile: bool = False):
+def decoder_class(model) -> type:
     """The fastest decoder that fits the model: GPT2Decoder, LlamaDecoder, else HFDecoder."""
-    cls = next((c for c in (GPT2Decoder, LlamaDecoder) if c.fits(model)), HFDecoder)
-    return cls(model, cache, inverse, prompt_mask, max_new_tokens, compile=compile)
+    return next((c for c in (GPT2Decoder, LlamaDecoder) if c.fits(model)), HFDecoder)
+
+
+# what the start-up header says of each (a model that falls back to the generic path runs, only slower)
+DECODER_NAMES = {GPT2Decoder: "fast GPT-2 path", LlamaDecoder: "fast Llama-family path",
+                 HFDecoder: "generic HF forward (no fast path fits this model; decoding is slower)"}
+
+
+def decoder_name(model) -> str:
+    """The decoder generation uses for `model`, in words: "GPT2Decoder (fast GPT-2 path)", ..."""
+    cls = decoder_class(model)
+    return f"{cls.__name__} ({DECODER_NAMES[cls]})"
+
+
+def decoder_for(model, cache, inverse, prompt_mask, max_new_tokens: int, compile: bool = False):
+    """A decoder of decoder_class(model) for one generate() call."""
+    return decoder_class(model)(model, cache, inverse, prompt_mask, max_new_tokens, compile=compile)

@@ -14,6 +14,7 @@ import sys
 from collections import Counter
 
 import torch
+from tqdm import tqdm
 
 
 def open_jsonl(path: str, append: bool = False):
@@ -34,6 +35,26 @@ def say(enabled: bool, message: str) -> None:
     """A console line (the trainer binds enabled: rank 0 and --log-level info or debug)."""
     if enabled:
         print(message, flush=True)
+
+
+class Counting:
+    """complete(prompts, ...) of an evaluation, said: a line when it starts, and on a terminal a running count of
+    the prompts completed (how many the task asks for is not known in advance). close() ends the count."""
+
+    def __init__(self, complete, what: str):
+        print(f"{what}: evaluating ...", flush=True)
+        self.complete = complete
+        # redrawn at every call: one call decodes a whole batch of prompts, never too often to show
+        self.bar = tqdm(desc=what, unit=" prompts", disable=not sys.stderr.isatty(), file=sys.stderr, leave=False,
+                        mininterval=0, miniters=1)
+
+    def __call__(self, prompts, *args, **kwargs):
+        texts = self.complete(prompts, *args, **kwargs)
+        self.bar.update(len(prompts))
+        return texts
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def open_run_logs(metrics_path: str, completions_path, resume_step, stack) -> tuple:
@@ -249,33 +270,3 @@ def open_reporter(kind: str, out_dir: str, config_dict: dict):
     if kind == "wandb":
         return _WandB(out_dir, config_dict)
     raise ReportError(f"--report-to {kind!r} is not one of {', '.join(REPORTERS)}")
-
-
-def describe(cfg, options, sources: dict, layout, flag) -> str:
-    """The start-up table: every setting with its source (the task's options after the trainer's), then the
-    derived batch sizes (layout: config.Layout). flag(name) spells a setting as its flag (config.flag)."""
-    trainer = list(vars(cfg))   # a Config's fields, in order; the rest of sources are the task's options
-    settings = [(cfg, n) for n in trainer] + [(options, n) for n in sources if n not in trainer]
-    rows = [(flag(n), "derived" if getattr(obj, n) is None else str(getattr(obj, n)), sources[n]) for obj, n in settings]
-    w = max(len(r[0]) for r in rows)
-    v = max(len(r[1]) for r in rows)
-    lines = ["settings (source: cli > env > default)"]
-    lines += [f"  {a:<{w}}  {b:<{v}}  {c}" for a, b, c in rows[:len(trainer)]]
-    if options is not None:
-        lines.append(f"options of --task {cfg.task}")
-        lines += [f"  {a:<{w}}  {b:<{v}}  {c}" for a, b, c in rows[len(trainer):]]
-    lines.append("batch layout (per device | global)")
-    d = layout
-    auto = d.micro_batch_auto
-    table = [
-        ("devices", "", d.devices),
-        ("prompts (groups) per step", d.prompts_per_device, d.prompts_per_step),
-        ("completions per step", d.completions_per_device, d.completions_per_step),
-        ("mini-batch (completions per update)", d.mini_batch_per_device, d.mini_batch),
-        ("micro-batch (per forward/backward)", *(("auto", "auto") if auto else (d.micro_batch, d.micro_batch * d.devices))),
-        ("gradient-accumulation steps", *(("auto", "auto") if auto else (d.grad_accum_steps, d.grad_accum_steps))),
-        ("optimizer updates per step", d.updates_per_step, d.updates_per_step),
-        ("generation batch", d.generation_batch, d.generation_batch * d.devices),
-    ]
-    lines += [f"  {name:<37} {str(a):>6} | {b}" for name, a, b in table]
-    return "\n".join(lines)

@@ -25,6 +25,9 @@ LOCK = ".lock"
 # what a run writes into OUT_DIR besides the lock: its metrics, checkpoints, model, --report-to folders and
 # memory evidence
 OUTPUTS = ("metrics.jsonl", checkpoint.SUBDIR, "model", "tensorboard", "wandb", memory.SUBDIR)
+# and its settings table (grpo/screen.py), written at start-up: alone it is what a run that stopped before its
+# first record leaves (a bad --model, say), which the next run replaces; beside records it is one of them
+SETTINGS = "settings.txt"
 
 
 def check_paths(settings) -> None:
@@ -92,7 +95,9 @@ def earlier_run(cfg) -> list:
     paths = [os.path.join(cfg.out_dir, name) for name in OUTPUTS]
     paths += [p for p in (cfg.log_file, cfg.log_completions) if p]
     unique = {os.path.abspath(p): p for p in paths}
-    return [p for p in unique.values() if _holds_something(p)]
+    found = [p for p in unique.values() if _holds_something(p)]
+    settings = os.path.join(cfg.out_dir, SETTINGS)
+    return found + [settings] if found and os.path.exists(settings) else found
 
 
 def check_space(out_dir: str, model: str) -> None:

@@ -26,6 +26,7 @@ with its traceback and stops the run when every reward of a step failed (--rewar
 --task takes a built-in name (the trainer passes the registry of tasks/__init__.py), path/to/file.py:Name
 or package.module:Name. Name may be a class (built with the task's options) or a ready object.
 """
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -313,7 +314,8 @@ def evaluate(task, complete, step: int, metrics_file=None, reporter=None) -> dic
     "eval" (to the JSONL file and the --report-to reporter). Rank 0 alone calls it: nothing here waits on
     another rank."""
     t0 = time.perf_counter()
-    result = check_metrics(task.evaluate(complete))
+    with contextlib.closing(log.Counting(complete, f"eval at step {step}")) as counted:   # said, not silent
+        result = check_metrics(task.evaluate(counted))
     record = {"kind": "eval", "step": step, **result, "eval_time_s": time.perf_counter() - t0}
     print(eval_table(record), flush=True)
     if metrics_file is not None:

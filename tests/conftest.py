@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from helpers import build_tiny_llama, build_tiny_model
+from helpers import build_tiny_model
 
 
 def pytest_configure(config):
@@ -19,9 +19,9 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_rotary_dir(tmp_path_factory, tiny_model_dir):
-    """A random-init 2-layer Llama (rotary positions) sharing the tiny GPT-2's tokenizer."""
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), tiny_model_dir)
+def tiny_rotary_dir(tmp_path_factory):
+    """A random-init 2-layer Llama (rotary positions, 4 query heads on 2 K/V heads) with the tiny GPT-2's tokenizer."""
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")), seed=0, arch="llama")
 
 
 @pytest.fixture(params=["gpt2", "llama"])

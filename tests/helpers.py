@@ -52,20 +52,6 @@ class Evaluated(ToyTask):
 """
 
 
-def build_tiny_llama(path: str, tokenizer_dir: str) -> str:
-    """A random-init 2-layer Llama (rotary positions, grouped-query attention) with the tokenizer of tokenizer_dir."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=512, bos_token_id=tok.eos_token_id,
-                                         eos_token_id=tok.eos_token_id, attention_dropout=0.1))
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 def small_vocab_model(tokenizer_dir: str, path: str, vocab_size: int = 300) -> str:
     """A tiny GPT-2 whose vocabulary is smaller than the tokenizer of tokenizer_dir it is saved with."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel

@@ -1,12 +1,13 @@
 """The command line and the environment: every field is a flag and a GRPO_ variable, CLI > environment >
 default, and a bad flag or value is one line that names it."""
 import dataclasses
+import re
 
 import pytest
 
 import tasks
-from grpo import cli
-from grpo.config import Config, ConfigError
+from grpo import cli, config
+from grpo.config import FIELDS, Config, ConfigError
 
 
 def load(argv, environ):
@@ -52,3 +53,49 @@ def test_every_field_is_a_flag_and_an_env_variable():
     for f in dataclasses.fields(Config):
         cfg, sources = load([], environ={"GRPO_" + f.name.upper(): str(f.default) if f.default is not None else ""})
         assert sources[f.name] == "env"
+
+
+def test_help_is_grouped_and_shows_allowed_values_and_defaults():
+    text = cli.build_parser("toy", {}, tasks.DEFAULT).format_help()
+    titles = [title for title, _ in cli.HELP_GROUPS]
+    assert titles[:6] == ["model and task", "evaluation", "batch", "sampling", "algorithm", "run"]
+    assert [t for t in re.findall(r"^(\S[^:\n]*):$", text, re.M) if t in titles] == titles   # in this order
+    groups = cli.help_groups(FIELDS)
+    assert [n for _, names in groups for n in names] == list(FIELDS)   # every field in one group, in order
+    assert dict(groups)["batch"][0] == "batch_size" and "learning_rate" in dict(groups)["algorithm"]
+    assert text.startswith("usage: train_lean.py [--task TASK] [--flag VALUE ...]\n")
+    assert "--eval-only [BOOL]" in text and "EVAL_ONLY" not in text and "--resume [RESUME]" in text
+    assert "--micro-batch-size INT|auto" in text and "--learning-rate FLOAT" in text and "--log-file PATH" in text
+    for name, f in FIELDS.items():   # each flag shows its choices, and its default unless its help says it
+        if f.metadata["choices"]:
+            assert f"{config.flag(name)} {{{','.join(f.metadata['choices'])}}}" in text, name
+    flat = " ".join(text.split())
+    assert "[default 64; at least 1]" in flat and "[default chess]" in flat and "[default false]" in flat
+    assert "(default: batch) [at least 1]" in flat and "with every sampled completion [default off]" in flat
+    assert "derived" not in flat
+
+
+def test_help_groups_follow_the_config(monkeypatch):
+    monkeypatch.setattr(cli, "HELP_GROUPS", [("model and task", "model"), ("run", "steps"), ("batch", "batch_size")])
+    with pytest.raises(KeyError, match="in their order"):
+        cli.help_groups(FIELDS)
+    monkeypatch.setattr(cli, "HELP_GROUPS", [("model and task", "model"), ("gone", "no_such_field")])
+    with pytest.raises(KeyError, match="must name fields of the Config"):
+        cli.help_groups(FIELDS)
+
+
+@pytest.mark.parametrize("argv, environ, message", [
+    (["--lr", "1e-5"], {}, "unrecognized arguments: --lr 1e-5: did you mean --learning-rate?"),   # initials
+    (["--lr=1e-5"], {}, "did you mean --learning-rate?"),
+    (["--learing-rate", "1e-5"], {}, "did you mean --learning-rate?"),   # a typo: the closest spelling
+    (["--batch", "8"], {}, "did you mean --batch-size?"),   # a prefix: suggested, never taken
+    (["--kl", "0.1"], {}, "did you mean --kl-coef, --kl-estimator or --kl-in?"),
+    (["--task", "chess", "--stockfish-dept", "3"], {}, "did you mean --stockfish-depth?"),   # a task's option
+    (["--task", "toy", "--bogus", "1"], {}, "--bogus is not a flag of train_lean.py nor of --task toy (see "
+                                            "train_lean.py --task toy --help)"),
+    ([], {"GRPO_BACH_SIZE": "8"}, "unknown environment variable GRPO_BACH_SIZE: did you mean GRPO_BATCH_SIZE?"),
+])
+def test_an_unknown_flag_gets_did_you_mean(argv, environ, message):
+    with pytest.raises(ConfigError) as e:
+        load(argv, environ)
+    assert message in str(e.value) and "\n" not in str(e.value)

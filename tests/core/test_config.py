@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 import tasks
-from grpo import cli, config, log
+from grpo import cli, config
 from grpo.config import ConfigError, batch_layout
 
 
@@ -80,11 +80,3 @@ def test_every_declared_range_is_checked_in_its_own_words(name):
         batch_layout(dataclasses.replace(defaults, **{name: edge}))
     except ConfigError as e:
         assert "must be" not in str(e)
-
-
-def test_describe_shows_sources_and_sizes():
-    loaded = cli.load(["--batch-size", "32", "--task", "chess-env"], {"GRPO_SEED": "3"}, tasks.BUILTIN)
-    text = log.describe(loaded.cfg, loaded.options, loaded.sources, batch_layout(loaded.cfg), config.flag)
-    assert "--batch-size" in text and "cli" in text and "env" in text and "gradient-accumulation steps" in text
-    assert "prompts (groups) per step" in text and "optimizer updates per step" in text
-    assert "options of --task chess-env" in text and "--eval-samples" in text

@@ -36,7 +36,8 @@ def _save_tiny(path, tok, config_cls, **kw):
 
 @pytest.fixture(scope="module", params=["gpt2", "llama", "qwen2", "mistral"])
 def family(request, tmp_path_factory, tiny_model_dir, tiny_rotary_dir):
-    """(folder, the decoder its model gets): GPT-2, Llama (tests/helpers.py), Qwen2 (q/k/v biases), Mistral."""
+    """(folder, the decoder its model gets): GPT-2 and Llama (scripts/make_tiny_model.py), Qwen2 (q/k/v biases),
+    Mistral."""
     from transformers import MistralConfig, Qwen2Config
     name = request.param
     if name == "gpt2":
@@ -247,3 +248,14 @@ def test_a_decoder_is_freed_without_the_cycle_collector(tiny_model_dir, compile)
     finally:
         rollout.decoder_for = make
         gc.enable()
+
+
+def test_the_decoder_a_model_gets_is_named(family):
+    path, expected = family
+    name = decoders.decoder_name(load_policy(path, "cpu"))
+    assert name == {decoders.GPT2Decoder: "GPT2Decoder (fast GPT-2 path)",
+                    decoders.LlamaDecoder: "LlamaDecoder (fast Llama-family path)"}[expected]
+    from transformers import GPT2Config, GPT2LMHeadModel
+    other = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0,
+                                       scale_attn_by_inverse_layer_idx=True))
+    assert decoders.decoder_name(other).startswith("HFDecoder (generic HF forward")

@@ -29,9 +29,11 @@ def test_two_processes_make_the_one_process_update(tiny_model_dir, tmp_path):
                            TRAIN, "--model", tiny_model_dir, *ARGS, "--out-dir", str(two)],
                           capture_output=True, text=True, env=env(), timeout=300)
     assert pair.returncode == 0, pair.stderr[-3000:]
-    # rank 0 alone prints, and its start-up table shows per-device | global sizes
-    assert pair.stdout.count("batch layout (per device | global)") == 1
-    assert "completions per step                       8 | 16" in pair.stdout
+    # rank 0 alone prints: its header once, the batch over both devices; the full table, per device | global,
+    # in OUT_DIR/settings.txt
+    assert pair.stdout.count("train_lean.py: GRPO, steps 1-2") == 1
+    assert "= 16 completions per step over 2 devices (8 each)" in pair.stdout
+    assert "completions per step                       8 | 16" in (two / "settings.txt").read_text()
 
     a, b = records(one / "metrics.jsonl"), records(two / "metrics.jsonl")
     assert len(a) == len(b) == 2

@@ -1,5 +1,7 @@
+import io
 import random
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -7,7 +9,7 @@ import pytest
 import train_lean
 from helpers import SMALL, read_jsonl, train
 
-from grpo.task import TaskError, build, check_metrics, draw_prompts, score
+from grpo.task import TaskError, build, check_metrics, draw_prompts, evaluate, score
 from tasks import get_task
 from tasks.toy import ToyTask
 
@@ -134,8 +136,10 @@ def test_a_user_tasks_options_are_flags_and_environment_overrides(echo, tiny_mod
     monkeypatch.setenv("GRPO_WIDTH", "3")
     train_lean.main(["--model", tiny_model_dir, "--task", echo, "--letter", "b", *SMALL, "--steps", "1",
                      "--out-dir", str(tmp_path / "run")])
-    out = capsys.readouterr().out
-    table = out[out.index(f"options of --task {echo}"):out.index("batch layout")]
+    header = capsys.readouterr().out
+    assert "--letter b" in header and "--width 3 (env)" in header   # the settings given, in the header
+    table = (tmp_path / "run" / "settings.txt").read_text()
+    table = table[table.index(f"options of --task {echo}"):table.index("batch layout")]
     assert re.search(r"--letter\s+b\s+cli", table) and re.search(r"--width\s+3\s+env", table)
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]["step"] == 1
     with pytest.raises(SystemExit):
@@ -146,7 +150,8 @@ def test_a_user_tasks_options_are_flags_and_environment_overrides(echo, tiny_mod
 @pytest.mark.parametrize("args, message", [
     (["--letter", "bb"], "--letter 'bb' must be one character"),
     (["--width", "x"], "--width 'x' is not a valid int"),
-    (["--stockfish-depth", "3"], "--stockfish-depth does not apply to --task"),
+    (["--stockfish-depth", "3"], "--stockfish-depth is not a flag of train_lean.py nor of --task"),
+    (["--lettr", "b"], "did you mean --letter?"),   # the task's own flags are suggested too
 ])
 def test_a_user_tasks_bad_options_exit_2_with_one_line(echo, args, message, tmp_path, capsys, clean_env):
     with pytest.raises(SystemExit) as exit_:
@@ -259,6 +264,40 @@ def test_evaluate_numbers_become_plain_json_numbers():
     checked = check_metrics({"a": np.float32(0.5), "n": np.int64(3), "b": 2, "ok": True})
     assert checked == {"a": 0.5, "n": 3, "b": 2, "ok": 1}
     assert [type(v) for v in checked.values()] == [float, int, int, int]
+
+
+class Slow:
+    """A task whose evaluation reads what the console showed while it ran."""
+
+    def __init__(self, capsys):
+        self.capsys, self.seen = capsys, None
+
+    def evaluate(self, complete):
+        texts = complete(["a", "b", "c"]) + complete(["d", "e"], "passed on")
+        self.seen = self.capsys.readouterr()
+        return {"n": len(texts)}
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_an_evaluation_is_said_when_it_starts_and_counted_on_a_terminal(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    task, calls = Slow(capsys), []
+    record = evaluate(task, lambda prompts, *rest: calls.append(rest) or [p + "!" for p in prompts], step=7)
+    assert task.seen.out == "eval at step 7: evaluating ...\n"   # before the task's evaluate() returned
+    assert calls == [(), ("passed on",)] and record["n"] == 5   # complete's arguments and answers pass through
+    assert "eval at step 7: 5 prompts" in sys.stderr.getvalue()   # the running count, on a terminal only
+    assert capsys.readouterr().out.startswith("eval at step 7 (")   # then the time it took, and the table
+
+
+def test_an_evaluation_off_a_terminal_is_one_line_before_and_the_time_after(capsys):
+    task = Slow(capsys)
+    evaluate(task, lambda prompts, *rest: prompts, step=0)
+    assert task.seen == ("eval at step 0: evaluating ...\n", "")   # no progress bar into a log file
+    assert re.match(r"eval at step 0 \(\d+\.\d s\)\n  n  5\n", capsys.readouterr().out)
 
 
 # ---- through the trainer: what the user sees ---------------------------------------------------------------

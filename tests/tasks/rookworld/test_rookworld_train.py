@@ -61,7 +61,7 @@ def test_eval_only_prints_the_table(tiny_model_dir, tmp_path, capsys, clean_env)
 
 @pytest.mark.parametrize("args, message", [
     (["--task", "chess-policy", "--stockfish-path", "/nonexistent/stockfish"], "use --task chess-env"),
-    (["--task", "toy", "--data", __file__], "--data does not apply to --task toy"),
+    (["--task", "toy", "--data", __file__], "--data is not a flag of train_lean.py nor of --task toy"),
     (["--task", "toy", "--eval-interval", "2"], "--eval-interval: --task toy has no evaluate(complete) method"),
     (["--task", "toy", "--eval-only"], "--eval-only: --task toy has no evaluate(complete) method"),
     (["--task", "chess", "--task-mix", "1.5"], "--task-mix 1.5 must be in [0, 1]"),

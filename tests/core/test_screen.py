@@ -1,0 +1,117 @@
+"""The first screen: a header that says what runs and where its results go, the full settings table in
+OUT_DIR/settings.txt (one of the run's records) and on the console with --log-level debug."""
+import re
+
+import pytest
+import torch
+
+import tasks
+import train_lean
+from grpo import cli, screen
+from grpo.config import batch_layout
+from grpo.model import load_policy
+from helpers import EVALUATED_TASK, SMALL, read_jsonl
+
+
+def toy(model, out, *extra):
+    return ["--model", model, "--task", "toy", *SMALL, "--steps", "1", "--out-dir", str(out), *extra]
+
+
+def test_the_header_says_what_runs_and_where_its_results_go(tiny_model_dir, tmp_path, capsys, clean_env):
+    out = tmp_path / "run"
+    train_lean.main(toy(tiny_model_dir, out))
+    stdout = capsys.readouterr().out
+    header = stdout[:stdout.index("step 1/1")]
+    assert header.startswith("train_lean.py: GRPO, steps 1-1\n") and len(header.splitlines()) <= 20
+    flat = " ".join(header.split())   # long paths wrap
+    for row in (f"model {tiny_model_dir}: GPT2LMHeadModel, 0.153M parameters", "decoder GPT2Decoder (fast GPT-2 path)",
+                "task toy", "device cpu, fp32",
+                "batch 4 prompts x 2 = 8 completions per step; 1 update of 8, micro-batch 8 (no accumulation)",
+                "evaluation none (--task toy has no evaluate())", f"out dir {out}", f"metrics {out / 'metrics.jsonl'}",
+                f"final model {out / 'model'} at the end",
+                f"settings {out / 'settings.txt'} (every setting; --log-level debug shows them)"):
+        assert f" {row} " in flat + " ", (row, header)
+    # the settings given, nothing else; the 60-line table is in the run folder, not on the screen
+    assert re.search(r"given --model \S+, --task toy, --eval-interval 0, --batch-size 8, --group-size 2, "
+                     r"--max-new-tokens 12, --learning-rate 0.001, --steps 1, --out-dir \S+, --log-level info out dir",
+                     flat)
+    assert "settings (source" not in stdout and "--prompt-bos" not in stdout
+    table = (out / "settings.txt").read_text()
+    assert table.startswith("settings (source: cli > env > default)\n")
+    assert "batch layout (per device | global)" in table
+    assert re.search(r"--steps\s+1\s+cli", table) and re.search(r"--prompt-bos\s+auto\s+default", table)
+
+
+def test_the_settings_file_is_one_of_the_runs_records(tiny_model_dir, tmp_path, capsys, clean_env):
+    out = tmp_path / "run"
+    train_lean.main(toy(tiny_model_dir, out))
+    before = (out / "settings.txt").read_text()
+    with pytest.raises(SystemExit) as exit_:   # a folder with an earlier run's records: refused, settings named
+        train_lean.main(toy(tiny_model_dir, out, "--seed", "5"))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{out / 'settings.txt'}" in err and "--overwrite" in err
+    assert (out / "settings.txt").read_text() == before
+    train_lean.main(toy(tiny_model_dir, out, "--seed", "5", "--overwrite", "--log-level", "debug"))
+    stdout, err = capsys.readouterr()
+    assert "settings.txt" in err.splitlines()[0] and "--overwrite: deleted" in err
+    assert re.search(r"--seed\s+5\s+cli", (out / "settings.txt").read_text())
+    assert re.search(r"--seed\s+5\s+cli", stdout) and "batch layout (per device | global)" in stdout   # debug: shown
+    # a run that stopped before its first record (a bad --model) leaves its settings alone: the next run replaces them
+    failed = tmp_path / "failed"
+    with pytest.raises(SystemExit):
+        train_lean.main(toy(str(tmp_path / "no-such-model"), failed))
+    assert (failed / "settings.txt").exists() and not (failed / "metrics.jsonl").exists()
+    train_lean.main(toy(tiny_model_dir, failed))
+    assert tiny_model_dir in (failed / "settings.txt").read_text() and read_jsonl(failed / "metrics.jsonl")
+
+
+def test_an_unset_setting_says_what_it_comes_to_or_off():
+    loaded = cli.load(["--batch-size", "32", "--group-size", "4", "--task", "chess-env"], {"GRPO_SEED": "3"},
+                      tasks.BUILTIN)
+    text = screen.describe(loaded.cfg, loaded.options, loaded.sources, batch_layout(loaded.cfg))
+    assert re.search(r"--batch-size\s+32\s+cli", text) and re.search(r"--seed\s+3\s+env", text)
+    assert re.search(r"--mini-batch-size\s+32 \(derived\)\s+default", text)
+    assert re.search(r"--micro-batch-size\s+32 \(derived\)", text)
+    assert re.search(r"--generation-batch-size\s+32 \(derived\)", text)
+    assert re.search(r"--clip-range-high\s+0.2 \(derived\)", text)   # = --clip-range
+    assert re.search(r"--log-file\s+out/metrics.jsonl \(derived\)", text)
+    for off in ("dual-clip", "log-completions", "resume", "resume-allow-change"):
+        assert re.search(rf"--{off}\s+off\s+default", text), off
+    assert re.search(r"--eval-only\s+false\s+default", text)   # as the command line spells it
+    assert not re.search(r"\sderived\s", text)   # never a bare "derived"
+    assert "gradient-accumulation steps" in text and "optimizer updates per step" in text
+    assert "options of --task chess-env" in text and re.search(r"--data\s+none\s+default", text)
+
+
+def test_the_batch_in_one_line_over_two_devices():
+    loaded = cli.load(["--task", "toy", "--batch-size", "16", "--group-size", "4", "--mini-batch-size", "8",
+                       "--micro-batch-size", "2", "--ppo-epochs", "2", "--generation-batch-size", "4"], {},
+                      tasks.BUILTIN)
+    layout = batch_layout(loaded.cfg, world=2)
+    # 16 / 4 = 4 prompts; 8 completions per device; 16 / 8 mini-batches x 2 epochs = 4 updates; 8 / 2 devices
+    # = 4 completions of a mini-batch per device, 2 per micro-batch: 2 accumulation steps
+    assert screen.batch_line(loaded.cfg, layout) == (
+        "4 prompts x 4 = 16 completions per step over 2 devices (8 each); 4 updates of 8 (2 epochs), micro-batch 2 "
+        "per device (2 accumulation steps); sampled 4 at a time per device")
+    auto = cli.load(["--task", "toy", "--micro-batch-size", "auto"], {}, tasks.BUILTIN).cfg
+    assert "micro-batch auto (probed before training)" in screen.batch_line(auto, batch_layout(auto))
+
+
+def test_the_header_of_an_evaluation_and_of_a_model_without_a_fast_path(tiny_model_dir, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    task = tmp_path / "evaluated.py"
+    task.write_text(EVALUATED_TASK)
+    loaded = cli.load(["--model", tiny_model_dir, "--task", f"{task}:Evaluated", "--eval-only", "--compile"], {},
+                      tasks.BUILTIN)
+    text = screen.header(loaded, batch_layout(loaded.cfg), torch.device("cpu"), load_policy(tiny_model_dir, "cpu"),
+                         None)
+    assert text.startswith("train_lean.py: evaluation only")
+    assert "GPT2Decoder (fast GPT-2 path), compiled (--compile)" in text
+    assert "the task's evaluate() on the model, then exit (--eval-only)" in text
+    assert "writes      nothing (the results are printed; --log-file keeps them)" in text
+    assert "batch" not in text and "out dir" not in text
+    # a GPT-2 variant the fast path does not compute: the generic path, and --compile is said to do nothing
+    generic = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0,
+                                         scale_attn_by_inverse_layer_idx=True))
+    text = " ".join(screen.header(loaded, batch_layout(loaded.cfg), torch.device("cpu"), generic, None).split())
+    assert "HFDecoder (generic HF forward" in text and "--compile has no effect on it" in text
