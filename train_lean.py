@@ -66,8 +66,7 @@ def main(argv=None):
     autocast = model_autocast(device, cfg.dtype)   # bf16 matmuls over fp32 weights and AdamW state
     checkpoint.seed_all(cfg.seed)
     start_step = checkpoint.step_of(resume_from) if resume_from else 0
-    G, P, B = cfg.group_size, layout.prompts_per_device, layout.completions_per_device
-    mini = layout.mini_batch_per_device
+    G, P, B, mini = cfg.group_size, layout.prompts_per_device, layout.completions_per_device, layout.mini_batch_per_device
 
     with contextlib.ExitStack() as stack:  # every way out, an exception included, closes what the run opened
         stack.enter_context(held)       # the lock on OUT_DIR, released last

@@ -203,14 +203,6 @@ def settings(cfg: Config, options) -> dict:
     return {**dataclasses.asdict(cfg), **(dataclasses.asdict(options) if options is not None else {})}
 
 
-def derived(cfg: Config, layout) -> dict:
-    """What an unset (None) setting comes to in this run, by field name: a size of the batch layout (config.Layout),
-    the other clip range, the default metrics file. An unset setting not named here is off."""
-    return {"mini_batch_size": layout.mini_batch, "micro_batch_size": layout.micro_batch,
-            "generation_batch_size": layout.generation_batch, "clip_range_high": cfg.clip_range,
-            "log_file": os.path.join(cfg.out_dir, "metrics.jsonl")}
-
-
 @dataclass(frozen=True)
 class Layout:
     """The batch arithmetic of a run: how a step's completions split over devices, updates and passes."""

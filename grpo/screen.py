@@ -12,6 +12,14 @@ import torch
 from grpo import checkpoint, config, decoders, log, rundir
 
 
+def derived(cfg, layout) -> dict:
+    """What an unset (None) setting comes to in this run, by field name: a size of the batch layout (config.Layout),
+    the other clip range, the default metrics file. An unset setting not named here is off."""
+    return {"mini_batch_size": layout.mini_batch, "micro_batch_size": layout.micro_batch,
+            "generation_batch_size": layout.generation_batch, "clip_range_high": cfg.clip_range,
+            "log_file": os.path.join(cfg.out_dir, "metrics.jsonl")}
+
+
 def _text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)   # as the command line spells it
 
@@ -25,7 +33,7 @@ def describe(cfg, options, sources: dict, layout) -> str:
     sizes (layout: config.Layout). An unset trainer setting shows what it comes to in this run ("64 (derived)",
     config.derived) or "off"; an unset option of the task shows "none" (what it means is the task's to say)."""
     trainer = list(vars(cfg))   # a Config's fields, in order; the rest of sources are the task's options
-    computed = {n: f"{v} (derived)" for n, v in config.derived(cfg, layout).items()}
+    computed = {n: f"{v} (derived)" for n, v in derived(cfg, layout).items()}
     rows = [(config.flag(n), _shown(getattr(cfg, n), computed.get(n, "off")), sources[n]) for n in trainer]
     rows += [(config.flag(n), _shown(getattr(options, n), "none"), sources[n]) for n in sources if n not in trainer]
     w = max(len(r[0]) for r in rows)
@@ -121,7 +129,7 @@ def header(loaded, layout, device, model, resume_from) -> str:
     else:
         ckpt = os.path.join(cfg.out_dir, checkpoint.SUBDIR)
         rows += [("out dir", cfg.out_dir),
-                 ("metrics", config.derived(cfg, layout)["log_file"])]
+                 ("metrics", derived(cfg, layout)["log_file"])]
         rows += [("completions", cfg.log_completions)] if cfg.log_completions else []
         rows += [("reports", os.path.join(cfg.out_dir, cfg.report_to))] if cfg.report_to != "none" else []
         every = "every step" if cfg.save_interval == 1 else f"every {cfg.save_interval} steps"

@@ -43,7 +43,8 @@ def test_two_steps_write_every_key(two_steps):
         assert r["kl"] >= 0 and 0 <= r["frac_zero_std"] <= 1
     # one update per step, on-policy: the ratio is 1 and nothing is clipped
     assert abs(recs[0]["ratio_mean"] - 1) < 1e-5 and recs[0]["clip_frac"] == 0
-    assert "prompts (groups) per step" in proc.stdout and "step 2/2" in proc.stdout
+    assert f"metrics      {out / 'metrics.jsonl'}" in proc.stdout and "step 2/2" in proc.stdout
+    assert "prompts (groups) per step" in (out / "settings.txt").read_text()   # the full table, in the run folder
 
 
 def test_a_default_run_keeps_the_trained_model(two_steps, tiny_model_dir):
@@ -83,7 +84,10 @@ def test_rotary_model_with_accumulation_and_env_overrides(tiny_rotary_dir, tmp_p
                 "--mini-batch-size", "8", "--ppo-epochs", "2", "--out-dir", str(tmp_path)], cwd=tmp_path,
                env={"GRPO_MICRO_BATCH_SIZE": "4", "GRPO_MAX_NEW_TOKENS": "8", "GRPO_DTYPE": "bf16"})
     assert proc.returncode == 0, proc.stderr
-    assert "gradient-accumulation steps" in proc.stdout
+    # the header's batch line: 16 completions, 2 updates of 8 a step, each 2 micro-batches of 4
+    assert "micro-batch 4 (2 accumulation steps)" in proc.stdout and "cpu, bf16" in proc.stdout
+    rows = [line.split() for line in (tmp_path / "settings.txt").read_text().splitlines()]
+    assert ["--micro-batch-size", "4", "env"] in rows and ["--dtype", "bf16", "env"] in rows
     rec = records(tmp_path / "metrics.jsonl")[0]
     assert rec["completion_len_mean"] <= 8
 
