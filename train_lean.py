@@ -26,7 +26,7 @@ from grpo import task as task_lib
 from grpo.algorithm import group_advantages, kl_penalised_rewards, missing_groups, overlong_penalty
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
                         model_autocast)
-from grpo.rollout import encode_prompts, greedy_completions, merge, sample_groups
+from grpo.rollout import encode_prompts, eval_completions, merge, sample_groups
 from grpo.update import probe_micro_batch, reference_logprobs, update
 
 
@@ -94,9 +94,10 @@ def main(argv=None):
             usage_error(str(e))
         if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/model.py)
             policy.activation_checkpointing_enable({"use_reentrant": False})
-        # greedy decoding of the policy, for the task's held-out evaluate(complete); rank 0 alone evaluates
-        complete = functools.partial(greedy_completions, policy, tokenizer, prepend_bos=prepend_bos, device=device,
-                                     max_new_tokens=cfg.max_new_tokens, batch=layout.generation_batch, autocast=autocast)
+        # the task's held-out evaluate(complete): greedy decoding, or seeded samples; rank 0 alone evaluates
+        complete = functools.partial(eval_completions, policy, tokenizer, prepend_bos=prepend_bos, device=device,
+                                     max_new_tokens=cfg.max_new_tokens, batch=layout.generation_batch, autocast=autocast,
+                                     seed=cfg.seed)
         if cfg.eval_only:  # a log file only when asked for: an earlier run's metrics are not overwritten
             if main_rank:
                 task_lib.evaluate(task, complete, start_step, stack.enter_context(log.open_jsonl(cfg.log_file))

@@ -108,7 +108,7 @@ def test_a_dynamic_sampling_run_resumes_exactly(tiny_model_dir, tmp_path, clean_
     import train_lean
     args = ["--model", tiny_model_dir, "--task", "toy", "--batch-size", "8", "--group-size", "4",
             "--max-new-tokens", "8", "--learning-rate", "1e-3", "--dynamic-sampling", "--log-level", "warning",
-            "--save-final", "false"]
+            "--save-final", "false", "--eval-interval", "0"]
     train_lean.main([*args, "--steps", "3", "--out-dir", str(tmp_path / "straight")])
     train_lean.main([*args, "--steps", "2", "--save-interval", "2", "--out-dir", str(tmp_path / "resumed")])
     train_lean.main([*args, "--steps", "3", "--resume", "--out-dir", str(tmp_path / "resumed")])
