@@ -315,7 +315,7 @@ def check_metrics(result) -> dict:
 @dataclasses.dataclass
 class SampledEvalOptions:
     """Options of a task whose evaluate() can also sample (inherit them: class MyOptions(SampledEvalOptions)).
-    Off by default: k samples per held-out prompt cost about k greedy evaluations."""
+    Off by default: it decodes N completions per held-out prompt where the greedy evaluation decodes one."""
     eval_k: int = opt(0, "the held-out evaluation also samples: pass@K and mean@N of N completions per prompt, "
                       "beside the greedy metrics (0: greedy only)", resume_free=True)   # evaluation only
     eval_n: int = opt(0, "completions sampled per held-out prompt with --eval-k, at least K (0: K); more than K "
