@@ -23,11 +23,11 @@ from tqdm import tqdm
 import tasks
 from grpo import checkpoint, cli, config, distributed, guards, log, memory, rundir, screen
 from grpo import task as task_lib
-from grpo.algorithm import group_advantages, kl_penalised_rewards, missing_groups, overlong_penalty
+from grpo.algorithm import group_advantages, kl_penalised_rewards, learning_rate, missing_groups, overlong_penalty
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
                         model_autocast, sync_reference)
-from grpo.rollout import encode_prompts, greedy_completions, merge, sample_groups
-from grpo.update import learning_rate, probe_micro_batch, reference_logprobs, update
+from grpo.rollout import encode_prompts, eval_completions, merge, sample_groups
+from grpo.update import probe_micro_batch, reference_logprobs, update
 
 
 def usage_error(message: str):
@@ -94,9 +94,10 @@ def main(argv=None):
         say(screen.header(loaded, layout, device, policy, resume_from))   # what runs, where its results go
         if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/model.py)
             policy.activation_checkpointing_enable({"use_reentrant": False})
-        # greedy decoding of the policy, for the task's held-out evaluate(complete); rank 0 alone evaluates
-        complete = functools.partial(greedy_completions, policy, tokenizer, prepend_bos=prepend_bos, device=device,
-                                     max_new_tokens=cfg.max_new_tokens, batch=layout.generation_batch, autocast=autocast)
+        # the task's held-out evaluate(complete): greedy decoding, or seeded samples; rank 0 alone evaluates
+        complete = functools.partial(eval_completions, policy, tokenizer, prepend_bos=prepend_bos, device=device,
+                                     max_new_tokens=cfg.max_new_tokens, batch=layout.generation_batch, autocast=autocast,
+                                     seed=cfg.seed)
         if cfg.eval_only:  # a log file only when asked for: an earlier run's metrics are not overwritten
             if main_rank:
                 task_lib.evaluate(task, complete, start_step, stack.enter_context(log.open_jsonl(cfg.log_file))
@@ -176,9 +177,7 @@ def main(argv=None):
                     batch, counts = merge(rounds, G, P, eos)
                     rec.update(counts)
                 if cfg.overlong_buffer:  # DAPO's soft penalty on completions near the length limit
-                    batch.rewards = batch.rewards + overlong_penalty(batch.completion_mask.sum(1).cpu(),
-                                                                     cfg.max_new_tokens, cfg.overlong_buffer,
-                                                                     cfg.overlong_penalty)
+                    batch.rewards = batch.rewards + overlong_penalty(batch.completion_mask.sum(1).cpu(), cfg)
                 phases.end("score")
 
                 # ---- reference logprobs, once per row: the KL penalty in the loss or in the reward ----

@@ -50,7 +50,7 @@ def main(argv=None):
         train_lean.main(["--model", args.model, "--task", "toy", "--device", args.device, "--steps", str(args.steps),
                          "--batch-size", str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens),
                          "--out-dir", out, "--trace-memory", str(args.trace), "--trace-memory-after", str(args.warmup),
-                         "--log-level", "warning", "--save-final", "false"])
+                         "--log-level", "warning", "--save-final", "false", "--eval-interval", "0"])
         with open(os.path.join(out, "metrics.jsonl")) as f:
             times = [json.loads(line)["step_time_s"] for line in f]
     window, after = slice(args.warmup, args.warmup + args.trace), slice(args.warmup + args.trace, args.steps)

@@ -13,6 +13,37 @@ import math
 
 import torch
 
+# ---- the learning rate of each step (the optimizer's, beside the loss's math) -------------------------------
+
+LR_SCHEDULES = {  # --lr-scheduler
+    "constant": "--learning-rate throughout",
+    "linear": "down in a straight line towards --min-lr-ratio x --learning-rate",
+    "cosine": "down along half a cosine towards --min-lr-ratio x --learning-rate",
+}
+
+
+def learning_rate(step: int, cfg) -> float:
+    """The learning rate of training step `step` (1, 2, ... cfg.steps): a function of the step alone, so a
+    resumed run continues the schedule exactly.
+
+    Warmup W steps (--lr-warmup-steps, or --lr-warmup-ratio x --steps rounded): step s <= W trains at
+    s / W x the rate, the last of them at the full rate. Then the schedule runs over the remaining steps
+    with progress p = (s - W - 1) / (steps - W): the first step after the warmup trains at the full rate,
+    and the last one still above the floor (min_lr_ratio x the rate), none at zero.
+    """
+    base = cfg.learning_rate
+    warmup = cfg.lr_warmup_steps or round(cfg.lr_warmup_ratio * cfg.steps)
+    if step <= warmup:
+        return base * step / warmup
+    progress = (step - warmup - 1) / max(1, cfg.steps - warmup)
+    floor = cfg.min_lr_ratio * base
+    if cfg.lr_scheduler == "linear":
+        return floor + (base - floor) * (1 - progress)
+    if cfg.lr_scheduler == "cosine":
+        return floor + (base - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return base
+
+
 # ---- advantages: each completion judged against the other completions of its prompt ------------------
 
 ADVANTAGES = {  # --scale-rewards
@@ -87,15 +118,17 @@ def merge_rounds(round_rewards: list, group_size: int, groups: int):
 
 # ---- reward shaping: DAPO's overlong penalty, and the KL penalty taken out of the reward ---------------
 
-def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
-    """[B] rewards to add (<= 0): 0 up to max_new_tokens - buffer tokens, then linear down to -penalty at the limit.
+def overlong_penalty(lengths: torch.Tensor, cfg) -> torch.Tensor:
+    """[B] rewards to add (<= 0): 0 up to max_new_tokens - overlong_buffer tokens, then linear down to
+    -overlong_penalty at max_new_tokens.
 
     DAPO's soft overlong punishment, so the policy learns to finish before the limit. lengths are
     completion tokens, the EOS included (completion_mask.sum(1)); 0 < buffer <= max_new_tokens
     (grpo/config.py checks it). Added to the task reward before the advantages.
     """
-    over = (lengths.float() - (max_new_tokens - buffer)).clamp(0, buffer)
-    return -penalty * over / buffer
+    buffer = cfg.overlong_buffer
+    over = (lengths.float() - (cfg.max_new_tokens - buffer)).clamp(0, buffer)
+    return -cfg.overlong_penalty * over / buffer
 
 
 # KL(policy || reference) per token. Each estimator is a function of d = ref_logp - logp at a token the

@@ -11,7 +11,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from grpo import algorithm, log, update
+from grpo import algorithm, log
 
 
 # The shipped default model (models/rook-tiny, built by the default task's own script). An absolute
@@ -103,7 +103,7 @@ class Config:
     # algorithm
     learning_rate: float = opt(1e-4, "AdamW learning rate (1e-4 suits the shipped 5M-parameter default model; "
                                "use about 1e-5 for a 124M model such as RookWorld-LM)", must="> 0")
-    lr_scheduler: str = opt("constant", "the learning rate over the run, after its warmup", update.LR_SCHEDULES)
+    lr_scheduler: str = opt("constant", "the learning rate over the run, after its warmup", algorithm.LR_SCHEDULES)
     lr_warmup_steps: int = opt(0, "steps whose learning rate rises linearly to --learning-rate (0: none)", must=">= 0")
     lr_warmup_ratio: float = opt(0.0, "the warmup as a share of --steps, instead of --lr-warmup-steps", must="in [0, 1)")
     min_lr_ratio: float = opt(0.0, "the floor linear and cosine decay to, a share of --learning-rate", must="in [0, 1)")

@@ -289,15 +289,31 @@ def decode_completions(tokenizer, completion_ids, mask, eos_id: int) -> list:
     return texts
 
 
-def greedy_completions(model, tokenizer, prompts: list, *, prepend_bos: bool, max_new_tokens: int, batch: int,
-                       device=None, autocast=None) -> list:
-    """The greedy completion text of each prompt, `batch` prompts at a time (evaluation, not training)."""
+def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature: float = None, *, prepend_bos: bool,
+                     max_new_tokens: int, batch: int, seed: int = 0, device=None, autocast=None) -> list:
+    """Completions for evaluation (a task's evaluate(complete)), not training, `batch` rows at a time.
+
+    Without n: the greedy completion of each prompt (list[str]). With n: n completions of each prompt sampled at
+    temperature (default 1.0; no top-k/top-p), as one list of n per prompt. Each batch's sampling is seeded by seed
+    and its first row (the same at every evaluation of a run: two evaluations differ only by the weights) inside a
+    fork of torch's RNG, so training draws afterwards exactly what it would have drawn without the evaluation."""
+    if n is None and temperature is not None:
+        raise TaskError(f"complete(prompts, temperature={temperature}) samples only with n, the completions per "
+                        f"prompt: complete(prompts, n=8, temperature={temperature})")
+    if n is not None and not (isinstance(n, int) and n >= 1 and (temperature is None or temperature > 0)):
+        raise TaskError(f"complete(prompts, n={n!r}, temperature={temperature!r}): n must be an int >= 1 and the "
+                        f"temperature > 0 (greedy: complete(prompts))")
+    sample_at = 0.0 if n is None else 1.0 if temperature is None else temperature
     eos = tokenizer.eos_token_id
+    ids = encode_prompts(tokenizer, prompts, prepend_bos, max_new_tokens, context_length(model.config))
+    rows = [row for row in ids for _ in range(n or 1)]
+    kind = torch.device(device or "cpu").type
     texts = []
-    for s in range(0, len(prompts), batch):
-        ids = encode_prompts(tokenizer, prompts[s:s + batch], prepend_bos, max_new_tokens, context_length(model.config))
-        ids, mask = left_pad(ids, eos, device)
-        out_ids, out_mask, _ = generate(model, ids, mask, eos_id=eos, max_new_tokens=max_new_tokens,
-                                        temperature=0.0, autocast=autocast)
-        texts += decode_completions(tokenizer, out_ids, out_mask, eos)
-    return texts
+    with torch.random.fork_rng(devices=[] if kind == "cpu" else [device], device_type=kind):
+        for s in range(0, len(rows), batch):
+            torch.manual_seed(seed * 1_000_003 + s)
+            row_ids, mask = left_pad(rows[s:s + batch], eos, device)
+            out_ids, out_mask, _ = generate(model, row_ids, mask, eos_id=eos, max_new_tokens=max_new_tokens,
+                                            temperature=sample_at, autocast=autocast)
+            texts += decode_completions(tokenizer, out_ids, out_mask, eos)
+    return texts if n is None else [texts[i:i + n] for i in range(0, len(texts), n)]

@@ -12,8 +12,13 @@ and optionally
                                           GRPO_FIELD_NAME overrides when this task is chosen, validated and
                                           shown like the trainer's own; the task is built as Task(**options)
     evaluate(complete) -> dict[str, float]    held-out metrics; complete(prompts) -> list[str] is the
-                                          trainer's greedy decoding of the policy being trained
+                                          trainer's greedy decoding of the policy being trained, and
+                                          complete(prompts, n=8, temperature=1.0) -> a list of 8-lists
+                                          samples (seeded: the same at every evaluation of the run);
+                                          sampled_metrics() turns them into pass@k and mean@n
     close()                               release engines, pools, files
+
+A task whose options inherit SampledEvalOptions gets --eval-k, --eval-n and --eval-temperature for that.
 
 The trainer draws each step's prompts with an rng seeded by (seed, step), so the prompt stream needs no
 state of its own: a resumed run draws exactly the prompts the killed one would have.
@@ -42,6 +47,7 @@ from collections import Counter
 import numpy as np
 
 from grpo import log
+from grpo.config import opt
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)   # rewards are stored as float32: a larger one is inf there
 
@@ -307,10 +313,60 @@ def check_metrics(result) -> dict:
     return out
 
 
+@dataclasses.dataclass
+class SampledEvalOptions:
+    """Options of a task whose evaluate() can also sample (inherit them: class MyOptions(SampledEvalOptions)).
+    Off by default: it decodes N completions per held-out prompt where the greedy evaluation decodes one."""
+    eval_k: int = opt(0, "the held-out evaluation also samples: pass@K and mean@N of N completions per prompt, "
+                      "beside the greedy metrics (0: greedy only)", resume_free=True)   # evaluation only
+    eval_n: int = opt(0, "completions sampled per held-out prompt with --eval-k, at least K (0: K); more than K "
+                      "gives a pass@K of lower variance", resume_free=True)
+    eval_temperature: float = opt(1.0, "sampling temperature of --eval-k's completions", resume_free=True)
+
+    def __post_init__(self):
+        if self.eval_k < 0:
+            raise ValueError(f"--eval-k {self.eval_k} must be >= 0 (0: greedy evaluation only)")
+        if self.eval_n and not self.eval_k:
+            raise ValueError(f"--eval-n {self.eval_n} samples for pass@K: give --eval-k too")
+        if self.eval_n and self.eval_n < self.eval_k:
+            raise ValueError(f"--eval-n {self.eval_n} must be at least --eval-k {self.eval_k}: pass@K needs K "
+                             f"samples (0: N = K)")
+        if not 0 < self.eval_temperature < math.inf:
+            raise ValueError(f"--eval-temperature {self.eval_temperature} must be > 0 (greedy is the evaluation's "
+                             f"default; --eval-k 0 for it alone)")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021, "Evaluating Large
+    Language Models Trained on Code"): the chance that k of the n, drawn without replacement, hold a correct one,
+    1 - C(n-c, k) / C(n, k), computed as prod over i in (n-c, n] of (1 - k/i): no huge binomials."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, not n={n}, c={c}, k={k}")
+    if n - c < k:   # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def sampled_metrics(complete, prompts: list, correct, k: int, n: int = None, temperature: float = 1.0,
+                    name: str = "") -> dict:
+    """n (default k) completions of each prompt sampled with complete(prompts, n=n, temperature=temperature) and
+    judged by correct(prompt, completion) -> bool: {"<name>_pass@k": the mean over prompts of pass_at_k,
+    "<name>_mean@n": the share of all samples that are correct (the unbiased pass@1)}."""
+    n = n or k
+    if not 1 <= k <= n:
+        raise ValueError(f"sampled_metrics needs 1 <= k <= n, not k={k}, n={n}")
+    hits = [sum(bool(correct(p, c)) for c in group) for p, group in zip(prompts, complete(prompts, n=n,
+                                                                                      temperature=temperature))]
+    prefix = f"{name}_" if name else ""
+    return {f"{prefix}pass@{k}": sum(pass_at_k(n, c, k) for c in hits) / len(hits),
+            f"{prefix}mean@{n}": sum(hits) / (n * len(hits))}
+
+
 def evaluate(task, complete, step: int, metrics_file=None, reporter=None) -> dict:
     """The task's held-out evaluation: evaluate(complete), where complete(prompts) -> list[str] is greedy
-    decoding of the policy (the same prompt encoding, BOS and --max-new-tokens as training). What the task
-    returns (checked: names to finite numbers) is printed as a table and logged as a record with "kind":
+    decoding of the policy (the same prompt encoding, BOS and --max-new-tokens as training) and
+    complete(prompts, n=..., temperature=...) samples n per prompt (grpo/rollout.py eval_completions). What the
+    task returns (checked: names to finite numbers) is printed as a table and logged as a record with "kind":
     "eval" (to the JSONL file and the --report-to reporter). Rank 0 alone calls it: nothing here waits on
     another rank."""
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
-"""The policy update of one step: its learning rate, reference logprobs, then clipped-surrogate updates over
-mini-batches, each accumulated over micro-batches and summed over devices before the optimizer steps.
+"""The policy update of one step: reference logprobs, then clipped-surrogate updates over mini-batches,
+each accumulated over micro-batches and summed over devices before the optimizer steps.
 
 The math is grpo/algorithm.py; this is the loop around it. Every cross-device call of the update is
 here, marked `# every rank`, and every rank makes them in the same order: the mini-batch's loss
@@ -7,7 +7,6 @@ denominator and top-entropy threshold (before its micro-batches run), the agreem
 out-of-memory retry, the gradient sum and the statistics' sum.
 """
 import functools
-import math
 from collections import Counter
 
 import torch
@@ -16,35 +15,6 @@ from grpo import distributed, guards
 from grpo.algorithm import grpo_loss, loss_denominator, top_entropy_threshold
 from grpo.model import completion_logprobs
 from grpo.rollout import logprob_temperature
-
-
-LR_SCHEDULES = {  # --lr-scheduler
-    "constant": "--learning-rate throughout",
-    "linear": "down in a straight line towards --min-lr-ratio x --learning-rate",
-    "cosine": "down along half a cosine towards --min-lr-ratio x --learning-rate",
-}
-
-
-def learning_rate(step: int, cfg) -> float:
-    """The learning rate of training step `step` (1, 2, ... cfg.steps): a function of the step alone, so a
-    resumed run continues the schedule exactly.
-
-    Warmup W steps (--lr-warmup-steps, or --lr-warmup-ratio x --steps rounded): step s <= W trains at
-    s / W x the rate, the last of them at the full rate. Then the schedule runs over the remaining steps
-    with progress p = (s - W - 1) / (steps - W): the first step after the warmup trains at the full rate,
-    and the last one still above the floor (min_lr_ratio x the rate), none at zero.
-    """
-    base = cfg.learning_rate
-    warmup = cfg.lr_warmup_steps or round(cfg.lr_warmup_ratio * cfg.steps)
-    if step <= warmup:
-        return base * step / warmup
-    progress = (step - warmup - 1) / max(1, cfg.steps - warmup)
-    floor = cfg.min_lr_ratio * base
-    if cfg.lr_scheduler == "linear":
-        return floor + (base - floor) * (1 - progress)
-    if cfg.lr_scheduler == "cosine":
-        return floor + (base - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    return base
 
 
 def shrinking(run, micro: int, mini: int, note):

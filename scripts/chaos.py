@@ -22,7 +22,7 @@ trainer that silently started over would end equal too). It also counts the tens
 moved, and the mean reward spread: with none, equal weights would prove nothing.
 
 --task chess (Stockfish at a low depth, so the P: rewards really come from the engine) when
-Stockfish is installed, else --task toy (which has no evaluation: no mid-evaluation kills). Without
+Stockfish is installed, else --task toy (run without its evaluation: no mid-evaluation kills). Without
 --model a tiny random GPT-2 is built (scripts/make_tiny_model.py); for chess it is first taught
 briefly to answer P: prompts with a pawn move, so that some answers are legal and score by the
 engine's ranking: a random model's completions all score 0, its gradients are 0, and its weights
@@ -215,7 +215,7 @@ def train_command(args, out_dir: str, resume: bool) -> list[str]:
            "--max-new-tokens", str(args.max_new_tokens), "--learning-rate", str(args.learning_rate),
            "--seed", str(args.seed), "--out-dir", out_dir, "--save-interval", "1", "--log-level", "info"]
     if args.task == "toy":
-        cmd += ["--eval-interval", "0"]   # the held-out set is chess's
+        cmd += ["--eval-interval", "0"]   # the mid-evaluation kills are chess's
     else:
         cmd += ["--eval-interval", str(args.eval_interval), "--eval-samples", str(args.eval_samples),
                 "--stockfish-depth", str(args.stockfish_depth)]

@@ -355,9 +355,9 @@ def read_json(path: str):
 
 def greedy_samples(model, tok, samples: list[tuple[str, str]]) -> list[dict]:
     """Greedy completions of a few training prompts: a quick look that the format was learned."""
-    from grpo.rollout import greedy_completions
-    texts = greedy_completions(model, tok, [p for p, _ in samples], prepend_bos=True, max_new_tokens=96,
-                               batch=len(samples), device=model.device)
+    from grpo.rollout import eval_completions
+    texts = eval_completions(model, tok, [p for p, _ in samples], prepend_bos=True, max_new_tokens=96,
+                             batch=len(samples), device=model.device)
     return [{"prompt": prompt, "expected": want, "greedy": text, "exact": text == want}
             for (prompt, want), text in zip(samples, texts)]
 

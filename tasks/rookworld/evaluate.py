@@ -2,16 +2,19 @@
 
 The set (tasks/rookworld/eval_set.jsonl, made by tasks/rookworld/make_eval_set.py) carries its own answers: engine
 analysis for P: items, the exact completion for A: items. Evaluating needs no engine and no network,
-so it is reproducible anywhere. Generation (greedy) is the trainer's; everything here is pure.
+so it is reproducible anywhere. Generation (greedy, and seeded samples) is the trainer's; everything here is pure.
 
 P: best-move accuracy (B: is the engine's first choice), top-5 accuracy (B: among the engine's top 5),
    legal-move rate (B: is legal), format rate (every format check of the reward passes).
 A: format rate (every format check of the A: reward passes: four fields, a valid FEN, one of the four
    reward values, 0/1 flags), next-FEN accuracy (the FEN field is exact), exact-completion accuracy.
+With --eval-k K (and --eval-n N samples per item, default K): pass@K and mean@N of P:'s best move and of A:'s
+next FEN (p_best_move_pass@K, a_next_fen_mean@N, ...), from completions sampled at --eval-temperature.
 """
 import json
 import os
 
+from grpo.task import sampled_metrics
 from tasks.rookworld.format import legal_move, parse_board, parse_policy_completion, policy_format_checks, position_key
 from tasks.rookworld.rewards import env_format_checks
 
@@ -40,15 +43,30 @@ def _rate(hits: list[bool]) -> float:
     return sum(hits) / len(hits) if hits else 0.0
 
 
+def _legal_best(item: dict, answer) -> str | None:
+    """The UCI of the answer's best move (B:) when it is legal in the item's position, else None."""
+    move = legal_move(parse_board(item["fen"]), answer.best)
+    return move.uci() if move else None
+
+
+def best_move_hit(item: dict, completion: str) -> bool:
+    """P: the completion's best move is the engine's first choice."""
+    return _legal_best(item, parse_policy_completion(completion)) == item["moves"][0]
+
+
+def next_fen_hit(item: dict, completion: str) -> bool:
+    """A: the completion's FEN field is the exact next position."""
+    return completion.rstrip().split("+", 1)[0] == item["expected"].split("+", 1)[0]
+
+
 def policy_metrics(items: list[dict], completions: list[str]) -> dict:
     best, top5, legal, fmt = [], [], [], []
     for item, completion in zip(items, completions):
         answer = parse_policy_completion(completion)
-        move = legal_move(parse_board(item["fen"]), answer.best)
-        uci = move.uci() if move else None
-        best.append(uci is not None and uci == item["moves"][0])
-        top5.append(uci is not None and uci in item["moves"])
-        legal.append(move is not None)
+        uci = _legal_best(item, answer)
+        best.append(uci == item["moves"][0])
+        top5.append(uci in item["moves"])
+        legal.append(uci is not None)
         fmt.append(all(policy_format_checks(answer)))
     return {"p_n": len(items), "p_best_move_acc": _rate(best), "p_top5_acc": _rate(top5),
             "p_legal_rate": _rate(legal), "p_format_rate": _rate(fmt)}
@@ -59,7 +77,7 @@ def env_metrics(items: list[dict], completions: list[str]) -> dict:
     for item, completion in zip(items, completions):
         got = completion.rstrip()
         fmt.append(all(env_format_checks(completion)))
-        fen.append(got.split("+", 1)[0] == item["expected"].split("+", 1)[0])
+        fen.append(next_fen_hit(item, completion))
         exact.append(got == item["expected"])
     return {"a_n": len(items), "a_format_rate": _rate(fmt), "a_next_fen_acc": _rate(fen), "a_exact_acc": _rate(exact)}
 
@@ -77,8 +95,24 @@ def metrics(items: list[dict], completions: list[str]) -> dict:
     return out
 
 
-def evaluate(complete, kinds: tuple[str, ...], per_kind: int) -> dict:
+# what a sampled completion must get right, by kind: (metric name, judge)
+HITS = {"P": ("p_best_move", best_move_hit), "A": ("a_next_fen", next_fen_hit)}
+
+
+def sampled(complete, items: list[dict], kind: str, k: int, n: int, temperature: float) -> dict:
+    """pass@k and mean@n of the kind's answer over n completions of each of its items, sampled at temperature."""
+    name, hit = HITS[kind]
+    answers = {item["prompt"]: item for item in items if item["kind"] == kind}
+    return sampled_metrics(complete, list(answers), lambda prompt, c: hit(answers[prompt], c), k, n, temperature,
+                           name)
+
+
+def evaluate(complete, kinds: tuple[str, ...], per_kind: int, k: int = 0, n: int = 0,
+             temperature: float = 1.0) -> dict:
     """Greedy completions of the first per_kind held-out items of each kind (complete: the trainer's
-    decoding), scored against the answers the set carries."""
+    decoding), scored against the answers the set carries; with k, sampled pass@k and mean@n as well."""
     items = select(load_eval_set(), kinds, per_kind)
-    return metrics(items, complete([item["prompt"] for item in items]))
+    out = metrics(items, complete([item["prompt"] for item in items]))
+    for kind in kinds if k else ():
+        out.update(sampled(complete, items, kind, k, n, temperature))
+    return out

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from grpo.config import opt
-from grpo.task import TaskError
+from grpo.task import SampledEvalOptions, TaskError
 from tasks.rookworld import evaluate as held_out
 from tasks.rookworld.data import read_rookworld
 from tasks.rookworld.engine import DEFAULT_TIMEOUT_S, INSTALL_HINT, EnginePool, find_stockfish
@@ -25,13 +25,14 @@ from tasks.rookworld.rewards import (ENV_WEIGHTS, FEN_SIMILARITY_SHARE, POLICY_W
 
 
 @dataclass
-class DataOptions:
+class DataOptions(SampledEvalOptions):   # --eval-k: pass@K of P:'s best move and A:'s next FEN as well
     data: typing.Optional[str] = opt(None, "RookWorld-format text file to draw prompts from (default: generated "
                                      "positions)", path="in")
     eval_samples: int = opt(100, "held-out items per kind (P:, A:) in each evaluation (the set has 100 each)",
                             resume_free=True)   # evaluation only: it never touches the weights
 
     def __post_init__(self):
+        super().__post_init__()
         if self.eval_samples < 1:
             raise ValueError(f"--eval-samples {self.eval_samples} must be at least 1")
 
@@ -119,10 +120,12 @@ class ChessEnvTask:
     options = EnvOptions
 
     def __init__(self, data: str | None = None, eval_samples: int = 100, fen_similarity: float = FEN_SIMILARITY_SHARE,
-                 data_required: bool = True, expected_cache: int = 200_000):
+                 data_required: bool = True, expected_cache: int = 200_000, eval_k: int = 0, eval_n: int = 0,
+                 eval_temperature: float = 1.0):
         _check_fen_similarity(fen_similarity)
         self.data = _load_prompts(data, "A", data_required)
         self.eval_samples, self.fen_similarity = eval_samples, fen_similarity
+        self.sampled_eval = (eval_k, eval_n, eval_temperature)
         self.held_out = held_out.held_out_positions()
         # Expected completions of generated prompts, computed from the full game (fivefold
         # repetition needs more history than a prompt shows). Other prompts are judged from the
@@ -171,7 +174,7 @@ class ChessEnvTask:
         return self.reward_breakdown(prompt, completion)["reward"]
 
     def evaluate(self, complete) -> dict:
-        return held_out.evaluate(complete, ("A",), self.eval_samples)
+        return held_out.evaluate(complete, ("A",), self.eval_samples, *self.sampled_eval)
 
     def close(self) -> None:
         pass
@@ -188,13 +191,14 @@ class ChessPolicyTask:
 
     def __init__(self, data: str | None = None, stockfish_path: str | None = None, stockfish_depth: int = 10,
                  stockfish_timeout: float = DEFAULT_TIMEOUT_S, eval_samples: int = 100, engines: int | None = None,
-                 data_required: bool = True):
+                 data_required: bool = True, eval_k: int = 0, eval_n: int = 0, eval_temperature: float = 1.0):
         self.stockfish = find_stockfish(stockfish_path)
         self.missing = (f"no executable Stockfish at {stockfish_path}" if stockfish_path else "no Stockfish found") \
             + f": {INSTALL_HINT}"
         self.data = _load_prompts(data, "P", data_required)
         self.held_out = held_out.held_out_positions()
         self.depth, self.timeout, self.eval_samples = stockfish_depth, stockfish_timeout, eval_samples
+        self.sampled_eval = (eval_k, eval_n, eval_temperature)
         # One engine per 4 cores, at most 4: enough to keep up with generation without starving it.
         self.size = engines or min(4, max(1, (os.cpu_count() or 1) // 4))
         self.pool = None
@@ -245,7 +249,7 @@ class ChessPolicyTask:
         return self.reward_breakdown(prompt, completion)["reward"]
 
     def evaluate(self, complete) -> dict:
-        return held_out.evaluate(complete, ("P",), self.eval_samples)
+        return held_out.evaluate(complete, ("P",), self.eval_samples, *self.sampled_eval)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -261,10 +265,12 @@ class ChessMixTask:
     def __init__(self, task_mix: float = MixOptions.task_mix, data: str | None = None,
                  stockfish_path: str | None = None, stockfish_depth: int = 10,
                  stockfish_timeout: float = DEFAULT_TIMEOUT_S, eval_samples: int = 100,
-                 fen_similarity: float = FEN_SIMILARITY_SHARE):
+                 fen_similarity: float = FEN_SIMILARITY_SHARE, eval_k: int = 0, eval_n: int = 0,
+                 eval_temperature: float = 1.0):
         if not 0.0 <= task_mix <= 1.0:
             raise TaskError(f"--task-mix {task_mix}: must lie in [0, 1] (the share of P: prompts)")
         self.task_mix, self.eval_samples = task_mix, eval_samples
+        self.sampled_eval = (eval_k, eval_n, eval_temperature)
         # With --data, a kind the file lacks is generated instead of refused.
         self.policy = ChessPolicyTask(data, stockfish_path, stockfish_depth, stockfish_timeout,
                                       data_required=False) if task_mix > 0 else None
@@ -293,7 +299,7 @@ class ChessMixTask:
 
     def evaluate(self, complete) -> dict:
         """Both kinds, whatever the mix: the held-out set measures the model, not the training diet."""
-        return held_out.evaluate(complete, ("P", "A"), self.eval_samples)
+        return held_out.evaluate(complete, ("P", "A"), self.eval_samples, *self.sampled_eval)
 
     def close(self) -> None:
         for task in (self.policy, self.env):

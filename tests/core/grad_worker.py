@@ -27,8 +27,9 @@ GSPO = {"importance_level": "sequence", "clip_low": 0.02, "clip_high": 0.03}
 # Every choice grpo/algorithm.py offers a flag (--scale-rewards, --loss-agg, --importance-level, --kl-estimator,
 # --kl-in, and any such flag to come) is a knob of its own, so a new choice is tested here without a line for it;
 # TRL's names for our aggregations are the same loss. The knobs with a number, and combinations, by hand.
+NOT_LOSS = {"lr_scheduler"}   # the optimizer's choice, not the loss's: the same gradient
 CHOICES = {f"{name} {choice}": {name: choice} for name, f in FIELDS.items()
-           if any(f.metadata["choices"] is d for d in vars(algorithm).values())
+           if any(f.metadata["choices"] is d for d in vars(algorithm).values()) and name not in NOT_LOSS
            for choice in f.metadata["choices"] if choice != f.default}
 KNOBS = {
     "defaults": {},

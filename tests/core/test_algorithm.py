@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from grpo.algorithm import (group_advantages, grpo_loss, importance_ratio, informative_groups, k3_kl, kl_estimate,
-                            kl_penalised_rewards, loss_denominator, merge_rounds, missing_groups, normalise_loss_agg,
-                            overlong_penalty, top_entropy_threshold)
+                            kl_penalised_rewards, learning_rate, loss_denominator, merge_rounds, missing_groups,
+                            normalise_loss_agg, overlong_penalty, top_entropy_threshold)
+from grpo.config import Config
 from grpo.model import completion_logprobs, frozen_copy, load_policy, load_tokenizer, position_ids_from_mask
 from grpo.rollout import encode_prompts, left_pad, truncated_rows
 from helpers import loss_config
@@ -139,9 +140,11 @@ def test_masked_truncated_rows_carry_no_loss():
 def test_overlong_penalty_ramps_linearly_over_the_buffer():
     lengths = torch.tensor([1, 12, 13, 14, 15, 16])
     # max_new_tokens 16, buffer 4: 0 up to 12 tokens, then -0.5 per token of the 4 to -2 at 16
-    assert overlong_penalty(lengths, 16, 4, 2.0).tolist() == [0.0, 0.0, -0.5, -1.0, -1.5, -2.0]
-    assert overlong_penalty(lengths, 16, 16, 1.0).tolist() == pytest.approx([-1 / 16, -12 / 16, -13 / 16,
-                                                                             -14 / 16, -15 / 16, -1.0])
+    ramp = loss_config(max_new_tokens=16, overlong_buffer=4, overlong_penalty=2.0)
+    assert overlong_penalty(lengths, ramp).tolist() == [0.0, 0.0, -0.5, -1.0, -1.5, -2.0]
+    whole = loss_config(max_new_tokens=16, overlong_buffer=16, overlong_penalty=1.0)
+    assert overlong_penalty(lengths, whole).tolist() == pytest.approx([-1 / 16, -12 / 16, -13 / 16, -14 / 16,
+                                                                       -15 / 16, -1.0])
 
 
 # two sequences of 3 and 2 tokens (the last position of the second is padding)
@@ -542,3 +545,18 @@ def test_dropout_is_off_in_training_forwards(tiny_model_dir):
     c = completion_logprobs(model, ids, mask, 3, 1.0, 4096)
     model.eval()
     assert not torch.equal(a, c)
+
+
+def test_learning_rate_schedules_against_their_formulas():
+    constant = Config(learning_rate=2.0, steps=5)
+    assert [learning_rate(s, constant) for s in range(1, 6)] == [2.0] * 5
+    # 4 warmup steps (s / 4), then linear over the 6 left towards a floor of 0.1: (s - 5) / 6 of the way at s
+    linear = Config(learning_rate=1.0, steps=10, lr_scheduler="linear", lr_warmup_steps=4, min_lr_ratio=0.1)
+    lrs = [learning_rate(s, linear) for s in range(1, 11)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4:] == pytest.approx([0.1 + 0.9 * (1 - (s - 5) / 6) for s in range(5, 11)])
+    assert lrs[4] == 1.0 and lrs[-1] == pytest.approx(0.25)   # no step at the floor itself, none at 0
+    # the warmup as a share of --steps: 0.2 x 10 = 2 steps, then half a cosine over the 8 left, down to 0
+    cosine = Config(learning_rate=1.0, steps=10, lr_scheduler="cosine", lr_warmup_ratio=0.2)
+    assert [learning_rate(s, cosine) for s in range(1, 11)] == pytest.approx(
+        [0.5, 1.0] + [0.5 * (1 + math.cos(math.pi * (s - 3) / 8)) for s in range(3, 11)])

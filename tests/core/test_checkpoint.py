@@ -109,7 +109,7 @@ def test_a_dynamic_sampling_run_resumes_exactly(tiny_model_dir, tmp_path, clean_
     import train_lean
     args = ["--model", tiny_model_dir, "--task", "toy", "--batch-size", "8", "--group-size", "4",
             "--max-new-tokens", "8", "--learning-rate", "1e-3", "--dynamic-sampling", "--log-level", "warning",
-            "--save-final", "false"]
+            "--save-final", "false", "--eval-interval", "0"]
     train_lean.main([*args, "--steps", "3", "--out-dir", str(tmp_path / "straight")])
     train_lean.main([*args, "--steps", "2", "--save-interval", "2", "--out-dir", str(tmp_path / "resumed")])
     train_lean.main([*args, "--steps", "3", "--resume", "--out-dir", str(tmp_path / "resumed")])
@@ -125,7 +125,7 @@ def test_a_scheduled_run_with_a_moving_reference_resumes_exactly(tiny_model_dir,
     args = ["--model", tiny_model_dir, "--task", "toy", "--batch-size", "8", "--group-size", "4", "--max-new-tokens",
             "8", "--learning-rate", "1e-2", "--lr-scheduler", "cosine", "--lr-warmup-steps", "1", "--min-lr-ratio",
             "0.1", "--ref-sync-steps", "1", "--ref-sync-alpha", "0.5", "--kl-coef", "0.5", "--steps", "4",
-            "--log-level", "warning", "--save-final", "false"]
+            "--eval-interval", "0", "--log-level", "warning", "--save-final", "false"]
     train_lean.main([*args, "--out-dir", str(tmp_path / "straight")])
     train_lean.main([*args, "--save-interval", "2", "--out-dir", str(tmp_path / "resumed")])
     step_2 = tmp_path / "resumed" / "checkpoints" / "step_000002"

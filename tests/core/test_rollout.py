@@ -1,10 +1,12 @@
+import re
+
 import pytest
 import torch
 
 import train_lean
 from grpo.model import completion_logprobs
 from grpo.model import load_policy, load_tokenizer, position_ids_from_mask
-from grpo.rollout import (completion_mask, decode_completions, encode_prompts, generate, left_pad,
+from grpo.rollout import (completion_mask, decode_completions, encode_prompts, eval_completions, generate, left_pad,
                           sample_token)
 from grpo.task import TaskError
 from helpers import read_jsonl
@@ -173,3 +175,52 @@ def test_a_prompt_and_its_completion_may_fill_the_context_exactly(tiny_model_dir
     with pytest.raises(SystemExit) as exit_:   # one more and it does not fit: said before the weights load
         train_lean.main([*base, "--max-new-tokens", str(room + 1), "--out-dir", str(tmp_path / "over")])
     assert exit_.value.code == 2
+
+
+EVAL_PROMPTS = ["Repeat a: ", "P: rnbqkbnr", "A: 8/8/8", "0123456789", "Repeat e: xyz"]
+
+
+@pytest.fixture(scope="module")
+def tiny_complete(tiny_model_dir):
+    """complete() as the trainer builds it (train_lean.py), on the tiny GPT-2, 7 rows a batch."""
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    return lambda prompts, seed=0, **kw: eval_completions(model, tok, prompts, **kw, prepend_bos=True,
+                                                          max_new_tokens=12, batch=7, seed=seed)
+
+
+def test_eval_completions_greedy_is_the_argmax_decoding(tiny_model_dir, tiny_complete):
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    ids, mask = left_pad(encode_prompts(tok, EVAL_PROMPTS, True), tok.eos_token_id)
+    out, out_mask, _ = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=12, temperature=0.0)
+    greedy = tiny_complete(EVAL_PROMPTS)
+    assert greedy == decode_completions(tok, out, out_mask, tok.eos_token_id)
+    assert len(set(greedy)) == len(EVAL_PROMPTS)   # distinct: the test below can tell the prompts' samples apart
+
+
+def test_eval_completions_samples_n_per_prompt_in_prompt_order(tiny_complete):
+    samples = tiny_complete(EVAL_PROMPTS, n=4, temperature=1.0)
+    assert [len(group) for group in samples] == [4] * 5 and all(isinstance(t, str) for g in samples for t in g)
+    assert all(len(set(group)) > 1 for group in samples)   # n draws, not one repeated
+    # at a temperature near 0 every sample is the greedy completion of its own prompt (rows cross batches of 7)
+    cold = tiny_complete(EVAL_PROMPTS, n=3, temperature=1e-4)
+    assert cold == [[g] * 3 for g in tiny_complete(EVAL_PROMPTS)]
+
+
+def test_eval_completions_are_seeded_and_leave_torchs_rng_alone(tiny_complete):
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    first = tiny_complete(EVAL_PROMPTS, n=4, temperature=1.0)
+    assert torch.equal(torch.get_rng_state(), before)   # training draws next what it would have drawn
+    assert tiny_complete(EVAL_PROMPTS, n=4, temperature=1.0) == first   # the same at every evaluation
+    assert tiny_complete(EVAL_PROMPTS, seed=1, n=4, temperature=1.0) != first   # another --seed, other samples
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(temperature=0.7), "complete(prompts, temperature=0.7) samples only with n"),
+    (dict(n=0), "complete(prompts, n=0, temperature=None): n must be an int >= 1"),
+    (dict(n=2.0), "n must be an int >= 1"),
+    (dict(n=4, temperature=0.0), "n must be an int >= 1 and the temperature > 0"),
+])
+def test_eval_completions_refuse_a_sampling_they_cannot_do(tiny_complete, kw, message):
+    with pytest.raises(TaskError, match=re.escape(message)):
+        tiny_complete(EVAL_PROMPTS, **kw)

@@ -27,7 +27,7 @@ def test_the_header_says_what_runs_and_where_its_results_go(tiny_model_dir, tmp_
     for row in (f"model {tiny_model_dir}: GPT2LMHeadModel, 0.153M parameters", "decoder GPT2Decoder (fast GPT-2 path)",
                 "task toy", "device cpu, fp32",
                 "batch 4 prompts x 2 = 8 completions per step; 1 update of 8, micro-batch 8 (no accumulation)",
-                "evaluation none (--task toy has no evaluate())", f"out dir {out}", f"metrics {out / 'metrics.jsonl'}",
+                "evaluation off (--eval-interval 0)", f"out dir {out}", f"metrics {out / 'metrics.jsonl'}",
                 f"final model {out / 'model'} at the end",
                 f"settings {out / 'settings.txt'} (every setting; --log-level debug shows them)"):
         assert f" {row} " in flat + " ", (row, header)

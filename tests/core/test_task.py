@@ -1,15 +1,21 @@
+import functools
 import io
 import random
 import re
 import sys
+from fractions import Fraction
+from math import comb
 
 import numpy as np
 import pytest
+import torch
 
 import train_lean
-from helpers import SMALL, read_jsonl, train
+from helpers import SMALL, read_jsonl, records, train, weights
 
-from grpo.task import TaskError, build, check_metrics, draw_prompts, evaluate, score
+from grpo.model import load_policy, load_tokenizer
+from grpo.rollout import eval_completions
+from grpo.task import TaskError, build, check_metrics, draw_prompts, evaluate, pass_at_k, sampled_metrics, score
 from tasks import get_task
 from tasks.toy import ToyTask
 
@@ -451,3 +457,117 @@ def test_an_evaluation_prompt_too_long_for_the_model_is_a_clear_error(rewards_fi
     with pytest.raises(TaskError, match=r"a prompt of 60\d tokens \('Repeat a: Repeat a: .*more than the model's 512"):
         train_lean.main(["--model", tiny_model_dir, "--task", f"{rewards_file}:LongEval", *SMALL, "--steps", "1",
                          "--eval-only", "--out-dir", str(tmp_path)])
+
+
+# ---- sampled evaluation: pass@k and mean@n -----------------------------------------------------------------
+
+def direct_pass_at_k(n, c, k):
+    """1 - C(n-c, k) / C(n, k), in exact fractions."""
+    return 1 - Fraction(comb(n - c, k), comb(n, k))
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    for n in range(1, 21):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(float(direct_pass_at_k(n, c, k)), abs=1e-12), (n, c, k)
+    # by hand: none correct, all correct, k = n (any correct), one correct in n with k = 1 (c / n)
+    assert pass_at_k(16, 0, 4) == 0.0 and pass_at_k(16, 16, 4) == 1.0 and pass_at_k(8, 8, 8) == 1.0
+    assert pass_at_k(8, 0, 8) == 0.0 and pass_at_k(8, 1, 8) == 1.0 and pass_at_k(8, 1, 1) == 0.125
+    assert pass_at_k(16, 1, 4) == pytest.approx(0.25) and pass_at_k(10, 3, 2) == pytest.approx(24 / 45)
+    # large n: binomials of hundreds of digits, the product stays exact to float precision
+    assert pass_at_k(1000, 3, 100) == pytest.approx(float(direct_pass_at_k(1000, 3, 100)), rel=1e-12)
+    for bad in [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)]:
+        with pytest.raises(ValueError, match="pass@k needs"):
+            pass_at_k(*bad)
+
+
+@pytest.fixture(scope="module")
+def tiny_complete(tiny_model_dir):
+    """The trainer's complete() on the tiny GPT-2: greedy, or seeded samples."""
+    return functools.partial(eval_completions, load_policy(tiny_model_dir, "cpu"), load_tokenizer(tiny_model_dir),
+                             prepend_bos=True, max_new_tokens=12, batch=32, seed=0)
+
+
+LETTER_PROMPTS = [f"Repeat {c}: " for c in "abcde"]
+
+
+def contains_letter(prompt, completion):
+    return prompt[len("Repeat ")] in completion
+
+
+def test_sampled_metrics_of_real_samples_are_the_estimator_over_the_counts(tiny_complete):
+    # the tiny random model writes the asked letter somewhere in some of its samples: counts between 0 and n
+    samples = tiny_complete(LETTER_PROMPTS, n=16, temperature=1.0)
+    counts = [sum(contains_letter(p, c) for c in group) for p, group in zip(LETTER_PROMPTS, samples)]
+    assert any(0 < c < 16 for c in counts) and len(set(counts)) > 2, counts
+    got = sampled_metrics(tiny_complete, LETTER_PROMPTS, contains_letter, k=4, n=16, name="letter")
+    assert got == {"letter_pass@4": pytest.approx(float(sum(direct_pass_at_k(16, c, 4) for c in counts) / 5)),
+                   "letter_mean@16": sum(counts) / 80}
+    # n defaults to k: pass@k is then "any of the k is correct"
+    few = tiny_complete(LETTER_PROMPTS, n=3, temperature=1.0)
+    assert sampled_metrics(tiny_complete, LETTER_PROMPTS, contains_letter, k=3) == {
+        "pass@3": pytest.approx(sum(any(contains_letter(p, c) for c in g) for p, g in zip(LETTER_PROMPTS, few)) / 5),
+        "mean@3": pytest.approx(sum(contains_letter(p, c) for p, g in zip(LETTER_PROMPTS, few) for c in g) / 15)}
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        sampled_metrics(tiny_complete, LETTER_PROMPTS, contains_letter, k=4, n=2)
+
+
+def test_the_toy_task_reports_greedy_and_sampled_metrics(tiny_complete):
+    # width 1: a completion is correct when it starts with the letter; the task's answers are known, so its
+    # numbers are recomputed here from the same seeded completions
+    task = ToyTask(width=1, eval_k=4, eval_n=16)
+    greedy, samples = tiny_complete(LETTER_PROMPTS), tiny_complete(LETTER_PROMPTS, n=16, temperature=1.0)
+    counts = [sum(c[:1] == p[7] for c in group) for p, group in zip(LETTER_PROMPTS, samples)]
+    assert sum(counts) > 0, counts
+    assert task.evaluate(tiny_complete) == {
+        "acc": sum(c[:1] == p[7] for p, c in zip(LETTER_PROMPTS, greedy)) / 5,
+        "reward": sum(c[:1] == p[7] for p, c in zip(LETTER_PROMPTS, greedy)) / 5,
+        "pass@4": pytest.approx(float(sum(direct_pass_at_k(16, c, 4) for c in counts) / 5)),
+        "mean@16": sum(counts) / 80}
+    assert set(ToyTask().evaluate(tiny_complete)) == {"acc", "reward"}   # greedy only by default
+
+
+def test_a_sampled_evaluation_leaves_training_bit_identical(tiny_model_dir, tmp_path, capsys, clean_env):
+    # the evaluation samples from its own seed in a fork of torch's RNG: the steps, the weights and the RNG
+    # states a checkpoint keeps are those of a run without it
+    args = ["--model", tiny_model_dir, "--task", "toy", *SMALL, "--steps", "2", "--save-interval", "2"]
+    train_lean.main([*args, "--out-dir", str(tmp_path / "plain")])
+    train_lean.main([*args, "--eval-interval", "1", "--eval-k", "2", "--eval-n", "4", "--eval-temperature", "1.5",
+                     "--out-dir", str(tmp_path / "evaluated")])
+    assert "pass@2" in capsys.readouterr().out
+    plain, evaluated = records(tmp_path / "plain" / "metrics.jsonl"), records(tmp_path / "evaluated" / "metrics.jsonl")
+    evals = [r for r in evaluated if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2] and all({"pass@2", "mean@4"} <= set(r) for r in evals)
+    assert [r for r in evaluated if "kind" not in r] == plain
+    ckpt = "checkpoints/step_000002"
+    assert all(torch.equal(a, b) for a, b in zip(weights(tmp_path / "plain" / ckpt).values(),
+                                                 weights(tmp_path / "evaluated" / ckpt).values()))
+    rng = [torch.load(tmp_path / run / ckpt / "trainer_state.pt", weights_only=False)["rng"][0]
+           for run in ("plain", "evaluated")]
+    assert torch.equal(rng[0]["torch"], rng[1]["torch"]) and rng[0]["python"] == rng[1]["python"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--eval-k", "-1"], "--eval-k -1 must be >= 0"),
+    (["--eval-n", "8"], "--eval-n 8 samples for pass@K: give --eval-k too"),
+    (["--eval-k", "4", "--eval-n", "2"], "--eval-n 2 must be at least --eval-k 4"),
+    (["--eval-k", "4", "--eval-temperature", "0"], "--eval-temperature 0.0 must be > 0"),
+])
+def test_bad_sampled_evaluation_options_exit_2_with_one_line(args, message, tmp_path, capsys, clean_env):
+    with pytest.raises(SystemExit) as exit_:
+        train_lean.main(["--model", "unused", "--task", "toy", *args, "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.strip().count("\n") == 0 and message in err, err
+
+
+def test_a_task_without_evaluate_is_not_evaluated_and_cannot_be_asked_to(rewards_file, tiny_model_dir, tmp_path,
+                                                                         capsys, clean_env):
+    # no --eval-interval: the default interval evaluates only a task that has evaluate()
+    train_lean.main(["--model", tiny_model_dir, "--task", f"{rewards_file}:Flat", *SMALL[:-4], "--steps", "1",
+                     "--out-dir", str(tmp_path / "run")])
+    assert not [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r.get("kind") == "eval"]
+    for ask in (["--eval-interval", "2"], ["--eval-only"]):
+        with pytest.raises(SystemExit):
+            train_lean.main(["--model", "unused", "--task", f"{rewards_file}:Flat", *ask, "--out-dir", str(tmp_path)])
+        assert f"{ask[0]}: --task {rewards_file}:Flat has no evaluate(complete) method" in capsys.readouterr().err

@@ -33,11 +33,20 @@ def two_steps(tiny_model_dir, tmp_path_factory):
     return proc, out
 
 
+def steps(path):
+    """A run's step records, without its eval records."""
+    return [r for r in records(path) if r.get("kind") != "eval"]
+
+
 def test_two_steps_write_every_key(two_steps):
     proc, out = two_steps
     assert proc.returncode == 0, proc.stderr
-    recs = records(out / "metrics.jsonl")
+    recs = steps(out / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2]
+    # the toy task's held-out evaluation, by default before training and after the last step, greedy only
+    evals = [r for r in records(out / "metrics.jsonl") if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [0, 2] and all(set(r) == {"kind", "step", "acc", "reward", "eval_time_s"}
+                                                        for r in evals)
     for r in recs:
         assert STEP_KEYS <= set(r), STEP_KEYS - set(r)
         assert r["kl"] >= 0 and 0 <= r["frac_zero_std"] <= 1
@@ -75,13 +84,14 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path, two_steps):
                cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     keys = ("reward_mean", "loss", "kl", "grad_norm", "completion_len_mean")
-    assert [[r[k] for k in keys] for r in records(tmp_path / "metrics.jsonl")] == \
-        [[r[k] for k in keys] for r in records(first / "metrics.jsonl")]
+    assert [[r[k] for k in keys] for r in steps(tmp_path / "metrics.jsonl")] == \
+        [[r[k] for k in keys] for r in steps(first / "metrics.jsonl")]
 
 
 def test_rotary_model_with_accumulation_and_env_overrides(tiny_rotary_dir, tmp_path):
     proc = run(["--model", tiny_rotary_dir, "--task", "toy", "--steps", "1", "--batch-size", "16", "--group-size", "4",
-                "--mini-batch-size", "8", "--ppo-epochs", "2", "--out-dir", str(tmp_path)], cwd=tmp_path,
+                "--mini-batch-size", "8", "--ppo-epochs", "2", "--eval-interval", "0", "--out-dir", str(tmp_path)],
+               cwd=tmp_path,
                env={"GRPO_MICRO_BATCH_SIZE": "4", "GRPO_MAX_NEW_TOKENS": "8", "GRPO_DTYPE": "bf16"})
     assert proc.returncode == 0, proc.stderr
     # the header's batch line: 16 completions, 2 updates of 8 a step, each 2 micro-batches of 4
@@ -146,7 +156,7 @@ def test_each_algorithm_knob_runs_end_to_end_and_logs(knob, tiny_model_dir, tmp_
     train_lean.main(["--model", tiny_model_dir, "--task", "toy", "--steps", "2", "--batch-size", "8",
                      "--group-size", "4", "--mini-batch-size", "4", "--micro-batch-size", "2", "--max-new-tokens", "12",
                      "--learning-rate", "1e-3", "--log-level", "warning", "--save-final", "false",
-                     "--out-dir", str(tmp_path), *args])
+                     "--eval-interval", "0", "--out-dir", str(tmp_path), *args])
     recs = records(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2] and all(key in r and r[key] == r[key] for r in recs)
     for r in recs:   # the metrics every run logs
@@ -167,6 +177,6 @@ def test_compiled_decoding_trains_on_policy(tiny_rotary_dir, tmp_path, clean_env
     # training forward's, so the first update of a step is exactly on-policy (ratio 1, nothing clipped)
     train_lean.main(["--model", tiny_rotary_dir, "--task", "toy", "--steps", "1", "--batch-size", "8",
                      "--group-size", "4", "--max-new-tokens", "12", "--compile", "--log-level", "warning",
-                     "--save-final", "false", "--out-dir", str(tmp_path)])
+                     "--save-final", "false", "--eval-interval", "0", "--out-dir", str(tmp_path)])
     rec = records(tmp_path / "metrics.jsonl")[0]
     assert abs(rec["ratio_mean"] - 1) < 1e-5 and rec["clip_frac"] == 0

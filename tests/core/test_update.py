@@ -4,7 +4,6 @@
 The batch is real: 64 completions sampled from the tiny GPT-2 (rollout64), with sampling logprobs moved
 off-policy so that ratios spread out and every clip (low, high, sequence, dual) binds somewhere.
 """
-import math
 import os
 import subprocess
 import sys
@@ -14,9 +13,7 @@ import torch
 
 from grad_worker import GROUP, KNOBS, MAX_NEW_TOKENS, TEMPERATURE, minibatch_gradient
 from grpo.algorithm import group_advantages, grpo_loss, importance_ratio, loss_denominator
-from grpo.config import Config
 from grpo.model import completion_logprobs
-from grpo.update import learning_rate
 from helpers import env, loss_config
 
 
@@ -102,18 +99,3 @@ def test_every_knob_changes_the_gradient(rollout64, batch):
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             assert relative(grads[a], grads[b]) > 1e-4, (a, b)
-
-
-def test_learning_rate_schedules_against_their_formulas():
-    constant = Config(learning_rate=2.0, steps=5)
-    assert [learning_rate(s, constant) for s in range(1, 6)] == [2.0] * 5
-    # 4 warmup steps (s / 4), then linear over the 6 left towards a floor of 0.1: (s - 5) / 6 of the way at s
-    linear = Config(learning_rate=1.0, steps=10, lr_scheduler="linear", lr_warmup_steps=4, min_lr_ratio=0.1)
-    lrs = [learning_rate(s, linear) for s in range(1, 11)]
-    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert lrs[4:] == pytest.approx([0.1 + 0.9 * (1 - (s - 5) / 6) for s in range(5, 11)])
-    assert lrs[4] == 1.0 and lrs[-1] == pytest.approx(0.25)   # no step at the floor itself, none at 0
-    # the warmup as a share of --steps: 0.2 x 10 = 2 steps, then half a cosine over the 8 left, down to 0
-    cosine = Config(learning_rate=1.0, steps=10, lr_scheduler="cosine", lr_warmup_ratio=0.2)
-    assert [learning_rate(s, cosine) for s in range(1, 11)] == pytest.approx(
-        [0.5, 1.0] + [0.5 * (1 + math.cos(math.pi * (s - 3) / 8)) for s in range(3, 11)])

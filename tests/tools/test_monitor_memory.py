@@ -239,8 +239,8 @@ LEAK = {leak}
 class LeakyToy(ToyTask):
     name = "leaky_toy"
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **options):   # the toy task's (--eval-k, ...)
+        super().__init__(**options)
         self.seen = []
 
     def reward(self, prompt, completion):

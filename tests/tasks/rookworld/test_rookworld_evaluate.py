@@ -1,5 +1,9 @@
 """Held-out evaluation: the committed set is sound, and the metrics measure what they say."""
+from fractions import Fraction
+from math import comb
+
 import chess
+import pytest
 
 from tasks.rookworld.evaluate import held_out_positions, load_eval_set, metrics, select
 from tasks.rookworld.format import (
@@ -63,3 +67,29 @@ def test_each_task_evaluates_its_kinds_through_the_trainers_decoding():
     mix = ChessMixTask(task_mix=1.0, stockfish_path="/nonexistent", eval_samples=2).evaluate(complete)
     assert mix["p_n"] == 2 and mix["a_n"] == 2   # both kinds, whatever the training mix
     assert asked == [4, 3, 3, 4]
+
+
+def test_sampled_pass_at_k_of_the_best_move_and_next_fen_over_known_answers():
+    # sample j of an item is its right answer when j < the item's count (0 to 4 of n = 4), junk otherwise: the
+    # task's pass@2 is then the unbiased estimator over those counts, and mean@4 their share
+    items = select(load_eval_set(), ("P", "A"), 5)
+    count = {item["prompt"]: i % 5 for i, item in enumerate(items)}
+    by_prompt = {i["prompt"]: perfect(i) for i in items}
+    temperatures = []
+
+    def complete(prompts, n=None, temperature=None):
+        if n is None:
+            return [by_prompt[p] for p in prompts]
+        temperatures.append(temperature)
+        return [[by_prompt[p] if j < count[p] else "junk" for j in range(n)] for p in prompts]
+
+    got = ChessMixTask(task_mix=1.0, stockfish_path="/nonexistent", eval_samples=5, eval_k=2, eval_n=4,
+                       eval_temperature=0.8).evaluate(complete)
+    for kind, name in (("P", "p_best_move"), ("A", "a_next_fen")):
+        counts = [count[i["prompt"]] for i in items if i["kind"] == kind]
+        assert sorted(counts) == [0, 1, 2, 3, 4]
+        direct = sum(1 - Fraction(comb(4 - c, 2), comb(4, 2)) for c in counts) / 5
+        assert got[f"{name}_pass@2"] == pytest.approx(float(direct)) and got[f"{name}_mean@4"] == 10 / 20
+    assert got["p_best_move_acc"] == 1.0 and got["a_next_fen_acc"] == 1.0 and temperatures == [0.8, 0.8]
+    # off by default: the greedy metrics alone, one call to complete
+    assert not [k for k in ChessEnvTask(eval_samples=2).evaluate(complete) if "@" in k] and temperatures == [0.8] * 2

@@ -38,15 +38,13 @@ def test_chess_run_logs_components_and_evals(tiny_model_dir, tmp_path, capsys, c
     assert "eval at step 0" in stdout and "a_exact_acc" in stdout
 
 
-def test_default_run_evaluates_before_and_after_only_a_task_with_evaluate(tiny_model_dir, tmp_path, clean_env):
+def test_default_run_evaluates_before_and_after(tiny_model_dir, tmp_path, clean_env):
     # no --eval-interval: a chess run still reports held-out metrics before training and after its last
-    # step (3 is not a multiple of the default interval); a toy run, whose task has no evaluate(), none
+    # step (3 is not a multiple of the default interval); greedy only (a task without evaluate(): test_task.py)
     train_lean.main(["--model", tiny_model_dir, "--task", "chess-env", "--steps", "3", "--out-dir",
                      str(tmp_path / "chess"), *SMALL])
-    assert [r["step"] for r in records(tmp_path / "chess" / "metrics.jsonl") if r.get("kind") == "eval"] == [0, 3]
-    train_lean.main(["--model", tiny_model_dir, "--task", "toy", "--steps", "1", "--out-dir", str(tmp_path / "toy"),
-                     *SMALL[:-2]])
-    assert not [r for r in records(tmp_path / "toy" / "metrics.jsonl") if r.get("kind") == "eval"]
+    evals = [r for r in records(tmp_path / "chess" / "metrics.jsonl") if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [0, 3] and not [k for r in evals for k in r if "@" in k]
 
 
 def test_eval_only_prints_the_table(tiny_model_dir, tmp_path, capsys, clean_env):
@@ -59,11 +57,22 @@ def test_eval_only_prints_the_table(tiny_model_dir, tmp_path, capsys, clean_env)
     assert not os.path.exists(tmp_path / "metrics.jsonl")   # nothing overwritten without --log-file
 
 
+def test_eval_only_with_samples_reports_pass_at_k_beside_the_greedy_numbers(tiny_model_dir, tmp_path, capsys,
+                                                                            clean_env):
+    train_lean.main(["--eval-only", "--model", tiny_model_dir, "--stockfish-path", "/nonexistent", "--task", "chess",
+                     "--eval-k", "2", "--eval-n", "3", "--log-file", str(tmp_path / "eval.jsonl"),
+                     "--out-dir", str(tmp_path), *SMALL])
+    (record,) = records(tmp_path / "eval.jsonl")
+    table = capsys.readouterr().out
+    for name in ("p_best_move", "a_next_fen"):   # pass@k >= pass@1, whose unbiased estimate mean@n is
+        assert 0 <= record[f"{name}_mean@3"] <= record[f"{name}_pass@2"] <= 1 and f"{name}_pass@2" in table
+    assert {"p_best_move_acc", "a_next_fen_acc", "p_n", "a_n"} <= set(record) and record["p_n"] == 3
+
+
 @pytest.mark.parametrize("args, message", [
     (["--task", "chess-policy", "--stockfish-path", "/nonexistent/stockfish"], "use --task chess-env"),
     (["--task", "toy", "--data", __file__], "--data is not a flag of train_lean.py nor of --task toy"),
-    (["--task", "toy", "--eval-interval", "2"], "--eval-interval: --task toy has no evaluate(complete) method"),
-    (["--task", "toy", "--eval-only"], "--eval-only: --task toy has no evaluate(complete) method"),
+    (["--task", "chess-env", "--eval-n", "1", "--eval-k", "2"], "--eval-n 1 must be at least --eval-k 2"),
     (["--task", "chess", "--task-mix", "1.5"], "--task-mix 1.5 must be in [0, 1]"),
     (["--task", "chess-env", "--data", "no-such-file.txt"], "--data no-such-file.txt: no such file"),
     (["--task", "chess-env", "--data", os.path.join(REPO, "README.md")],
