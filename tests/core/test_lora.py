@@ -179,3 +179,15 @@ def test_two_gloo_ranks_make_the_one_process_lora_update(tiny_model_dir, tmp_pat
     assert max(one[k].abs().max().item() for k in one if "lora_B" in k) > 1e-4   # the adapters moved
     for k in one:
         torch.testing.assert_close(one[k], two[k], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_decoding_and_checkpointed_layers_keep_lora_on_policy(tiny_model_dir, tmp_path, clean_env):
+    # --compile captures the decode step with the adapters' layers in it; --gradient-checkpointing recomputes them
+    # in backward: the second step's adapters have moved, and its update still starts at ratio 1
+    for extra in (["--compile"], ["--gradient-checkpointing"]):
+        out = tmp_path / extra[0].strip("-")
+        train_lean.main(["--model", tiny_model_dir, *SMALL, *LORA, "--steps", "2", "--group-size", "4", *extra,
+                         "--log-level", "warning", "--save-final", "false", "--out-dir", str(out)])
+        recs = records(out / "metrics.jsonl")
+        assert all(abs(r["ratio_mean"] - 1) < 1e-5 and r["clip_frac"] == 0 for r in recs) and recs[1]["kl"] > 0
