@@ -1,4 +1,5 @@
-# `make train` and `make test` do all set-up on a fresh machine: a .venv with requirements.txt.
+# `make train` and `make test` do all set-up on a fresh machine: a .venv with requirements.txt (and for
+# `make test` requirements-test.txt).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,6 +12,11 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 install: $(VENV)/.installed
+
+# the tests also exercise optional features (LoRA needs peft): their packages, for make test only
+$(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
+	$(PY) -m pip install -q -r requirements-test.txt
+	touch $@
 
 # Stockfish scores the chess policy task; Debian puts it at /usr/games/stockfish.
 stockfish:
@@ -41,11 +47,11 @@ default-model: install stockfish
 	$(PY) tasks/rookworld/build_model.py --continue-training --from out/rook-tiny-2 --out models/rook-tiny \
 	  --train-steps 1500 --lr 5e-4
 
-test: install stockfish
+test: $(VENV)/.installed-test stockfish
 	$(PY) -m pytest -q tests $(ARGS)
 
 # The fast tier: the math, equivalences, masks, decoders and a few end-to-end runs (no test marked slow).
-test-fast: install stockfish
+test-fast: $(VENV)/.installed-test stockfish
 	$(PY) -m pytest -q tests -m "not slow" $(ARGS)
 
 .PHONY: install stockfish train default-model test test-fast bench

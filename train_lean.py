@@ -25,7 +25,7 @@ from grpo import checkpoint, cli, config, distributed, guards, log, memory, rund
 from grpo import task as task_lib
 from grpo.algorithm import group_advantages, kl_penalised_rewards, learning_rate, missing_groups, overlong_penalty
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
-                        model_autocast, sync_reference)
+                        load_trainable, model_autocast, sync_reference)
 from grpo.rollout import encode_prompts, eval_completions, merge, sample_groups
 from grpo.update import probe_micro_batch, reference_logprobs, update
 
@@ -83,15 +83,14 @@ def main(argv=None):
             prepend_bos = cfg.prompt_bos == "on" or (cfg.prompt_bos == "auto" and tokenizer.bos_token_id == eos)
             first_ids = encode_prompts(tokenizer, first_prompts, prepend_bos, cfg.max_new_tokens,
                                        context_length(load_config(resume_from or cfg.model)))
-            policy = load_policy(resume_from or cfg.model, device)
-            # the reference is a frozen copy of the starting policy on the same device, only when used;
-            # a resumed run anchors its KL to the starting model too, not to the checkpoint (unless synced)
-            reference = None
-            if cfg.kl_coef > 0 and not cfg.eval_only:
-                reference = frozen_copy(load_policy(cfg.model, device) if resume_from else policy)
+            policy, lora = load_trainable(cfg, device, resume_from)  # lora: with --lora-rank, the PeftModel around it
+            # the reference is a frozen copy of the starting policy on the same device, only when used (with LoRA the
+            # policy, adapters off); a resumed run anchors its KL to the starting model too (unless synced)
+            reference = None if cfg.kl_coef == 0 or cfg.eval_only else (
+                lora or frozen_copy(load_policy(cfg.model, device) if resume_from else policy))
         except (task_lib.TaskError, ModelLoadError) as e:
             usage_error(str(e))
-        say(screen.header(loaded, layout, device, policy, resume_from))   # what runs, where its results go
+        say(screen.header(loaded, layout, device, policy, resume_from, lora))   # what runs, where its results go
         if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/model.py)
             policy.activation_checkpointing_enable({"use_reentrant": False})
         # the task's held-out evaluate(complete): greedy decoding, or seeded samples; rank 0 alone evaluates
@@ -134,7 +133,7 @@ def main(argv=None):
             usage_error(str(e))
         stack.callback(reporter.close)
         # checkpoints; and on a failure after a completed step, that step's (grpo/checkpoint.py)
-        saver = stack.enter_context(checkpoint.Saver(cfg.out_dir, policy, tokenizer, optimizer, settings,
+        saver = stack.enter_context(checkpoint.Saver(cfg.out_dir, lora or policy, tokenizer, optimizer, settings,
                                                      cfg.keep_checkpoints, start_step, nonfinite_streak,
                                                      reference if cfg.ref_sync_steps else None))
         if evaluating and start_step == 0 and main_rank:  # where the run starts from
@@ -148,7 +147,6 @@ def main(argv=None):
                                    temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                    min_new_tokens=cfg.min_new_tokens, autocast=autocast, device=device,
                                    compile=cfg.compile)
-
         phases = stack.enter_context(memory.Phases(device, rank, cfg, say))  # time and memory per phase, traces
         with guards.StopOnSignal(say) as stop:
             for step in bar:
@@ -239,7 +237,7 @@ def main(argv=None):
                     break
             else:  # the run reached its last step: keep what it made
                 if cfg.save_final and main_rank:
-                    folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), policy, tokenizer)
+                    folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), lora or policy, tokenizer)
                     say(f"saved the trained model to {folder} (from_pretrained loads it)")
         if exit_code:
             sys.exit(exit_code)

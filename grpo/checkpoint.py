@@ -1,6 +1,8 @@
 """Checkpoints: the policy and tokenizer as plain transformers folders, plus the trainer state.
 
-    OUT_DIR/checkpoints/step_000120/   model.safetensors, config.json, tokenizer files (from_pretrained works)
+    OUT_DIR/checkpoints/step_000120/   model.safetensors, config.json, tokenizer files (from_pretrained works);
+                                       with LoRA adapter_model.safetensors and adapter_config.json instead
+                                       of the weights (the base is --model, unchanged)
                                        trainer_state.pt: optimizer, step, RNG states, the settings
                                        manifest.json: every file's size and sha256
 
@@ -22,8 +24,10 @@ import torch
 from safetensors.torch import load_file
 
 from grpo import distributed, log
+from grpo.model import add_lora, is_lora, load_policy
 
 SUBDIR = "checkpoints"
+ADAPTER = "adapter"  # OUT_DIR/model/adapter: a LoRA run's adapters beside the merged model
 STATE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"step_(\d+)$")
@@ -165,7 +169,11 @@ def save(out_dir: str, step: int, policy, tokenizer, state: dict, keep: int) -> 
     tmp = os.path.join(folder, f".tmp-step_{step:06d}")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing this step
     os.makedirs(tmp)
-    policy.save_pretrained(tmp)
+    if is_lora(policy):  # the adapters and the model's config: --resume loads them onto --model again
+        policy.save_pretrained(tmp, save_embedding_layers=False)
+        policy.get_base_model().config.save_pretrained(tmp)
+    else:
+        policy.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save({**state, "step": step}, os.path.join(tmp, STATE))
     write_manifest(tmp)
@@ -246,10 +254,20 @@ class Saver:
 
 
 def save_model(folder: str, policy, tokenizer) -> str:
-    """The trained model as a plain Hugging Face folder (from_pretrained loads it), written atomically."""
+    """The trained model as a plain Hugging Face folder (from_pretrained loads it), written atomically.
+
+    With LoRA (policy: the PeftModel) the folder holds the merged model, the adapters merged into a fresh
+    copy of the base model loaded on the CPU (the live policy is left as it is), and the adapters alone in
+    folder/adapter (PeftModel.from_pretrained(base, folder/adapter) loads them)."""
     tmp = folder.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)
+    if is_lora(policy):
+        adapter = os.path.join(tmp, ADAPTER)
+        policy.save_pretrained(adapter, save_embedding_layers=False)
+        base = policy.peft_config[policy.active_adapter].base_model_name_or_path
+        add_lora(load_policy(base, "cpu"), 0, 0, adapter=adapter).merge_and_unload().save_pretrained(tmp)
+    else:
+        policy.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     os.rename(tmp, folder)

@@ -7,6 +7,7 @@ returns the derived sizes; grpo/rundir.py compares the settings on --resume. Use
 with one line that names the bad value and a fix; train_lean.py prints it and exits with code 2.
 """
 import dataclasses
+import importlib.util
 import os
 import typing
 from dataclasses import dataclass, field
@@ -112,6 +113,13 @@ class Config:
     clip_range: float = opt(0.2, "PPO clip range (low side, and high side unless --clip-range-high)", must="> 0")
     clip_range_high: typing.Optional[float] = opt(None, "PPO clip range on the high side (default: --clip-range)",
                                                   must="> 0")
+    lora_rank: int = opt(0, "train LoRA adapters of this rank instead of every weight (needs peft: pip install "
+                         "peft); the KL reference is then the same weights with the adapters off, no second model "
+                         "(0: full fine-tuning)", must=">= 0")
+    lora_alpha: float = opt(16.0, "LoRA scale: an adapter adds alpha / rank x B A to its weight", must="> 0")
+    lora_target_modules: typing.Optional[str] = opt(None, "modules that get adapters, comma-separated names "
+                                                    "(default: peft's for the architecture: GPT-2's c_attn, "
+                                                    "Llama's and Qwen2's q_proj,v_proj)")
     kl_coef: float = opt(0.02, "k3 KL penalty against the frozen reference (0: no reference model)", must=">= 0")
     ref_sync_steps: int = opt(0, "every N steps the reference moves toward the policy (TR-DPO; 0: it stays the "
                               "starting model)", must=">= 0")
@@ -263,6 +271,15 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if cfg.ref_sync_steps and not cfg.kl_coef:
         raise ConfigError(f"--ref-sync-steps {cfg.ref_sync_steps} moves the reference, and --kl-coef 0 has none: "
                           f"pass a --kl-coef above 0, or leave --ref-sync-steps out")
+    if cfg.lora_target_modules and not cfg.lora_rank:
+        raise ConfigError(f"--lora-target-modules {cfg.lora_target_modules} with --lora-rank 0 (full fine-tuning): "
+                          f"give a rank above 0, or leave --lora-target-modules out")
+    if cfg.lora_rank and cfg.ref_sync_steps:
+        raise ConfigError(f"--ref-sync-steps {cfg.ref_sync_steps} with --lora-rank {cfg.lora_rank}: the reference is "
+                          f"the policy's own weights with the adapters off, which cannot move alone; leave one out")
+    if cfg.lora_rank and importlib.util.find_spec("peft") is None:
+        raise ConfigError(f"--lora-rank {cfg.lora_rank} needs the peft package, which is not installed: "
+                          f"pip install peft (or --lora-rank 0 for full fine-tuning)")
     if cfg.trace_memory == 1:
         raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
     per_device = cfg.batch_size // world

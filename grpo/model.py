@@ -1,4 +1,5 @@
-"""Model loading (policy, frozen reference, tokenizer with left padding) and the logprobs of completions.
+"""Model loading (policy, LoRA adapters, frozen reference, tokenizer with left padding) and the logprobs of
+completions.
 
 Nothing here is GPT-2-specific: any AutoModelForCausalLM whose forward takes position_ids
 (GPT-2's learned absolute positions, Llama's rotary ones, ...) works with the trainer.
@@ -109,6 +110,79 @@ def frozen_copy(model):
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+def is_lora(model) -> bool:
+    """Whether model is a peft PeftModel (--lora-rank), without importing peft when it is not."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def add_lora(model, rank: int, alpha: float, target_modules: str | None = None, adapter: str | None = None):
+    """LoRA adapters injected in place into model's layers (peft): returns the PeftModel, whose
+    get_base_model() is `model` itself, now with its adapters; only they require gradients.
+
+    target_modules: comma-separated module names (None: peft's default for the architecture). adapter: a
+    saved adapter's folder (a checkpoint) to load instead of fresh ones. Fresh adapters start with B = 0,
+    so the policy starts as the model. No adapter dropout, and the whole model stays in eval mode: a
+    training forward gives the sampler's logprobs (the first update of a step is on-policy, ratio 1)."""
+    import warnings
+    from peft import LoraConfig, PeftModel, get_peft_model
+    targets = [t.strip() for t in target_modules.split(",") if t.strip()] if target_modules else None
+    try:
+        with warnings.catch_warnings():  # GPT-2's Conv1D: peft says it sets fan_in_fan_out itself
+            warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            if adapter:
+                lora = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+            else:
+                lora = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
+                                                        target_modules=targets))
+    except ValueError as e:
+        first = str(e).strip().splitlines()[0][:200]
+        raise ModelLoadError(f"--lora-rank {rank} --lora-target-modules {target_modules or '(peft default)'} on "
+                             f"{model.config.model_type}: {first} (name its modules with --lora-target-modules)"
+                             ) from None
+    lora.eval()  # peft's new layers are created in training mode
+    return lora
+
+
+def load_trainable(cfg, device, resume_from: str | None = None):
+    """(the model the run trains and decodes with, its PeftModel or None). --lora-rank 0: the whole model, from
+    the checkpoint when resuming. Above 0: LoRA adapters on --model, which never changes (a checkpoint holds the
+    adapters alone, loaded onto it again). Training and decoding use the underlying Hugging Face model, whose
+    layers peft changed in place: the PeftModel serves to switch the adapters off and to save them."""
+    if not cfg.lora_rank:
+        return load_policy(resume_from or cfg.model, device), None
+    lora = add_lora(load_policy(cfg.model, device), cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules, resume_from)
+    return lora.get_base_model(), lora
+
+
+def lora_summary(lora, with_reference: bool) -> str:
+    """The start-up line of a LoRA run: where the adapters are, the trainable share, and what the reference
+    (the adapters switched off) saves: a frozen copy of the model's weights."""
+    c = lora.peft_config[lora.active_adapter]
+    params = list(lora.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    total = sum(p.numel() for p in params)
+    frozen_mib = sum(p.numel() * p.element_size() for p in params if not p.requires_grad) / 2 ** 20
+    line = (f"LoRA rank {c.r}, alpha {c.lora_alpha:g} on {','.join(sorted(c.target_modules))}: "
+            f"{trainable:,} of {total:,} parameters train ({100 * trainable / total:.3g}%)")
+    if with_reference:
+        line += (f"; the KL reference is the same weights with the adapters off, no copy of the model "
+                 f"({frozen_mib:,.1f} MiB saved)")
+    return line
+
+
+@contextlib.contextmanager
+def reference_weights(reference):
+    """The model that gives the reference's logprobs: a frozen copy as it is; with LoRA (the PeftModel) the
+    policy itself with its adapters switched off for the while."""
+    if not is_lora(reference):
+        yield reference
+        return
+    with reference.disable_adapter():
+        yield reference.get_base_model()
 
 
 def sync_reference(reference, policy, alpha: float) -> None:

@@ -10,6 +10,7 @@ import textwrap
 import torch
 
 from grpo import checkpoint, config, decoders, log, rundir
+from grpo import model as model_lib
 
 
 def derived(cfg, layout) -> dict:
@@ -100,9 +101,10 @@ def _evaluation(cfg, task) -> str:
     return f"the task's evaluate() before training, {every} and after the last"
 
 
-def header(loaded, layout, device, model, resume_from) -> str:
-    """What runs (the model and its decoder, the task, device and dtype, the batch, the settings given) and where
-    its results go (out dir, metrics, checkpoints, the trained model, the settings file). loaded: cli.Loaded."""
+def header(loaded, layout, device, model, resume_from, lora=None) -> str:
+    """What runs (the model and its decoder, with --lora-rank its adapters, the task, device and dtype, the batch,
+    the settings given) and where its results go (out dir, metrics, checkpoints, the trained model, the settings
+    file). loaded: cli.Loaded; lora: the PeftModel around the model, or None."""
     cfg, sources = loaded.cfg, loaded.sources
     values = config.settings(cfg, loaded.options)
     decoder = decoders.decoder_name(model)
@@ -118,6 +120,7 @@ def header(loaded, layout, device, model, resume_from) -> str:
     rows = [("model", f"{cfg.model}: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.3g}M "
                       f"parameters" + (f", the weights of {resume_from}" if resume_from else "")),
             ("decoder", decoder),
+            *([("lora", model_lib.lora_summary(lora, cfg.kl_coef > 0 and not cfg.eval_only))] if lora else []),
             ("task", cfg.task),
             ("device", f"{where}, {cfg.dtype}" + (" autocast over fp32 weights" if cfg.dtype == "bf16" else "") +
              (f", {layout.devices} processes" if layout.devices > 1 else "")),

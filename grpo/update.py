@@ -13,7 +13,7 @@ import torch
 
 from grpo import distributed, guards
 from grpo.algorithm import grpo_loss, loss_denominator, top_entropy_threshold
-from grpo.model import completion_logprobs
+from grpo.model import completion_logprobs, reference_weights
 from grpo.rollout import logprob_temperature
 
 
@@ -45,15 +45,15 @@ def shrinking(run, micro: int, mini: int, note):
 
 def _reference_logprobs(reference, batch, micro: int, cfg, autocast) -> torch.Tensor:
     T, temperature = batch.completion_len, logprob_temperature(cfg.temperature)
-    with torch.no_grad():
-        return torch.cat([completion_logprobs(reference, batch.input_ids[s:s + micro], batch.attention[s:s + micro],
+    with torch.no_grad(), reference_weights(reference) as model:  # with LoRA: the policy, adapters off
+        return torch.cat([completion_logprobs(model, batch.input_ids[s:s + micro], batch.attention[s:s + micro],
                                               T, temperature, cfg.logprob_chunk_size, autocast)
                           for s in range(0, batch.input_ids.shape[0], micro)])
 
 
 def reference_logprobs(reference, batch, micro: int, mini: int, cfg, autocast, on_oom):
-    """(the frozen reference's logprobs of every completion token, micro-batch size now): micro rows at a
-    time, fewer after an out-of-memory."""
+    """(the reference's logprobs of every completion token, micro-batch size now): micro rows at a time, fewer
+    after an out-of-memory. reference: a frozen copy, or with LoRA the PeftModel (its adapters switched off)."""
     return shrinking(functools.partial(_reference_logprobs, reference, batch, cfg=cfg, autocast=autocast),
                      micro, mini, on_oom)
 

@@ -54,7 +54,8 @@ RANGES = [
     ("--resume-allow-change", "learning_rate", "applies only with --resume"),
     ("--trace-memory", "-1", ">= 0"), ("--trace-memory", "1", "trace 2 or more"), ("--trace-memory-after", "-1", ">= 0"),
     ("--lr-warmup-ratio", "1", "[0, 1)"), ("--min-lr-ratio", "-0.1", "[0, 1)"), ("--ref-sync-alpha", "0", "(0, 1]"),
-    ("--ref-sync-steps", "-1", ">= 0"),
+    ("--ref-sync-steps", "-1", ">= 0"), ("--lora-rank", "-1", ">= 0"), ("--lora-alpha", "0", "> 0"),
+    ("--lora-target-modules", "c_attn", "with --lora-rank 0"),
 ]
 
 
