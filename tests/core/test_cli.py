@@ -85,8 +85,8 @@ def test_help_groups_follow_the_config(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, environ, message", [
-    (["--lr", "1e-5"], {}, "unrecognized arguments: --lr 1e-5: did you mean --learning-rate?"),   # initials
-    (["--lr=1e-5"], {}, "did you mean --learning-rate?"),
+    (["--lr", "1e-5"], {}, "unrecognized arguments: --lr 1e-5: did you mean --learning-rate or --lora-rank?"),   # initials
+    (["--lr=1e-5"], {}, "did you mean --learning-rate or --lora-rank?"),
     (["--learing-rate", "1e-5"], {}, "did you mean --learning-rate?"),   # a typo: the closest spelling
     (["--batch", "8"], {}, "did you mean --batch-size?"),   # a prefix: suggested, never taken
     (["--kl", "0.1"], {}, "did you mean --kl-coef, --kl-estimator or --kl-in?"),
