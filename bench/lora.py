@@ -28,8 +28,8 @@ def run(model: str, steps: int, rank: int, extra: list, out: str) -> dict:
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f if line.strip()]
-    share = next((line.split(": ", 1)[1].split(";")[0] for line in proc.stdout.splitlines()
-                  if line.startswith("LoRA rank")), "every parameter")
+    share = next((line.split("LoRA rank", 1)[1].split(": ", 1)[1].split(";")[0] for line in proc.stdout.splitlines()
+                  if "LoRA rank" in line), "every parameter")   # the header's lora row
     return {"run": f"--lora-rank {rank}" if rank else "full fine-tuning", "trains": share,
             "step_s": statistics.median(r["step_time_s"] for r in recs[1:]),
             "peak_rss_mb": max(r.get("rss_peak_mb", r["rss_mb"]) for r in recs), "rss_mb": recs[-1]["rss_mb"]}
