@@ -204,4 +204,7 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
         options = options_cls(**option_values) if options_cls else None
     except (TypeError, ValueError) as e:   # the options' own checks (__post_init__) say what is wrong
         raise ConfigError(str(e).splitlines()[0] if str(e) else f"bad options for --task {task_name}") from None
+    if getattr(options, "eval_k", 0) and not values["eval_only"] and not values["eval_interval"]:
+        raise ConfigError(f"--eval-k {options.eval_k} samples in the held-out evaluation, and --eval-interval 0 runs "
+                          f"none: pass --eval-interval N, or --eval-only")
     return Loaded(Config(**values), options, {**sources, **option_sources}, target)

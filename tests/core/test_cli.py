@@ -99,3 +99,11 @@ def test_an_unknown_flag_gets_did_you_mean(argv, environ, message):
     with pytest.raises(ConfigError) as e:
         load(argv, environ)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sampling_an_evaluation_that_never_runs_is_refused():
+    toy = dict(builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
+    with pytest.raises(ConfigError, match="--eval-k 4 samples in the held-out evaluation, and --eval-interval 0 runs"):
+        cli.load(["--task", "toy", "--eval-k", "4", "--eval-interval", "0"], environ={}, **toy)
+    for argv in (["--eval-interval", "5"], ["--eval-only"], []):   # an evaluation that runs: accepted
+        assert cli.load(["--task", "toy", "--eval-k", "4", *argv], environ={}, **toy).options.eval_k == 4
