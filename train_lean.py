@@ -124,9 +124,8 @@ def main(argv=None):
             say(f"micro-batch auto: {micro} per device ({micro * world} global) fits at {longest} tokens, "
                 f"{mini // micro} gradient-accumulation steps")
         settings = config.settings(cfg, loaded.options)
-        metrics_file, completions_file = log.open_run_logs(
-            cfg.log_file or os.path.join(cfg.out_dir, "metrics.jsonl"), cfg.log_completions,
-            start_step if resume_from else None, stack) if main_rank else (None, None)
+        metrics_file, completions_file = log.open_run_logs(log.metrics_path(cfg), cfg.log_completions, start_step
+                                                           if resume_from else None, stack) if main_rank else (None, None)
         try:  # TensorBoard or W&B as well, on rank 0 (--report-to)
             reporter = log.open_reporter(cfg.report_to if main_rank else "none", cfg.out_dir, settings)
         except log.ReportError as e:

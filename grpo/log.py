@@ -24,6 +24,14 @@ def open_jsonl(path: str, append: bool = False):
     return open(path, "a" if append else "w", encoding="utf-8", buffering=1)
 
 
+METRICS = "metrics.jsonl"   # in OUT_DIR, unless --log-file names another file
+
+
+def metrics_path(cfg) -> str:
+    """Where the run's step and eval records go: --log-file, else OUT_DIR/metrics.jsonl."""
+    return cfg.log_file or os.path.join(cfg.out_dir, METRICS)
+
+
 def note(message: str) -> None:
     """A line on stderr from rank 0 only ("train_lean.py: MESSAGE"): errors and warnings that --log-level does not
     silence. Before the process group exists, torchrun's RANK says which rank this is."""

@@ -24,7 +24,7 @@ from grpo import checkpoint, config, log, memory
 LOCK = ".lock"
 # what a run writes into OUT_DIR besides the lock: its metrics, checkpoints, model, --report-to folders and
 # memory evidence
-OUTPUTS = ("metrics.jsonl", checkpoint.SUBDIR, "model", "tensorboard", "wandb", memory.SUBDIR)
+OUTPUTS = (log.METRICS, checkpoint.SUBDIR, "model", "tensorboard", "wandb", memory.SUBDIR)
 # and its settings table (grpo/screen.py), written at start-up: alone it is what a run that stopped before its
 # first record leaves (a bad --model, say), which the next run replaces; beside records it is one of them
 SETTINGS = "settings.txt"

@@ -18,7 +18,7 @@ def derived(cfg, layout) -> dict:
     the other clip range, the default metrics file. An unset setting not named here is off."""
     return {"mini_batch_size": layout.mini_batch, "micro_batch_size": layout.micro_batch,
             "generation_batch_size": layout.generation_batch, "clip_range_high": cfg.clip_range,
-            "log_file": os.path.join(cfg.out_dir, "metrics.jsonl")}
+            "log_file": log.metrics_path(cfg)}
 
 
 def _text(value) -> str:
@@ -32,7 +32,7 @@ def _shown(value, unset: str) -> str:
 def describe(cfg, options, sources: dict, layout) -> str:
     """The settings table: every setting with its source (the task's options after the trainer's), then the batch
     sizes (layout: config.Layout). An unset trainer setting shows what it comes to in this run ("64 (derived)",
-    config.derived) or "off"; an unset option of the task shows "none" (what it means is the task's to say)."""
+    derived) or "off"; an unset option of the task shows "none" (what it means is the task's to say)."""
     trainer = list(vars(cfg))   # a Config's fields, in order; the rest of sources are the task's options
     computed = {n: f"{v} (derived)" for n, v in derived(cfg, layout).items()}
     rows = [(config.flag(n), _shown(getattr(cfg, n), computed.get(n, "off")), sources[n]) for n in trainer]
@@ -132,7 +132,7 @@ def header(loaded, layout, device, model, resume_from, lora=None) -> str:
     else:
         ckpt = os.path.join(cfg.out_dir, checkpoint.SUBDIR)
         rows += [("out dir", cfg.out_dir),
-                 ("metrics", derived(cfg, layout)["log_file"])]
+                 ("metrics", log.metrics_path(cfg))]
         rows += [("completions", cfg.log_completions)] if cfg.log_completions else []
         rows += [("reports", os.path.join(cfg.out_dir, cfg.report_to))] if cfg.report_to != "none" else []
         every = "every step" if cfg.save_interval == 1 else f"every {cfg.save_interval} steps"

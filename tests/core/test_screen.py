@@ -115,3 +115,10 @@ def test_the_header_of_an_evaluation_and_of_a_model_without_a_fast_path(tiny_mod
                                          scale_attn_by_inverse_layer_idx=True))
     text = " ".join(screen.header(loaded, batch_layout(loaded.cfg), torch.device("cpu"), generic, None).split())
     assert "HFDecoder (generic HF forward" in text and "--compile has no effect on it" in text
+
+
+def test_the_header_names_the_metrics_file_the_run_writes(tiny_model_dir, tmp_path, capsys, clean_env):
+    log_file = tmp_path / "elsewhere" / "m.jsonl"
+    train_lean.main(toy(tiny_model_dir, tmp_path / "run", "--log-file", str(log_file)))
+    flat = " ".join(capsys.readouterr().out.split())
+    assert f" metrics {log_file} " in flat and log_file.exists()
