@@ -99,3 +99,16 @@ def test_every_knob_changes_the_gradient(rollout64, batch):
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             assert relative(grads[a], grads[b]) > 1e-4, (a, b)
+
+
+def test_every_choice_the_algorithm_owns_is_a_knob():
+    """The generated knobs find the choices by identity with algorithm.py's dicts: a config that copied a dict
+    would drop its choices from the accumulation and end-to-end runs without a word. This says so."""
+    from grad_worker import CHOICES, NOT_LOSS
+    from grpo import algorithm
+    from grpo.config import FIELDS
+    owned = [(name, f) for name, f in FIELDS.items() if any(
+        isinstance(d, dict) and d and f.metadata["choices"] == d for d in vars(algorithm).values())]
+    assert {n for n, _ in owned} >= {"scale_rewards", "loss_agg", "importance_level", "kl_estimator", "kl_in"}
+    expected = {f"{n} {c}" for n, f in owned if n not in NOT_LOSS for c in f.metadata["choices"] if c != f.default}
+    assert set(CHOICES) == expected
