@@ -328,5 +328,6 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_
             "approx_kl": (ratio - 1) - torch.log(ratio),   # KL(old || new) from the ratio (as cleanrl logs it)
             "entropy": entropy if entropy is not None else torch.zeros_like(logp),
         }
-        stats = {k: (v * mask).sum().item() for k, v in stats.items()}
+        sums = torch.stack([(v * mask).sum() for v in stats.values()]).tolist()   # one device sync, not one each
+        stats = dict(zip(stats, sums))
     return loss, stats
