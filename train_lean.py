@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 import tasks
-from grpo import checkpoint, cli, config, distributed, guards, log, memory, rundir, screen
+from grpo import checkpoint, cli, config, distributed, guards, log, memory, ptx, rundir, screen
 from grpo import task as task_lib
 from grpo.algorithm import group_advantages, kl_penalised_rewards, learning_rate, missing_groups, overlong_penalty
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
@@ -75,14 +75,15 @@ def main(argv=None):
         try:
             task = task_lib.build(loaded.task, loaded.options, cfg.task)
             stack.callback(task_lib.close, task)
+            draw_text = ptx.source(task, cfg.ptx_file) if cfg.ptx_coef else None   # --ptx-coef's text
             # the first step's prompts, checked with the tokenizer and the model's config before the weights load
             first_prompts = [] if cfg.eval_only else task_lib.draw_prompts(task, layout.prompts_per_step, random.Random(
                 step_seed(cfg.seed, start_step + 1)))
             tokenizer = load_tokenizer(resume_from or cfg.model)   # checked against the model's vocab_size
             eos = tokenizer.eos_token_id
             prepend_bos = cfg.prompt_bos == "on" or (cfg.prompt_bos == "auto" and tokenizer.bos_token_id == eos)
-            first_ids = encode_prompts(tokenizer, first_prompts, prepend_bos, cfg.max_new_tokens,
-                                       context_length(load_config(resume_from or cfg.model)))
+            context = context_length(load_config(resume_from or cfg.model))
+            first_ids = encode_prompts(tokenizer, first_prompts, prepend_bos, cfg.max_new_tokens, context)
             policy, lora = load_trainable(cfg, device, resume_from)  # lora: with --lora-rank, the PeftModel around it
             # the reference is a frozen copy of the starting policy on the same device, only when used (with LoRA the
             # policy, adapters off); a resumed run anchors its KL to the starting model too (unless synced)
@@ -199,8 +200,13 @@ def main(argv=None):
                 rec["lr"] = learning_rate(step, cfg)  # --lr-scheduler, after its warmup
                 for group in optimizer.param_groups:
                     group["lr"] = rec["lr"]
+                # the pretraining mix (--ptx-coef): each update's texts, drawn from (seed, step) as the prompts are
+                texts = None if draw_text is None else [b.share(rank, world) for b in ptx.step_batches(
+                    draw_text, step_seed(cfg.seed, step), layout.updates_per_step, cfg.ptx_batch_size, tokenizer,
+                    prepend_bos, context, device)]
                 stats, micro, nonfinite_streak = update(policy, optimizer, batch, layout=layout, micro=micro, cfg=cfg,
-                                                        autocast=autocast, on_oom=oom, nonfinite_streak=nonfinite_streak)
+                                                        autocast=autocast, on_oom=oom, nonfinite_streak=nonfinite_streak,
+                                                        ptx=texts)
                 if cfg.ref_sync_steps and step % cfg.ref_sync_steps == 0:  # TR-DPO: the reference follows
                     sync_reference(reference, policy, cfg.ref_sync_alpha)
                 saver.completed(step, nonfinite_streak)

@@ -270,6 +270,15 @@ def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
     return torch.kthvalue(entropies.detach().float().cpu(), n - keep + 1).values.item()
 
 
+def ptx_loss(logp: torch.Tensor, target: torch.Tensor, denominator: float, coef: float):
+    """The pretraining-mix term of one micro-batch (PPO-ptx): coef x the next-token loss of its target tokens
+    (logp [N, L], target [N, L] 0/1), divided by the update's target tokens over every device, as grpo_loss is by
+    its denominator: micro-batches and devices sum to coef x the mean loss per target token of the update's texts.
+    Returns (loss, the summed negative log-likelihood, detached)."""
+    nll = -(logp * target).sum()
+    return coef * nll / denominator, nll.detach()
+
+
 def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_logp=None, entropy=None,
               pg_mask=None):
     """Loss of one micro-batch, already divided by the whole mini-batch's `denominator` (loss_denominator).

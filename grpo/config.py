@@ -146,6 +146,12 @@ class Config:
                                "lower the reward linearly, down to -overlong-penalty at the limit (0: off)")
     overlong_penalty: float = opt(1.0, "the reward lost by a completion that reaches --max-new-tokens "
                                   "(with --overlong-buffer)", must=">= 0")
+    # the pretraining mix (InstructGPT's PPO-ptx): next-token loss on plain text, against forgetting what RL does not train
+    ptx_coef: float = opt(0.0, "weight of the pretraining-mix term: the mean next-token loss on plain text, added "
+                          "to each update's loss (PPO-ptx; 0: off)", must=">= 0")
+    ptx_file: typing.Optional[str] = opt(None, "--ptx-coef's text: a file whose lines are the texts, each learned "
+                                         "whole (default: the task's demonstrations(n, rng))", path="in")
+    ptx_batch_size: int = opt(16, "--ptx-coef's texts per optimizer update, global across devices", must="at least 1")
     # run control
     steps: int = opt(700, "training steps", must="at least 1", resume_free=True)
     seed: int = opt(0, "seed for prompts, sampling and initialisation")
@@ -280,6 +286,9 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if cfg.lora_rank and importlib.util.find_spec("peft") is None:
         raise ConfigError(f"--lora-rank {cfg.lora_rank} needs the peft package, which is not installed: "
                           f"pip install peft (or --lora-rank 0 for full fine-tuning)")
+    if (cfg.ptx_file or cfg.ptx_batch_size != FIELDS["ptx_batch_size"].default) and not cfg.ptx_coef:
+        raise ConfigError(f"--ptx-{'file ' + cfg.ptx_file if cfg.ptx_file else f'batch-size {cfg.ptx_batch_size}'} "
+                          f"with --ptx-coef 0 (no pretraining mix): give --ptx-coef above 0, or leave it out")
     if cfg.trace_memory == 1:
         raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
     per_device = cfg.batch_size // world

@@ -125,6 +125,9 @@ def header(loaded, layout, device, model, resume_from, lora=None) -> str:
             ("device", f"{where}, {cfg.dtype}" + (" autocast over fp32 weights" if cfg.dtype == "bf16" else "") +
              (f", {layout.devices} processes" if layout.devices > 1 else "")),
             *([] if cfg.eval_only else [("batch", batch_line(cfg, layout))]),
+            *([("ptx", f"{cfg.ptx_coef} x next-token loss on {cfg.ptx_batch_size} texts per update from "
+                            f"{cfg.ptx_file or 'the task (demonstrations)'}")] if cfg.ptx_coef and not cfg.eval_only
+              else []),
             ("evaluation", _evaluation(cfg, loaded.task)),
             ("given", ", ".join(given) or "nothing: every setting at its default")]
     if cfg.eval_only:

@@ -12,7 +12,7 @@ from collections import Counter
 import torch
 
 from grpo import distributed, guards
-from grpo.algorithm import grpo_loss, loss_denominator, top_entropy_threshold
+from grpo.algorithm import grpo_loss, loss_denominator, ptx_loss, top_entropy_threshold
 from grpo.model import completion_logprobs, reference_weights
 from grpo.rollout import logprob_temperature
 
@@ -82,9 +82,10 @@ def high_entropy_tokens(policy, batch, rows, mask, micro: int, cfg, autocast) ->
 
 
 def accumulate(policy, optimizer, batch, rows, micro: int, mask, pg_mask, denominator: float, cfg,
-               autocast) -> Counter:
-    """Forward and backward of one mini-batch (rows), micro rows at a time; returns its summed statistics
-    (grpo_loss's, "loss" and "tokens")."""
+               autocast, ptx=None) -> Counter:
+    """Forward and backward of one mini-batch (rows), micro rows at a time, then of this device's share of the
+    update's pretraining-mix texts (ptx, a PtxBatch, with --ptx-coef); returns the summed statistics
+    (grpo_loss's, "loss" and "tokens", and with ptx "ptx_nll" and "ptx_tokens")."""
     optimizer.zero_grad(set_to_none=True)
     sums = Counter()
     for part in rows.split(micro):
@@ -96,12 +97,22 @@ def accumulate(policy, optimizer, batch, rows, micro: int, mask, pg_mask, denomi
                                 pg_mask=None if pg_mask is None else pg_mask[part])
         loss.backward()
         sums.update(stats, loss=loss.item(), tokens=mask[part].sum().item())
+    if ptx is not None:   # every device reports the same statistics, a share of no texts too
+        sums.update(ptx_nll=0.0, ptx_tokens=0)
+    for s in range(0, 0 if ptx is None else ptx.input_ids.shape[0], micro):
+        part = slice(s, s + micro)
+        logp = completion_logprobs(policy, ptx.input_ids[part], ptx.attention[part], ptx.target.shape[1], 1.0,
+                                   cfg.logprob_chunk_size, autocast, share_prompts=False)
+        loss, nll = ptx_loss(logp, ptx.target[part], ptx.tokens, cfg.ptx_coef)
+        loss.backward()
+        sums.update(loss=loss.item(), ptx_nll=nll.item(), ptx_tokens=ptx.target[part].sum().item())
     return sums
 
 
-def update(policy, optimizer, batch, *, layout, micro: int, cfg, autocast, on_oom, nonfinite_streak: int):
+def update(policy, optimizer, batch, *, layout, micro: int, cfg, autocast, on_oom, nonfinite_streak: int, ptx=None):
     """--ppo-epochs passes over the batch (a Rollout with its advantages, and ref_logp when the loss has a KL
-    term) in shuffled mini-batches, one optimizer step each.
+    term) in shuffled mini-batches, one optimizer step each; ptx: with --ptx-coef, this device's share of each
+    update's pretraining-mix texts (a PtxBatch per update, grpo/ptx.py).
 
     An update whose loss or gradient norm is not finite is skipped (the weights and AdamW's moments stay
     as they were). Returns (the step's record entries, micro-batch size now, non-finite streak): grpo_loss's
@@ -122,7 +133,8 @@ def update(policy, optimizer, batch, *, layout, micro: int, cfg, autocast, on_oo
             if cfg.top_entropy_quantile < 1:
                 pg_mask = high_entropy_tokens(policy, batch, rows, mask, micro, cfg, autocast)
             run = functools.partial(accumulate, policy, optimizer, batch, rows, mask=mask, pg_mask=pg_mask,
-                                    denominator=denominator, cfg=cfg, autocast=autocast)
+                                    denominator=denominator, cfg=cfg, autocast=autocast,
+                                    ptx=None if ptx is None else ptx[len(grad_norms)])
             sums, micro = shrinking(run, micro, mini, on_oom)
             distributed.sum_gradients(params)  # every rank
             names = sorted(sums)
@@ -138,8 +150,11 @@ def update(policy, optimizer, batch, *, layout, micro: int, cfg, autocast, on_oo
             totals.update(sums)
             grad_norms.append(grad_norm)
     tokens, updates = max(totals.pop("tokens"), 1), len(grad_norms)
+    ptx_loss = totals.pop("ptx_nll", 0.0) / max(totals.pop("ptx_tokens", 0), 1)
     record = {"loss": totals.pop("loss") / updates, **{k: v / tokens for k, v in totals.items()},
               "grad_norm": sum(grad_norms) / updates, "skipped_nonfinite": skipped}
+    if ptx is not None:   # the pretraining mix's mean loss per learned token (not times --ptx-coef)
+        record["ptx_loss"] = ptx_loss
     return record, micro, nonfinite_streak
 
 

@@ -43,7 +43,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tasks.rookworld.engine import EnginePool, find_stockfish  # noqa: E402
 from tasks.rookworld.format import (env_prompt, expected_env_completion, parse_policy_completion,  # noqa: E402
-                                     policy_completion, policy_prompt, split_env_line, split_policy_line)
+                                     policy_answer, policy_completion, policy_prompt, split_env_line,
+                                     split_policy_line)
 from tasks.rookworld.positions import history, random_board, random_transition  # noqa: E402
 from tasks.rookworld.evaluate import held_out_positions  # noqa: E402
 from tasks.rookworld.format import position_key  # noqa: E402
@@ -158,8 +159,7 @@ def uci_order(completion: str) -> str:
     model's greedy list then repeats its favourite move (a rank-order build listed five distinct moves in
     none of its answers); an ascending list makes a repeat break the pattern it was taught."""
     answer = parse_policy_completion(completion)
-    pairs = sorted(zip(answer.moves, answer.evals))
-    return policy_completion([m for m, _ in pairs], [e for _, e in pairs], answer.best)
+    return policy_answer(answer.moves, answer.evals, answer.best)
 
 
 # ---------------------------------------------------------------- 2. tokenizer

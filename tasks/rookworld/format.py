@@ -68,6 +68,13 @@ def policy_completion(moves: list[str], evals: list[float], best: str) -> str:
     return policy_layout(moves, [format_eval(e) for e in evals], best)
 
 
+def policy_answer(moves: list[str], evals: list[float], best: str) -> str:
+    """The P: answer as the shipped model learned it: the candidates, each with its evaluation, in UCI string
+    order (tasks/rookworld/build_model.py, uci_order, says why), then the best move."""
+    pairs = sorted(zip(moves, evals))
+    return policy_completion([m for m, _ in pairs], [e for _, e in pairs], best)
+
+
 def policy_layout(moves: list[str], evals: list[str], best: str) -> str:
     """A P: answer from its fields as written (evaluations as strings), in the data's column layout."""
     return "M: " + " ".join(moves).ljust(MOVES_WIDTH) + "E: " + " ".join(evals).ljust(EVALS_WIDTH) + "B: " + best

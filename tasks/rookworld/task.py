@@ -18,7 +18,7 @@ from tasks.rookworld import evaluate as held_out
 from tasks.rookworld.data import read_rookworld
 from tasks.rookworld.engine import DEFAULT_TIMEOUT_S, INSTALL_HINT, EnginePool, find_stockfish
 from tasks.rookworld.format import (env_prompt, expected_env_completion, parse_board, parse_env_prompt,
-                                    policy_prompt, position_key, prompt_fen)
+                                    policy_answer, policy_prompt, position_key, prompt_fen)
 from tasks.rookworld.positions import history, random_board, random_transition
 from tasks.rookworld.rewards import (ENV_WEIGHTS, FEN_SIMILARITY_SHARE, POLICY_WEIGHTS, env_components, env_reward,
                                      policy_components, policy_reward)
@@ -77,12 +77,21 @@ class PolicyOptions(DataOptions):
 class MixOptions(PolicyOptions):
     task_mix: float = opt(0.75, "share of P: (policy) prompts; the rest are A: (environment)")
     fen_similarity: float = _fen_similarity_opt()
+    demo_mix: float = opt(0.0, "with --ptx-coef: share of P: texts (Stockfish's answer) among the demonstrations "
+                          "learned by next-token loss; the rest are A: (python-chess's)")
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0 <= self.task_mix <= 1:
-            raise ValueError(f"--task-mix {self.task_mix} must be in [0, 1] (the share of P: prompts)")
+        for name, share in (("task-mix", self.task_mix), ("demo-mix", self.demo_mix)):
+            if not 0 <= share <= 1:
+                raise ValueError(f"--{name} {share} must be in [0, 1] (the share of P:)")
         _check_fen_similarity(self.fen_similarity)
+
+
+def _split(n: int, share: float, rng: random.Random) -> int:
+    """How many of n go to the first kind: stochastic rounding keeps the expected share exact for any n."""
+    exact = n * share
+    return int(exact) + (rng.random() < exact - int(exact))
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,6 +169,10 @@ class ChessEnvTask:
         board = parse_board(fields.fen) if fields else None
         return expected_env_completion(board, fields.move) if board else None
 
+    def demonstrations(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
+        """--ptx-coef's texts: n A: prompts, drawn as the prompts are, each with its exact answer."""
+        return [(prompt, self.expected(prompt)) for prompt in self.prompts(n, rng)]
+
     def reward_breakdown(self, prompt: str, completion: str) -> dict[str, float]:
         expected = self.expected(prompt)
         fields = parse_env_prompt(prompt)
@@ -226,6 +239,16 @@ class ChessPolicyTask:
             pool.analyse(prompt_fen(prompt))
         return out
 
+    def demonstrations(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
+        """--ptx-coef's texts: n P: prompts, drawn as the prompts are, each with Stockfish's answer (multi-PV 5 at
+        --stockfish-depth) written as the shipped model learned it."""
+        prompts = self.prompts(n, rng)   # their analyses are queued
+        out = []
+        for prompt in prompts:
+            analysis = self.engines().analyse(prompt_fen(prompt)).result()
+            out.append((prompt, policy_answer(analysis.moves, analysis.evals, analysis.moves[0])))
+        return out
+
     def reward_breakdown(self, prompt: str, completion: str) -> dict[str, float]:
         fen = prompt_fen(prompt)
         board = parse_board(fen)
@@ -266,22 +289,34 @@ class ChessMixTask:
                  stockfish_path: str | None = None, stockfish_depth: int = 10,
                  stockfish_timeout: float = DEFAULT_TIMEOUT_S, eval_samples: int = 100,
                  fen_similarity: float = FEN_SIMILARITY_SHARE, eval_k: int = 0, eval_n: int = 0,
-                 eval_temperature: float = 1.0):
-        if not 0.0 <= task_mix <= 1.0:
-            raise TaskError(f"--task-mix {task_mix}: must lie in [0, 1] (the share of P: prompts)")
-        self.task_mix, self.eval_samples = task_mix, eval_samples
+                 eval_temperature: float = 1.0, demo_mix: float = MixOptions.demo_mix):
+        for name, share in (("task-mix", task_mix), ("demo-mix", demo_mix)):
+            if not 0.0 <= share <= 1.0:
+                raise TaskError(f"--{name} {share}: must lie in [0, 1] (the share of P:)")
+        self.task_mix, self.demo_mix, self.eval_samples = task_mix, demo_mix, eval_samples
         self.sampled_eval = (eval_k, eval_n, eval_temperature)
         # With --data, a kind the file lacks is generated instead of refused.
         self.policy = ChessPolicyTask(data, stockfish_path, stockfish_depth, stockfish_timeout,
                                       data_required=False) if task_mix > 0 else None
         self.env = ChessEnvTask(data, fen_similarity=fen_similarity, data_required=False) if task_mix < 1 else None
+        # the demonstrations' kinds, built when the prompts' mix leaves one out
+        self.policy_texts = self.policy or (ChessPolicyTask(data, stockfish_path, stockfish_depth, stockfish_timeout,
+                                                            data_required=False) if demo_mix > 0 else None)
+        self.env_texts = self.env or (ChessEnvTask(data, data_required=False) if demo_mix < 1 else None)
 
     def prompts(self, n: int, rng: random.Random) -> list[str]:
-        # Stochastic rounding keeps the expected share exact for any n.
-        exact = n * self.task_mix
-        n_policy = int(exact) + (rng.random() < exact - int(exact))
+        n_policy = _split(n, self.task_mix, rng)
         out = (self.policy.prompts(n_policy, rng) if n_policy else []) + \
               (self.env.prompts(n - n_policy, rng) if n > n_policy else [])
+        rng.shuffle(out)
+        return out
+
+    def demonstrations(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
+        """--ptx-coef's texts: a --demo-mix share of P: demonstrations, the rest A: (the same generators as the
+        prompts, which built the shipped model's data; never a held-out position)."""
+        n_policy = _split(n, self.demo_mix, rng)
+        out = (self.policy_texts.demonstrations(n_policy, rng) if n_policy else []) + \
+              (self.env_texts.demonstrations(n - n_policy, rng) if n > n_policy else [])
         rng.shuffle(out)
         return out
 
@@ -302,6 +337,6 @@ class ChessMixTask:
         return held_out.evaluate(complete, ("P", "A"), self.eval_samples, *self.sampled_eval)
 
     def close(self) -> None:
-        for task in (self.policy, self.env):
+        for task in {id(t): t for t in (self.policy, self.env, self.policy_texts, self.env_texts)}.values():
             if task is not None:
                 task.close()

@@ -5,7 +5,7 @@ of a 2-process gloo group (CPU, a file:// rendezvous, nothing on the network):
 
     python grad_worker.py RANK WORLD INIT_FILE MODEL_DIR BATCH_FILE OUT_FILE
 
-Each rank takes its contiguous share of the batch's rows and runs the trainer's update functions on them:
+Each rank takes its contiguous share of the batch's rows (and of the pretraining mix's texts, every other) and runs the trainer's update functions on them:
 the loss denominator summed over ranks, the top-entropy threshold from every rank's token entropies, the
 micro-batches' gradients accumulated, then summed over ranks. Rank 0 saves {knobs name: gradient}.
 """
@@ -17,6 +17,7 @@ from grpo import algorithm, distributed, update
 from grpo.algorithm import group_advantages, loss_denominator, top_entropy_threshold
 from grpo.config import FIELDS, Config
 from grpo.model import completion_logprobs
+from grpo.ptx import PtxBatch
 from grpo.rollout import Rollout
 
 MAX_NEW_TOKENS = 24  # the rollout64 fixture's
@@ -42,8 +43,9 @@ KNOBS = {
     "top entropy token-mean": {"top_entropy_quantile": 0.2},
     "top entropy seq-mean": {"top_entropy_quantile": 0.2, "loss_agg": "seq-mean"},
     "top entropy dr-grpo": {"top_entropy_quantile": 0.2, "loss_agg": "dr-grpo"},
+    "pretraining mix": {"ptx_coef": 0.5},   # the batch's "ptx" texts, learned beside the rollouts
     "all at once": {**GSPO, "loss_agg": "dr-grpo", "dual_clip": 1.2, "kl_estimator": "k2", "entropy_coef": 0.05,
-                    "top_entropy_quantile": 0.3, "scale_rewards": "batch"},
+                    "top_entropy_quantile": 0.3, "scale_rewards": "batch", "ptx_coef": 0.3},
 }
 
 
@@ -58,7 +60,7 @@ def as_rollout(batch, cfg, rank: int, world: int) -> Rollout:
     """This rank's rows of the batch, with advantages from every rank's rewards (as the trainer makes them)."""
     advantages, _ = group_advantages(batch["rewards"], GROUP, cfg.scale_rewards)
     n = batch["cmask"].shape[0] // world
-    mine = {k: v[rank * n:(rank + 1) * n] for k, v in {**batch, "adv": advantages}.items()}
+    mine = {k: v[rank * n:(rank + 1) * n] for k, v in {**batch, "adv": advantages}.items() if k != "ptx"}
     return Rollout(prompts=[""] * n, texts=[""] * n, input_ids=mine["inputs"], attention=mine["attention"],
                    completion_mask=mine["cmask"], old_logp=mine["old"], truncated=torch.zeros(n, dtype=torch.bool),
                    ref_logp=mine["ref"], advantages=mine["adv"])
@@ -89,9 +91,11 @@ def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold
         pg_mask = per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg)
     elif cfg.top_entropy_quantile < 1:
         pg_mask = update.high_entropy_tokens(model, rollout, rows, mask, micro, cfg, None)
+    # the pretraining mix: every rank holds the update's texts and takes its share (grpo/ptx.py)
+    texts = PtxBatch(**batch["ptx"]).share(rank, world) if cfg.ptx_coef else None
     params = [p for p in model.parameters() if p.requires_grad]
     update.accumulate(model, torch.optim.SGD(params, lr=0.0), rollout, rows, micro, mask, pg_mask, denominator, cfg,
-                      None)
+                      None, ptx=texts)
     distributed.sum_gradients(params)
     return torch.cat([p.grad.reshape(-1) for p in params])
 

@@ -56,6 +56,8 @@ RANGES = [
     ("--lr-warmup-ratio", "1", "[0, 1)"), ("--min-lr-ratio", "-0.1", "[0, 1)"), ("--ref-sync-alpha", "0", "(0, 1]"),
     ("--ref-sync-steps", "-1", ">= 0"), ("--lora-rank", "-1", ">= 0"), ("--lora-alpha", "0", "> 0"),
     ("--lora-target-modules", "c_attn", "with --lora-rank 0"),
+    ("--ptx-coef", "-1", ">= 0"), ("--ptx-batch-size", "0", "at least 1"), ("--demo-mix", "1.5", "[0, 1]"),
+    ("--ptx-batch-size", "4", "with --ptx-coef 0 (no pretraining mix)"),
 ]
 
 
@@ -84,6 +86,10 @@ class Long(Base):
     def prompts(self, n, rng): return ["Repeat a: " * 200] * n
 class NanFloor(Base):
     min_reward = float("nan")
+class FewTexts(Base):
+    def demonstrations(self, n, rng): return ["a text"] * (n - 1)
+class BytesTexts(Base):
+    def demonstrations(self, n, rng): return [b"a text"] * n
 """
 
 
@@ -96,6 +102,7 @@ def files(tmp_path_factory, tiny_model_dir):
     (root / "a-file").write_text("not a folder\n")
     (root / "empty-model").mkdir()
     (root / "not-rookworld.txt").write_text("hello\nworld\n")
+    (root / "blank.txt").write_text("\n  \n")
     (root / "raises.py").write_text("raise ValueError('broken on import')\n")
     (root / "no-reward.py").write_text("class T:\n    name = 't'\n    def prompts(self, n, rng): return ['x'] * n\n")
     (root / "bad-options.py").write_text("class T:\n    options = 3\n")
@@ -118,6 +125,12 @@ def file_cases(root):
         (["--model", str(root / "empty-model"), "--eval-interval", "0"], "cannot load --model"),
         (["--model", str(root / "a-file")], "--model"),
         (["--data", str(root / "missing.txt")], "no such file"),
+        (["--ptx-coef", "1", "--ptx-file", str(root / "missing.txt")], "no such file"),
+        (["--ptx-file", str(root / "not-rookworld.txt")], "with --ptx-coef 0 (no pretraining mix)"),
+        (["--ptx-coef", "1", "--ptx-file", str(root / "blank.txt")], "has no text"),
+        (["--ptx-coef", "1", "--task", "toy"], "--ptx-coef needs text: give --ptx-file PATH"),
+        (["--ptx-coef", "1", "--task", f"{root / 'prompts.py'}:FewTexts"], "demonstrations(2, rng) returned 1 texts"),
+        (["--ptx-coef", "1", "--task", f"{root / 'prompts.py'}:BytesTexts"], "pair of strings, not b'a text'"),
         (["--data", str(root)], "no such file"),
         (["--task", "chess-env", "--data", str(root / "not-rookworld.txt")], "not RookWorld P:/A: samples"),
         (["--out-dir", str(root / "a-file" / "out")], "cannot write to"),

@@ -122,3 +122,13 @@ def test_the_header_names_the_metrics_file_the_run_writes(tiny_model_dir, tmp_pa
     train_lean.main(toy(tiny_model_dir, tmp_path / "run", "--log-file", str(log_file)))
     flat = " ".join(capsys.readouterr().out.split())
     assert f" metrics {log_file} " in flat and log_file.exists()
+
+
+def test_the_header_names_the_pretraining_mix_and_its_text(tiny_model_dir, tmp_path, capsys, clean_env):
+    text = tmp_path / "text.txt"
+    text.write_text("a line to learn\n")
+    train_lean.main(toy(tiny_model_dir, tmp_path / "run", "--ptx-coef", "0.5", "--ptx-file", str(text)))
+    flat = " ".join(capsys.readouterr().out.split())
+    assert f" ptx 0.5 x next-token loss on 16 texts per update from {text} " in flat
+    train_lean.main(toy(tiny_model_dir, tmp_path / "plain"))
+    assert " ptx " not in capsys.readouterr().out   # off: no row

@@ -13,17 +13,21 @@ import torch
 
 from grad_worker import GROUP, KNOBS, MAX_NEW_TOKENS, TEMPERATURE, minibatch_gradient
 from grpo.algorithm import group_advantages, grpo_loss, importance_ratio, loss_denominator
-from grpo.model import completion_logprobs
+from grpo.model import completion_logprobs, load_tokenizer
+from grpo.ptx import encode
 from helpers import env, loss_config
 
 
 @pytest.fixture(scope="module")
-def batch(rollout64):
+def batch(rollout64, tiny_model_dir):
     model, inputs, attention, cmask, old, adv = rollout64
     torch.manual_seed(2)
     with torch.no_grad():
         logp = completion_logprobs(model, inputs, attention, cmask.shape[1], TEMPERATURE, 4096)
-    return {"inputs": inputs, "attention": attention, "cmask": cmask, "rewards": adv,
+    # 11 pretraining-mix texts of different lengths, some with a context: 8 + 3 per micro-batches of 8, 6 + 5 per rank
+    texts = [("Repeat " + c * i + ": ", c * (11 - i)) if i % 3 else "plain " * i + c for i, c in enumerate("abcdeabcdea")]
+    ptx = vars(encode(texts, load_tokenizer(tiny_model_dir), prepend_bos=True, context=None))
+    return {"inputs": inputs, "attention": attention, "cmask": cmask, "rewards": adv, "ptx": ptx,
             "old": old + 0.3 * torch.randn_like(old) * cmask, "ref": logp + 0.2 * torch.randn_like(logp) * cmask}
 
 

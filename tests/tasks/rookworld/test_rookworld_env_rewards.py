@@ -214,3 +214,13 @@ def test_fen_similarity_sets_what_a_near_miss_earns(share):
         assert parts["env_fen"] == pytest.approx(share * ratio)
         assert parts["reward"] == pytest.approx(0.5 + 0.5 * share * ratio)
         assert task.reward(prompt, exact + "+0.001+0+0") == 1.0
+
+
+def test_demonstrations_are_drawn_prompts_with_their_exact_answers():
+    """--ptx-coef's A: texts: drawn as the prompts are (never a held-out position), each answer python-chess's."""
+    task = ChessEnvTask()
+    texts = task.demonstrations(30, random.Random(4))
+    assert [p for p, _ in texts] == ChessEnvTask().prompts(30, random.Random(4))
+    for prompt, answer in texts:
+        assert task.reward_breakdown(prompt, answer)["env_exact"] == 1.0
+        assert position_key(parse_env_prompt(prompt).fen) not in task.held_out

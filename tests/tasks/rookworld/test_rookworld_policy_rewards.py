@@ -8,7 +8,8 @@ import pytest
 
 from grpo.task import TaskError, score
 from tasks.rookworld.engine import find_stockfish
-from tasks.rookworld.format import parse_board, policy_completion, policy_prompt, prompt_fen, split_policy_line
+from tasks.rookworld.format import (parse_board, parse_policy_completion, policy_completion, policy_prompt, prompt_fen,
+                                    split_policy_line)
 from tasks.rookworld.positions import random_board
 from tasks.rookworld.task import ChessMixTask, ChessPolicyTask
 
@@ -198,3 +199,31 @@ def test_a_malformed_legal_answer_earns_its_move_and_format_credit_only(task, po
         # still a legal answer: above any illegal one
         illegal = an_illegal_move(parse_board(prompt_fen(prompt)))
         assert parts["reward"] > task.reward(prompt, answer(task, prompt, illegal))
+
+
+def test_demonstrations_are_the_engines_answers_in_the_models_layout(task):
+    """--ptx-coef's P: texts: a drawn prompt and Stockfish's five candidates with their evaluations, in UCI order
+    (as the shipped model learned them), B: the engine's top move; the reward scores each as a right answer."""
+    texts = task.demonstrations(6, random.Random(3))
+    assert [p for p, _ in texts] == task.prompts(6, random.Random(3))   # drawn as the prompts are
+    for prompt, answer in texts:
+        analysis = task.engines().analyse(prompt_fen(prompt)).result()
+        parsed = parse_policy_completion(answer)
+        assert parsed.layout_ok and parsed.moves == sorted(analysis.moves) and parsed.best == analysis.moves[0]
+        parts = task.reward_breakdown(prompt, answer)
+        assert parts["policy_legal"] == 1 and parts["policy_best"] == 1
+
+
+def test_the_mixtures_demonstrations_follow_demo_mix_not_task_mix(task):
+    mix = ChessMixTask(task_mix=0.0, demo_mix=0.5, stockfish_depth=DEPTH)   # A: prompts, P: texts as well
+    try:
+        texts = mix.demonstrations(40, random.Random(0))
+        share = sum(p.startswith("P: ") for p, _ in texts) / len(texts)
+        assert 0.3 < share < 0.7 and all(p.startswith("A: ") for p in mix.prompts(8, random.Random(0)))
+    finally:
+        mix.close()
+    mix = ChessMixTask(demo_mix=0.0, stockfish_path="/nonexistent/stockfish", task_mix=0.0)   # A: texts: no engine
+    assert all(p.startswith("A: ") for p, _ in mix.demonstrations(8, random.Random(0)))
+    with pytest.raises(TaskError):
+        ChessMixTask(demo_mix=1.0, task_mix=0.0, stockfish_path="/nonexistent/stockfish").demonstrations(
+            2, random.Random(0))
