@@ -35,8 +35,9 @@ bench: install .venv-bench/.installed
 
 
 # The main job: GRPO on the shipped chess model (models/rook-tiny), offline; the P: reward needs Stockfish.
+# --ptx-coef 1 mixes in the chess task's A: demonstrations, so the A: skill RL does not train is kept (docs/ptx.md).
 train: install stockfish
-	$(PY) train_lean.py $(ARGS)
+	$(PY) train_lean.py --ptx-coef 1 $(ARGS)
 
 # Rebuild models/rook-tiny from its seed, in the three stages that made it (docs/chess.md says what each does
 # and BENCHMARKS.md how long it takes).

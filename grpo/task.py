@@ -16,6 +16,8 @@ and optionally
                                           complete(prompts, n=8, temperature=1.0) -> a list of 8-lists
                                           samples (seeded: the same at every evaluation of the run);
                                           sampled_metrics() turns them into pass@k and mean@n
+    demonstrations(n, rng) -> list        n texts for --ptx-coef to learn (grpo/ptx.py): each a str, or a
+                                          (context, target) pair whose target alone is learned
     close()                               release engines, pools, files
 
 A task whose options inherit SampledEvalOptions gets --eval-k, --eval-n and --eval-temperature for that.
