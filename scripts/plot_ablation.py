@@ -7,14 +7,13 @@ from the lowest to the highest seed), one panel per metric.
 import argparse
 import json
 import math
-import os
 
 import matplotlib
 
 matplotlib.use("Agg")   # files only: no display on a server
 import matplotlib.pyplot as plt  # noqa: E402
 
-from plot_run import eval_metrics  # noqa: E402
+from plot_run import eval_metrics, save  # noqa: E402
 
 
 def evals(path: str) -> dict:
@@ -51,11 +50,7 @@ def main(argv=None):
     for ax in list(axes.flat)[len(metrics):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle(args.title)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)
-    fig.savefig(args.png, dpi=100)
-    print(args.png)
+    save(fig, args.title, args.png, dpi=100)
 
 
 if __name__ == "__main__":

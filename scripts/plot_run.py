@@ -69,11 +69,15 @@ def main(argv=None):
               title="held-out eval (greedy)" + (f"\nline styles: {runs}" if runs else ""))
     right.grid(alpha=0.3)
     right.legend(fontsize=7)
-    fig.suptitle(args.title)
+    save(fig, args.title, args.png)
+
+
+def save(fig, title: str, png: str, dpi: int = 110) -> None:
+    fig.suptitle(title)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)
-    fig.savefig(args.png, dpi=110)
-    print(args.png)
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
+    fig.savefig(png, dpi=dpi)
+    print(png)
 
 
 if __name__ == "__main__":
