@@ -125,3 +125,14 @@ def loss_config(**knobs):
     k = dict(knobs)
     return Config(kl_coef=k.pop("kl_coef", 0.0), clip_range=k.pop("clip_low", 0.2),
                   clip_range_high=k.pop("clip_high", None), **k)
+
+
+def write_run(folder, offset):
+    """A run folder whose metrics.jsonl holds four step records and two chess-like eval records (for the plots)."""
+    os.makedirs(folder)
+    evals = [{"kind": "eval", "step": s, "p_n": 2, "a_n": 2, "p_legal_rate": 0.3 + offset, "a_format_rate": 0.6}
+             for s in (0, 4)]
+    steps = [{"step": s, "reward_mean": 0.3 + offset + 0.01 * s, "reward_policy_legal": 0.2} for s in range(1, 5)]
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in [evals[0], *steps, evals[1]])
+    return os.path.join(folder, "metrics.jsonl")

@@ -1,9 +1,8 @@
 """scripts/plot_run.py: one run's or several runs' metrics.jsonl -> one PNG (reward left, held-out right)."""
 import importlib.util
-import json
 import os
 
-from helpers import REPO
+from helpers import REPO, write_run
 
 SCRIPT = os.path.join(REPO, "scripts", "plot_run.py")
 
@@ -13,16 +12,6 @@ def plot_run():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def write_run(folder, offset):
-    os.makedirs(folder)
-    evals = [{"kind": "eval", "step": s, "p_n": 2, "a_n": 2, "p_legal_rate": 0.3 + offset, "a_format_rate": 0.6}
-             for s in (0, 4)]
-    steps = [{"step": s, "reward_mean": 0.3 + offset + 0.01 * s, "reward_policy_legal": 0.2} for s in range(1, 5)]
-    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in [evals[0], *steps, evals[1]])
-    return os.path.join(folder, "metrics.jsonl")
 
 
 def test_one_run_and_two_seeds_make_pngs(tmp_path, capsys):
