@@ -26,7 +26,7 @@ from grpo import task as task_lib
 from grpo.algorithm import group_advantages, kl_penalised_rewards, learning_rate, missing_groups, overlong_penalty
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
                         load_trainable, model_autocast, sync_reference)
-from grpo.rollout import encode_prompts, eval_completions, merge, sample_groups
+from grpo.rollout import encode_prompts, eval_completions, merge, sample_groups, wants_bos
 from grpo.update import probe_micro_batch, reference_logprobs, update
 
 
@@ -81,7 +81,7 @@ def main(argv=None):
                 step_seed(cfg.seed, start_step + 1)))
             tokenizer = load_tokenizer(resume_from or cfg.model)   # checked against the model's vocab_size
             eos = tokenizer.eos_token_id
-            prepend_bos = cfg.prompt_bos == "on" or (cfg.prompt_bos == "auto" and tokenizer.bos_token_id == eos)
+            prepend_bos = wants_bos(cfg.prompt_bos, tokenizer)
             context = context_length(load_config(resume_from or cfg.model))
             first_ids = encode_prompts(tokenizer, first_prompts, prepend_bos, cfg.max_new_tokens, context)
             policy, lora = load_trainable(cfg, device, resume_from)  # lora: with --lora-rank, the PeftModel around it

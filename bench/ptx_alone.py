@@ -17,11 +17,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import tasks  # noqa: E402
-from grpo import checkpoint, cli, config, log, ptx  # noqa: E402
+from grpo import checkpoint, cli, config, distributed, log, ptx  # noqa: E402
 from grpo import task as task_lib  # noqa: E402
 from grpo.algorithm import learning_rate, ptx_loss  # noqa: E402
 from grpo.model import completion_logprobs, context_length, load_config, load_policy, load_tokenizer  # noqa: E402
-from grpo.rollout import eval_completions  # noqa: E402
+from grpo.rollout import eval_completions, wants_bos  # noqa: E402
 from train_lean import step_seed  # noqa: E402
 
 
@@ -35,13 +35,13 @@ def main(argv=None):
         task = task_lib.build(loaded.task, loaded.options, cfg.task)
         draw = ptx.source(task, cfg.ptx_file)
     except (config.ConfigError, task_lib.TaskError) as e:
-        sys.exit(f"ptx_alone.py: error: {e}")
+        print(f"ptx_alone.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     os.makedirs(cfg.out_dir, exist_ok=True)
     checkpoint.seed_all(cfg.seed)
-    device = torch.device("cpu" if cfg.device == "auto" and not torch.cuda.is_available() else
-                          "cuda" if cfg.device == "auto" else cfg.device)
+    device = distributed.init(cfg.device)[2]   # one process
     tokenizer, policy = load_tokenizer(cfg.model), load_policy(cfg.model, device)
-    prepend_bos = cfg.prompt_bos == "on" or (cfg.prompt_bos == "auto" and tokenizer.bos_token_id == tokenizer.eos_token_id)
+    prepend_bos = wants_bos(cfg.prompt_bos, tokenizer)
     context = context_length(load_config(cfg.model))
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)

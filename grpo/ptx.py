@@ -79,8 +79,8 @@ def encode(texts, tokenizer, prepend_bos: bool, context: int | None, device=None
     eos = tokenizer.eos_token_id
     bos = [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos] if prepend_bos else []
     rows, learned = [], []
-    for (before, after), head, tail in zip(pairs, tokenizer([c for c, _ in pairs], add_special_tokens=False)["input_ids"],
-                                           tokenizer([t for _, t in pairs], add_special_tokens=False)["input_ids"]):
+    for head, tail in zip(tokenizer([c for c, _ in pairs], add_special_tokens=False)["input_ids"],
+                          tokenizer([t for _, t in pairs], add_special_tokens=False)["input_ids"]):
         ids = (bos + head + tail + [eos])[:context]
         rows.append(ids)
         learned.append([0] * len(bos + head) + [1] * (len(ids) - len(bos + head)))

@@ -25,6 +25,11 @@ def logprob_temperature(temperature: float) -> float:
     return temperature if temperature > 0 else 1.0
 
 
+def wants_bos(choice: str, tokenizer) -> bool:
+    """--prompt-bos: on, off, or auto (on when the tokenizer's BOS is its EOS, as in GPT-2)."""
+    return choice == "on" or (choice == "auto" and tokenizer.bos_token_id == tokenizer.eos_token_id)
+
+
 def encode_prompts(tokenizer, prompts, prepend_bos: bool, max_new_tokens: int = 0, context: int | None = None) -> list:
     """Token ids of each prompt; with prepend_bos, the tokenizer's BOS (GPT-2: <|endoftext|>) first.
 
