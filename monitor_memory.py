@@ -9,7 +9,7 @@
 
 Watching starts train_lean.py as a child process, follows the JSONL log it writes and prints a
 row every --every steps; when the run ends, or on Ctrl-C (which stops the child cleanly), it
-prints the leak analysis of what it saw (grpo/memwatch.py): each memory series' trend, the memory
+prints the leak analysis of what it saw (memwatch.py): each memory series' trend, the memory
 each phase of a step adds (generation, rewards, reference, update) and, on a LEAK, the phase that
 grows. --trace has the trainer trace a window of steps after the warm-up (train_lean.py
 --trace-memory): on a LEAK the monitor shows the allocation sites (file:line) and the tensors that
@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 
-from grpo import memwatch
+import memwatch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 POLL_S = 0.2            # how often the log is read and the child looked at
@@ -40,7 +40,7 @@ SWEEP_STEPS = 5         # steps per batch size: the first allocates AdamW state,
 # Steps --trace traces: the evidence compares the end of the first with the end of the last, so what
 # piles up over 19 steps stands against what one step holds.
 TRACE_STEPS = 20
-EVIDENCE = os.path.join("memory", "trace.json")   # written by the trainer in its --out-dir (grpo/memory.py)
+EVIDENCE = os.path.join("memory", "trace.json")   # written by the trainer in its --out-dir (harness/memory.py)
 EXIT_OK, EXIT_LEAK, EXIT_USAGE, EXIT_UNJUDGED = 0, 1, 2, 3
 
 

@@ -21,8 +21,9 @@ import torch
 from tqdm import tqdm
 
 import tasks
-from grpo import checkpoint, cli, config, distributed, guards, log, memory, ptx, rundir, screen
-from grpo import task as task_lib
+from grpo import distributed, ptx
+from harness import checkpoint, cli, config, guards, log, memory, rundir, screen
+from harness import task as task_lib
 from grpo.algorithm import group_advantages, kl_penalised_rewards, learning_rate, missing_groups, overlong_penalty
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
                         load_trainable, model_autocast, sync_reference)
@@ -132,7 +133,7 @@ def main(argv=None):
         except log.ReportError as e:
             usage_error(str(e))
         stack.callback(reporter.close)
-        # checkpoints; and on a failure after a completed step, that step's (grpo/checkpoint.py)
+        # checkpoints; and on a failure after a completed step, that step's (harness/checkpoint.py)
         saver = stack.enter_context(checkpoint.Saver(cfg.out_dir, lora or policy, tokenizer, optimizer, settings,
                                                      cfg.keep_checkpoints, start_step, nonfinite_streak,
                                                      reference if cfg.ref_sync_steps else None))

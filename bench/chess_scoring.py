@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from grpo.task import score  # noqa: E402
+from harness.task import score  # noqa: E402
 from tasks.rookworld.engine import EnginePool, find_stockfish  # noqa: E402
 from tasks.rookworld.format import policy_completion, prompt_fen  # noqa: E402
 from tasks.rookworld.task import ChessEnvTask, ChessPolicyTask  # noqa: E402

@@ -4,7 +4,7 @@
 
 One run of train_lean.py in this process (--task toy): --steps steps, of which --trace steps right
 after --warmup are traced. Prints the median step time of the traced steps and of the untraced ones
-after the window, and what the per-phase readings took in the untraced steps (grpo/memory.py times
+after the window, and what the per-phase readings took in the untraced steps (harness/memory.py times
 nothing itself: its release_free_heap, malloc_trim, is the reading's cost and is timed in place here;
 reading RSS from /proc is microseconds).
 """
@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import train_lean  # noqa: E402
-from grpo import memory  # noqa: E402
+from harness import memory  # noqa: E402
 
 PHASES = ("start", "gen", "score", "ref", "train")   # the readings of a step, in order
 

@@ -17,8 +17,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import tasks  # noqa: E402
-from grpo import checkpoint, cli, config, distributed, log, ptx  # noqa: E402
-from grpo import task as task_lib  # noqa: E402
+from grpo import distributed, ptx
+from harness import checkpoint, cli, config, log  # noqa: E402
+from harness import task as task_lib  # noqa: E402
 from grpo.algorithm import learning_rate, ptx_loss  # noqa: E402
 from grpo.model import completion_logprobs, context_length, load_config, load_policy, load_tokenizer  # noqa: E402
 from grpo.rollout import eval_completions, wants_bos  # noqa: E402

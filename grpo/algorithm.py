@@ -1,7 +1,7 @@
 """The GRPO math, top to bottom: rewards -> advantages -> the loss of a micro-batch and its statistics.
 
 Plain functions on tensors: no model, no processes, no files. The choices a flag offers are the dicts
-here (name -> what it does); grpo/config.py reads them, so a new choice is one entry and its branch.
+here (name -> what it does); harness/config.py reads them, so a new choice is one entry and its branch.
 The update loop that calls the loss (mini-batches, micro-batches, devices) is grpo/update.py.
 
 Exactness under gradient accumulation and data parallelism: a micro-batch's loss is divided by its
@@ -124,7 +124,7 @@ def overlong_penalty(lengths: torch.Tensor, cfg) -> torch.Tensor:
 
     DAPO's soft overlong punishment, so the policy learns to finish before the limit. lengths are
     completion tokens, the EOS included (completion_mask.sum(1)); 0 < buffer <= max_new_tokens
-    (grpo/config.py checks it). Added to the task reward before the advantages.
+    (harness/config.py checks it). Added to the task reward before the advantages.
     """
     buffer = cfg.overlong_buffer
     over = (lengths.float() - (cfg.max_new_tokens - buffer)).clamp(0, buffer)

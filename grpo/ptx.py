@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.rollout import left_pad
-from grpo.task import TaskError
+from harness.task import TaskError
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 from grpo.algorithm import merge_rounds
 from grpo.decoders import decoder_for
 from grpo.model import context_length, position_ids_from_mask
-from grpo.task import TaskError
+from harness.task import TaskError
 
 
 def logprob_temperature(temperature: float) -> float:
@@ -198,7 +198,7 @@ class Rollout:
         return self.completion_mask.shape[1]
 
     def score(self, scorer) -> "Rollout":
-        """Fill rewards, components and errors with scorer(prompts, completions) (grpo/task.py Scorer)."""
+        """Fill rewards, components and errors with scorer(prompts, completions) (harness/task.py Scorer)."""
         rewards, self.components, self.errors = scorer(self.prompts, self.texts)
         self.rewards = torch.from_numpy(rewards)
         return self

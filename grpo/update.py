@@ -11,7 +11,8 @@ from collections import Counter
 
 import torch
 
-from grpo import distributed, guards
+from grpo import distributed
+from harness import guards
 from grpo.algorithm import grpo_loss, loss_denominator, ptx_loss, top_entropy_threshold
 from grpo.model import completion_logprobs, reference_weights
 from grpo.rollout import logprob_temperature

@@ -19,5 +19,5 @@ DEFAULT = "chess"   # the shipped default model (models/rook-tiny) is a RookWorl
 def get_task(name: str, **options):
     """A task object by --task name (built-in, path/to/file.py:Name or module:Name), for scripts and notebooks:
     options are its constructor's keywords (for a built-in chess task: data, stockfish_depth, ...)."""
-    from grpo import task
+    from harness import task
     return task.build(task.resolve(name, BUILTIN), options, name)

@@ -9,7 +9,7 @@ are the letter). Greedy accuracy and mean reward; with --eval-k, pass@K and mean
 """
 import random
 
-from grpo.task import SampledEvalOptions, sampled_metrics
+from harness.task import SampledEvalOptions, sampled_metrics
 
 LETTERS = "abcde"
 

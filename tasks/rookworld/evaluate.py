@@ -14,7 +14,7 @@ next FEN (p_best_move_pass@K, a_next_fen_mean@N, ...), from completions sampled 
 import json
 import os
 
-from grpo.task import sampled_metrics
+from harness.task import sampled_metrics
 from tasks.rookworld.format import legal_move, parse_board, parse_policy_completion, policy_format_checks, position_key
 from tasks.rookworld.rewards import env_format_checks
 

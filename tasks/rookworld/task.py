@@ -12,8 +12,8 @@ import typing
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from grpo.config import opt
-from grpo.task import SampledEvalOptions, TaskError
+from harness.config import opt
+from harness.task import SampledEvalOptions, TaskError
 from tasks.rookworld import evaluate as held_out
 from tasks.rookworld.data import read_rookworld
 from tasks.rookworld.engine import DEFAULT_TIMEOUT_S, INSTALL_HINT, EnginePool, find_stockfish

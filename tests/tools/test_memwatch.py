@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from grpo import memwatch as mw
+import memwatch as mw
 
 STEPS = np.arange(1, 201, dtype=float)  # a 200-step run
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import monitor_memory
-from grpo import memwatch
+import memwatch
 from helpers import REPO as ROOT
 from helpers import children, process_alive, wait_until
 MONITOR = os.path.join(ROOT, "monitor_memory.py")

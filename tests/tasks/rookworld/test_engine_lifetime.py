@@ -12,7 +12,7 @@ import threading
 import chess.engine
 import pytest
 
-from grpo.task import score
+from harness.task import score
 from tasks.rookworld.engine import EnginePool, _quiet_about_engine_deaths, find_stockfish
 from tasks.rookworld.format import policy_prompt
 

@@ -7,7 +7,7 @@ import chess
 import pytest
 import torch
 
-from grpo import config
+from harness import config
 from tasks.rookworld import evaluate
 from grpo.model import load_policy, load_tokenizer
 from grpo.rollout import encode_prompts, eval_completions

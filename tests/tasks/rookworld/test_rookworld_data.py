@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from grpo.task import TaskError
+from harness.task import TaskError
 from tasks.rookworld.data import read_rookworld
 from tasks.rookworld.task import ChessEnvTask
 

@@ -6,7 +6,7 @@ import signal
 import chess
 import pytest
 
-from grpo.task import TaskError, score
+from harness.task import TaskError, score
 from tasks.rookworld.engine import find_stockfish
 from tasks.rookworld.format import (parse_board, parse_policy_completion, policy_completion, policy_prompt, prompt_fen,
                                     split_policy_line)

@@ -48,8 +48,8 @@ from collections import Counter
 
 import numpy as np
 
-from grpo import log
-from grpo.config import opt
+from harness import log
+from harness.config import opt
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)   # rewards are stored as float32: a larger one is inf there
 
@@ -123,7 +123,7 @@ def build(target, options=None, name: str = ""):
     for need in ("name", "prompts", "reward"):
         if not hasattr(task, need):
             close(task)
-            raise TaskError(f"--task {name}: the task has no {need!r} (see grpo/task.py)")
+            raise TaskError(f"--task {name}: the task has no {need!r} (see harness/task.py)")
     floor = getattr(task, "min_reward", 0.0)
     if not (isinstance(floor, numbers.Real) and abs(floor) <= FLOAT32_MAX):  # NaN fails the comparison too
         close(task)
@@ -246,7 +246,7 @@ class Scorer:
                 "reports": {k: self._report(*f) for k, f in self.failures.items() if k not in self.shown}}
 
     def after_step(self, step: int, everyone: dict, frac_zero_std: float) -> None:
-        """everyone: the step over every device (grpo/log.py combine: errors by kind, rows scored, reports), the
+        """everyone: the step over every device (harness/log.py combine: errors by kind, rows scored, reports), the
         same on each rank, so is the decision here. Raises RewardError when every reward failed."""
         errors, failures, self.failures, self.scored = everyone["errors"], self.failures, {}, 0
         all_failed = bool(errors) and sum(errors.values()) >= everyone["scored"]

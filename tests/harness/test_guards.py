@@ -11,7 +11,7 @@ import torch
 import grpo.update
 import train_lean
 from helpers import SMALL, records, weights
-from grpo.task import score
+from harness.task import score
 from tasks import get_task
 
 
@@ -101,7 +101,7 @@ def test_too_many_non_finite_updates_in_a_row_abort_with_a_checkpoint(tiny_model
 
 
 def test_a_reward_that_raises_gets_the_minimum_and_is_reported_once_per_kind(tiny_model_dir, tmp_path, capsys):
-    # every reward raises: only --reward-errors tolerate trains on (tests/core/test_task.py: the default stops)
+    # every reward raises: only --reward-errors tolerate trains on (tests/harness/test_task.py: the default stops)
     task = tmp_path / "flaky.py"
     task.write_text(
         "class Flaky:\n"

@@ -15,7 +15,7 @@ import torch
 
 from grpo import algorithm, distributed, update
 from grpo.algorithm import group_advantages, loss_denominator, top_entropy_threshold
-from grpo.config import FIELDS, Config
+from harness.config import FIELDS, Config
 from grpo.model import completion_logprobs
 from grpo.ptx import PtxBatch
 from grpo.rollout import Rollout

@@ -9,7 +9,8 @@ import textwrap
 
 import torch
 
-from grpo import checkpoint, config, decoders, log, rundir
+from grpo import decoders
+from harness import checkpoint, config, log, rundir
 from grpo import model as model_lib
 
 

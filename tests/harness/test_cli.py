@@ -6,8 +6,8 @@ import re
 import pytest
 
 import tasks
-from grpo import cli, config
-from grpo.config import FIELDS, Config, ConfigError
+from harness import cli, config
+from harness.config import FIELDS, Config, ConfigError
 
 
 def load(argv, environ):

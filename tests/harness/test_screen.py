@@ -7,8 +7,8 @@ import torch
 
 import tasks
 import train_lean
-from grpo import cli, screen
-from grpo.config import batch_layout
+from harness import cli, screen
+from harness.config import batch_layout
 from grpo.model import load_policy
 from helpers import EVALUATED_TASK, SMALL, read_jsonl
 

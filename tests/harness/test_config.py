@@ -3,8 +3,8 @@ import dataclasses
 import pytest
 
 import tasks
-from grpo import cli, config
-from grpo.config import ConfigError, batch_layout
+from harness import cli, config
+from harness.config import ConfigError, batch_layout
 
 
 def load(argv, environ):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, records, train, weights
-from grpo import checkpoint
+from harness import checkpoint
 
 
 def wait_for(predicate, proc, timeout=90):

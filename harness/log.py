@@ -185,7 +185,7 @@ def batch_stats(everyone: dict, group_size: int) -> dict:
 
 
 def throughput(times: dict, everyone: dict) -> dict:
-    """Seconds per phase (grpo/memory.py Phases.times) and samples and completion tokens per second."""
+    """Seconds per phase (harness/memory.py Phases.times) and samples and completion tokens per second."""
     rows, seconds = len(everyone["rewards"]), times["step"]
     return {"step_time_s": seconds, **{f"{k}_time_s": v for k, v in times.items() if k != "step"},
             "samples_per_s": rows / seconds, "tokens_per_s": everyone["lengths"].float().sum().item() / seconds}

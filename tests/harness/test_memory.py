@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo import memory
+from harness import memory
 
 CPU = torch.device("cpu")
 

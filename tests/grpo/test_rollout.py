@@ -8,7 +8,7 @@ from grpo.model import completion_logprobs
 from grpo.model import load_policy, load_tokenizer, position_ids_from_mask
 from grpo.rollout import (completion_mask, decode_completions, encode_prompts, eval_completions, generate, left_pad,
                           sample_token)
-from grpo.task import TaskError
+from harness.task import TaskError
 from helpers import read_jsonl
 
 

@@ -32,7 +32,7 @@ def test_the_task_example_trains_and_evaluates_as_printed(tiny_model_dir, tmp_pa
     evals = [r for r in records if r.get("kind") == "eval"]
     assert [r["step"] for r in evals] == [0, 2] and all(0 <= r["accuracy"] <= 1 for r in evals)
     assert [r["step"] for r in records if "kind" not in r] == [1, 2]
-    from grpo.task import build, resolve   # the reward is right about right and wrong answers
+    from harness.task import build, resolve   # the reward is right about right and wrong answers
     add = build(resolve(f"{tmp_path / 'add.py'}:Add", {}))
     assert add.reward("3+4=", "7") == 1.0 and add.reward("3+4=", " 7 and more") == 1.0
     assert add.reward("3+4=", "8") == add.reward("3+4=", "6") == 0.9 and add.reward("3+4=", "17") == 0.0

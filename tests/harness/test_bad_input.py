@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 import train_lean
-from grpo import cli, config, rundir
+from harness import cli, config, rundir
 from helpers import small_vocab_model, without_tokenizer
 from tasks.rookworld.task import MixOptions
 

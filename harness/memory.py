@@ -5,7 +5,7 @@ the process RSS as {phase}_rss_mb, and on CUDA the memory allocated at the phase
 ({phase}_cuda_allocated_mb) and the peak within it ({phase}_cuda_peak_mb: the peak statistics are reset
 as each phase starts); then the step's rss_mb, rss_peak_mb, CUDA allocated / reserved / peak, and the
 caching allocator's retries and fragmentation. monitor_memory.py turns consecutive readings into the
-memory each phase adds per step and names the phase that grows (grpo/memwatch.py).
+memory each phase adds per step and names the phase that grows (memwatch.py).
 
 --trace-memory N traces N steps after the first --trace-memory-after steps of the process (Trace) and
 writes OUT_DIR/memory/trace.json. On CUDA an out-of-memory error always dumps the allocator's snapshot

@@ -12,7 +12,7 @@ line but moves the median of the pairwise slopes very little. A series is a LEAK
 matter and too steady to be noise) and the second half of the window alone still climbs faster
 than the threshold (it has not levelled off).
 
-Where it grows. A record also holds the memory at the end of each phase of its step (grpo/memory.py:
+Where it grows. A record also holds the memory at the end of each phase of its step (harness/memory.py:
 start, gen, score, ref, train). The difference between consecutive readings is what that phase added
 in that step (the step's start minus the previous step's end: what happened between steps, the log,
 evaluation and checkpoints). A leak that one phase makes shows in that phase's increments alone; the
@@ -21,7 +21,7 @@ running sum of increments is fitted with the same Theil-Sen rule as a series: it
 the phase adds, and the phases' slopes add up to about the step series' slope. A running sum of noise
 is a random walk, for which the interval is too narrow, so a phase is named only when a step series is
 itself a LEAK (the verdict never rests on the phases). The readings are taken after malloc_trim
-(grpo/memory.py), which keeps the increments' noise to about a page or two. The peak within each
+(harness/memory.py), which keeps the increments' noise to about a page or two. The peak within each
 phase (CUDA) is a level, fitted as a series.
 """
 import math

@@ -1,4 +1,4 @@
-"""Fixtures of the core tests: a real batch of sampled completions from the tiny GPT-2."""
+"""Fixtures of the algorithm tests: a real batch of sampled completions from the tiny GPT-2."""
 import pytest
 import torch
 

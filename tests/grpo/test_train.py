@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import train_lean
-from grpo import algorithm, config
+from grpo import algorithm
+from harness import config
 
 from helpers import REPO, read_jsonl as records
 

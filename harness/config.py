@@ -1,9 +1,9 @@
 """Configuration: one dataclass whose fields are the settings, each with its default, help, choices, range
 and whether --resume may change it.
 
-grpo/cli.py makes every field (and every field of a task's options dataclass) a flag and a GRPO_<FLAG>
+harness/cli.py makes every field (and every field of a task's options dataclass) a flag and a GRPO_<FLAG>
 override; `batch_layout(cfg, world)` checks every range and size rule before anything heavy is loaded and
-returns the derived sizes; grpo/rundir.py compares the settings on --resume. User errors raise ConfigError
+returns the derived sizes; harness/rundir.py compares the settings on --resume. User errors raise ConfigError
 with one line that names the bad value and a fix; train_lean.py prints it and exits with code 2.
 """
 import dataclasses
@@ -12,7 +12,8 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from grpo import algorithm, log
+from grpo import algorithm
+from harness import log
 
 
 # The shipped default model (models/rook-tiny, built by the default task's own script). An absolute
@@ -165,7 +166,7 @@ class Config:
                                                 resume_free=True)
     log_level: str = opt("info", "console verbosity", ["debug", "info", "warning"], resume_free=True)
     report_to: str = opt("none", "where every record goes", log.REPORTERS, resume_free=True)
-    # long runs (see grpo/checkpoint.py and grpo/guards.py)
+    # long runs (see harness/checkpoint.py and harness/guards.py)
     save_final: bool = opt(True, "save the trained model at the end as a Hugging Face folder, OUT_DIR/model",
                            const="true", resume_free=True)
     save_interval: int = opt(0, "write a checkpoint to OUT_DIR/checkpoints every N steps and at the end "
@@ -184,7 +185,7 @@ class Config:
                           resume_free=True)
     max_nonfinite: int = opt(10, "abort (saving a checkpoint) after this many non-finite updates in a row",
                              must="at least 1", resume_free=True)
-    # where memory goes (grpo/memory.py; monitor_memory.py --trace sets both)
+    # where memory goes (harness/memory.py; monitor_memory.py --trace sets both)
     trace_memory: int = opt(0, "trace N steps (0: off; at least 2) for leak evidence: allocation sites (tracemalloc), "
                             "live tensors by shape, on CUDA the allocator's history, in OUT_DIR/memory/trace.json; "
                             "the traced steps run 2.5-9x slower (the tiny model on CPU; BENCHMARKS.md)", must=">= 0",

@@ -1,7 +1,7 @@
 """The command line and the GRPO_<FLAG> environment: argv and environ into the Config and the task's options.
 
-Every field of the Config (grpo/config.py) is a flag --field-name and an override GRPO_FIELD_NAME, and so is
-every field of the chosen task's options dataclass (grpo/task.py), for that task only. Precedence: command
+Every field of the Config (harness/config.py) is a flag --field-name and an override GRPO_FIELD_NAME, and so is
+every field of the chosen task's options dataclass (harness/task.py), for that task only. Precedence: command
 line > environment > default. A value is checked against its field's type and choices here, its range and the
 batch arithmetic in config.batch_layout. A bad one raises config.ConfigError: one line that names it.
 """
@@ -13,8 +13,8 @@ import os
 import sys
 import typing
 
-from grpo import task as tasks
-from grpo.config import FIELDS, Config, ConfigError, env_name, fields_of, flag
+from harness import task as tasks
+from harness.config import FIELDS, Config, ConfigError, env_name, fields_of, flag
 
 BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
@@ -63,7 +63,7 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-# --help in sections: each starts at the named field of the Config and runs to the next one's (grpo/config.py
+# --help in sections: each starts at the named field of the Config and runs to the next one's (harness/config.py
 # keeps its fields in this order, under comments of these names); a new field joins the section it is put in
 HELP_GROUPS = [("model and task", "model"), ("evaluation", "eval_interval"), ("batch", "batch_size"),
                ("sampling", "max_new_tokens"), ("algorithm", "learning_rate"), ("run", "steps"),
@@ -73,7 +73,7 @@ HELP_GROUPS = [("model and task", "model"), ("evaluation", "eval_interval"), ("b
 
 def help_groups(fields: dict) -> list:
     """(title, [field names]) of each HELP_GROUPS section, in the fields' order. Raises KeyError naming a first
-    field that is not a field, or one out of order: the table must follow grpo/config.py."""
+    field that is not a field, or one out of order: the table must follow harness/config.py."""
     names = list(fields)
     starts = [names.index(first) if first in fields else None for _, first in HELP_GROUPS]
     if None in starts or starts != sorted(starts) or starts[0] != 0:
@@ -199,7 +199,7 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
     asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")
     if asked and not hasattr(target, "evaluate"):
         raise ConfigError(f"{'--eval-only' if values['eval_only'] else '--eval-interval'}: --task {task_name} "
-                          f"has no evaluate(complete) method (grpo/task.py says how to add one)")
+                          f"has no evaluate(complete) method (harness/task.py says how to add one)")
     try:
         options = options_cls(**option_values) if options_cls else None
     except (TypeError, ValueError) as e:   # the options' own checks (__post_init__) say what is wrong

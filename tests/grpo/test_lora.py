@@ -12,7 +12,7 @@ from helpers import SMALL, TRAIN, env, one_line_error, records, train
 peft = pytest.importorskip("peft")
 
 import train_lean  # noqa: E402
-from grpo import checkpoint, config  # noqa: E402
+from harness import checkpoint, config  # noqa: E402
 from grpo.decoders import GPT2Decoder, LlamaDecoder  # noqa: E402
 from grpo.model import (ModelLoadError, add_lora, completion_logprobs, load_policy, load_tokenizer,  # noqa: E402
                         lora_summary, reference_weights)

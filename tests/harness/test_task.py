@@ -15,7 +15,7 @@ from helpers import SMALL, read_jsonl, records, train, weights
 
 from grpo.model import load_policy, load_tokenizer
 from grpo.rollout import eval_completions
-from grpo.task import TaskError, build, check_metrics, draw_prompts, evaluate, pass_at_k, sampled_metrics, score
+from harness.task import TaskError, build, check_metrics, draw_prompts, evaluate, pass_at_k, sampled_metrics, score
 from tasks import get_task
 from tasks.toy import ToyTask
 
@@ -97,7 +97,7 @@ def test_component_means_are_returned():
 USER_TASK = '''
 from dataclasses import dataclass
 
-from grpo.config import opt
+from harness.config import opt
 
 
 @dataclass
@@ -382,7 +382,7 @@ def test_a_reward_that_always_raises_stops_the_run_with_the_tasks_traceback(rewa
     assert f'File "{rewards_file}", line {line_of(rewards_file, "scale is never")}, in reward' in proc.stderr
     assert "NameError: name 'scale' is not defined" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("grpo.task.RewardError: step 1: every reward failed (NameError 8; the first raised "
+    assert last.startswith("harness.task.RewardError: step 1: every reward failed (NameError 8; the first raised "
                            "NameError: name 'scale' is not defined)")
     assert "--reward-errors tolerate" in last
     assert "step 1/3" not in proc.stdout and not (tmp_path / "run" / "model").exists()
@@ -393,7 +393,7 @@ def test_a_reward_that_fails_everywhere_later_stops_and_keeps_the_steps_done(rew
     proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:BreaksAfterStep1", *SMALL, "--steps", "3",
                  "--out-dir", str(tmp_path))
     assert proc.returncode == 1 and "step 1/3" in proc.stdout and "step 2/3" not in proc.stdout
-    assert proc.stderr.strip().splitlines()[-1].startswith("grpo.task.RewardError: step 2: every reward failed "
+    assert proc.stderr.strip().splitlines()[-1].startswith("harness.task.RewardError: step 2: every reward failed "
                                                            "(ConnectionError 8; the first raised ConnectionError: the "
                                                            "grader is gone)")
     assert (tmp_path / "checkpoints" / "step_000001").is_dir()   # what --resume continues once the grader is back
@@ -441,7 +441,7 @@ def test_a_step_whose_prompts_come_up_short_stops_with_a_clear_error(rewards_fil
     proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:Shrinking", *SMALL, "--steps", "3",
                  "--out-dir", str(tmp_path))
     assert proc.returncode == 1 and "step 1/3" in proc.stdout and "step 2/3" not in proc.stdout
-    assert proc.stderr.strip().splitlines()[-1] == ("grpo.task.TaskError: the task's prompts(4, rng) returned 3 "
+    assert proc.stderr.strip().splitlines()[-1] == ("harness.task.TaskError: the task's prompts(4, rng) returned 3 "
                                                      "prompts, not 4: it must return exactly n (the batch is n groups)")
 
 

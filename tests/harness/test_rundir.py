@@ -10,7 +10,7 @@ import time
 import pytest
 
 import tasks
-from grpo import cli, config, rundir
+from harness import cli, config, rundir
 from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, train
 
 pytestmark = pytest.mark.slow   # concurrent and repeated real runs in one folder

@@ -12,7 +12,7 @@ import torch
 from grpo import ptx
 from grpo.algorithm import ptx_loss
 from grpo.model import completion_logprobs, load_policy, load_tokenizer
-from grpo.task import TaskError
+from harness.task import TaskError
 from helpers import records
 
 TEXTS = ["Repeat a: aaaa", ("Repeat b: ", "bb"), ("", "x y z"), ("a much longer context than the rest: ", "q")]

@@ -19,13 +19,13 @@ import os
 import shutil
 import tempfile
 
-from grpo import checkpoint, config, log, memory
+from harness import checkpoint, config, log, memory
 
 LOCK = ".lock"
 # what a run writes into OUT_DIR besides the lock: its metrics, checkpoints, model, --report-to folders and
 # memory evidence
 OUTPUTS = (log.METRICS, checkpoint.SUBDIR, "model", "tensorboard", "wandb", memory.SUBDIR)
-# and its settings table (grpo/screen.py), written at start-up: alone it is what a run that stopped before its
+# and its settings table (harness/screen.py), written at start-up: alone it is what a run that stopped before its
 # first record leaves (a bad --model, say), which the next run replaces; beside records it is one of them
 SETTINGS = "settings.txt"
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from grpo.log import ReportError, batch_stats, combine, open_reporter, scalars
+from harness.log import ReportError, batch_stats, combine, open_reporter, scalars
 from helpers import SMALL, read_jsonl, train
 
 

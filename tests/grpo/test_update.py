@@ -110,7 +110,7 @@ def test_every_choice_the_algorithm_owns_is_a_knob():
     would drop its choices from the accumulation and end-to-end runs without a word. This says so."""
     from grad_worker import CHOICES, NOT_LOSS
     from grpo import algorithm
-    from grpo.config import FIELDS
+    from harness.config import FIELDS
     owned = [(name, f) for name, f in FIELDS.items() if any(
         isinstance(d, dict) and d and f.metadata["choices"] == d for d in vars(algorithm).values())]
     assert {n for n, _ in owned} >= {"scale_rewards", "loss_agg", "importance_level", "kl_estimator", "kl_in"}

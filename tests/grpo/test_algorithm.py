@@ -9,7 +9,7 @@ import torch
 from grpo.algorithm import (group_advantages, grpo_loss, importance_ratio, informative_groups, k3_kl, kl_estimate,
                             kl_penalised_rewards, learning_rate, loss_denominator, merge_rounds, missing_groups,
                             normalise_loss_agg, overlong_penalty, top_entropy_threshold)
-from grpo.config import Config
+from harness.config import Config
 from grpo.model import completion_logprobs, frozen_copy, load_policy, load_tokenizer, position_ids_from_mask
 from grpo.rollout import encode_prompts, left_pad, truncated_rows
 from helpers import loss_config

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from grpo import distributed, log
+from grpo import distributed
+from harness import log
 from grpo.model import add_lora, is_lora, load_policy
 
 SUBDIR = "checkpoints"

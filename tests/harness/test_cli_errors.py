@@ -5,7 +5,7 @@ import os
 import pytest
 
 from helpers import SMALL, one_line_error, train
-from grpo import config, rundir
+from harness import config, rundir
 
 
 @pytest.mark.parametrize("args, expected", [
