@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
+import grpo.decoders as decoders  # noqa: E402
 import grpo.rollout as rollout  # noqa: E402
 from bench.common import get_bench_task, model_dir, step_prompts  # noqa: E402
 from grpo.decoders import GPT2Decoder, HFDecoder, LlamaDecoder  # noqa: E402
@@ -32,19 +33,19 @@ from grpo.model import load_policy, load_tokenizer  # noqa: E402
 @contextlib.contextmanager
 def generic_decoder(on: bool):
     """generate() with HFDecoder whatever the model (the path a model without a fast decoder gets)."""
-    chosen = rollout.decoder_for
+    chosen = decoders.decoder_for
     if on:
-        rollout.decoder_for = HFDecoder
+        decoders.decoder_for = HFDecoder
     try:
         yield
     finally:
-        rollout.decoder_for = chosen
+        decoders.decoder_for = chosen
 
 
 def seconds(model, ids, mask, eos, new_tokens, path):
     with generic_decoder(path == "generic"):
         t = time.perf_counter()
-        rollout.generate(model, ids, mask, eos_id=eos, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        decoders.generate(model, ids, mask, eos_id=eos, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          compile=path == "compiled")
         return time.perf_counter() - t
 

@@ -17,13 +17,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import tasks  # noqa: E402
-from grpo import distributed, ptx
+from grpo import distributed, ptx  # noqa: E402
+from grpo.algorithm import learning_rate, ptx_loss  # noqa: E402
+from grpo.model import (completion_logprobs, context_length, load_config, load_policy, load_tokenizer,  # noqa: E402
+                        trainable_parameters)
+from grpo.rollout import stream_seed, wants_bos  # noqa: E402
 from harness import checkpoint, cli, config, log  # noqa: E402
 from harness import task as task_lib  # noqa: E402
-from grpo.algorithm import learning_rate, ptx_loss  # noqa: E402
-from grpo.model import completion_logprobs, context_length, load_config, load_policy, load_tokenizer  # noqa: E402
-from grpo.rollout import eval_completions, wants_bos  # noqa: E402
-from train_lean import step_seed  # noqa: E402
 
 
 def main(argv=None):
@@ -34,7 +34,7 @@ def main(argv=None):
         if not cfg.ptx_coef:
             raise config.ConfigError("--ptx-coef 0: give the coefficient of the run to compare with")
         task = task_lib.build(loaded.task, loaded.options, cfg.task)
-        draw = ptx.source(task, cfg.ptx_file)
+        draw = task_lib.mix_source(task, cfg.ptx_file)
     except (config.ConfigError, task_lib.TaskError) as e:
         print(f"ptx_alone.py: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -44,11 +44,11 @@ def main(argv=None):
     tokenizer, policy = load_tokenizer(cfg.model), load_policy(cfg.model, device)
     prepend_bos = wants_bos(cfg.prompt_bos, tokenizer)
     context = context_length(load_config(cfg.model))
-    params = [p for p in policy.parameters() if p.requires_grad]
+    params = trainable_parameters(policy)
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     evaluating = hasattr(task, "evaluate") and cfg.eval_interval > 0
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w", encoding="utf-8") as metrics:
-        complete = functools.partial(eval_completions, policy, tokenizer, prepend_bos=prepend_bos, device=device,
+        complete = functools.partial(task_lib.eval_completions, policy, tokenizer, prepend_bos=prepend_bos, device=device,
                                      max_new_tokens=cfg.max_new_tokens, batch=layout.generation_batch, seed=cfg.seed)
         if evaluating:
             task_lib.evaluate(task, complete, 0, metrics)
@@ -57,7 +57,7 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, cfg)
             nll = tokens = 0
-            for batch in ptx.step_batches(draw, step_seed(cfg.seed, step), layout.updates_per_step, cfg.ptx_batch_size,
+            for batch in ptx.step_batches(draw, stream_seed(cfg.seed, step), layout.updates_per_step, cfg.ptx_batch_size,
                                           tokenizer, prepend_bos, context, device):
                 optimizer.zero_grad(set_to_none=True)
                 logp = completion_logprobs(policy, batch.input_ids, batch.attention, batch.target.shape[1], 1.0,

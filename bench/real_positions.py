@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from grpo.model import load_policy, load_tokenizer, model_autocast  # noqa: E402
-from grpo.rollout import eval_completions  # noqa: E402
+from harness.task import eval_completions  # noqa: E402
 from tasks.rookworld.engine import EnginePool, find_stockfish  # noqa: E402
 from tasks.rookworld.evaluate import policy_metrics  # noqa: E402
 from tasks.rookworld.data import read_rookworld  # noqa: E402

@@ -86,36 +86,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return adv.reshape(-1), zero.float().mean().item()
 
 
-# ---- DAPO's dynamic sampling: which groups of several generation rounds make the batch ------------------
-
-def missing_groups(round_rewards: list, group_size: int, groups: int) -> int:
-    """How many informative groups the rounds so far lack for a batch of `groups` (0: enough)."""
-    found = sum(int(informative_groups(r, group_size).sum()) for r in round_rewards)
-    return max(0, groups - found)
-
-
-def merge_rounds(round_rewards: list, group_size: int, groups: int):
-    """Choose a batch of `groups` groups from generation rounds; return (rows, counts).
-
-    round_rewards: one 1-D reward tensor per round, in draw order, rows of a group contiguous.
-    Informative groups are taken first, in draw order; when the rounds hold too few, the earliest
-    uninformative groups fill the batch (the rounds ran out: the batch keeps its size, those groups
-    add no policy gradient). rows: LongTensor of row indices into the rounds' rows concatenated in
-    draw order, whole groups in draw order. counts: groups_drawn, groups_dropped (drawn, not kept)
-    and groups_uninformative (kept although uninformative).
-    """
-    informative = torch.cat([informative_groups(r, group_size) for r in round_rewards])
-    drawn = informative.numel()
-    if drawn < groups:
-        raise ValueError(f"{drawn} groups drawn, fewer than the batch's {groups}")
-    order = torch.argsort((~informative).int(), stable=True)  # informative first, each in draw order
-    chosen = torch.sort(order[:groups]).values
-    rows = (chosen[:, None] * group_size + torch.arange(group_size)).reshape(-1)
-    counts = {"groups_drawn": drawn, "groups_dropped": drawn - groups,
-              "groups_uninformative": int((~informative[chosen]).sum())}
-    return rows, counts
-
-
 # ---- reward shaping: DAPO's overlong penalty, and the KL penalty taken out of the reward ---------------
 
 def overlong_penalty(lengths: torch.Tensor, cfg) -> torch.Tensor:
@@ -203,26 +173,11 @@ LOSS_AGGS = {  # --loss-agg
     "seq-mean": "each sequence's token mean, then over the sequences",
     "dr-grpo": "over max-new-tokens x sequences",
 }
-# TRL's loss_type names for the same aggregations. TRL's "dapo" is exactly token-mean (its count is
-# over the whole accumulated batch on all processes). TRL's "bnpo" aims at the same mean but divides
-# each micro-batch by its own, per-process token count, so it equals token-mean only with one
-# micro-batch on one device: here it is taken to mean token-mean. TRL's "dr_grpo" divides per
-# micro-batch and averages, the same when micro-batches are of equal size, as here.
-TRL_LOSS_TYPES = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean", "dr_grpo": "dr-grpo"}
 IMPORTANCE_LEVELS = {  # --importance-level
     "token": "pi / pi_old per token (PPO, GRPO)",
     "sequence": "per sequence (GSPO): the exp of the mean log-ratio, clipped per sequence; use clip ranges of "
                 "a few 1e-4, such as 3e-4 low and 4e-4 high",
 }
-
-
-def normalise_loss_agg(name: str) -> str:
-    """Our name for a loss aggregation (LOSS_AGGS), also given as TRL's loss_type (TRL_LOSS_TYPES)."""
-    if name in LOSS_AGGS:
-        return name
-    if name in TRL_LOSS_TYPES:
-        return TRL_LOSS_TYPES[name]
-    raise ValueError(f"loss aggregation {name!r} is not one of {', '.join([*LOSS_AGGS, *TRL_LOSS_TYPES])}")
 
 
 def loss_denominator(mask: torch.Tensor, cfg) -> float:
@@ -233,12 +188,13 @@ def loss_denominator(mask: torch.Tensor, cfg) -> float:
     sequence's tokens weigh more for it being short (Dr. GRPO). The caller sums it over devices and
     passes the total to grpo_loss for every micro-batch of the mini-batch.
     """
-    loss_agg = normalise_loss_agg(cfg.loss_agg)
-    if loss_agg == "token-mean":
+    if cfg.loss_agg == "token-mean":
         return float(mask.sum().item())
-    if loss_agg == "seq-mean":
+    if cfg.loss_agg == "seq-mean":
         return float((mask.sum(1) > 0).sum().item())
-    return float(mask.shape[0] * cfg.max_new_tokens)
+    if cfg.loss_agg == "dr-grpo":
+        return float(mask.shape[0] * cfg.max_new_tokens)
+    raise ValueError(f"loss aggregation {cfg.loss_agg!r} is not one of {', '.join(LOSS_AGGS)}")
 
 
 def importance_ratio(logp, old_logp, mask, importance_level: str = "token") -> torch.Tensor:
@@ -315,7 +271,7 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_
         per_token = per_token + kl_coef * kl_estimate(logp, ref_logp, cfg.kl_estimator)
     if cfg.entropy_coef:
         per_token = per_token - cfg.entropy_coef * entropy
-    if normalise_loss_agg(cfg.loss_agg) == "seq-mean":
+    if cfg.loss_agg == "seq-mean":
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1)).sum() / denominator
     else:  # token-mean and dr-grpo differ only in the denominator
         loss = (per_token * mask).sum() / denominator

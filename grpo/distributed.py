@@ -42,7 +42,9 @@ def world_size() -> int:
 
 
 def is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """Whether this process is rank 0, the one that prints, logs, saves and evaluates; before the process group
+    exists, torchrun's RANK says so."""
+    return dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK", "0") == "0"
 
 
 def _device():

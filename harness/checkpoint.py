@@ -141,7 +141,7 @@ def resolve(resume: str, out_dir: str, set_aside: bool = False) -> str:
         problem = damage(path)
         if problem is None:
             for bad, why in damaged:
-                log.note(f"checkpoint {bad} is damaged ({why}): skipped")
+                log.warn(f"checkpoint {bad} is damaged ({why}): skipped")
             return path
         if named:
             raise CheckpointError(f"--resume {resume}: the checkpoint is damaged ({problem}): pass another one")
@@ -242,14 +242,14 @@ class Saver:
         if exc_type is None or not issubclass(exc_type, Exception) or not distributed.is_main():
             return False
         if self.updates != self.updates_at_step:
-            log.note(f"the run failed in the middle of step {self.step + 1}'s update, which had changed the weights: "
+            log.warn(f"the run failed in the middle of step {self.step + 1}'s update, which had changed the weights: "
                      f"nothing newer than {f'step {self.saved}' if self.saved else 'the start'} is saved")
         elif self.step > self.saved:
             try:   # rank 0's RNG states only: the others' cannot be gathered now
-                log.note(f"the run failed after step {self.step}: saved it to {self._write([rng_states()])}; "
+                log.warn(f"the run failed after step {self.step}: saved it to {self._write([rng_states()])}; "
                          f"fix the cause, then continue with --resume")
             except Exception as e:  # noqa: BLE001 - the traceback that follows is the run's own failure
-                log.note(f"could not save step {self.step} after the failure either ({type(e).__name__}: {e}): "
+                log.warn(f"could not save step {self.step} after the failure either ({type(e).__name__}: {e}): "
                          f"the steps after {f'step {self.saved}' if self.saved else 'the start'} are lost")
         return False
 

@@ -49,6 +49,14 @@ def opt(default, help, choices=None, const=None, path=None, auto=False, resume_f
                                             "aliases": aliases or {}})
 
 
+# TRL's loss_type names for the same aggregations. TRL's "dapo" is exactly token-mean (its count is
+# over the whole accumulated batch on all processes). TRL's "bnpo" aims at the same mean but divides
+# each micro-batch by its own, per-process token count, so it equals token-mean only with one
+# micro-batch on one device: here it is taken to mean token-mean. TRL's "dr_grpo" divides per
+# micro-batch and averages, the same when micro-batches are of equal size, as here.
+TRL_LOSS_TYPES = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean", "dr_grpo": "dr-grpo"}
+
+
 # resume_free=True: --resume lets the setting differ from what the checkpoint recorded (any other difference is
 # refused unless --resume-allow-change names it). Free are how long the run goes and when it evaluates, saves or
 # gives up (none touches the weights); how the same arithmetic is cut into work on this machine (micro-batches
@@ -127,7 +135,7 @@ class Config:
     ref_sync_alpha: float = opt(1.0, "with --ref-sync-steps: reference = alpha x policy + (1 - alpha) x reference "
                                 "(1: a copy of the policy)", must="in (0, 1]")
     scale_rewards: str = opt("group", "each completion's advantage", algorithm.ADVANTAGES)
-    loss_agg: str = opt("token-mean", "the loss normaliser", algorithm.LOSS_AGGS, aliases=algorithm.TRL_LOSS_TYPES)
+    loss_agg: str = opt("token-mean", "the loss normaliser", algorithm.LOSS_AGGS, aliases=TRL_LOSS_TYPES)
     importance_level: str = opt("token", "the importance ratio", algorithm.IMPORTANCE_LEVELS)
     dual_clip: typing.Optional[float] = opt(None, "dual-clip PPO: for negative advantages the loss is at most "
                                             "C x |A| (C > 1, e.g. 3; default off)", must="> 1",

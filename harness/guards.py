@@ -1,9 +1,13 @@
 """What keeps a long run alive: out-of-memory retries, non-finite updates, and a clean stop on a signal."""
+import functools
 import gc
 import math
 import signal
 
 import torch
+
+from grpo import distributed
+from grpo.model import completion_logprobs, logprob_temperature, trainable_parameters
 
 
 def is_oom(e: BaseException) -> bool:
@@ -27,19 +31,65 @@ def smaller_micro(micro: int, mini: int):
     return None
 
 
-class OomNotes:
-    """The out-of-memory retries of the current step: said as they happen, counted in the step's record."""
+class Guard:
+    """What keeps the update alive, handed to grpo/update.py: the micro-batch size and its out-of-memory retry
+    (fit), and the count of non-finite updates in a row (finite). notes: this step's retries, said as they happen
+    and counted in the step's record."""
 
-    def __init__(self, say):
-        self.say, self.notes = say, []
+    def __init__(self, micro: int, mini: int, info, nonfinite_streak: int = 0):
+        self.micro, self.mini, self.info = micro, mini, info
+        self.nonfinite_streak, self.notes = nonfinite_streak, []
 
-    def __call__(self, message: str) -> None:
-        self.notes.append(message)
-        self.say(message)
+    def fit(self, run):
+        """run(micro), with micro halved (to a divisor of the mini-batch) until it fits in memory; self.micro keeps
+        the size that fitted. `run` must start from a clean slate (zeroed gradients) each call. All ranks agree on
+        each retry, so no rank waits in a collective for one that ran out of memory."""
+        while True:
+            try:
+                result, oom = run(self.micro), False
+            except Exception as e:  # noqa: BLE001 - anything but an out-of-memory is re-raised
+                if not is_oom(e):
+                    raise
+                result, oom = None, True
+            if not distributed.any_rank(oom):  # every rank
+                return result
+            # the exception (and its frames' tensors) is released by now
+            result = None
+            free_memory()
+            smaller = smaller_micro(self.micro, self.mini)
+            if smaller is None:
+                raise torch.OutOfMemoryError("out of memory with a micro-batch of 1: lower --max-new-tokens, "
+                                             "use --dtype bf16 or a smaller model")
+            self.notes.append(f"out of memory at micro-batch {self.micro}: freed memory, retrying with {smaller}")
+            self.info(self.notes[-1])
+            self.micro = smaller
+
+    def finite(self, loss: float, grad_norm: float) -> bool:
+        """Whether an update may step the optimizer: its summed loss and gradient norm are finite."""
+        ok = math.isfinite(loss) and math.isfinite(grad_norm)
+        self.nonfinite_streak = 0 if ok else self.nonfinite_streak + 1
+        return ok
 
 
-def finite(*values: float) -> bool:
-    return all(math.isfinite(v) for v in values)
+def _fit_test(policy, optimizer, moments: int, longest: int, eos: int, micro: int, cfg, autocast):
+    """One forward and backward of micro rows of the longest sequence, with AdamW's moments' memory held."""
+    stand_in = torch.empty(moments, device=next(policy.parameters()).device)
+    ids = torch.full((micro, longest), eos, device=stand_in.device)
+    logp = completion_logprobs(policy, ids, torch.ones_like(ids), cfg.max_new_tokens,
+                               logprob_temperature(cfg.temperature), cfg.logprob_chunk_size, autocast)
+    logp.sum().backward()
+    optimizer.zero_grad(set_to_none=True)
+    del stand_in
+
+
+def probe_micro_batch(guard: Guard, policy, optimizer, longest: int, eos: int, cfg, autocast) -> int:
+    """Set guard.micro to the largest micro-batch (a divisor of the per-device mini-batch) whose forward and
+    backward fit at the longest sequence; AdamW's two moments do not exist before the first update, so a stand-in
+    holds their place."""
+    moments = 0 if optimizer.state else sum(2 * p.numel() for p in trainable_parameters(policy))
+    guard.fit(functools.partial(_fit_test, policy, optimizer, moments, longest, eos, cfg=cfg, autocast=autocast))
+    guard.notes.clear()
+    return guard.micro
 
 
 def nonfinite_abort(step: int, streak: int, path: str) -> str:
@@ -55,15 +105,15 @@ class StopOnSignal:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, note):
-        self.requested, self.note, self.previous = False, note, {}
+    def __init__(self, info):
+        self.requested, self.info, self.previous = False, info, {}
 
     def _handle(self, signum, frame):
         if self.requested:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
         self.requested = True
-        self.note(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+        self.info(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
                   f"(send it again to stop without saving)")
 
     def __enter__(self):

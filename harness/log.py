@@ -2,7 +2,7 @@
 TensorBoard or Weights & Biases as well (--report-to).
 
 Every function here is local to its process: what the step's record needs from every device is gathered
-once in train_lean.py (share -> distributed.gather_objects -> combine), so a logging call can sit under
+once per step (device_part -> distributed.gather_objects -> whole_step, harness/run.py), so a logging call can sit under
 `if main_rank:` without leaving another rank waiting.
 """
 import json
@@ -15,6 +15,9 @@ from collections import Counter
 
 import torch
 from tqdm import tqdm
+
+from grpo import distributed
+from grpo.rollout import mean_components
 
 
 def open_jsonl(path: str, append: bool = False):
@@ -32,20 +35,20 @@ def metrics_path(cfg) -> str:
     return cfg.log_file or os.path.join(cfg.out_dir, METRICS)
 
 
-def note(message: str) -> None:
+def warn(message: str) -> None:
     """A line on stderr from rank 0 only ("train_lean.py: MESSAGE"): errors and warnings that --log-level does not
-    silence. Before the process group exists, torchrun's RANK says which rank this is."""
-    if os.environ.get("RANK", "0") == "0":
+    silence."""
+    if distributed.is_main():
         print(f"train_lean.py: {message}", file=sys.stderr, flush=True)
 
 
-def say(enabled: bool, message: str) -> None:
+def info(enabled: bool, message: str) -> None:
     """A console line (the trainer binds enabled: rank 0 and --log-level info or debug)."""
     if enabled:
         print(message, flush=True)
 
 
-class Counting:
+class EvalProgress:
     """complete(prompts, ...) of an evaluation, said: a line when it starts, and on a terminal a running count of
     the prompts completed (how many the task asks for is not known in advance). close() ends the count."""
 
@@ -102,12 +105,12 @@ def keep_until(path: str, step: int) -> None:
         elif record.get("step", 0) <= step:
             kept.append(line if line.endswith(b"\n") else line + b"\n")
     if bad == [len(lines)]:
-        note(f"{path}: dropped its torn last line ({len(lines[-1])} bytes, what a run killed mid-write or a full "
+        warn(f"{path}: dropped its torn last line ({len(lines[-1])} bytes, what a run killed mid-write or a full "
              f"disk leaves)")
     elif bad:
         shutil.copyfile(path, path + ".damaged")
         where = ", ".join(map(str, bad[:5])) + (" ..." if len(bad) > 5 else "")
-        note(f"{path}: line(s) {where} of {len(lines)} hold no JSON record, and not only a torn last line (did "
+        warn(f"{path}: line(s) {where} of {len(lines)} hold no JSON record, and not only a torn last line (did "
              f"something else write to it?): dropped; the file as it was is kept as {path}.damaged")
     with open(path + ".tmp", "wb") as f:
         f.writelines(kept)
@@ -130,65 +133,65 @@ STEP_FIELDS = [("reward_mean", "reward {:.3f}"), ("loss", "loss {:+.4f}"), ("kl"
                ("step_time_s", "{:.2f}s"), ("rss_mb", "rss {:.0f}MB"), ("cuda_peak_mb", "peak {:.0f}MB")]
 
 
-def share(batch, scorer, with_rows: bool) -> dict:
+def device_part(batch, scorer, with_rows: bool) -> dict:
     """This device's part of the step that the record needs from every device (the caller gathers it):
     rewards, lengths, reward parts and failures, and with_rows (--log-completions) every row."""
     lengths = batch.completion_mask.sum(1).cpu()
-    out = {"rewards": batch.rewards, "train_rewards": batch.train_rewards, "lengths": lengths,
-           "truncated": batch.truncated.cpu(), "components": batch.components, "errors": batch.errors,
-           **scorer.share()}
+    out = {"rewards": batch.rewards, "lengths": lengths, "truncated": batch.truncated.cpu(),
+           "components": batch.components, "errors": batch.errors, **scorer.to_gather(),
+           # a KL penalty taken out of the rewards (--kl-in reward): what the advantages were made of
+           "train_rewards": None if batch.train_rewards is batch.rewards else batch.train_rewards}
     if with_rows:
         out["rows"] = list(zip(batch.prompts, batch.texts, lengths.tolist(),
                                (batch.old_logp * batch.completion_mask).sum(1).tolist()))
     return out
 
 
-def combine(shares: list) -> dict:
-    """The step over every device, from share() of each in rank order: rows concatenated (train_rewards are
+def whole_step(parts: list) -> dict:
+    """The step over every device, from device_part() of each in rank order: rows concatenated (train_rewards are
     the rewards unless a KL penalty was taken out of them), reward components averaged over the devices,
     errors and scored rows summed, and of each reward failure's report the lowest rank's."""
-    out = {k: torch.cat([s[k] for s in shares]) for k in ("rewards", "lengths", "truncated")}
-    penalised = shares[0]["train_rewards"] is not None
-    out["train_rewards"] = torch.cat([s["train_rewards"] for s in shares]) if penalised else out["rewards"]
-    out["components"] = {k: sum(s["components"].get(k, 0.0) for s in shares) / len(shares)
-                         for k in shares[0]["components"]}
-    out["errors"] = dict(sum((Counter(s["errors"]) for s in shares), Counter()))
-    out["scored"] = sum(s["scored"] for s in shares)
-    out["reports"] = {k: v for s in reversed(shares) for k, v in s["reports"].items()}
-    out["rows"] = [row for s in shares for row in s.get("rows", ())]
+    out = {k: torch.cat([s[k] for s in parts]) for k in ("rewards", "lengths", "truncated")}
+    penalised = parts[0]["train_rewards"] is not None
+    out["train_rewards"] = torch.cat([s["train_rewards"] for s in parts]) if penalised else out["rewards"]
+    out["components"] = mean_components([s["components"] for s in parts])
+    out["errors"] = dict(sum((Counter(s["errors"]) for s in parts), Counter()))
+    out["scored"] = sum(s["scored"] for s in parts)
+    out["reports"] = {k: v for s in reversed(parts) for k, v in s["reports"].items()}
+    out["rows"] = [row for s in parts for row in s.get("rows", ())]
     return out
 
 
-def write_completions(f, step: int, everyone: dict) -> None:
-    """Every device's completions with their rewards (everyone: combine()'s)."""
-    for (prompt, text, n, s), r in zip(everyone["rows"], everyone["rewards"].tolist()):
+def write_completions(f, step: int, step_rows: dict) -> None:
+    """Every device's completions with their rewards (step_rows: whole_step()'s)."""
+    for (prompt, text, n, s), r in zip(step_rows["rows"], step_rows["rewards"].tolist()):
         write(f, {"step": step, "prompt": prompt, "completion": text, "reward": r, "completion_tokens": n,
                   "logprob_sum": s})
 
 
-def batch_stats(everyone: dict, group_size: int) -> dict:
-    """What a step's record says about its batch (every device's rows, combine()'s): the reward over the batch
+def batch_stats(step_rows: dict, group_size: int) -> dict:
+    """What a step's record says about its batch (every device's rows, whole_step()'s): the reward over the batch
     and its spread within groups (the spread the advantages are made of; the unbiased std, as the advantages
     divide by), completion lengths (EOS included) and the share cut off at max_new_tokens, the reward's
     components, reward errors, and the KL penalty taken out of the rewards (--kl-in reward)."""
-    rewards, lengths = everyone["rewards"].float(), everyone["lengths"].float()
+    rewards, lengths = step_rows["rewards"].float(), step_rows["lengths"].float()
     out = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
            "reward_std_group": rewards.view(-1, group_size).std(1).mean().item(),
            "completion_len_min": lengths.min().item(), "completion_len_mean": lengths.mean().item(),
-           "completion_len_max": lengths.max().item(), "truncated_frac": everyone["truncated"].float().mean().item(),
-           **{f"reward_{k}": v for k, v in everyone["components"].items()}}
-    if everyone["errors"]:
-        out["reward_errors"] = everyone["errors"]
-    if everyone["train_rewards"] is not everyone["rewards"]:
-        out["kl_reward_penalty"] = (rewards - everyone["train_rewards"]).mean().item()
+           "completion_len_max": lengths.max().item(), "truncated_frac": step_rows["truncated"].float().mean().item(),
+           **{f"reward_{k}": v for k, v in step_rows["components"].items()}}
+    if step_rows["errors"]:
+        out["reward_errors"] = step_rows["errors"]
+    if step_rows["train_rewards"] is not step_rows["rewards"]:
+        out["kl_reward_penalty"] = (rewards - step_rows["train_rewards"]).mean().item()
     return out
 
 
-def throughput(times: dict, everyone: dict) -> dict:
+def throughput(times: dict, step_rows: dict) -> dict:
     """Seconds per phase (harness/memory.py Phases.times) and samples and completion tokens per second."""
-    rows, seconds = len(everyone["rewards"]), times["step"]
+    rows, seconds = len(step_rows["rewards"]), times["step"]
     return {"step_time_s": seconds, **{f"{k}_time_s": v for k, v in times.items() if k != "step"},
-            "samples_per_s": rows / seconds, "tokens_per_s": everyone["lengths"].float().sum().item() / seconds}
+            "samples_per_s": rows / seconds, "tokens_per_s": step_rows["lengths"].float().sum().item() / seconds}
 
 
 def step_line(rec: dict, steps: int) -> str:

@@ -85,15 +85,15 @@ class Phases:
     A context manager: leaving it (the run's end, a crash, a signal) finishes a trace window that was
     still open, so the evidence of a run cut short is not lost."""
 
-    def __init__(self, device: torch.device, rank: int, cfg, say):
+    def __init__(self, device: torch.device, rank: int, cfg, info):
         self.device, self.cuda, self.count, self.step = device, device.type == "cuda", 0, None
         self.marks, self.mem = [], {}
         self.trace = None
         if rank == 0 and cfg.trace_memory:
             self.trace = Trace(cfg.trace_memory_after + 1, cfg.trace_memory_after + cfg.trace_memory,
-                               os.path.join(cfg.out_dir, SUBDIR), self.cuda, say)
+                               os.path.join(cfg.out_dir, SUBDIR), self.cuda, info)
         if self.cuda:
-            attach_oom_snapshot(os.path.join(cfg.out_dir, SUBDIR, f"oom_rank{rank}.pickle"), say)
+            attach_oom_snapshot(os.path.join(cfg.out_dir, SUBDIR, f"oom_rank{rank}.pickle"), info)
 
     def __enter__(self):
         return self
@@ -139,7 +139,7 @@ class Phases:
         return rec
 
 
-def attach_oom_snapshot(path: str, say) -> None:
+def attach_oom_snapshot(path: str, info) -> None:
     """On CUDA, every out-of-memory error writes the allocator's snapshot to `path` (the latest one kept).
 
     torch calls the observer before it raises OutOfMemoryError, so the snapshot shows what filled the
@@ -147,13 +147,13 @@ def attach_oom_snapshot(path: str, say) -> None:
     stack traces are in it only while a --trace-memory window records them."""
     attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
     if attach is None:
-        say("memory: this torch has no CUDA out-of-memory observer; an out-of-memory error dumps no snapshot")
+        info("memory: this torch has no CUDA out-of-memory observer; an out-of-memory error dumps no snapshot")
         return
 
     def observer(device, alloc, device_allocated, device_free):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.cuda.memory._dump_snapshot(path)
-        say(f"out of memory on cuda:{device} asking for {alloc / MB:.0f} MB ({device_allocated / MB:.0f} MB "
+        info(f"out of memory on cuda:{device} asking for {alloc / MB:.0f} MB ({device_allocated / MB:.0f} MB "
             f"allocated, {device_free / MB:.0f} MB free): allocator snapshot in {path} (https://pytorch.org/memory_viz)")
     attach(observer)
 
@@ -178,8 +178,8 @@ class Trace:
     OUT_DIR/memory/snapshot.pickle. What one step holds cancels out between the two ends; what piles up
     step after step remains. Tracing slows the traced steps (BENCHMARKS.md)."""
 
-    def __init__(self, first: int, last: int, folder: str, cuda: bool, say):
-        self.first, self.last, self.cuda, self.say, self.folder = first, last, cuda, say, folder
+    def __init__(self, first: int, last: int, folder: str, cuda: bool, info):
+        self.first, self.last, self.cuda, self.info, self.folder = first, last, cuda, info, folder
         self.path = os.path.join(folder, "trace.json")
         self.snapshot_path = os.path.join(folder, "snapshot.pickle") if cuda else None
         self.base = None       # (step, tracemalloc snapshot, tensor census) at the end of the first step
@@ -188,7 +188,7 @@ class Trace:
     def step_started(self, count: int, step: int) -> None:
         if count == self.first:
             self.started = True
-            self.say(f"memory: tracing steps {step}-{step + self.last - self.first} (slower); "
+            self.info(f"memory: tracing steps {step}-{step + self.last - self.first} (slower); "
                      f"evidence in {self.path}")
             tracemalloc.start(TRACE_FRAMES)
             if self.cuda:
@@ -206,11 +206,11 @@ class Trace:
             return
         self.done = True
         if not self.started:
-            self.say(f"memory: the run ended before the trace window (the process's steps {self.first}-{self.last}): "
+            self.info(f"memory: the run ended before the trace window (the process's steps {self.first}-{self.last}): "
                      f"no evidence")
             return
         if self.base is None:
-            self.say("memory: the run ended inside the trace window's first step: no evidence to compare")
+            self.info("memory: the run ended inside the trace window's first step: no evidence to compare")
         else:
             base_step, base_snap, base_census = self.base
             evidence = {"from_step": base_step, "to_step": step, "ended_early": early,
@@ -224,7 +224,7 @@ class Trace:
             with open(self.path + ".tmp", "w") as f:
                 json.dump(evidence, f, indent=1)
             os.replace(self.path + ".tmp", self.path)
-            self.say(f"memory: trace of steps {base_step}-{step} written to {self.path}")
+            self.info(f"memory: trace of steps {base_step}-{step} written to {self.path}")
         tracemalloc.stop()
         if self.cuda:
             torch.cuda.memory._record_memory_history(enabled=None)

@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 
+from grpo import distributed
 from harness import checkpoint, config, log, memory
 
 LOCK = ".lock"
@@ -77,7 +78,7 @@ def lock(out_dir: str):
         raise config.ConfigError(f"--out-dir {out_dir} is in use by another run (pid {holder}): wait for it to end, "
                                  f"or pass another --out-dir") from None
     except OSError as e:   # a file system without locks (some network ones): run, but say what is not guarded
-        log.note(f"--out-dir {out_dir}: cannot lock {path} ({e.strerror}): a second run there would not be stopped")
+        log.warn(f"--out-dir {out_dir}: cannot lock {path} ({e.strerror}): a second run there would not be stopped")
         return f
     f.seek(0)
     f.truncate()
@@ -128,7 +129,7 @@ def set_aside_later(out_dir: str, step: int) -> None:
             aside = os.path.join(os.path.dirname(path), "abandoned-" + os.path.basename(path))
             shutil.rmtree(aside, ignore_errors=True)
             os.rename(path, aside)
-            log.note(f"resuming from step {step}: the later checkpoint {path} is moved aside to {aside}")
+            log.warn(f"resuming from step {step}: the later checkpoint {path} is moved aside to {aside}")
 
 
 def allowed_changes(text) -> list:
@@ -205,21 +206,21 @@ def check_resume(saved, cfg, options, checkpoint_path: str) -> list:
     return notes
 
 
-def claim(cfg, options) -> tuple:
+def prepare(cfg, options) -> tuple:
     """Make OUT_DIR this run's and find what it resumes: (a context that holds the lock until the run ends,
     the intact checkpoint to resume from or None). Raises ConfigError / CheckpointError, lock released."""
     check_resume_flags(cfg, options)
-    main = os.environ.get("RANK", "0") == "0"
-    held = contextlib.ExitStack()
+    main = distributed.is_main()
+    lock_held = contextlib.ExitStack()
     try:
         if not cfg.eval_only and main:
-            held.enter_context(lock(cfg.out_dir))
+            lock_held.enter_context(lock(cfg.out_dir))
         resume_from = None
         if cfg.resume:   # only a locked run moves damaged checkpoints aside: no one else is writing them
             resume_from = checkpoint.resolve(cfg.resume, cfg.out_dir, set_aside=main and not cfg.eval_only)
             for note in [] if cfg.eval_only else check_resume(checkpoint.saved_settings(resume_from), cfg, options,
                                                               resume_from):
-                log.note(note)
+                log.warn(note)
             done = checkpoint.step_of(resume_from)
             if main and not cfg.eval_only and _continues(resume_from, cfg.out_dir):
                 set_aside_later(cfg.out_dir, done)
@@ -246,10 +247,10 @@ def claim(cfg, options) -> tuple:
                     shutil.rmtree(path)
                 else:
                     os.remove(path)
-            log.note(f"--overwrite: deleted the earlier run's {', '.join(found)}")
+            log.warn(f"--overwrite: deleted the earlier run's {', '.join(found)}")
         if not cfg.eval_only:
             check_space(cfg.out_dir, resume_from or cfg.model)
     except BaseException:
-        held.close()
+        lock_held.close()
         raise
-    return held, resume_from
+    return lock_held, resume_from

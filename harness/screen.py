@@ -10,8 +10,8 @@ import textwrap
 import torch
 
 from grpo import decoders
-from harness import checkpoint, config, log, rundir
 from grpo import model as model_lib
+from harness import checkpoint, config, log, rundir
 
 
 def derived(cfg, layout) -> dict:
@@ -69,7 +69,7 @@ def keep_settings(cfg, table: str, main_rank: bool) -> None:
     if main_rank and not cfg.eval_only:
         with open(os.path.join(cfg.out_dir, rundir.SETTINGS), "w", encoding="utf-8") as f:
             f.write(table + "\n")
-    log.say(main_rank and cfg.log_level == "debug", table)
+    log.info(main_rank and cfg.log_level == "debug", table)
 
 
 def batch_line(cfg, layout) -> str:

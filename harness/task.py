@@ -35,19 +35,25 @@ or package.module:Name. Name may be a class (built with the task's options) or a
 """
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
 import math
 import numbers
 import os
+import random
 import sys
 import time
 import traceback
 from collections import Counter
 
 import numpy as np
+import torch
 
+from grpo.decoders import generate
+from grpo.model import context_length
+from grpo.rollout import decode_completions, encode_prompts, left_pad, stream_seed
 from harness import log
 from harness.config import opt
 
@@ -147,6 +153,60 @@ def draw_prompts(task, n: int, rng) -> list:
     return list(got)
 
 
+class CheckedTask:
+    """The task as the trainer uses it: every attribute the task's own, its prompts(n, rng) checked (draw_prompts)."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def prompts(self, n: int, rng) -> list:
+        return draw_prompts(self.task, n, rng)
+
+
+def mix_source(task, path: str | None):
+    """The function (n, rng) -> n texts that --ptx-coef learns: the lines of `path`, else the task's demonstrations.
+    A TaskError (one line, exit 2) when there is none."""
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f if line.strip()]
+        if not lines:
+            raise TaskError(f"--ptx-file {path} has no text: --ptx-coef learns its non-empty lines")
+        return functools.partial(random_lines, lines)
+    if not callable(getattr(task, "demonstrations", None)):
+        raise TaskError(f"--ptx-coef needs text: give --ptx-file PATH (a file of lines), or a task with "
+                        f"demonstrations(n, rng) ({getattr(task, 'name', type(task).__name__)} has none)")
+    source = functools.partial(checked_texts, task.demonstrations)
+    source(2, random.Random(0))   # a task's mistake shows at start-up, not after the first step
+    return source
+
+
+def checked_texts(source, n: int, rng) -> list:
+    """source(n, rng), checked: exactly n texts, each a string or a (context, target) pair of strings."""
+    texts = source(n, rng)
+    if not isinstance(texts, (list, tuple)):
+        raise TaskError(f"the task's demonstrations({n}, rng) returned a {type(texts).__name__}, not a list of {n} texts")
+    if len(texts) != n:
+        raise TaskError(f"the task's demonstrations({n}, rng) returned {len(texts)} texts, not {n}")
+    for text in texts:
+        _text_pair(text)
+    return texts
+
+
+def random_lines(lines: list, n: int, rng) -> list:
+    return [rng.choice(lines) for _ in range(n)]
+
+
+def _text_pair(text) -> tuple[str, str]:
+    if isinstance(text, str):
+        return "", text
+    if isinstance(text, (tuple, list)) and len(text) == 2 and all(isinstance(t, str) for t in text):
+        return text[0], text[1]
+    raise TaskError(f"a --ptx-coef text must be a string or a (context, target) pair of strings, not {text!r:.80}")
+
+
 def close(task) -> None:
     """Release what the task holds (its optional close())."""
     if hasattr(task, "close"):
@@ -225,7 +285,7 @@ def score(task, prompts, completions, failures: dict = None):
 
 
 class Scorer:
-    """score() for a run, its failures made loud. Called like score() without the task; share() gives what the
+    """score() for a run, its failures made loud. Called like score() without the task; to_gather() gives what the
     step's record gathers from every device; after_step() reads the gathered step on every rank: the first
     failure of each kind is printed with its traceback (the task's file and line), a step in which every
     reward failed stops the run (unless tolerate), and the first step whose groups all got equal rewards is
@@ -240,16 +300,16 @@ class Scorer:
         self.scored += len(completions)
         return score(self.task, prompts, completions, self.failures)
 
-    def share(self) -> dict:
+    def to_gather(self) -> dict:
         """This device's rows scored this step, and a report of its first failure of each kind not yet shown."""
         return {"scored": self.scored,
                 "reports": {k: self._report(*f) for k, f in self.failures.items() if k not in self.shown}}
 
-    def after_step(self, step: int, everyone: dict, frac_zero_std: float) -> None:
-        """everyone: the step over every device (harness/log.py combine: errors by kind, rows scored, reports), the
+    def after_step(self, step: int, step_rows: dict, frac_zero_std: float) -> None:
+        """step_rows: the step over every device (harness/log.py whole_step: errors by kind, rows scored, reports), the
         same on each rank, so is the decision here. Raises RewardError when every reward failed."""
-        errors, failures, self.failures, self.scored = everyone["errors"], self.failures, {}, 0
-        all_failed = bool(errors) and sum(errors.values()) >= everyone["scored"]
+        errors, failures, self.failures, self.scored = step_rows["errors"], self.failures, {}, 0
+        all_failed = bool(errors) and sum(errors.values()) >= step_rows["scored"]
         if all_failed and not self.tolerate:   # the most frequent kind's first failure: its traceback, or where
             e = failures[max(failures, key=errors.get)][0]
             counts = ", ".join(f"{k} {n}" for k, n in sorted(errors.items()))
@@ -259,11 +319,11 @@ class Scorer:
                                 f"min_reward and go on")
             raise error from (None if isinstance(e, NotANumber) else e.with_traceback(_from_task(e)))
         for kind in sorted(errors.keys() - self.shown):   # each kind new to the run, the lowest rank's first
-            log.note(f"step {step}: the task's reward {everyone['reports'][kind]}")
+            log.warn(f"step {step}: the task's reward {step_rows['reports'][kind]}")
             self.shown.add(kind)
         if frac_zero_std == 1.0 and not all_failed and not self.flat_named:
             self.flat_named = True
-            log.note(f"step {step}: every group's completions got equal rewards (frac_zero_std 1.0), so every "
+            log.warn(f"step {step}: every group's completions got equal rewards (frac_zero_std 1.0), so every "
                      f"advantage is 0 and the step learns nothing. Try a higher --temperature, a larger --group-size, "
                      f"a reward with partial credit, or a model that sometimes solves the task (said once)")
 
@@ -364,15 +424,48 @@ def sampled_metrics(complete, prompts: list, correct, k: int, n: int = None, tem
             f"{prefix}mean@{n}": sum(hits) / (n * len(hits))}
 
 
+def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature: float = None, *, prepend_bos: bool,
+                     max_new_tokens: int, batch: int, seed: int = 0, device=None, autocast=None) -> list:
+    """Completions for evaluation (a task's evaluate(complete)), not training, `batch` rows at a time.
+
+    Without n: the greedy completion of each prompt (list[str]). With n: n completions of each prompt sampled at
+    temperature (default 1.0; no top-k/top-p), as one list of n per prompt. Each batch's sampling is seeded by seed
+    and its first row (the same at every evaluation of a run: two evaluations differ only by the weights) inside a
+    fork of torch's RNG, so training draws afterwards exactly what it would have drawn without the evaluation."""
+    if n is None and temperature is not None:
+        raise TaskError(f"complete(prompts, temperature={temperature}) samples only with n, the completions per "
+                        f"prompt: complete(prompts, n=8, temperature={temperature})")
+    if n is not None and not (isinstance(n, int) and n >= 1 and (temperature is None or temperature > 0)):
+        raise TaskError(f"complete(prompts, n={n!r}, temperature={temperature!r}): n must be an int >= 1 and the "
+                        f"temperature > 0 (greedy: complete(prompts))")
+    sample_at = 0.0 if n is None else 1.0 if temperature is None else temperature
+    eos = tokenizer.eos_token_id
+    try:
+        ids = encode_prompts(tokenizer, prompts, prepend_bos, max_new_tokens, context_length(model.config))
+    except ValueError as e:   # the task's held-out prompt does not fit the model
+        raise TaskError(str(e)) from None
+    rows = [row for row in ids for _ in range(n or 1)]
+    kind = torch.device(device or "cpu").type
+    texts = []
+    with torch.random.fork_rng(devices=[] if kind == "cpu" else [device], device_type=kind):
+        for s in range(0, len(rows), batch):
+            torch.manual_seed(stream_seed(seed, s))
+            row_ids, mask = left_pad(rows[s:s + batch], eos, device)
+            out_ids, out_mask, _ = generate(model, row_ids, mask, eos_id=eos, max_new_tokens=max_new_tokens,
+                                            temperature=sample_at, autocast=autocast)
+            texts += decode_completions(tokenizer, out_ids, out_mask, eos)
+    return texts if n is None else [texts[i:i + n] for i in range(0, len(texts), n)]
+
+
 def evaluate(task, complete, step: int, metrics_file=None, reporter=None) -> dict:
     """The task's held-out evaluation: evaluate(complete), where complete(prompts) -> list[str] is greedy
     decoding of the policy (the same prompt encoding, BOS and --max-new-tokens as training) and
-    complete(prompts, n=..., temperature=...) samples n per prompt (grpo/rollout.py eval_completions). What the
+    complete(prompts, n=..., temperature=...) samples n per prompt (eval_completions). What the
     task returns (checked: names to finite numbers) is printed as a table and logged as a record with "kind":
     "eval" (to the JSONL file and the --report-to reporter). Rank 0 alone calls it: nothing here waits on
     another rank."""
     t0 = time.perf_counter()
-    with contextlib.closing(log.Counting(complete, f"eval at step {step}")) as counted:   # said, not silent
+    with contextlib.closing(log.EvalProgress(complete, f"eval at step {step}")) as counted:   # said, not silent
         result = check_metrics(task.evaluate(counted))
     record = {"kind": "eval", "step": step, **result, "eval_time_s": time.perf_counter() - t0}
     print(eval_table(record), flush=True)

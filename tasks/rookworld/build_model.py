@@ -241,7 +241,8 @@ def own_repeats_loss(model, batch, pieces: list[str], eos: int, device, autocast
     gives a repeat little probability (2.5% on average); it repeats after its own guesses, which the data
     never shows it. So the prompts of `batch` are decoded greedily through the M: field and the repeats
     found there are pushed down."""
-    from grpo.rollout import generate, left_pad
+    from grpo.decoders import generate
+    from grpo.rollout import left_pad
     prompts = [ids[:start] for ids, start in batch]
     model.eval()
     with torch.no_grad():
@@ -355,7 +356,7 @@ def read_json(path: str):
 
 def greedy_samples(model, tok, samples: list[tuple[str, str]]) -> list[dict]:
     """Greedy completions of a few training prompts: a quick look that the format was learned."""
-    from grpo.rollout import eval_completions
+    from harness.task import eval_completions
     texts = eval_completions(model, tok, [p for p, _ in samples], prepend_bos=True, max_new_tokens=96,
                              batch=len(samples), device=model.device)
     return [{"prompt": prompt, "expected": want, "greedy": text, "exact": text == want}

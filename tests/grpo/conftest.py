@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from grpo.model import load_policy, load_tokenizer
-from grpo.rollout import encode_prompts, generate, left_pad
+from grpo.decoders import generate
+from grpo.rollout import encode_prompts, left_pad
 
 
 @pytest.fixture(scope="session")

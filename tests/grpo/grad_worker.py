@@ -92,10 +92,10 @@ def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold
     elif cfg.top_entropy_quantile < 1:
         pg_mask = update.high_entropy_tokens(model, rollout, rows, mask, micro, cfg, None)
     # the pretraining mix: every rank holds the update's texts and takes its share (grpo/ptx.py)
-    texts = PtxBatch(**batch["ptx"]).share(rank, world) if cfg.ptx_coef else None
+    texts = PtxBatch(**batch["ptx"]).for_device(rank, world) if cfg.ptx_coef else None
     params = [p for p in model.parameters() if p.requires_grad]
     update.accumulate(model, torch.optim.SGD(params, lr=0.0), rollout, rows, micro, mask, pg_mask, denominator, cfg,
-                      None, ptx=texts)
+                      None, mix=texts)
     distributed.sum_gradients(params)
     return torch.cat([p.grad.reshape(-1) for p in params])
 

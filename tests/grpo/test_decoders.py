@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import grpo.decoders as decoders
-import grpo.rollout as rollout
 from grpo.model import completion_logprobs
 from grpo.model import load_policy, load_tokenizer
-from grpo.rollout import encode_prompts, generate, left_pad, sample_token
+from grpo.decoders import generate, sample_token
+from grpo.rollout import encode_prompts, left_pad
 
 
 def _group_batch(tok, group=4):
@@ -59,7 +59,7 @@ def _decoder_used(monkeypatch):
         decoder = make(*args, **kwargs)
         used.append(type(decoder))
         return decoder
-    monkeypatch.setattr(rollout, "decoder_for", recording)
+    monkeypatch.setattr(decoders, "decoder_for", recording)
     return used
 
 
@@ -136,14 +136,14 @@ def test_checking_for_the_end_every_few_steps_returns_what_checking_every_step_d
     for eos in set(free.flatten().tolist()):  # tokens the rows emit greedily: each row ends somewhere
         for min_new_tokens in (0, 3, 11):
             runs = []
-            for every in (1, rollout.DONE_CHECK_EVERY):
-                monkeypatch.setattr(rollout, "DONE_CHECK_EVERY", every)
+            for every in (1, decoders.DONE_CHECK_EVERY):
+                monkeypatch.setattr(decoders, "DONE_CHECK_EVERY", every)
                 runs.append(generate(model, ids, mask, eos_id=eos, max_new_tokens=20, temperature=0.0,
                                      min_new_tokens=min_new_tokens))
             for a, b in zip(*runs):
                 assert torch.equal(a, b)
             ends.append(runs[0][0].shape[1])
-    assert any(n % rollout.DONE_CHECK_EVERY for n in ends if n < 20), ends  # some ended between two checks
+    assert any(n % decoders.DONE_CHECK_EVERY for n in ends if n < 20), ends  # some ended between two checks
 
 
 def test_fast_paths_refuse_what_they_do_not_compute():
@@ -242,11 +242,11 @@ def test_a_decoder_is_freed_without_the_cycle_collector(tiny_model_dir, compile)
     gc.collect()
     gc.disable()
     try:
-        rollout.decoder_for = recording
+        decoders.decoder_for = recording
         generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=8, compile=compile)
         assert len(made) == 1 and made[0]() is None
     finally:
-        rollout.decoder_for = make
+        decoders.decoder_for = make
         gc.enable()
 
 

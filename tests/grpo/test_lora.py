@@ -16,7 +16,8 @@ from harness import checkpoint, config  # noqa: E402
 from grpo.decoders import GPT2Decoder, LlamaDecoder  # noqa: E402
 from grpo.model import (ModelLoadError, add_lora, completion_logprobs, load_policy, load_tokenizer,  # noqa: E402
                         lora_summary, reference_weights)
-from grpo.rollout import encode_prompts, generate, left_pad  # noqa: E402
+from grpo.decoders import generate  # noqa: E402
+from grpo.rollout import encode_prompts, left_pad  # noqa: E402
 
 LORA = ["--task", "toy", "--lora-rank", "4", "--kl-coef", "0.5", "--learning-rate", "1e-2"]
 

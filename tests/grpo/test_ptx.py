@@ -12,7 +12,7 @@ import torch
 from grpo import ptx
 from grpo.algorithm import ptx_loss
 from grpo.model import completion_logprobs, load_policy, load_tokenizer
-from harness.task import TaskError
+from harness.task import TaskError, checked_texts, mix_source
 from helpers import records
 
 TEXTS = ["Repeat a: aaaa", ("Repeat b: ", "bb"), ("", "x y z"), ("a much longer context than the rest: ", "q")]
@@ -84,16 +84,16 @@ def test_a_text_longer_than_the_model_keeps_its_start(tiny):
 def test_the_text_comes_from_a_file_of_lines_or_the_task(tmp_path):
     path = tmp_path / "text.txt"
     path.write_text("first line\n\n   \nsecond line\n")
-    draw = ptx.source(None, str(path))
+    draw = mix_source(None, str(path))
     assert set(draw(50, random.Random(0))) == {"first line", "second line"}
     task = Demonstrating()
-    assert ptx.source(task, None) == task.demonstrations
+    assert mix_source(task, None)(5, random.Random(1)) == task.demonstrations(5, random.Random(1))
     (tmp_path / "empty.txt").write_text("\n  \n")
     with pytest.raises(TaskError, match="empty.txt has no text"):
-        ptx.source(None, str(tmp_path / "empty.txt"))
+        mix_source(None, str(tmp_path / "empty.txt"))
     from tasks.toy import ToyTask
     with pytest.raises(TaskError, match=r"--ptx-file PATH.*demonstrations\(n, rng\) \(toy has none\)"):
-        ptx.source(ToyTask(), None)
+        mix_source(ToyTask(), None)
 
 
 def test_a_steps_texts_are_a_function_of_seed_and_step(tiny):
@@ -110,23 +110,22 @@ def test_a_steps_texts_are_a_function_of_seed_and_step(tiny):
     assert draw(16, random.Random(7)) != draw(16, random.Random("ptx 7"))
 
 
-def test_a_task_that_returns_the_wrong_texts_is_named(tiny):
-    tok, _ = tiny
+def test_a_task_that_returns_the_wrong_texts_is_named():
     with pytest.raises(TaskError, match=r"demonstrations\(8, rng\) returned 3 texts, not 8"):
-        ptx.step_batches(lambda n, rng: ["a"] * 3, 0, 1, 8, tok, True, None)
+        checked_texts(lambda n, rng: ["a"] * 3, 8, random.Random(0))
     with pytest.raises(TaskError, match=r"returned a generator, not a list of 8 texts"):
-        ptx.step_batches(lambda n, rng: ("a" for _ in range(n)), 0, 1, 8, tok, True, None)
+        checked_texts(lambda n, rng: ("a" for _ in range(n)), 8, random.Random(0))
     with pytest.raises(TaskError, match="a string or a .context, target. pair of strings, not 3"):
-        ptx.encode(["a", 3], tok, True, None)
+        checked_texts(lambda n, rng: ["a", 3], 2, random.Random(0))
 
 
 def test_a_devices_share_keeps_the_whole_updates_token_count(tiny):
     tok, _ = tiny
     batch = ptx.encode(TEXTS + ["b"], tok, True, None)
-    shares = [batch.share(rank, 2) for rank in range(2)]
+    shares = [batch.for_device(rank, 2) for rank in range(2)]
     assert [s.input_ids.shape[0] for s in shares] == [3, 2] and all(s.tokens == batch.tokens for s in shares)
     assert sum(s.target.sum().item() for s in shares) == batch.tokens
-    assert ptx.encode(["a"], tok, True, None).share(1, 2).input_ids.shape[0] == 0   # a device may get none
+    assert ptx.encode(["a"], tok, True, None).for_device(1, 2).input_ids.shape[0] == 0   # a device may get none
 
 
 def ptx_run(model, text_file, out, *extra):

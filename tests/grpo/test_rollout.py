@@ -6,9 +6,9 @@ import torch
 import train_lean
 from grpo.model import completion_logprobs
 from grpo.model import load_policy, load_tokenizer, position_ids_from_mask
-from grpo.rollout import (completion_mask, decode_completions, encode_prompts, eval_completions, generate, left_pad,
-                          sample_token)
-from harness.task import TaskError
+from grpo.decoders import completion_mask, generate, sample_token
+from grpo.algorithm import informative_groups
+from grpo.rollout import decode_completions, encode_prompts, left_pad, merge_rounds, missing_groups
 from helpers import read_jsonl
 
 
@@ -155,7 +155,7 @@ def test_a_prompt_that_encodes_to_nothing_is_named():
     bare.normalizer, bare.pre_tokenizer = normalizers.Strip(), pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=bare, eos_token="<eos>")
     assert encode_prompts(tok, ["a", "a a"], prepend_bos=False) == [[1], [1, 1]]
-    with pytest.raises(TaskError, match=r"the prompt '   ' encodes to no tokens with the model's tokenizer"):
+    with pytest.raises(ValueError, match=r"the prompt '   ' encodes to no tokens with the model's tokenizer"):
         encode_prompts(tok, ["a", "   "], prepend_bos=False)
 
 
@@ -165,7 +165,7 @@ def test_a_prompt_and_its_completion_may_fill_the_context_exactly(tiny_model_dir
     base = ["--model", tiny_model_dir, "--task", "toy", "--batch-size", "2", "--group-size", "2", "--steps", "1",
             "--eval-interval", "0", "--log-level", "warning"]
     assert len(encode_prompts(tok, ["Repeat b: "], True, room, 512)[0]) == 512 - room
-    with pytest.raises(TaskError, match=f"plus --max-new-tokens {room + 1} needs 513 positions, more than the model's "
+    with pytest.raises(ValueError, match=f"plus --max-new-tokens {room + 1} needs 513 positions, more than the model's "
                                         f"512: lower --max-new-tokens to {room} or shorten the task's prompts"):
         encode_prompts(tok, ["Repeat b: "], True, room + 1, 512)
     # every completion as long as the limit allows: the last position is 511, the model's last
@@ -177,50 +177,30 @@ def test_a_prompt_and_its_completion_may_fill_the_context_exactly(tiny_model_dir
     assert exit_.value.code == 2
 
 
-EVAL_PROMPTS = ["Repeat a: ", "P: rnbqkbnr", "A: 8/8/8", "0123456789", "Repeat e: xyz"]
+# ---- dynamic sampling: which groups of several rounds make the batch -------------------------------------
+
+def test_merge_rounds_takes_informative_groups_in_draw_order():
+    # group size 2; round 0: [equal, differ], round 1: [differ, equal, differ]
+    rounds = [torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0.0, 2.0, 3.0, 3.0, 1.0, 0.0])]
+    assert missing_groups(rounds[:1], 2, 2) == 1
+    assert missing_groups(rounds, 2, 2) == 0
+    rows, counts = merge_rounds(rounds, 2, 2)
+    # concatenated rows: round 0 is rows 0-3, round 1 rows 4-9; kept: round 0 group 1, round 1 group 0
+    assert rows.tolist() == [2, 3, 4, 5]
+    assert counts == {"groups_drawn": 5, "groups_dropped": 3, "groups_uninformative": 0}
+    rows, counts = merge_rounds(rounds, 2, 3)
+    assert rows.tolist() == [2, 3, 4, 5, 8, 9]
+    assert counts == {"groups_drawn": 5, "groups_dropped": 2, "groups_uninformative": 0}
+    # whatever is picked, every picked group is informative when enough were drawn
+    all_rewards = torch.cat(rounds)
+    assert informative_groups(all_rewards[rows], 2).all()
 
 
-@pytest.fixture(scope="module")
-def tiny_complete(tiny_model_dir):
-    """complete() as the trainer builds it (train_lean.py), on the tiny GPT-2, 7 rows a batch."""
-    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
-    return lambda prompts, seed=0, **kw: eval_completions(model, tok, prompts, **kw, prepend_bos=True,
-                                                          max_new_tokens=12, batch=7, seed=seed)
-
-
-def test_eval_completions_greedy_is_the_argmax_decoding(tiny_model_dir, tiny_complete):
-    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
-    ids, mask = left_pad(encode_prompts(tok, EVAL_PROMPTS, True), tok.eos_token_id)
-    out, out_mask, _ = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=12, temperature=0.0)
-    greedy = tiny_complete(EVAL_PROMPTS)
-    assert greedy == decode_completions(tok, out, out_mask, tok.eos_token_id)
-    assert len(set(greedy)) == len(EVAL_PROMPTS)   # distinct: the test below can tell the prompts' samples apart
-
-
-def test_eval_completions_samples_n_per_prompt_in_prompt_order(tiny_complete):
-    samples = tiny_complete(EVAL_PROMPTS, n=4, temperature=1.0)
-    assert [len(group) for group in samples] == [4] * 5 and all(isinstance(t, str) for g in samples for t in g)
-    assert all(len(set(group)) > 1 for group in samples)   # n draws, not one repeated
-    # at a temperature near 0 every sample is the greedy completion of its own prompt (rows cross batches of 7)
-    cold = tiny_complete(EVAL_PROMPTS, n=3, temperature=1e-4)
-    assert cold == [[g] * 3 for g in tiny_complete(EVAL_PROMPTS)]
-
-
-def test_eval_completions_are_seeded_and_leave_torchs_rng_alone(tiny_complete):
-    torch.manual_seed(123)
-    before = torch.get_rng_state()
-    first = tiny_complete(EVAL_PROMPTS, n=4, temperature=1.0)
-    assert torch.equal(torch.get_rng_state(), before)   # training draws next what it would have drawn
-    assert tiny_complete(EVAL_PROMPTS, n=4, temperature=1.0) == first   # the same at every evaluation
-    assert tiny_complete(EVAL_PROMPTS, seed=1, n=4, temperature=1.0) != first   # another --seed, other samples
-
-
-@pytest.mark.parametrize("kw, message", [
-    (dict(temperature=0.7), "complete(prompts, temperature=0.7) samples only with n"),
-    (dict(n=0), "complete(prompts, n=0, temperature=None): n must be an int >= 1"),
-    (dict(n=2.0), "n must be an int >= 1"),
-    (dict(n=4, temperature=0.0), "n must be an int >= 1 and the temperature > 0"),
-])
-def test_eval_completions_refuse_a_sampling_they_cannot_do(tiny_complete, kw, message):
-    with pytest.raises(TaskError, match=re.escape(message)):
-        tiny_complete(EVAL_PROMPTS, **kw)
+def test_merge_rounds_fills_with_the_earliest_uninformative_groups_when_rounds_run_out():
+    rounds = [torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([2.0, 2.0, 5.0, 5.0])]
+    assert missing_groups(rounds, 2, 3) == 2
+    rows, counts = merge_rounds(rounds, 2, 3)
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5]  # the informative group, then uninformative ones by draw order
+    assert counts == {"groups_drawn": 4, "groups_dropped": 1, "groups_uninformative": 2}
+    with pytest.raises(ValueError, match="fewer than the batch"):
+        merge_rounds(rounds, 2, 5)

@@ -74,7 +74,7 @@ def test_a_threshold_per_micro_batch_is_a_different_gradient(rollout64, batch):
 def test_dr_grpo_denominator_is_the_same_whatever_the_lengths(batch):
     cmask = batch["cmask"]
     assert loss_denominator(cmask, loss_config(loss_agg="dr-grpo", max_new_tokens=MAX_NEW_TOKENS)) == 64 * MAX_NEW_TOKENS
-    assert loss_denominator(torch.ones_like(cmask), loss_config(loss_agg="dr_grpo", max_new_tokens=MAX_NEW_TOKENS)) == 64 * MAX_NEW_TOKENS
+    assert loss_denominator(torch.ones_like(cmask), loss_config(loss_agg="dr-grpo", max_new_tokens=MAX_NEW_TOKENS)) == 64 * MAX_NEW_TOKENS
 
 
 @pytest.mark.slow

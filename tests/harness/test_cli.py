@@ -107,3 +107,12 @@ def test_sampling_an_evaluation_that_never_runs_is_refused():
         cli.load(["--task", "toy", "--eval-k", "4", "--eval-interval", "0"], environ={}, **toy)
     for argv in (["--eval-interval", "5"], ["--eval-only"], []):   # an evaluation that runs: accepted
         assert cli.load(["--task", "toy", "--eval-k", "4", *argv], environ={}, **toy).options.eval_k == 4
+
+
+def test_trl_loss_type_names_are_our_aggregations():
+    # resolved where the value enters: the loss (grpo/algorithm.py) knows only its own names
+    for trl, ours in {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean", "dr_grpo": "dr-grpo",
+                      "token-mean": "token-mean"}.items():
+        assert load(["--task", "toy", "--loss-agg", trl], {})[0].loss_agg == ours
+    with pytest.raises(ConfigError, match="'sum' is not one of token-mean, seq-mean, dr-grpo, dapo, bnpo, grpo, dr_grpo"):
+        load(["--task", "toy", "--loss-agg", "sum"], {})

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import grpo.update
+import harness.guards
 import train_lean
 from helpers import SMALL, records, weights
 from harness.task import score
@@ -43,6 +44,7 @@ def fake_allocator(monkeypatch, rows_that_fit: int, let_through: int = 0):
         return real(model, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(grpo.update, "completion_logprobs", completion_logprobs)
+    monkeypatch.setattr(harness.guards, "completion_logprobs", completion_logprobs)   # the probe's forward
 
 
 def test_out_of_memory_halves_the_micro_batch_and_redoes_the_step_exactly(tiny_model_dir, tmp_path, monkeypatch):

@@ -7,24 +7,24 @@ import sys
 import pytest
 import torch
 
-from harness.log import ReportError, batch_stats, combine, open_reporter, scalars
+from harness.log import ReportError, batch_stats, open_reporter, scalars, whole_step
 from helpers import SMALL, read_jsonl, train
 
 
-def share(rewards, lengths, truncated, components, errors, reports, train_rewards=None):
-    """One device's log.share(), as the gather hands it to combine()."""
+def part(rewards, lengths, truncated, components, errors, reports, train_rewards=None):
+    """One device's log.device_part(), as the gather hands it to whole_step()."""
     return {"rewards": torch.tensor(rewards), "train_rewards": train_rewards, "lengths": torch.tensor(lengths),
             "truncated": torch.tensor(truncated), "components": components, "errors": errors,
             "scored": len(rewards), "reports": reports}
 
 
 def test_the_step_over_two_devices():
-    everyone = combine([share([0.0, 2.0], [3, 24], [False, True], {"format": 1.0}, {"ValueError": 1},
+    step_rows = whole_step([part([0.0, 2.0], [3, 24], [False, True], {"format": 1.0}, {"ValueError": 1},
                               {"ValueError": "rank 0's"}),
-                        share([1.0, 1.0, 0.0, 4.0], [10, 24, 5, 5], [False, True, False, False], {"format": 0.5},
+                        part([1.0, 1.0, 0.0, 4.0], [10, 24, 5, 5], [False, True, False, False], {"format": 0.5},
                               {"ValueError": 2, "returned None": 1},
                               {"ValueError": "rank 1's", "returned None": "r1"})])
-    stats = batch_stats(everyone, 2)
+    stats = batch_stats(step_rows, 2)
     assert (stats["completion_len_min"], stats["completion_len_max"]) == (3.0, 24.0)
     assert stats["truncated_frac"] == pytest.approx(2 / 6)
     assert stats["completion_len_mean"] == pytest.approx(71 / 6)
@@ -34,14 +34,14 @@ def test_the_step_over_two_devices():
     assert stats["reward_format"] == 0.75                  # each device's mean, averaged over the devices
     assert stats["reward_errors"] == {"ValueError": 3, "returned None": 1}
     assert "kl_reward_penalty" not in stats                # no KL penalty was taken out of the rewards
-    assert everyone["scored"] == 6 and everyone["reports"] == {"ValueError": "rank 0's", "returned None": "r1"}
-    assert everyone["train_rewards"] is everyone["rewards"]
+    assert step_rows["scored"] == 6 and step_rows["reports"] == {"ValueError": "rank 0's", "returned None": "r1"}
+    assert step_rows["train_rewards"] is step_rows["rewards"]
 
 
 def test_a_kl_penalty_in_the_reward_is_its_own_statistic():
-    everyone = combine([share([1.0, 0.0], [2, 2], [False, False], {}, {}, {}, torch.tensor([0.5, -0.5]))])
-    assert batch_stats(everyone, 2)["kl_reward_penalty"] == pytest.approx(0.5)
-    assert everyone["train_rewards"].tolist() == [0.5, -0.5]
+    step_rows = whole_step([part([1.0, 0.0], [2, 2], [False, False], {}, {}, {}, torch.tensor([0.5, -0.5]))])
+    assert batch_stats(step_rows, 2)["kl_reward_penalty"] == pytest.approx(0.5)
+    assert step_rows["train_rewards"].tolist() == [0.5, -0.5]
 
 
 @pytest.mark.slow

@@ -13,9 +13,11 @@ import torch
 import train_lean
 from helpers import SMALL, read_jsonl, records, train, weights
 
+from grpo.decoders import generate
 from grpo.model import load_policy, load_tokenizer
-from grpo.rollout import eval_completions
-from harness.task import TaskError, build, check_metrics, draw_prompts, evaluate, pass_at_k, sampled_metrics, score
+from grpo.rollout import decode_completions, encode_prompts, left_pad
+from harness.task import (TaskError, build, check_metrics, draw_prompts, eval_completions, evaluate, pass_at_k,
+                          sampled_metrics, score)
 from tasks import get_task
 from tasks.toy import ToyTask
 
@@ -571,3 +573,54 @@ def test_a_task_without_evaluate_is_not_evaluated_and_cannot_be_asked_to(rewards
         with pytest.raises(SystemExit):
             train_lean.main(["--model", "unused", "--task", f"{rewards_file}:Flat", *ask, "--out-dir", str(tmp_path)])
         assert f"{ask[0]}: --task {rewards_file}:Flat has no evaluate(complete) method" in capsys.readouterr().err
+
+
+# ---- complete(): the trainer's decoding for evaluate() ------------------------------------------------------
+
+EVAL_PROMPTS = ["Repeat a: ", "P: rnbqkbnr", "A: 8/8/8", "0123456789", "Repeat e: xyz"]
+
+
+@pytest.fixture(scope="module")
+def complete_7_rows(tiny_model_dir):
+    """complete() as the trainer builds it (harness/run.py), on the tiny GPT-2, 7 rows a batch."""
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    return lambda prompts, seed=0, **kw: eval_completions(model, tok, prompts, **kw, prepend_bos=True,
+                                                          max_new_tokens=12, batch=7, seed=seed)
+
+
+def test_eval_completions_greedy_is_the_argmax_decoding(tiny_model_dir, complete_7_rows):
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    ids, mask = left_pad(encode_prompts(tok, EVAL_PROMPTS, True), tok.eos_token_id)
+    out, out_mask, _ = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=12, temperature=0.0)
+    greedy = complete_7_rows(EVAL_PROMPTS)
+    assert greedy == decode_completions(tok, out, out_mask, tok.eos_token_id)
+    assert len(set(greedy)) == len(EVAL_PROMPTS)   # distinct: the test below can tell the prompts' samples apart
+
+
+def test_eval_completions_samples_n_per_prompt_in_prompt_order(complete_7_rows):
+    samples = complete_7_rows(EVAL_PROMPTS, n=4, temperature=1.0)
+    assert [len(group) for group in samples] == [4] * 5 and all(isinstance(t, str) for g in samples for t in g)
+    assert all(len(set(group)) > 1 for group in samples)   # n draws, not one repeated
+    # at a temperature near 0 every sample is the greedy completion of its own prompt (rows cross batches of 7)
+    cold = complete_7_rows(EVAL_PROMPTS, n=3, temperature=1e-4)
+    assert cold == [[g] * 3 for g in complete_7_rows(EVAL_PROMPTS)]
+
+
+def test_eval_completions_are_seeded_and_leave_torchs_rng_alone(complete_7_rows):
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    first = complete_7_rows(EVAL_PROMPTS, n=4, temperature=1.0)
+    assert torch.equal(torch.get_rng_state(), before)   # training draws next what it would have drawn
+    assert complete_7_rows(EVAL_PROMPTS, n=4, temperature=1.0) == first   # the same at every evaluation
+    assert complete_7_rows(EVAL_PROMPTS, seed=1, n=4, temperature=1.0) != first   # another --seed, other samples
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(temperature=0.7), "complete(prompts, temperature=0.7) samples only with n"),
+    (dict(n=0), "complete(prompts, n=0, temperature=None): n must be an int >= 1"),
+    (dict(n=2.0), "n must be an int >= 1"),
+    (dict(n=4, temperature=0.0), "n must be an int >= 1 and the temperature > 0"),
+])
+def test_eval_completions_refuse_a_sampling_they_cannot_do(complete_7_rows, kw, message):
+    with pytest.raises(TaskError, match=re.escape(message)):
+        complete_7_rows(EVAL_PROMPTS, **kw)

@@ -10,7 +10,8 @@ import torch
 from harness import config
 from tasks.rookworld import evaluate
 from grpo.model import load_policy, load_tokenizer
-from grpo.rollout import encode_prompts, eval_completions
+from grpo.rollout import encode_prompts
+from harness.task import eval_completions
 from tasks.rookworld.format import is_uci, parse_policy_completion, policy_format_checks
 
 from helpers import REPO

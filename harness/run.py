@@ -1,0 +1,221 @@
+"""The run around the algorithm: what train_lean.py calls by name so that its loop stays the algorithm.
+
+    run = Run(argv)                  every setting checked (a bad one exits 2 with one line), OUT_DIR locked,
+                                     the devices joined, settings.txt written, the RNGs seeded
+    with run:                        every way out closes what the run opened; a failure after a completed step
+                                     saves that step (harness/checkpoint.py Saver)
+        task, mix_source = run.open_task()       the task, its answers checked; --ptx-coef's text
+        policy, reference, tokenizer = run.load_models()
+        guard = run.start_training(optimizer)   --resume's state, the micro-batch, logs, checkpoints, step 0's eval
+        for step in run.steps():                 progress bar, phases, a clean stop on a signal, checkpoints, the
+            run.phase_done("gen")                final model; each phase's time and memory
+            run.check_rewards(step, batch, rec)  failed rewards said (every one failed: the run stops)
+            run.end_step(rec, batch)             the record, console line and evaluation
+
+The algorithm modules (grpo/) never import this package; it imports them.
+"""
+import contextlib
+import functools
+import os
+import random
+import sys
+
+from tqdm import tqdm
+
+import tasks
+from grpo import distributed
+from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
+                        load_trainable, model_autocast)
+from grpo.rollout import encode_prompts, stream_seed, wants_bos
+from harness import checkpoint, cli, config, guards, log, memory, rundir, screen
+from harness import task as task_lib
+
+
+def usage_error(message: str):
+    log.warn(f"error: {message}")  # under torchrun every rank fails alike; rank 0 says so
+    sys.exit(2)
+
+
+class Run:
+    def __init__(self, argv=None):
+        try:
+            self.loaded = cli.load(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
+            cfg = self.cfg = self.loaded.cfg
+            self.layout = config.batch_layout(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+            rundir.check_paths(cfg)
+            rundir.check_paths(self.loaded.options)
+            lock, self.resume_from = rundir.prepare(cfg, self.loaded.options)  # OUT_DIR locked, no other run's records
+        except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
+            usage_error(str(e))
+        self.evaluating = hasattr(self.loaded.task, "evaluate") and (cfg.eval_only or cfg.eval_interval > 0)
+        self.rank, self.world, self.device = distributed.init(cfg.device)
+        self.main = distributed.is_main()   # only rank 0 prints, logs, saves and evaluates
+        self.info = functools.partial(log.info, self.main and cfg.log_level != "warning")
+        screen.keep_settings(cfg, screen.describe(cfg, self.loaded.options, self.loaded.sources, self.layout), self.main)
+        self.autocast = model_autocast(self.device, cfg.dtype)   # bf16 matmuls over fp32 weights and AdamW state
+        checkpoint.seed_all(cfg.seed)
+        self.start_step = checkpoint.step_of(self.resume_from) if self.resume_from else 0
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
+        self.stack.push(distributed.close)      # told whether the run ended by an exception
+        self.exit_code = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stack.__exit__(*exc)
+        if exc[0] is None and self.exit_code:
+            sys.exit(self.exit_code)
+        return False
+
+    def open_task(self):
+        """(the task, its prompts checked where they enter; --ptx-coef's source of texts or None). The first step's
+        prompts are drawn now, to be checked with the tokenizer and the model's config before the weights load."""
+        cfg = self.cfg
+        try:
+            task = task_lib.CheckedTask(task_lib.build(self.loaded.task, self.loaded.options, cfg.task))
+            self.stack.callback(task_lib.close, task)
+            mix_source = task_lib.mix_source(task, cfg.ptx_file) if cfg.ptx_coef else None
+            self.first_prompts = [] if cfg.eval_only else task.prompts(
+                self.layout.prompts_per_step, random.Random(stream_seed(cfg.seed, self.start_step + 1)))
+        except task_lib.TaskError as e:
+            usage_error(str(e))
+        self.task = task
+        return task, mix_source
+
+    def load_models(self):
+        """(the policy, the KL reference or None, the tokenizer). The reference is a frozen copy of the starting
+        policy on the same device, only when used (with LoRA the policy with its adapters off); a resumed run
+        anchors its KL to the starting model too (unless --ref-sync-steps moved it: start_training loads it)."""
+        cfg, device, source = self.cfg, self.device, self.resume_from or self.cfg.model
+        try:
+            self.tokenizer = load_tokenizer(source)   # checked against the model's vocab_size
+            self.prepend_bos = wants_bos(cfg.prompt_bos, self.tokenizer)
+            self.context = context_length(load_config(source))
+            try:
+                self.first_ids = encode_prompts(self.tokenizer, self.first_prompts, self.prepend_bos,
+                                                cfg.max_new_tokens, self.context)
+            except ValueError as e:   # a prompt too long for the model, or of no tokens
+                raise task_lib.TaskError(str(e)) from None
+            self.policy, self.lora = load_trainable(cfg, device, self.resume_from)
+            self.reference = None if cfg.kl_coef == 0 or cfg.eval_only else (
+                self.lora or frozen_copy(load_policy(cfg.model, device) if self.resume_from else self.policy))
+        except (task_lib.TaskError, ModelLoadError) as e:
+            usage_error(str(e))
+        self.info(screen.header(self.loaded, self.layout, device, self.policy, self.resume_from, self.lora))
+        if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/model.py)
+            self.policy.activation_checkpointing_enable({"use_reentrant": False})
+        # the task's held-out evaluate(complete): greedy decoding, or seeded samples; rank 0 alone evaluates
+        self.complete = functools.partial(
+            task_lib.eval_completions, self.policy, self.tokenizer, prepend_bos=self.prepend_bos, device=device,
+            max_new_tokens=cfg.max_new_tokens, batch=self.layout.generation_batch, autocast=self.autocast, seed=cfg.seed)
+        return self.policy, self.reference, self.tokenizer
+
+    def evaluate_only(self) -> None:
+        """--eval-only: the task's evaluation of --model; a log file only when asked for (an earlier run's metrics
+        are not overwritten)."""
+        if self.main:
+            task_lib.evaluate(self.task, self.complete, self.start_step, self.stack.enter_context(
+                log.open_jsonl(self.cfg.log_file)) if self.cfg.log_file else None)
+
+    def start_training(self, optimizer) -> guards.Guard:
+        """Before the first step: --resume's optimizer, reference and RNG states; the guard of the update (its
+        micro-batch probed with --micro-batch-size auto); the logs, reporter and checkpoints; the step-0 evaluation."""
+        cfg, layout, streak = self.cfg, self.layout, 0
+        if self.resume_from:
+            state = checkpoint.load_state(self.resume_from)
+            optimizer.load_state_dict(state["optimizer"])
+            streak = state["nonfinite_streak"]
+            if "reference" in state:  # --ref-sync-steps moved it: the checkpoint holds where it was
+                self.reference.load_state_dict(state["reference"])
+            # each rank continues its own RNG streams (rank 0's when the device count changed)
+            checkpoint.set_rng_states(state["rng"][self.rank] if len(state["rng"]) == self.world else state["rng"][0])
+            self.info(f"resumed from {self.resume_from} after step {self.start_step}")
+        self.guard = guards.Guard(layout.micro_batch, layout.mini_batch_per_device, self.info, streak)
+        if layout.micro_batch_auto:
+            longest = max(map(len, self.first_ids)) + cfg.max_new_tokens
+            micro = guards.probe_micro_batch(self.guard, self.policy, optimizer, longest, self.tokenizer.eos_token_id,
+                                             cfg, self.autocast)
+            self.info(f"micro-batch auto: {micro} per device ({micro * self.world} global) fits at {longest} tokens, "
+                      f"{layout.mini_batch_per_device // micro} gradient-accumulation steps")
+        settings = config.settings(cfg, self.loaded.options)
+        self.metrics_file, self.completions_file = log.open_run_logs(
+            log.metrics_path(cfg), cfg.log_completions, self.start_step if self.resume_from else None,
+            self.stack) if self.main else (None, None)
+        try:  # TensorBoard or W&B as well, on rank 0 (--report-to)
+            self.reporter = log.open_reporter(cfg.report_to if self.main else "none", cfg.out_dir, settings)
+        except log.ReportError as e:
+            usage_error(str(e))
+        self.stack.callback(self.reporter.close)
+        # checkpoints; and on a failure after a completed step, that step's (harness/checkpoint.py)
+        self.saver = self.stack.enter_context(checkpoint.Saver(
+            cfg.out_dir, self.lora or self.policy, self.tokenizer, optimizer, settings, cfg.keep_checkpoints,
+            self.start_step, streak, self.reference if cfg.ref_sync_steps else None))
+        if self.evaluating and self.start_step == 0 and self.main:  # where the run starts from
+            task_lib.evaluate(self.task, self.complete, 0, self.metrics_file, self.reporter)
+        self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate")
+        self.phases = self.stack.enter_context(memory.Phases(self.device, self.rank, cfg, self.info))
+        return self.guard
+
+    def steps(self):
+        """The steps to train, one at a time. After each: a checkpoint when due, when a signal asked the run to stop
+        (Ctrl-C or SIGTERM: the step finishes, is saved, and the run exits 0) or when too many updates in a row were
+        not finite (saved, exit 1). After the last: the trained model in OUT_DIR/model."""
+        cfg = self.cfg
+        bar = tqdm(range(self.start_step + 1, cfg.steps + 1), desc="steps", initial=self.start_step, total=cfg.steps,
+                   disable=not (self.main and sys.stderr.isatty()), file=sys.stderr)
+        self.print_line = tqdm.write if not bar.disable else print
+        with guards.StopOnSignal(self.info) as stop:
+            for step in bar:
+                self.phases.start(step)
+                self.guard.notes.clear()
+                yield step
+                stopping = distributed.any_rank(stop.requested)  # every rank
+                aborting = self.guard.nonfinite_streak >= cfg.max_nonfinite
+                if stopping or aborting or (cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps)):
+                    path = self.saver.save(distributed.gather_objects(checkpoint.rng_states()))  # every rank
+                    self.info(f"saved {path}")
+                if aborting:
+                    log.warn(guards.nonfinite_abort(step, self.guard.nonfinite_streak, path))
+                    self.exit_code = 1
+                    return
+                if stopping:
+                    self.info(f"stopped after step {step}: continue with --resume")
+                    return
+        if cfg.save_final and self.main:  # the run reached its last step: keep what it made
+            folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), self.lora or self.policy, self.tokenizer)
+            self.info(f"saved the trained model to {folder} (from_pretrained loads it)")
+
+    def phase_done(self, name: str) -> None:
+        """The step's phase `name` ended: its time and the memory at its end (harness/memory.py)."""
+        self.phases.end(name)
+
+    def check_rewards(self, step: int, batch, rec: dict) -> None:
+        """Every rank's rows of the step gathered once (every rank) for its record; the first failure of each kind
+        of reward is shown, a step in which every reward failed stops the run (--reward-errors), and the first step
+        whose groups were all flat is named (harness/task.py Scorer)."""
+        parts = distributed.gather_objects(log.device_part(batch, self.scorer, self.cfg.log_completions))
+        self.step_rows = log.whole_step(parts)
+        self.scorer.after_step(step, self.step_rows, rec["frac_zero_std"])
+
+    def end_step(self, rec: dict, batch) -> None:
+        """The step's update has returned: it is what a failure from here on saves; its record, console line and, when
+        due, the held-out evaluation."""
+        cfg, step = self.cfg, rec["step"]
+        self.saver.completed(step, self.guard.nonfinite_streak)
+        self.phases.end("train")
+        rec.update(log.batch_stats(self.step_rows, cfg.group_size))
+        if self.guard.notes:
+            rec.update(oom_retries=len(self.guard.notes), micro_batch=self.guard.micro)
+        rec.update(log.throughput(self.phases.times(), self.step_rows), **self.phases.record())
+        if not self.main:
+            return
+        if cfg.log_completions:
+            log.write_completions(self.completions_file, step, self.step_rows)
+        log.write(self.metrics_file, rec)
+        self.reporter.log(rec, step)
+        if cfg.log_level != "warning":
+            self.print_line(log.step_line(rec, cfg.steps))
+        if self.evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):  # the last: "after"
+            task_lib.evaluate(self.task, self.complete, step, self.metrics_file, self.reporter)
