@@ -5,8 +5,6 @@ import random
 import sys
 
 
-
-
 def get_bench_task(name: str):
     """chess-a: the chess task's A: (environment) prompts and reward when it is installed, else the
     bench's own python-chess stand-in; anything else: a task name as train_lean.py --task takes it."""
@@ -34,7 +32,8 @@ def task_flag(name: str) -> str:
 
 def step_prompts(task, n: int, seed: int, step: int) -> list:
     """The prompts train_lean.py draws at `step` (its rng is seeded by (seed, step))."""
-    return task.prompts(n, random.Random(seed * 1_000_003 + step))
+    from grpo.rollout import stream_seed   # the trainer's own stream (the TRL venv imports this file too)
+    return task.prompts(n, random.Random(stream_seed(seed, step)))
 
 
 MODELS = {

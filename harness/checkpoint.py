@@ -21,11 +21,10 @@ import shutil
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from grpo import distributed
-from harness import log
 from grpo.model import add_lora, is_lora, load_policy
+from harness import log
 
 SUBDIR = "checkpoints"
 ADAPTER = "adapter"  # OUT_DIR/model/adapter: a LoRA run's adapters beside the merged model
@@ -103,15 +102,10 @@ def write_manifest(folder: str) -> None:
 
 
 def damage(path: str):
-    """What is wrong with the checkpoint at path, or None when it is intact: its files against its manifest;
-    a checkpoint of an older trainer, without one, must at least load."""
+    """What is wrong with the checkpoint at path, or None when it is intact: its files against its manifest."""
     try:
         if not os.path.exists(os.path.join(path, MANIFEST)):
-            torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True)
-            for name in os.listdir(path):
-                if name.endswith(".safetensors"):
-                    load_file(os.path.join(path, name))
-            return None
+            return f"{MANIFEST} is missing"
         with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
             files = json.load(f)
         for check in ("size", "sha256"):   # sizes first: a truncated file is found without reading the others
@@ -159,8 +153,8 @@ def resolve(resume: str, out_dir: str, set_aside: bool = False) -> str:
 
 
 def saved_settings(path: str):
-    """The settings the checkpoint at path recorded (None for an older trainer's); memory-mapped, not read."""
-    return torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True).get("config")
+    """The settings the checkpoint at path recorded; memory-mapped, not read."""
+    return torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True)["config"]
 
 
 def save(out_dir: str, step: int, policy, tokenizer, state: dict, keep: int) -> str:

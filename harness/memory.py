@@ -26,6 +26,8 @@ from collections import Counter
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from grpo import distributed
+
 MB = 2**20
 SUBDIR = "memory"   # OUT_DIR/memory: the evidence a run writes
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -89,7 +91,7 @@ class Phases:
         self.device, self.cuda, self.count, self.step = device, device.type == "cuda", 0, None
         self.marks, self.mem = [], {}
         self.trace = None
-        if rank == 0 and cfg.trace_memory:
+        if distributed.is_main() and cfg.trace_memory:
             self.trace = Trace(cfg.trace_memory_after + 1, cfg.trace_memory_after + cfg.trace_memory,
                                os.path.join(cfg.out_dir, SUBDIR), self.cuda, info)
         if self.cuda:

@@ -175,19 +175,16 @@ def _same(old, new) -> bool:
 
 
 def _changes(names, old: dict, new: dict) -> str:
-    return "; ".join(f"{config.flag(n)} {old[n]} -> {new[n]}" for n in names)
+    return "; ".join(f"{config.flag(n)} {old.get(n, '(not recorded)')} -> {new[n]}" for n in names)
 
 
 def check_resume(saved, cfg, options, checkpoint_path: str) -> list:
-    """Compare the settings that define the run with those the checkpoint recorded (saved: its settings, None
-    when an older trainer recorded none). A difference is a ConfigError naming each (old -> new), unless
-    --resume-allow-change names it. Returns the notes to print: the changes allowed, and the settings the
-    checkpoint does not record (an older trainer's), which are not compared."""
-    if saved is None:
-        return [f"{checkpoint_path} records no settings (an older trainer's checkpoint): they are not compared"]
+    """Compare the settings that define the run with those the checkpoint recorded (saved). A difference (a
+    setting it does not record included) is a ConfigError naming each (old -> new), unless --resume-allow-change
+    names it. Returns the notes to print: the changes allowed, and what they do to the schedule."""
     current = config.settings(cfg, options)
     free = resume_free(dataclasses.fields(options) if options is not None else ())
-    changed = [n for n in current if n in saved and n not in free and not _same(saved[n], current[n])]
+    changed = [n for n in current if n not in free and (n not in saved or not _same(saved[n], current[n]))]
     refused = [n for n in changed if n not in allowed_changes(cfg.resume_allow_change)]
     if refused:
         raise config.ConfigError(f"--resume: {checkpoint_path} was trained with other settings: "
@@ -195,10 +192,6 @@ def check_resume(saved, cfg, options, checkpoint_path: str) -> list:
                                  f"--resume-allow-change {','.join(refused)} to change them on purpose")
     notes = [f"resuming with changed settings (--resume-allow-change): {_changes(changed, saved, current)}"] \
         if changed else []
-    unrecorded = [config.flag(n) for n in current if n not in saved and n not in free]
-    if unrecorded:
-        notes.append(f"{checkpoint_path} does not record {', '.join(unrecorded)} (an older trainer's checkpoint): "
-                     f"not compared")
     if saved.get("steps", cfg.steps) != cfg.steps and (cfg.lr_scheduler != "constant" or cfg.lr_warmup_ratio):
         notes.append(f"--steps {saved['steps']} -> {cfg.steps}: the learning-rate schedule (--lr-scheduler "
                      f"{cfg.lr_scheduler}, --lr-warmup-ratio {cfg.lr_warmup_ratio}) is a function of --steps, so the "

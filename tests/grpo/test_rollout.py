@@ -1,14 +1,14 @@
+import dataclasses
 import re
 
 import pytest
 import torch
 
 import train_lean
-from grpo.model import completion_logprobs
-from grpo.model import load_policy, load_tokenizer, position_ids_from_mask
-from grpo.decoders import completion_mask, generate, sample_token
 from grpo.algorithm import informative_groups
-from grpo.rollout import decode_completions, encode_prompts, left_pad, merge_rounds, missing_groups
+from grpo.decoders import completion_mask, generate, sample_token
+from grpo.model import completion_logprobs, load_policy, load_tokenizer, position_ids_from_mask
+from grpo.rollout import Rollout, decode_completions, encode_prompts, left_pad, merge, merge_rounds, missing_groups
 from helpers import read_jsonl
 
 
@@ -204,3 +204,36 @@ def test_merge_rounds_fills_with_the_earliest_uninformative_groups_when_rounds_r
     assert counts == {"groups_drawn": 4, "groups_dropped": 1, "groups_uninformative": 2}
     with pytest.raises(ValueError, match="fewer than the batch"):
         merge_rounds(rounds, 2, 5)
+
+
+def test_a_field_added_to_the_rollout_survives_dynamic_sampling():
+    # a researcher's new per-row fields, one of each shape; merge() must carry them without knowing their names
+    @dataclasses.dataclass
+    class Mine(Rollout):
+        tags: list = None                  # one per row
+        bonus: torch.Tensor = None         # [B]
+        per_token: torch.Tensor = None     # [B, T]
+        per_position: torch.Tensor = None  # [B, prompt width + T]
+
+    def round_of(first, width, T, rewards):   # 4 rows (2 groups of 2), every value tells its row apart
+        B, rows = 4, torch.arange(first, first + 4)
+        full = rows[:, None] * 100 + torch.arange(width + T)
+        return Mine(prompts=[f"p{r}" for r in rows.tolist()], texts=[f"t{r}" for r in rows.tolist()],
+                    input_ids=full, attention=torch.ones(B, width + T, dtype=torch.long),
+                    completion_mask=torch.ones(B, T, dtype=torch.long), old_logp=full[:, width:].float(),
+                    truncated=rows % 2 == 0, rewards=torch.tensor(rewards), tags=[f"tag{r}" for r in rows.tolist()],
+                    bonus=rows.float(), per_token=full[:, width:] + 0.5, per_position=full * 2)
+
+    a, b = round_of(0, 3, 2, [1.0, 1.0, 0.0, 1.0]), round_of(4, 2, 4, [0.0, 1.0, 1.0, 1.0])
+    batch, counts = merge([a, b], group_size=2, groups=2, pad_id=-1)   # informative: a's second group, b's first
+    assert type(batch) is Mine and counts["groups_uninformative"] == 0
+    assert batch.prompts == ["p2", "p3", "p4", "p5"] and batch.tags == ["tag2", "tag3", "tag4", "tag5"]
+    assert batch.bonus.tolist() == [2.0, 3.0, 4.0, 5.0] and batch.truncated.tolist() == [True, False, True, False]
+    assert batch.per_token.tolist() == [
+        [203.5, 204.5, 0, 0], [303.5, 304.5, 0, 0], [402.5, 403.5, 404.5, 405.5], [502.5, 503.5, 504.5, 505.5]]
+    # prompts re-padded on the left to width 3, completions on the right to 4: input_ids with pad_id, others with 0
+    assert batch.input_ids.tolist()[0] == [200, 201, 202, 203, 204, -1, -1]
+    assert batch.input_ids.tolist()[2] == [-1, 400, 401, 402, 403, 404, 405]
+    assert batch.per_position.tolist()[0] == [400, 402, 404, 406, 408, 0, 0]
+    assert batch.per_position.tolist()[3] == [0, 1000, 1002, 1004, 1006, 1008, 1010]
+    assert batch.attention.tolist()[2] == [0, 1, 1, 1, 1, 1, 1] and batch.completion_mask.tolist()[0] == [1, 1, 0, 0]
