@@ -1,12 +1,13 @@
-"""How many of the repository's files one training step calls into, and which calls go from one file to another.
+"""How many of the repository's files one training step calls into, which calls go from one file to another, and
+how many of those files are on the algorithm path (train_lean.py and grpo/) rather than the harness or the task.
 
     python bench/step_files.py            # the toy task on a tiny GPT-2, the default algorithm
     python bench/step_files.py --args "--kl-in reward --dynamic-sampling"
 
 It runs two steps of train_lean.py in this process and follows every Python call of the second step (from
 its Phases.start to the end of the run; no evaluation, no final save) with sys.setprofile. A call is counted
-where it lands in a file of this repository (train_lean.py, grpo/, tasks/), its caller being the nearest frame
-in one. Printed: the files, the edges (file A calls into file B), and the pairs of files that call into each
+where it lands in a file of this repository (train_lean.py, grpo/, harness/, tasks/), its caller being the
+nearest frame in one. Printed: the files, the edges (file A calls into file B), and the pairs of files that call into each
 other both ways (the ping-pong a reader follows back and forth). Nothing is timed: the counts are the same on
 any machine.
 """
@@ -18,7 +19,9 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "scripts")]
-OURS = tuple(os.path.join(REPO, p) for p in ("train_lean.py", "grpo" + os.sep, "tasks" + os.sep))
+OURS = tuple(os.path.join(REPO, p) for p in ("train_lean.py", "grpo" + os.sep, "harness" + os.sep, "tasks" + os.sep))
+# the layers a file belongs to, by where it lives: what a researcher reads to hold the algorithm, and the rest
+LAYERS = {"algorithm path": ("train_lean.py", "grpo/"), "harness": ("harness/",), "task": ("tasks/",)}
 
 import train_lean  # noqa: E402
 from make_tiny_model import build_tiny_model  # noqa: E402
@@ -65,6 +68,8 @@ def main():
     both = sorted({tuple(sorted(e)) for e in edges if e[::-1] in edges})
     print(f"one step calls into {len(files)} files, {len(edges)} edges between files, "
           f"{len(both)} pairs calling each other both ways")
+    print("; ".join(f"{sum(f.startswith(where) for f in files)} on the {layer}" if layer != "task" else
+                    f"{sum(f.startswith(where) for f in files)} of the task" for layer, where in LAYERS.items()))
     for f in files:
         print(f"  {f:30} calls into: {', '.join(sorted(b for a, b in edges if a == f)) or '-'}")
     for a, b in both:
