@@ -17,6 +17,7 @@ import random
 
 import torch
 
+import tasks
 from grpo import distributed, ptx
 from grpo.algorithm import group_advantages, kl_penalised_rewards, learning_rate, overlong_penalty
 from grpo.model import sync_reference, trainable_parameters
@@ -26,7 +27,8 @@ from harness.run import Run
 
 
 def main(argv=None):
-    run = Run(argv)   # every setting checked (a bad one exits 2 with one line), OUT_DIR locked, devices joined
+    # every setting checked (a bad one exits 2 with one line), OUT_DIR locked, the devices joined
+    run = Run(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
     cfg, layout, device, rank, world = run.cfg, run.layout, run.device, run.rank, run.world
     G, P, B = cfg.group_size, layout.prompts_per_device, layout.completions_per_device
     with run:   # every way out closes what the run opened; a failure after a completed step saves that step

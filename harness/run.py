@@ -1,6 +1,7 @@
 """The run around the algorithm: what train_lean.py calls by name so that its loop stays the algorithm.
 
-    run = Run(argv)                  every setting checked (a bad one exits 2 with one line), OUT_DIR locked,
+    run = Run(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
+                                     every setting checked (a bad one exits 2 with one line), OUT_DIR locked,
                                      the devices joined, settings.txt written, the RNGs seeded
     with run:                        every way out closes what the run opened; a failure after a completed step
                                      saves that step (harness/checkpoint.py Saver)
@@ -22,7 +23,6 @@ import sys
 
 from tqdm import tqdm
 
-import tasks
 from grpo import distributed
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
                         load_trainable, model_autocast)
@@ -37,9 +37,10 @@ def usage_error(message: str):
 
 
 class Run:
-    def __init__(self, argv=None):
+    def __init__(self, argv=None, builtin: dict = None, default_task: str = None):
+        """argv: the command line (default sys.argv); builtin and default_task: the task registry (tasks/)."""
         try:
-            self.loaded = cli.load(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
+            self.loaded = cli.load(argv, builtin=builtin, default_task=default_task)
             cfg = self.cfg = self.loaded.cfg
             self.layout = config.batch_layout(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
             rundir.check_paths(cfg)
