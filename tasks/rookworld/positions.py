@@ -211,15 +211,18 @@ def move_category(board: chess.Board, move: chess.Move) -> str:
 
 def illegal_move(board: chess.Board, rng: random.Random) -> chess.Move:
     """A syntactically valid move that is not legal here, of one of several kinds."""
-    legal = set(board.legal_moves)
+    # chosen from in generation order: a set of moves iterates in the order of their hashes, and a Move's hash
+    # includes hash(None), which before Python 3.12 is None's address: another order in every process
+    ordered = list(board.legal_moves)
+    legal = set(ordered)   # membership only
     kinds = {
         # pseudo-legal but leaves or puts the own king in check
         "self-check": [m for m in board.pseudo_legal_moves if m not in legal],
         # moves of the opponent's pieces
         "wrong-side": [m for m in _pseudo_legal_for(board, not board.turn) if m not in legal],
         # a pawn move to the last rank without a promotion piece, or a promotion elsewhere
-        "bad-promotion": [chess.Move(m.from_square, m.to_square) for m in legal if m.promotion]
-        + [chess.Move(m.from_square, m.to_square, chess.QUEEN) for m in legal
+        "bad-promotion": [chess.Move(m.from_square, m.to_square) for m in ordered if m.promotion]
+        + [chess.Move(m.from_square, m.to_square, chess.QUEEN) for m in ordered
            if not m.promotion and board.piece_type_at(m.from_square) == chess.PAWN],
     }
     choices = [name for name, moves in kinds.items() if moves]
