@@ -1,17 +1,18 @@
 """The run around the algorithm: what train_lean.py calls by name so that its loop stays the algorithm.
 
     run = Run(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
-                                     every setting checked (a bad one exits 2 with one line), OUT_DIR locked,
-                                     the devices joined, settings.txt written, the RNGs seeded
-    with run:                        every way out closes what the run opened; a failure after a completed step
-                                     saves that step (harness/checkpoint.py Saver)
-        task, mix_source = run.open_task()       the task, its answers checked; --ptx-coef's text
-        policy, reference, tokenizer = run.load_models()
+        every setting checked (a bad one exits 2 with one line), OUT_DIR locked, the devices joined,
+        settings.txt written, the RNGs seeded
+    with run:                                   every way out closes what the run opened; a failure after a
+                                                completed step saves that step (harness/checkpoint.py Saver)
+        task, mix_source = run.open_task()      the task, its answers checked; --ptx-coef's texts
+        policy, reference, tokenizer = run.load_models()    and the start-up header
         guard = run.start_training(optimizer)   --resume's state, the micro-batch, logs, checkpoints, step 0's eval
-        for step in run.steps():                 progress bar, phases, a clean stop on a signal, checkpoints, the
-            run.phase_done("gen")                final model; each phase's time and memory
-            run.check_rewards(step, batch, rec)  failed rewards said (every one failed: the run stops)
-            run.end_step(rec, batch)             the record, console line and evaluation
+        for step in run.steps():                the progress bar; after a step a checkpoint when due or asked
+                                                for (a signal), after the last the trained model
+            run.phase_done("gen")               a phase's time and memory
+            run.check_rewards(step, batch, rec) failed rewards said (every one failed: the run stops)
+            run.end_step(rec, batch)            the record, the console line, the evaluation when due
 
 The algorithm modules (grpo/) never import this package; it imports them.
 """
