@@ -188,6 +188,13 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
     values, sources = _read(FIELDS, given, environ)
     option_values, option_sources = _read(task_fields, given, environ)
     known = FIELDS.keys() | task_fields.keys()
+    # a setting's variable is read by its upper-case name alone: another spelling would be ignored in silence
+    # (the environment is case-sensitive, and two spellings of one setting would have to be ranked)
+    misspelt = sorted(k for k in environ if k.startswith("GRPO_") and k[5:].lower() in known and
+                      k != env_name(k[5:].lower()))
+    if misspelt:
+        raise ConfigError(f"environment variable {misspelt[0]} is not read: spell it "
+                          f"{env_name(misspelt[0][5:].lower())} (GRPO_ variables are upper-case)")
     unknown = sorted(k for k in environ if k.startswith("GRPO_") and k[5:].lower() not in known)
     if unknown:
         near = did_you_mean(unknown[0][5:], known)

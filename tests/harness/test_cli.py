@@ -44,6 +44,15 @@ def test_bad_environment_values_name_the_variable():
         load([], environ={"GRPO_BACH_SIZE": "8"})
 
 
+@pytest.mark.parametrize("name, right", [("GRPO_learning_rate", "GRPO_LEARNING_RATE"),
+                                         ("GRPO_Batch_Size", "GRPO_BATCH_SIZE"),
+                                         ("GRPO_stockfish_depth", "GRPO_STOCKFISH_DEPTH")])   # a task's option
+def test_a_variable_in_another_case_is_refused_with_the_right_spelling(name, right):
+    # it was taken as known (the check lower-cased it) and then never read: the run went on with the default
+    with pytest.raises(ConfigError, match=f"environment variable {name} is not read: spell it {right} "):
+        load([], environ={name: "3"})
+
+
 def test_optional_sizes_accept_auto_as_derived():
     cfg, _ = load(["--mini-batch-size", "auto"], environ={"GRPO_GENERATION_BATCH_SIZE": "none"})
     assert cfg.mini_batch_size is None and cfg.generation_batch_size is None
