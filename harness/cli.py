@@ -119,7 +119,8 @@ def build_parser(task_name: str = "", task_fields: dict = None, default_task: st
         groups.append((p.add_argument_group(f"options of --task {task_name}"), task_fields))
     for group, fields in groups:
         for name, f in fields.items():
-            const = f.metadata.get("const")
+            # a bool may be given bare (true), the task's options' as the trainer's; another field with const too
+            const = "true" if _base_type(f)[0] is bool else f.metadata.get("const")
             bare = {"nargs": "?", "const": const} if const is not None else {}
             group.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=_metavar(name, f), **bare,
                                help=_help(f, default_task))

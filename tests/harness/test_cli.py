@@ -118,6 +118,31 @@ def test_sampling_an_evaluation_that_never_runs_is_refused():
         assert cli.load(["--task", "toy", "--eval-k", "4", *argv], environ={}, **toy).options.eval_k == 4
 
 
+BOOL_OPTION_TASK = """
+import dataclasses
+from tasks.toy import ToyTask
+
+@dataclasses.dataclass
+class Options:
+    exact_only: bool = False   # a plain dataclass field, as a user writes one
+
+class Strict(ToyTask):
+    options = Options
+"""
+
+
+def test_a_tasks_bool_option_may_be_given_bare_like_the_trainers(tmp_path):
+    # a task's bool was a flag that took one argument: `--exact-only` alone was "expected one argument"
+    (tmp_path / "strict.py").write_text(BOOL_OPTION_TASK)
+    task = f"{tmp_path / 'strict.py'}:Strict"
+    given = {(): False, ("--exact-only",): True, ("--exact-only", "false"): False, ("--exact-only", "yes"): True}
+    for argv, value in given.items():
+        loaded = cli.load(["--task", task, *argv, "--overwrite"], environ={})
+        assert loaded.options.exact_only is value and loaded.cfg.overwrite is True, argv
+    assert "--exact-only [BOOL]" in cli.build_parser(task, config.fields_of(
+        cli.tasks.options_type(cli.tasks.resolve(task, {})))).format_help()
+
+
 def test_trl_loss_type_names_are_our_aggregations():
     # resolved where the value enters: the loss (grpo/algorithm.py) knows only its own names
     for trl, ours in {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean", "dr_grpo": "dr-grpo",
