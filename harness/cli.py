@@ -34,6 +34,11 @@ def _base_type(f):
 
 
 def _convert(f, text: str, where: str):
+    try:   # a byte that is not UTF-8 reaches Python as a surrogate, which no record (settings.txt, JSON) can hold
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{where} {ascii(os.fsencode(text))[2:-1]} has a byte that is not UTF-8: the run records "
+                          f"its settings as UTF-8 text; rename it or pass another") from None
     base, optional = _base_type(f)
     if f.metadata.get("auto") and text.lower() == "auto":
         return "auto"

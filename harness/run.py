@@ -117,8 +117,16 @@ class Run:
         """--eval-only: the task's evaluation of --model; a log file only when asked for (an earlier run's metrics
         are not overwritten)."""
         if self.main:
-            task_lib.evaluate(self.task, self.complete, self.start_step, self.stack.enter_context(
-                log.open_jsonl(self.cfg.log_file)) if self.cfg.log_file else None)
+            self._first_evaluation(self.stack.enter_context(log.open_jsonl(self.cfg.log_file))
+                                   if self.cfg.log_file else None)
+
+    def _first_evaluation(self, metrics_file, reporter=None) -> None:
+        """The evaluation before any training (step 0, or --eval-only). A TaskError there (a held-out prompt too long
+        for the model, a metric that is no number) loses nothing yet: one line, exit 2, as at start-up."""
+        try:
+            task_lib.evaluate(self.task, self.complete, self.start_step, metrics_file, reporter)
+        except task_lib.TaskError as e:
+            usage_error(f"the task's evaluation at step {self.start_step}: {e}")
 
     def start_training(self, optimizer) -> guards.Guard:
         """Before the first step: --resume's optimizer, reference and RNG states; the guard of the update (its
@@ -154,7 +162,7 @@ class Run:
             cfg.out_dir, self.lora or self.policy, self.tokenizer, optimizer, settings, cfg.keep_checkpoints,
             self.start_step, streak, self.reference if cfg.ref_sync_steps else None))
         if self.evaluating and self.start_step == 0 and self.main:  # where the run starts from
-            task_lib.evaluate(self.task, self.complete, 0, self.metrics_file, self.reporter)
+            self._first_evaluation(self.metrics_file, self.reporter)
         self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate")
         self.phases = self.stack.enter_context(memory.Phases(self.device, self.rank, cfg, self.info))
         return self.guard

@@ -136,6 +136,9 @@ def file_cases(root):
         (["--out-dir", str(root / "a-file" / "out")], "cannot write to"),
         (["--log-file", str(root / "a-file" / "m.jsonl")], "cannot write to"),
         (["--log-completions", str(root / "a-file" / "c.jsonl")], "cannot write to"),
+        (["--log-file", str(root / "empty-model")], "empty-model is a folder: pass the path of a file to write"),
+        (["--log-completions", str(root / "empty-model")], "is a folder: pass the path of a file to write"),
+        (["--out-dir", str(root) + "/out\udcff"], "out\\xff has a byte that is not UTF-8"),   # argv byte 0xff
         (["--resume", str(root / "nowhere")], "no checkpoint"),
         (["--task", f"{root / 'raises.py'}:T"], "raised ValueError: broken on import"),
         (["--task", f"{root / 'syntax.py'}:T"], "raised SyntaxError"),

@@ -447,18 +447,27 @@ def test_a_step_whose_prompts_come_up_short_stops_with_a_clear_error(rewards_fil
                                                      "prompts, not 4: it must return exactly n (the batch is n groups)")
 
 
-def test_an_evaluation_that_returns_nan_is_a_clear_error(rewards_file, tiny_model_dir, tmp_path, clean_env):
-    with pytest.raises(TaskError, match=re.escape("the task's evaluate() returned {'accuracy': nan}: 'accuracy' "
-                                                  "must be a finite number")):
+def test_an_evaluation_that_returns_nan_is_a_clear_error(rewards_file, tiny_model_dir, tmp_path, capsys, clean_env):
+    # the evaluation before training: one line, exit 2 (nothing is lost yet); a later one raises (exit 1, step saved)
+    with pytest.raises(SystemExit) as exit_:
         train_lean.main(["--model", tiny_model_dir, "--task", f"{rewards_file}:NanEval", *SMALL, "--steps", "1",
                          "--eval-interval", "1", "--out-dir", str(tmp_path)])
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip() == (
+        "train_lean.py: error: the task's evaluation at step 0: the task's evaluate() returned {'accuracy': nan}: "
+        "'accuracy' must be a finite number")
 
 
-def test_an_evaluation_prompt_too_long_for_the_model_is_a_clear_error(rewards_file, tiny_model_dir, tmp_path,
-                                                                       clean_env):
-    with pytest.raises(TaskError, match=r"a prompt of 60\d tokens \('Repeat a: Repeat a: .*more than the model's 512"):
-        train_lean.main(["--model", tiny_model_dir, "--task", f"{rewards_file}:LongEval", *SMALL, "--steps", "1",
-                         "--eval-only", "--out-dir", str(tmp_path)])
+def test_an_evaluation_prompt_too_long_for_the_model_is_one_line_before_training(rewards_file, tiny_model_dir,
+                                                                                   tmp_path, capsys, clean_env):
+    # found by the evaluation before training (step 0, or --eval-only), where nothing is lost yet: it was a traceback
+    for args in (["--eval-only"], ["--eval-interval", "1", "--out-dir", str(tmp_path / "run")]):
+        with pytest.raises(SystemExit) as exit_:
+            train_lean.main(["--model", tiny_model_dir, "--task", f"{rewards_file}:LongEval", *SMALL, "--steps", "1",
+                             "--out-dir", str(tmp_path), *args])
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and "\n" not in err, err
+        assert re.fullmatch(r"train_lean.py: error: the task's evaluation at step 0: a prompt of 60\d tokens "
+                            r"\('Repeat a: Repeat a: .*more than the model's 512.*", err), err
 
 
 # ---- sampled evaluation: pass@k and mean@n -----------------------------------------------------------------
