@@ -209,6 +209,8 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
             f"not a setting of train_lean.py nor of --task {task_name}") +
             f" (see train_lean.py --task {task_name} --help)")
     values["task"] = task_name
+    if values["kl_in"] == "reward" and sources["kl_estimator"] == "default":
+        values["kl_estimator"] = "k1"   # the estimator that belongs in the reward (grpo/algorithm.py); others if named
     asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")
     if asked and not hasattr(target, "evaluate"):
         raise ConfigError(f"{'--eval-only' if values['eval_only'] else '--eval-interval'}: --task {task_name} "

@@ -141,8 +141,8 @@ class Config:
     dual_clip: typing.Optional[float] = opt(None, "dual-clip PPO: for negative advantages the loss is at most "
                                             "C x |A| (C > 1, e.g. 3; default off)", must="> 1",
                                             note="the bound is C x |A|")
-    kl_estimator: str = opt("k3", "the KL estimator (grpo/algorithm.py says which belongs where)",
-                            algorithm.KL_ESTIMATORS)
+    kl_estimator: str = opt("k3", "the KL estimator (grpo/algorithm.py says which belongs where; with --kl-in "
+                            "reward the default is k1)", algorithm.KL_ESTIMATORS)
     kl_in: str = opt("loss", "where the KL penalty goes", algorithm.KL_PLACES)
     entropy_coef: float = opt(0.0, "entropy bonus: the loss minus this x the mean token entropy (0: off)", must=">= 0")
     top_entropy_quantile: float = opt(1.0, "only this share of a mini-batch's tokens, the highest-entropy ones, "
@@ -284,6 +284,13 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if cfg.lr_warmup_steps and cfg.lr_warmup_ratio:
         raise ConfigError(f"--lr-warmup-steps {cfg.lr_warmup_steps} and --lr-warmup-ratio {cfg.lr_warmup_ratio}: "
                           f"give the warmup one way")
+    warmup = cfg.lr_warmup_steps or round(cfg.lr_warmup_ratio * cfg.steps)   # as grpo/algorithm.py learning_rate
+    if warmup >= cfg.steps:
+        given = (f"--lr-warmup-steps {warmup}" if cfg.lr_warmup_steps else
+                 f"--lr-warmup-ratio {cfg.lr_warmup_ratio} ({warmup} steps)")
+        raise ConfigError(f"{given} with --steps {cfg.steps}: the learning rate would rise over the whole run and "
+                          f"train at --learning-rate {cfg.learning_rate:g} by the last step at best: give a warmup "
+                          f"below {cfg.steps} steps, or more --steps")
     if cfg.ref_sync_steps and not cfg.kl_coef:
         raise ConfigError(f"--ref-sync-steps {cfg.ref_sync_steps} moves the reference, and --kl-coef 0 has none: "
                           f"pass a --kl-coef above 0, or leave --ref-sync-steps out")

@@ -390,6 +390,9 @@ class SampledEvalOptions:
             raise ValueError(f"--eval-k {self.eval_k} must be >= 0 (0: greedy evaluation only)")
         if self.eval_n and not self.eval_k:
             raise ValueError(f"--eval-n {self.eval_n} samples for pass@K: give --eval-k too")
+        if self.eval_temperature != type(self).eval_temperature and not self.eval_k:   # not the default: given
+            raise ValueError(f"--eval-temperature {self.eval_temperature} is the temperature of --eval-k's samples, "
+                             f"and --eval-k 0 samples none: give --eval-k too")
         if self.eval_n and self.eval_n < self.eval_k:
             raise ValueError(f"--eval-n {self.eval_n} must be at least --eval-k {self.eval_k}: pass@K needs K "
                              f"samples (0: N = K)")

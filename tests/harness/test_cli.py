@@ -118,6 +118,18 @@ def test_sampling_an_evaluation_that_never_runs_is_refused():
         assert cli.load(["--task", "toy", "--eval-k", "4", *argv], environ={}, **toy).options.eval_k == 4
 
 
+def test_an_eval_temperature_without_eval_k_is_refused():
+    # the greedy evaluation has no temperature: it was ignored in silence
+    toy = dict(builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
+    with pytest.raises(ConfigError, match=r"--eval-temperature 0.7 is the temperature of --eval-k's samples, and "
+                                          r"--eval-k 0 samples none: give --eval-k too"):
+        cli.load(["--task", "toy", "--eval-temperature", "0.7"], environ={}, **toy)
+    with pytest.raises(ConfigError, match="--eval-temperature 0.7 is the temperature"):
+        cli.load(["--task", "toy"], environ={"GRPO_EVAL_TEMPERATURE": "0.7"}, **toy)
+    assert cli.load(["--task", "toy", "--eval-temperature", "0.7", "--eval-k", "2"], environ={},
+                    **toy).options.eval_temperature == 0.7
+
+
 BOOL_OPTION_TASK = """
 import dataclasses
 from tasks.toy import ToyTask
