@@ -94,10 +94,11 @@ class BytesTexts(Base):
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory, tiny_model_dir):
+def files(tmp_path_factory, tiny_model_dir, tiny_rotary_dir):
     root = tmp_path_factory.mktemp("bad")
     (root / "prompts.py").write_text(PROMPTS)
     without_tokenizer(tiny_model_dir, root / "no-tokenizer")
+    without_tokenizer(tiny_rotary_dir, root / "llama-no-tokenizer")
     small_vocab_model(tiny_model_dir, root / "small-vocab")
     (root / "a-file").write_text("not a folder\n")
     (root / "empty-model").mkdir()
@@ -156,6 +157,9 @@ def file_cases(root):
         (["--model", str(root / "huge-model")], "free on its disk"),
         # the task and the model: checked with the tokenizer and the model's config, before the weights load
         (["--model", str(root / "no-tokenizer")], "its tokenizer has no vocabulary"),
+        (["--model", str(root / "llama-no-tokenizer")], "it has no tokenizer: the folder lacks the tokenizer's files "
+                                                        "(tokenizer.json, tokenizer.model, or vocab.json and merges.txt): "
+                                                        "copy them from where the model came from"),
         (["--model", str(root / "small-vocab")], "token ids up to 319, but the model's vocab_size is 300"),
         (["--task", f"{root / 'prompts.py'}:Fewer"], "prompts(2, rng) returned 1 prompts, not 2"),
         (["--task", f"{root / 'prompts.py'}:Empty"], "prompts(2, rng) returned 0 prompts, not 2"),
