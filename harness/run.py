@@ -23,7 +23,7 @@ import sys
 
 from tqdm import tqdm
 
-from grpo import distributed
+from grpo import distributed, ptx
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
                         load_trainable, model_autocast)
 from grpo.rollout import encode_prompts, stream_seed, wants_bos
@@ -82,11 +82,12 @@ class Run:
                 self.layout.prompts_per_step, random.Random(stream_seed(cfg.seed, self.start_step + 1)))
         except task_lib.TaskError as e:
             usage_error(str(e))
-        self.task = task
+        self.task, self.mix_source = task, mix_source
         return task, mix_source
 
     def load_models(self):
-        """(the policy, the KL reference or None, the tokenizer). The reference is a frozen copy of the starting
+        """(the policy, the KL reference or None, the tokenizer), once the first step's prompts and --ptx-coef texts
+        are measured against the model's context (a bad one exits 2). The reference is a frozen copy of the starting
         policy on the same device, only when used (with LoRA the policy with its adapters off); a resumed run
         anchors its KL to the starting model too (unless --ref-sync-steps moved it: start_training loads it)."""
         cfg, device, source = self.cfg, self.device, self.resume_from or self.cfg.model
@@ -97,7 +98,11 @@ class Run:
             try:
                 self.first_ids = encode_prompts(self.tokenizer, self.first_prompts, self.prepend_bos,
                                                 cfg.max_new_tokens, self.context)
-            except ValueError as e:   # a prompt too long for the model, or of no tokens
+                if self.mix_source is not None and not cfg.eval_only:   # the first step's --ptx-coef texts too
+                    ptx.step_batches(self.mix_source, stream_seed(cfg.seed, self.start_step + 1),
+                                     self.layout.updates_per_step, cfg.ptx_batch_size, self.tokenizer,
+                                     self.prepend_bos, self.context)
+            except ValueError as e:   # a prompt too long for the model or of no tokens; a text whose context fills it
                 raise task_lib.TaskError(str(e)) from None
             self.policy, self.lora = load_trainable(cfg, device, self.resume_from)
             self.reference = None if cfg.kl_coef == 0 or cfg.eval_only else (

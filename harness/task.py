@@ -191,7 +191,10 @@ def checked_texts(source, n: int, rng) -> list:
     if len(texts) != n:
         raise TaskError(f"the task's demonstrations({n}, rng) returned {len(texts)} texts, not {n}")
     for text in texts:
-        _text_pair(text)
+        if not _text_pair(text)[1].strip():   # learned, an empty text is EOS at once: the model learns to stop
+            raise TaskError(f"the task's demonstrations({n}, rng) returned {_short(text, 80)}: an empty "
+                            f"{'text' if isinstance(text, str) else 'target'} teaches the model to end at once "
+                            f"(EOS): leave such texts out")
     return texts
 
 

@@ -90,6 +90,12 @@ class FewTexts(Base):
     def demonstrations(self, n, rng): return ["a text"] * (n - 1)
 class BytesTexts(Base):
     def demonstrations(self, n, rng): return [b"a text"] * n
+class EmptyText(Base):
+    def demonstrations(self, n, rng): return [""] * n
+class EmptyTarget(Base):
+    def demonstrations(self, n, rng): return [("Repeat a: ", "")] * n
+class LongContext(Base):
+    def demonstrations(self, n, rng): return [("Repeat a: " * 200, "a")] * n
 """
 
 
@@ -132,6 +138,12 @@ def file_cases(root):
         (["--ptx-coef", "1", "--task", "toy"], "--ptx-coef needs text: give --ptx-file PATH"),
         (["--ptx-coef", "1", "--task", f"{root / 'prompts.py'}:FewTexts"], "demonstrations(2, rng) returned 1 texts"),
         (["--ptx-coef", "1", "--task", f"{root / 'prompts.py'}:BytesTexts"], "pair of strings, not b'a text'"),
+        (["--ptx-coef", "1", "--task", f"{root / 'prompts.py'}:EmptyText"], "demonstrations(2, rng) returned '': an "
+                                                                            "empty text teaches the model to end at once"),
+        (["--ptx-coef", "1", "--task", f"{root / 'prompts.py'}:EmptyTarget"], "returned ('Repeat a: ', ''): an empty "
+                                                                              "target teaches the model to end at once"),
+        (["--ptx-coef", "1", "--task", f"{root / 'prompts.py'}:LongContext"], "a --ptx-coef text's context of 602 "
+                                                                              "tokens (with BOS) ('Repeat a: Repeat a"),
         (["--data", str(root)], "no such file"),
         (["--task", "chess-env", "--data", str(root / "not-rookworld.txt")], "not RookWorld P:/A: samples"),
         (["--out-dir", str(root / "a-file" / "out")], "cannot write to"),
