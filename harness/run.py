@@ -175,7 +175,8 @@ class Run:
     def steps(self):
         """The steps to train, one at a time. After each: a checkpoint when due, when a signal asked the run to stop
         (Ctrl-C or SIGTERM: the step finishes, is saved, and the run exits 0) or when too many updates in a row were
-        not finite (saved, exit 1). After the last: the trained model in OUT_DIR/model."""
+        not finite (saved, exit 1). After the last: the trained model in OUT_DIR/model, and a line when most steps
+        learned nothing (only flat groups)."""
         cfg = self.cfg
         bar = tqdm(range(self.start_step + 1, cfg.steps + 1), desc="steps", initial=self.start_step, total=cfg.steps,
                    disable=not (self.main and sys.stderr.isatty()), file=sys.stderr)
@@ -200,6 +201,9 @@ class Run:
         if cfg.save_final and self.main:  # the run reached its last step: keep what it made
             folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), self.lora or self.policy, self.tokenizer)
             self.info(f"saved the trained model to {folder} (from_pretrained loads it)")
+        summary = self.scorer.flat_summary()   # the same on every rank: each has the gathered frac_zero_std
+        if summary:
+            log.warn(summary)
 
     def phase_done(self, name: str) -> None:
         """The step's phase `name` ended: its time and the memory at its end (harness/memory.py)."""

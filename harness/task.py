@@ -297,6 +297,7 @@ class Scorer:
     def __init__(self, task, tolerate: bool):
         self.task, self.tolerate = task, tolerate
         self.shown, self.flat_named = set(), False
+        self.steps, self.flat_steps = 0, 0   # this process's steps, and those whose groups were all flat
         self.scored, self.failures = 0, {}
 
     def __call__(self, prompts, completions):
@@ -324,11 +325,22 @@ class Scorer:
         for kind in sorted(errors.keys() - self.shown):   # each kind new to the run, the lowest rank's first
             log.warn(f"step {step}: the task's reward {step_rows['reports'][kind]}")
             self.shown.add(kind)
+        self.steps += 1
+        self.flat_steps += frac_zero_std == 1.0
         if frac_zero_std == 1.0 and not all_failed and not self.flat_named:
             self.flat_named = True
             log.warn(f"step {step}: every group's completions got equal rewards (frac_zero_std 1.0), so every "
                      f"advantage is 0 and the step learns nothing. Try a higher --temperature, a larger --group-size, "
                      f"a reward with partial credit, or a model that sometimes solves the task (said once)")
+
+    def flat_summary(self) -> str | None:
+        """At the end of the run: a line when most of its steps had only flat groups (one note at step 1 is easily
+        lost above hundreds of step lines, and the run still ends by saving "the trained model"), else None."""
+        if self.flat_steps * 2 <= self.steps:
+            return None
+        return (f"{self.flat_steps} of {self.steps} steps had only flat groups (every advantage 0): the model barely "
+                f"trained. Try a higher --temperature, a larger --group-size, a reward with partial credit, or a "
+                f"model that sometimes solves the task")
 
     def _what(self, e) -> str:
         """What the reward did: "raised NameError: ..." or "returned a str ('0.5'), not a number (where)"."""

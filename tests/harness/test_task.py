@@ -334,6 +334,22 @@ class Flat(Base):
         return 0.5
 
 
+class MostlyFlat(Base):
+    scored = 0
+
+    def reward(self, prompt, completion):   # 1/0 within each group of step 1 (8 completions), then 0 everywhere
+        MostlyFlat.scored += 1
+        return float(MostlyFlat.scored % 2) if MostlyFlat.scored <= 8 else 0.0
+
+
+class Alternating(Base):
+    scored = 0
+
+    def reward(self, prompt, completion):   # 1/0 within every group of 2: never flat
+        Alternating.scored += 1
+        return float(Alternating.scored % 2)
+
+
 class BreaksAfterStep1(Base):
     scored = 0
 
@@ -436,6 +452,24 @@ def test_a_step_without_signal_is_named_once_with_what_to_try(rewards_file, tiny
     for hint in ("--temperature", "--group-size", "partial credit", "model that sometimes solves"):
         assert hint in notes[0]
     assert [r["frac_zero_std"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1.0] * 3
+    assert proc.stderr.strip().splitlines()[-1] == (   # and at the end, after the model is saved
+        "train_lean.py: 3 of 3 steps had only flat groups (every advantage 0): the model barely trained. Try a higher "
+        "--temperature, a larger --group-size, a reward with partial credit, or a model that sometimes solves the task")
+
+
+def test_a_run_whose_steps_mostly_learned_nothing_ends_saying_so(rewards_file, tiny_model_dir, tmp_path):
+    # it ended with "saved the trained model" and nothing else, the one note at step 1 far above
+    runs = {"MostlyFlat": [0.0, 1.0, 1.0], "Alternating": [0.0, 0.0, 0.0]}
+    for name, flat in runs.items():
+        proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:{name}", *SMALL, "--steps", "3",
+                     "--out-dir", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert [r["frac_zero_std"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")] == flat
+        summary = [line for line in proc.stderr.splitlines() if "had only flat groups" in line]
+        assert summary == ([f"train_lean.py: 2 of 3 steps had only flat groups (every advantage 0): the model barely "
+                            f"trained. Try a higher --temperature, a larger --group-size, a reward with partial "
+                            f"credit, or a model that sometimes solves the task"] if name == "MostlyFlat" else []), name
+    assert "saved the trained model" in proc.stdout
 
 
 @pytest.mark.slow
