@@ -26,9 +26,10 @@ The trainer draws each step's prompts with an rng seeded by (seed, step), so the
 state of its own: a resumed run draws exactly the prompts the killed one would have.
 
 What a task gives is checked where it enters (a TaskError names the bad value): prompts() must return
-exactly n non-empty strings, min_reward must be a finite number, evaluate() a dict of names to finite
-numbers. A reward that fails gets min_reward and is counted; Scorer prints the first failure of each kind
-with its traceback and stops the run when every reward of a step failed (--reward-errors).
+exactly n non-empty strings, demonstrations() n texts none of which (nor a pair's target) is empty, min_reward
+must be a finite number, evaluate() a dict of names to finite numbers. A reward that fails gets min_reward and
+is counted; Scorer prints the first failure of each kind with its traceback, stops the run when every reward of a
+step failed (--reward-errors), and says at the end when most steps learned nothing (only flat groups).
 
 --task takes a built-in name (the trainer passes the registry of tasks/__init__.py), path/to/file.py:Name
 or package.module:Name. Name may be a class (built with the task's options) or a ready object.
