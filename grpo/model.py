@@ -27,10 +27,12 @@ def _from_pretrained(cls, name_or_path: str, **kwargs):
     try:
         return cls.from_pretrained(name_or_path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        # transformers' messages run over several lines: all of it, on one (its first line alone can stop mid-list)
+        text = " ".join(str(e).split()) or type(e).__name__
+        text = text if len(text) <= 400 else text[:397] + "..."
         where = "" if looks_local else (" (a hub id needs network access; this machine may be offline: "
                                         "pass a local folder instead)")
-        raise ModelLoadError(f"cannot load --model {name_or_path}: {first}{where}") from None
+        raise ModelLoadError(f"cannot load --model {name_or_path}: {text}{where}") from None
 
 
 def load_config(name_or_path: str):
@@ -49,17 +51,28 @@ def context_length(config) -> int | None:
     return None
 
 
+# the files a tokenizer loads from: a fast tokenizer's, a sentencepiece model (Llama, T5), a BPE or WordPiece vocabulary
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(name_or_path: str):
     """The model's tokenizer, checked against it: a vocabulary beyond the special tokens (a folder without
     tokenizer files loads as an empty one that encodes every prompt to nothing), and no token id past the
     model's vocab_size (its embeddings)."""
     from transformers import AutoTokenizer
-    tok = _from_pretrained(AutoTokenizer, name_or_path)
+    missing = (f"the folder lacks the tokenizer's files (tokenizer.json, tokenizer.model, or vocab.json and "
+               f"merges.txt): copy them from where the model came from")
+    try:
+        tok = _from_pretrained(AutoTokenizer, name_or_path)
+    except ModelLoadError:   # a Llama-style model folder without them fails in transformers, which does not say so
+        files = set(os.listdir(name_or_path)) if os.path.isdir(name_or_path) else set()
+        if "config.json" in files and not files & set(TOKENIZER_FILES):
+            raise ModelLoadError(f"--model {name_or_path}: it has no tokenizer: {missing}") from None
+        raise
     vocab = tok.get_vocab()
     if len(vocab) <= len(set(tok.all_special_ids)):
         raise ModelLoadError(f"--model {name_or_path}: its tokenizer has no vocabulary ({len(vocab)} special "
-                             f"token(s) only): the folder lacks the tokenizer's files (tokenizer.json, or vocab.json "
-                             f"and merges.txt); copy them from where the model came from")
+                             f"token(s) only): {missing}")
     top, size = max(vocab.values()), getattr(load_config(name_or_path), "vocab_size", None)
     if isinstance(size, int) and top >= size:
         raise ModelLoadError(f"--model {name_or_path}: its tokenizer has token ids up to {top}, but the model's "

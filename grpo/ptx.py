@@ -9,10 +9,12 @@ the same text; every device encodes all of them and takes its share, so the loss
 needs no collective.
 """
 import random
+import sys
 from dataclasses import dataclass
 
 import torch
 
+from grpo import distributed
 from grpo.rollout import left_pad, start_ids
 
 
@@ -30,17 +32,33 @@ class PtxBatch:
         return PtxBatch(self.input_ids[rank::world], self.attention[rank::world], self.target[rank::world], self.tokens)
 
 
+_cut_said = False   # a text cut to the model's context is said once per process, not at every step
+
+
 def encode(texts, tokenizer, prepend_bos: bool, context: int | None, device=None) -> PtxBatch:
     """One update's texts as a batch: [BOS] + context + target + EOS, the target and EOS learned; a text longer
-    than the model's context keeps its first `context` tokens."""
+    than the model's context keeps its first `context` tokens (said once). ValueError for a pair whose context
+    alone leaves no position for its target."""
+    global _cut_said
     pairs = [("", t) if isinstance(t, str) else tuple(t) for t in texts]
     eos, bos = tokenizer.eos_token_id, start_ids(tokenizer, prepend_bos)
     rows, learned = [], []
-    for head, tail in zip(tokenizer([c for c, _ in pairs], add_special_tokens=False)["input_ids"],
-                          tokenizer([t for _, t in pairs], add_special_tokens=False)["input_ids"]):
-        ids = (bos + head + tail + [eos])[:context]
+    for pair, head, tail in zip(pairs, tokenizer([c for c, _ in pairs], add_special_tokens=False)["input_ids"],
+                                tokenizer([t for _, t in pairs], add_special_tokens=False)["input_ids"]):
+        start, ids = bos + head, bos + head + tail + [eos]
+        if context is not None and len(start) >= context:
+            raise ValueError(f"a --ptx-coef text's context of {len(start)} tokens{' (with BOS)' if bos else ''} "
+                             f"({pair[0]!r:.40}...) fills the model's {context} positions: no room is left for its "
+                             f"target; shorten the task's demonstrations")
+        if context is not None and len(ids) > context:
+            if not _cut_said and distributed.is_main():
+                print(f"train_lean.py: warning: a --ptx-coef text of {len(ids)} tokens (with EOS"
+                      f"{' and BOS' if bos else ''}) is longer than the model's {context} positions: it is learned "
+                      f"cut to its first {context}, without its end and EOS (said once)", file=sys.stderr, flush=True)
+            _cut_said = True
+            ids = ids[:context]
         rows.append(ids)
-        learned.append([0] * len(bos + head) + [1] * (len(ids) - len(bos + head)))
+        learned.append([0] * len(start) + [1] * (len(ids) - len(start)))
     ids, attention = left_pad(rows, eos, device)
     target = left_pad(learned, 0, device)[0][:, 1:].to(torch.float32)   # position t predicts token t + 1
     if not target.any():

@@ -34,6 +34,11 @@ def _base_type(f):
 
 
 def _convert(f, text: str, where: str):
+    try:   # a byte that is not UTF-8 reaches Python as a surrogate, which no record (settings.txt, JSON) can hold
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{where} {ascii(os.fsencode(text))[2:-1]} has a byte that is not UTF-8: the run records "
+                          f"its settings as UTF-8 text; rename it or pass another") from None
     base, optional = _base_type(f)
     if f.metadata.get("auto") and text.lower() == "auto":
         return "auto"
@@ -119,7 +124,8 @@ def build_parser(task_name: str = "", task_fields: dict = None, default_task: st
         groups.append((p.add_argument_group(f"options of --task {task_name}"), task_fields))
     for group, fields in groups:
         for name, f in fields.items():
-            const = f.metadata.get("const")
+            # a bool may be given bare (true), the task's options' as the trainer's; another field with const too
+            const = "true" if _base_type(f)[0] is bool else f.metadata.get("const")
             bare = {"nargs": "?", "const": const} if const is not None else {}
             group.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=_metavar(name, f), **bare,
                                help=_help(f, default_task))
@@ -188,6 +194,13 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
     values, sources = _read(FIELDS, given, environ)
     option_values, option_sources = _read(task_fields, given, environ)
     known = FIELDS.keys() | task_fields.keys()
+    # a setting's variable is read by its upper-case name alone: another spelling would be ignored in silence
+    # (the environment is case-sensitive, and two spellings of one setting would have to be ranked)
+    misspelt = sorted(k for k in environ if k.startswith("GRPO_") and k[5:].lower() in known and
+                      k != env_name(k[5:].lower()))
+    if misspelt:
+        raise ConfigError(f"environment variable {misspelt[0]} is not read: spell it "
+                          f"{env_name(misspelt[0][5:].lower())} (GRPO_ variables are upper-case)")
     unknown = sorted(k for k in environ if k.startswith("GRPO_") and k[5:].lower() not in known)
     if unknown:
         near = did_you_mean(unknown[0][5:], known)
@@ -196,6 +209,8 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
             f"not a setting of train_lean.py nor of --task {task_name}") +
             f" (see train_lean.py --task {task_name} --help)")
     values["task"] = task_name
+    if values["kl_in"] == "reward" and sources["kl_estimator"] == "default":
+        values["kl_estimator"] = "k1"   # the estimator that belongs in the reward (grpo/algorithm.py); others if named
     asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")
     if asked and not hasattr(target, "evaluate"):
         raise ConfigError(f"{'--eval-only' if values['eval_only'] else '--eval-interval'}: --task {task_name} "

@@ -34,7 +34,8 @@ RANGES = {"at least 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambd
 
 def opt(default, help, choices=None, const=None, path=None, auto=False, resume_free=False, must=None, note=None,
         aliases=None):
-    """A field. With const the flag may be given bare (`--resume` means `--resume latest`); path="in" marks
+    """A field. With const the flag may be given bare (`--resume` means `--resume latest`; a bool flag may be
+    given bare anyway, meaning true: harness/cli.py); path="in" marks
     a file the run reads and path="out" one it writes (a file, or with the name out_dir a folder), which
     rundir.check_paths tests before anything heavy is loaded; auto=True keeps the value "auto" as itself;
     must names its range in RANGES (None and "auto" pass) and note a hint its message adds; resume_free=True:
@@ -82,7 +83,7 @@ class Config:
     eval_interval: int = opt(100, "evaluate before training, every N steps and after the last (0: off); "
                              "by default only for a task that has evaluate()", must=">= 0", resume_free=True)
     eval_only: bool = opt(False, "evaluate --model with the task's evaluate(), print the results and exit",
-                          const="true", resume_free=True)
+                          resume_free=True)
     # batch arithmetic (see batch_layout)
     batch_size: int = opt(64, "completions per step, global across devices", must="at least 1")
     group_size: int = opt(8, "completions per prompt; prompts per step = batch / group", must="at least 1")
@@ -99,7 +100,7 @@ class Config:
     logprob_chunk_size: int = opt(2048, "token rows of the vocabulary log-softmax computed at once",
                                   must="at least 1", resume_free=True)
     gradient_checkpointing: bool = opt(False, "recompute each layer's activations in backward: less memory, "
-                                       "more compute (a bare flag means true)", const="true", resume_free=True)
+                                       "more compute (a bare flag means true)", resume_free=True)
     # sampling
     max_new_tokens: int = opt(144, "new tokens per completion at most", must="at least 1")
     min_new_tokens: int = opt(0, "new tokens every completion gets at least: EOS cannot be sampled before "
@@ -109,7 +110,7 @@ class Config:
     top_p: float = opt(1.0, "nucleus sampling threshold (1: off)", must="in (0, 1]")
     compile: bool = opt(False, "run each decode step through torch.compile (inductor on CPU, CUDA graphs on a GPU; "
                         "GPT-2 and Llama-family models): compiling costs seconds once, a step then runs faster",
-                        const="true", resume_free=True)
+                        resume_free=True)
     # algorithm
     learning_rate: float = opt(1e-4, "AdamW learning rate (1e-4 suits the shipped 5M-parameter default model; "
                                "use about 1e-5 for a 124M model such as RookWorld-LM)", must="> 0")
@@ -140,17 +141,17 @@ class Config:
     dual_clip: typing.Optional[float] = opt(None, "dual-clip PPO: for negative advantages the loss is at most "
                                             "C x |A| (C > 1, e.g. 3; default off)", must="> 1",
                                             note="the bound is C x |A|")
-    kl_estimator: str = opt("k3", "the KL estimator (grpo/algorithm.py says which belongs where)",
-                            algorithm.KL_ESTIMATORS)
+    kl_estimator: str = opt("k3", "the KL estimator (grpo/algorithm.py says which belongs where; with --kl-in "
+                            "reward the default is k1)", algorithm.KL_ESTIMATORS)
     kl_in: str = opt("loss", "where the KL penalty goes", algorithm.KL_PLACES)
     entropy_coef: float = opt(0.0, "entropy bonus: the loss minus this x the mean token entropy (0: off)", must=">= 0")
     top_entropy_quantile: float = opt(1.0, "only this share of a mini-batch's tokens, the highest-entropy ones, "
                                       "carry the policy-gradient loss (1: all)", must="in (0, 1]",
                                       note="1: every token")
     dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal and sample more prompts "
-                                 "until the batch is full of groups that carry a signal", const="true")
+                                 "until the batch is full of groups that carry a signal")
     max_sampling_rounds: int = opt(4, "--dynamic-sampling: extra generation rounds per step at most", must=">= 0")
-    mask_truncated: bool = opt(False, "completions cut off at --max-new-tokens (no EOS) carry no loss", const="true")
+    mask_truncated: bool = opt(False, "completions cut off at --max-new-tokens (no EOS) carry no loss")
     overlong_buffer: int = opt(0, "DAPO's soft overlong penalty: the last N tokens before --max-new-tokens "
                                "lower the reward linearly, down to -overlong-penalty at the limit (0: off)")
     overlong_penalty: float = opt(1.0, "the reward lost by a completion that reaches --max-new-tokens "
@@ -176,7 +177,7 @@ class Config:
     report_to: str = opt("none", "where every record goes", log.REPORTERS, resume_free=True)
     # long runs (see harness/checkpoint.py and harness/guards.py)
     save_final: bool = opt(True, "save the trained model at the end as a Hugging Face folder, OUT_DIR/model",
-                           const="true", resume_free=True)
+                           resume_free=True)
     save_interval: int = opt(0, "write a checkpoint to OUT_DIR/checkpoints every N steps and at the end "
                              "(0: only when interrupted or aborted)", must=">= 0", note="0: no periodic checkpoints",
                              resume_free=True)
@@ -189,7 +190,7 @@ class Config:
                                                     "difference in a setting that defines the run is refused",
                                                     resume_free=True)
     overwrite: bool = opt(False, "start over in an OUT_DIR that holds an earlier run: its logs, checkpoints, model "
-                          "and reports are deleted first (without it such a folder is refused)", const="true",
+                          "and reports are deleted first (without it such a folder is refused)",
                           resume_free=True)
     max_nonfinite: int = opt(10, "abort (saving a checkpoint) after this many non-finite updates in a row",
                              must="at least 1", resume_free=True)
@@ -283,6 +284,13 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if cfg.lr_warmup_steps and cfg.lr_warmup_ratio:
         raise ConfigError(f"--lr-warmup-steps {cfg.lr_warmup_steps} and --lr-warmup-ratio {cfg.lr_warmup_ratio}: "
                           f"give the warmup one way")
+    warmup = cfg.lr_warmup_steps or round(cfg.lr_warmup_ratio * cfg.steps)   # as grpo/algorithm.py learning_rate
+    if warmup >= cfg.steps:
+        given = (f"--lr-warmup-steps {warmup}" if cfg.lr_warmup_steps else
+                 f"--lr-warmup-ratio {cfg.lr_warmup_ratio} ({warmup} steps)")
+        raise ConfigError(f"{given} with --steps {cfg.steps}: the learning rate would rise over the whole run and "
+                          f"train at --learning-rate {cfg.learning_rate:g} by the last step at best: give a warmup "
+                          f"below {cfg.steps} steps, or more --steps")
     if cfg.ref_sync_steps and not cfg.kl_coef:
         raise ConfigError(f"--ref-sync-steps {cfg.ref_sync_steps} moves the reference, and --kl-coef 0 has none: "
                           f"pass a --kl-coef above 0, or leave --ref-sync-steps out")

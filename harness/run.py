@@ -24,7 +24,7 @@ import sys
 
 from tqdm import tqdm
 
-from grpo import distributed
+from grpo import distributed, ptx
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
                         load_trainable, model_autocast)
 from grpo.rollout import encode_prompts, stream_seed, wants_bos
@@ -83,11 +83,12 @@ class Run:
                 self.layout.prompts_per_step, random.Random(stream_seed(cfg.seed, self.start_step + 1)))
         except task_lib.TaskError as e:
             usage_error(str(e))
-        self.task = task
+        self.task, self.mix_source = task, mix_source
         return task, mix_source
 
     def load_models(self):
-        """(the policy, the KL reference or None, the tokenizer). The reference is a frozen copy of the starting
+        """(the policy, the KL reference or None, the tokenizer), once the first step's prompts and --ptx-coef texts
+        are measured against the model's context (a bad one exits 2). The reference is a frozen copy of the starting
         policy on the same device, only when used (with LoRA the policy with its adapters off); a resumed run
         anchors its KL to the starting model too (unless --ref-sync-steps moved it: start_training loads it)."""
         cfg, device, source = self.cfg, self.device, self.resume_from or self.cfg.model
@@ -98,7 +99,11 @@ class Run:
             try:
                 self.first_ids = encode_prompts(self.tokenizer, self.first_prompts, self.prepend_bos,
                                                 cfg.max_new_tokens, self.context)
-            except ValueError as e:   # a prompt too long for the model, or of no tokens
+                if self.mix_source is not None and not cfg.eval_only:   # the first step's --ptx-coef texts too
+                    ptx.step_batches(self.mix_source, stream_seed(cfg.seed, self.start_step + 1),
+                                     self.layout.updates_per_step, cfg.ptx_batch_size, self.tokenizer,
+                                     self.prepend_bos, self.context)
+            except ValueError as e:   # a prompt too long for the model or of no tokens; a text whose context fills it
                 raise task_lib.TaskError(str(e)) from None
             self.policy, self.lora = load_trainable(cfg, device, self.resume_from)
             self.reference = None if cfg.kl_coef == 0 or cfg.eval_only else (
@@ -118,8 +123,16 @@ class Run:
         """--eval-only: the task's evaluation of --model; a log file only when asked for (an earlier run's metrics
         are not overwritten)."""
         if self.main:
-            task_lib.evaluate(self.task, self.complete, self.start_step, self.stack.enter_context(
-                log.open_jsonl(self.cfg.log_file)) if self.cfg.log_file else None)
+            self._first_evaluation(self.stack.enter_context(log.open_jsonl(self.cfg.log_file))
+                                   if self.cfg.log_file else None)
+
+    def _first_evaluation(self, metrics_file, reporter=None) -> None:
+        """The evaluation before any training (step 0, or --eval-only). A TaskError there (a held-out prompt too long
+        for the model, a metric that is no number) loses nothing yet: one line, exit 2, as at start-up."""
+        try:
+            task_lib.evaluate(self.task, self.complete, self.start_step, metrics_file, reporter)
+        except task_lib.TaskError as e:
+            usage_error(f"the task's evaluation at step {self.start_step}: {e}")
 
     def start_training(self, optimizer) -> guards.Guard:
         """Before the first step: --resume's optimizer, reference and RNG states; the guard of the update (its
@@ -155,7 +168,7 @@ class Run:
             cfg.out_dir, self.lora or self.policy, self.tokenizer, optimizer, settings, cfg.keep_checkpoints,
             self.start_step, streak, self.reference if cfg.ref_sync_steps else None))
         if self.evaluating and self.start_step == 0 and self.main:  # where the run starts from
-            task_lib.evaluate(self.task, self.complete, 0, self.metrics_file, self.reporter)
+            self._first_evaluation(self.metrics_file, self.reporter)
         self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate")
         self.phases = self.stack.enter_context(memory.Phases(self.device, self.rank, cfg, self.info))
         return self.guard
@@ -163,7 +176,8 @@ class Run:
     def steps(self):
         """The steps to train, one at a time. After each: a checkpoint when due, when a signal asked the run to stop
         (Ctrl-C or SIGTERM: the step finishes, is saved, and the run exits 0) or when too many updates in a row were
-        not finite (saved, exit 1). After the last: the trained model in OUT_DIR/model."""
+        not finite (saved, exit 1). After the last: the trained model in OUT_DIR/model, and a line when most steps
+        learned nothing (only flat groups)."""
         cfg = self.cfg
         bar = tqdm(range(self.start_step + 1, cfg.steps + 1), desc="steps", initial=self.start_step, total=cfg.steps,
                    disable=not (self.main and sys.stderr.isatty()), file=sys.stderr)
@@ -188,6 +202,9 @@ class Run:
         if cfg.save_final and self.main:  # the run reached its last step: keep what it made
             folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), self.lora or self.policy, self.tokenizer)
             self.info(f"saved the trained model to {folder} (from_pretrained loads it)")
+        summary = self.scorer.flat_summary()   # the same on every rank: each has the gathered frac_zero_std
+        if summary:
+            log.warn(summary)
 
     def phase_done(self, name: str) -> None:
         """The step's phase `name` ended: its time and the memory at its end (harness/memory.py)."""

@@ -50,6 +50,8 @@ def check_paths(settings) -> None:
             except OSError as e:
                 raise config.ConfigError(f"{config.flag(name)} {value} cannot be read ({e.strerror}): "
                                          f"fix its permissions or pass another file") from None
+        elif name != "out_dir" and os.path.isdir(value):   # a log file: opening it would fail at the first step
+            raise config.ConfigError(f"{config.flag(name)} {value} is a folder: pass the path of a file to write")
         else:
             folder = value if name == "out_dir" else (os.path.dirname(value) or ".")
             try:

@@ -9,7 +9,7 @@ import textwrap
 
 import torch
 
-from grpo import decoders
+from grpo import algorithm, decoders
 from grpo import model as model_lib
 from harness import checkpoint, config, log, rundir
 
@@ -102,6 +102,15 @@ def _evaluation(cfg, task) -> str:
     return f"the task's evaluate() before training, {every} and after the last"
 
 
+def _kl(cfg, sources) -> str:
+    """The KL penalty: its coefficient, estimator and place (the estimator's default depends on the place)."""
+    if cfg.kl_coef == 0:
+        return "off (--kl-coef 0: no reference model)"
+    chosen = " (the default in the reward; --kl-estimator names another)" if (
+        cfg.kl_in == "reward" and sources["kl_estimator"] == "default") else ""
+    return f"{cfg.kl_coef:g} x {cfg.kl_estimator}{chosen} {algorithm.KL_PLACES[cfg.kl_in]}"
+
+
 def header(loaded, layout, device, model, resume_from, lora=None) -> str:
     """What runs (the model and its decoder, with --lora-rank its adapters, the task, device and dtype, the batch,
     the settings given) and where its results go (out dir, metrics, checkpoints, the trained model, the settings
@@ -129,6 +138,7 @@ def header(loaded, layout, device, model, resume_from, lora=None) -> str:
             *([("ptx", f"{cfg.ptx_coef} x next-token loss on {cfg.ptx_batch_size} texts per update from "
                             f"{cfg.ptx_file or 'the task (demonstrations)'}")] if cfg.ptx_coef and not cfg.eval_only
               else []),
+            *([] if cfg.eval_only else [("kl", _kl(cfg, sources))]),
             ("evaluation", _evaluation(cfg, loaded.task)),
             ("given", ", ".join(given) or "nothing: every setting at its default")]
     if cfg.eval_only:

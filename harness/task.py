@@ -26,9 +26,10 @@ The trainer draws each step's prompts with an rng seeded by (seed, step), so the
 state of its own: a resumed run draws exactly the prompts the killed one would have.
 
 What a task gives is checked where it enters (a TaskError names the bad value): prompts() must return
-exactly n non-empty strings, min_reward must be a finite number, evaluate() a dict of names to finite
-numbers. A reward that fails gets min_reward and is counted; Scorer prints the first failure of each kind
-with its traceback and stops the run when every reward of a step failed (--reward-errors).
+exactly n non-empty strings, demonstrations() n texts none of which (nor a pair's target) is empty, min_reward
+must be a finite number, evaluate() a dict of names to finite numbers. A reward that fails gets min_reward and
+is counted; Scorer prints the first failure of each kind with its traceback, stops the run when every reward of a
+step failed (--reward-errors), and says at the end when most steps learned nothing (only flat groups).
 
 --task takes a built-in name (the trainer passes the registry of tasks/__init__.py), path/to/file.py:Name
 or package.module:Name. Name may be a class (built with the task's options) or a ready object.
@@ -191,7 +192,10 @@ def checked_texts(source, n: int, rng) -> list:
     if len(texts) != n:
         raise TaskError(f"the task's demonstrations({n}, rng) returned {len(texts)} texts, not {n}")
     for text in texts:
-        _text_pair(text)
+        if not _text_pair(text)[1].strip():   # learned, an empty text is EOS at once: the model learns to stop
+            raise TaskError(f"the task's demonstrations({n}, rng) returned {_short(text, 80)}: an empty "
+                            f"{'text' if isinstance(text, str) else 'target'} teaches the model to end at once "
+                            f"(EOS): leave such texts out")
     return texts
 
 
@@ -294,6 +298,7 @@ class Scorer:
     def __init__(self, task, tolerate: bool):
         self.task, self.tolerate = task, tolerate
         self.shown, self.flat_named = set(), False
+        self.steps, self.flat_steps = 0, 0   # this process's steps, and those whose groups were all flat
         self.scored, self.failures = 0, {}
 
     def __call__(self, prompts, completions):
@@ -321,11 +326,22 @@ class Scorer:
         for kind in sorted(errors.keys() - self.shown):   # each kind new to the run, the lowest rank's first
             log.warn(f"step {step}: the task's reward {step_rows['reports'][kind]}")
             self.shown.add(kind)
+        self.steps += 1
+        self.flat_steps += frac_zero_std == 1.0
         if frac_zero_std == 1.0 and not all_failed and not self.flat_named:
             self.flat_named = True
             log.warn(f"step {step}: every group's completions got equal rewards (frac_zero_std 1.0), so every "
                      f"advantage is 0 and the step learns nothing. Try a higher --temperature, a larger --group-size, "
                      f"a reward with partial credit, or a model that sometimes solves the task (said once)")
+
+    def flat_summary(self) -> str | None:
+        """At the end of the run: a line when most of its steps had only flat groups (one note at step 1 is easily
+        lost above hundreds of step lines, and the run still ends by saving "the trained model"), else None."""
+        if self.flat_steps * 2 <= self.steps:
+            return None
+        return (f"{self.flat_steps} of {self.steps} steps had only flat groups (every advantage 0): the model barely "
+                f"trained. Try a higher --temperature, a larger --group-size, a reward with partial credit, or a "
+                f"model that sometimes solves the task")
 
     def _what(self, e) -> str:
         """What the reward did: "raised NameError: ..." or "returned a str ('0.5'), not a number (where)"."""
@@ -390,6 +406,9 @@ class SampledEvalOptions:
             raise ValueError(f"--eval-k {self.eval_k} must be >= 0 (0: greedy evaluation only)")
         if self.eval_n and not self.eval_k:
             raise ValueError(f"--eval-n {self.eval_n} samples for pass@K: give --eval-k too")
+        if self.eval_temperature != type(self).eval_temperature and not self.eval_k:   # not the default: given
+            raise ValueError(f"--eval-temperature {self.eval_temperature} is the temperature of --eval-k's samples, "
+                             f"and --eval-k 0 samples none: give --eval-k too")
         if self.eval_n and self.eval_n < self.eval_k:
             raise ValueError(f"--eval-n {self.eval_n} must be at least --eval-k {self.eval_k}: pass@K needs K "
                              f"samples (0: N = K)")

@@ -54,6 +54,15 @@ def test_a_folder_without_tokenizer_files_fails_at_load(tiny_model_dir, tmp_path
         load_tokenizer(without_tokenizer(tiny_model_dir, tmp_path / "bare"))
 
 
+def test_a_llama_folder_without_tokenizer_files_says_so_in_one_whole_line(tiny_rotary_dir, tmp_path):
+    # transformers fails on it with a message of five lines, of which the first alone was shown, cut mid-list
+    with pytest.raises(ModelLoadError) as e:
+        load_tokenizer(without_tokenizer(tiny_rotary_dir, tmp_path / "bare"))
+    assert str(e.value) == (f"--model {tmp_path / 'bare'}: it has no tokenizer: the folder lacks the tokenizer's "
+                            f"files (tokenizer.json, tokenizer.model, or vocab.json and merges.txt): copy them from "
+                            f"where the model came from")
+
+
 def test_a_tokenizer_larger_than_the_models_vocabulary_fails_at_load(tiny_model_dir, tmp_path):
     path = small_vocab_model(tiny_model_dir, tmp_path / "small-vocab")
     with pytest.raises(ModelLoadError, match="its tokenizer has token ids up to 319, but the model's vocab_size is "

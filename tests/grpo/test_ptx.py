@@ -74,11 +74,27 @@ def test_encode_learns_the_target_and_eos_never_the_bos_context_or_padding(tiny)
     assert batch.tokens == target + 1 + short - 1
 
 
-def test_a_text_longer_than_the_model_keeps_its_start(tiny):
+def test_a_text_longer_than_the_model_keeps_its_start_and_says_so_once(tiny, capsys, monkeypatch):
     tok, _ = tiny
+    monkeypatch.setattr(ptx, "_cut_said", False)   # once per process: as if this were the run's first cut
     batch = ptx.encode(["x " * 50], tok, prepend_bos=False, context=16)
     assert batch.input_ids.shape == (1, 16) and batch.tokens == 15
     assert batch.input_ids[0].tolist() == tok("x " * 50, add_special_tokens=False)["input_ids"][:16]
+    ptx.encode(["x " * 40], tok, prepend_bos=False, context=16)   # the next step's: not said again
+    length = len(tok("x " * 50, add_special_tokens=False)["input_ids"]) + 1
+    assert capsys.readouterr().err == (f"train_lean.py: warning: a --ptx-coef text of {length} tokens (with EOS) is "
+                                       f"longer than the model's 16 positions: it is learned cut to its first 16, "
+                                       f"without its end and EOS (said once)\n")   # it was cut in silence
+
+
+def test_a_pair_whose_context_fills_the_model_is_named(tiny):
+    # it failed at step 1 inside the loss, its target mask longer than its row
+    tok, _ = tiny
+    context = 1 + len(tok("x " * 8, add_special_tokens=False)["input_ids"])   # BOS and the pair's context
+    with pytest.raises(ValueError, match=rf"a --ptx-coef text's context of {context} tokens \(with BOS\) \('x x x .*"
+                                         rf"fills the model's {context} positions: no room is left for its target"):
+        ptx.encode([("x " * 8, "y"), "short"], tok, prepend_bos=True, context=context)
+    assert ptx.encode([("x " * 8, "y")], tok, prepend_bos=True, context=context + 1).tokens == 1   # one position left
 
 
 def test_the_text_comes_from_a_file_of_lines_or_the_task(tmp_path):
@@ -117,6 +133,11 @@ def test_a_task_that_returns_the_wrong_texts_is_named():
         checked_texts(lambda n, rng: ("a" for _ in range(n)), 8, random.Random(0))
     with pytest.raises(TaskError, match="a string or a .context, target. pair of strings, not 3"):
         checked_texts(lambda n, rng: ["a", 3], 2, random.Random(0))
+    # learned, an empty text or target is BOS -> EOS: the model would learn to stop at once
+    for empty in ("", ("Repeat a: ", ""), ("Repeat a: ", "  ")):
+        with pytest.raises(TaskError, match=r"demonstrations\(2, rng\) returned .*: an empty (text|target) teaches "
+                                            r"the model to end at once \(EOS\): leave such texts out"):
+            checked_texts(lambda n, rng: ["a", empty], 2, random.Random(0))
 
 
 def test_a_devices_share_keeps_the_whole_updates_token_count(tiny):

@@ -90,14 +90,21 @@ class FewTexts(Base):
     def demonstrations(self, n, rng): return ["a text"] * (n - 1)
 class BytesTexts(Base):
     def demonstrations(self, n, rng): return [b"a text"] * n
+class EmptyText(Base):
+    def demonstrations(self, n, rng): return [""] * n
+class EmptyTarget(Base):
+    def demonstrations(self, n, rng): return [("Repeat a: ", "")] * n
+class LongContext(Base):
+    def demonstrations(self, n, rng): return [("Repeat a: " * 200, "a")] * n
 """
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory, tiny_model_dir):
+def files(tmp_path_factory, tiny_model_dir, tiny_rotary_dir):
     root = tmp_path_factory.mktemp("bad")
     (root / "prompts.py").write_text(PROMPTS)
     without_tokenizer(tiny_model_dir, root / "no-tokenizer")
+    without_tokenizer(tiny_rotary_dir, root / "llama-no-tokenizer")
     small_vocab_model(tiny_model_dir, root / "small-vocab")
     (root / "a-file").write_text("not a folder\n")
     (root / "empty-model").mkdir()
@@ -131,11 +138,20 @@ def file_cases(root):
         (["--ptx-coef", "1", "--task", "toy"], "--ptx-coef needs text: give --ptx-file PATH"),
         (["--ptx-coef", "1", "--task", f"{root / 'prompts.py'}:FewTexts"], "demonstrations(2, rng) returned 1 texts"),
         (["--ptx-coef", "1", "--task", f"{root / 'prompts.py'}:BytesTexts"], "pair of strings, not b'a text'"),
+        (["--ptx-coef", "1", "--task", f"{root / 'prompts.py'}:EmptyText"], "demonstrations(2, rng) returned '': an "
+                                                                            "empty text teaches the model to end at once"),
+        (["--ptx-coef", "1", "--task", f"{root / 'prompts.py'}:EmptyTarget"], "returned ('Repeat a: ', ''): an empty "
+                                                                              "target teaches the model to end at once"),
+        (["--ptx-coef", "1", "--task", f"{root / 'prompts.py'}:LongContext"], "a --ptx-coef text's context of 602 "
+                                                                              "tokens (with BOS) ('Repeat a: Repeat a"),
         (["--data", str(root)], "no such file"),
         (["--task", "chess-env", "--data", str(root / "not-rookworld.txt")], "not RookWorld P:/A: samples"),
         (["--out-dir", str(root / "a-file" / "out")], "cannot write to"),
         (["--log-file", str(root / "a-file" / "m.jsonl")], "cannot write to"),
         (["--log-completions", str(root / "a-file" / "c.jsonl")], "cannot write to"),
+        (["--log-file", str(root / "empty-model")], "empty-model is a folder: pass the path of a file to write"),
+        (["--log-completions", str(root / "empty-model")], "is a folder: pass the path of a file to write"),
+        (["--out-dir", str(root) + "/out\udcff"], "out\\xff has a byte that is not UTF-8"),   # argv byte 0xff
         (["--resume", str(root / "nowhere")], "no checkpoint"),
         (["--task", f"{root / 'raises.py'}:T"], "raised ValueError: broken on import"),
         (["--task", f"{root / 'syntax.py'}:T"], "raised SyntaxError"),
@@ -153,6 +169,9 @@ def file_cases(root):
         (["--model", str(root / "huge-model")], "free on its disk"),
         # the task and the model: checked with the tokenizer and the model's config, before the weights load
         (["--model", str(root / "no-tokenizer")], "its tokenizer has no vocabulary"),
+        (["--model", str(root / "llama-no-tokenizer")], "it has no tokenizer: the folder lacks the tokenizer's files "
+                                                        "(tokenizer.json, tokenizer.model, or vocab.json and merges.txt): "
+                                                        "copy them from where the model came from"),
         (["--model", str(root / "small-vocab")], "token ids up to 319, but the model's vocab_size is 300"),
         (["--task", f"{root / 'prompts.py'}:Fewer"], "prompts(2, rng) returned 1 prompts, not 2"),
         (["--task", f"{root / 'prompts.py'}:Empty"], "prompts(2, rng) returned 0 prompts, not 2"),

@@ -44,6 +44,15 @@ def test_bad_environment_values_name_the_variable():
         load([], environ={"GRPO_BACH_SIZE": "8"})
 
 
+@pytest.mark.parametrize("name, right", [("GRPO_learning_rate", "GRPO_LEARNING_RATE"),
+                                         ("GRPO_Batch_Size", "GRPO_BATCH_SIZE"),
+                                         ("GRPO_stockfish_depth", "GRPO_STOCKFISH_DEPTH")])   # a task's option
+def test_a_variable_in_another_case_is_refused_with_the_right_spelling(name, right):
+    # it was taken as known (the check lower-cased it) and then never read: the run went on with the default
+    with pytest.raises(ConfigError, match=f"environment variable {name} is not read: spell it {right} "):
+        load([], environ={name: "3"})
+
+
 def test_optional_sizes_accept_auto_as_derived():
     cfg, _ = load(["--mini-batch-size", "auto"], environ={"GRPO_GENERATION_BATCH_SIZE": "none"})
     assert cfg.mini_batch_size is None and cfg.generation_batch_size is None
@@ -107,6 +116,43 @@ def test_sampling_an_evaluation_that_never_runs_is_refused():
         cli.load(["--task", "toy", "--eval-k", "4", "--eval-interval", "0"], environ={}, **toy)
     for argv in (["--eval-interval", "5"], ["--eval-only"], []):   # an evaluation that runs: accepted
         assert cli.load(["--task", "toy", "--eval-k", "4", *argv], environ={}, **toy).options.eval_k == 4
+
+
+def test_an_eval_temperature_without_eval_k_is_refused():
+    # the greedy evaluation has no temperature: it was ignored in silence
+    toy = dict(builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
+    with pytest.raises(ConfigError, match=r"--eval-temperature 0.7 is the temperature of --eval-k's samples, and "
+                                          r"--eval-k 0 samples none: give --eval-k too"):
+        cli.load(["--task", "toy", "--eval-temperature", "0.7"], environ={}, **toy)
+    with pytest.raises(ConfigError, match="--eval-temperature 0.7 is the temperature"):
+        cli.load(["--task", "toy"], environ={"GRPO_EVAL_TEMPERATURE": "0.7"}, **toy)
+    assert cli.load(["--task", "toy", "--eval-temperature", "0.7", "--eval-k", "2"], environ={},
+                    **toy).options.eval_temperature == 0.7
+
+
+BOOL_OPTION_TASK = """
+import dataclasses
+from tasks.toy import ToyTask
+
+@dataclasses.dataclass
+class Options:
+    exact_only: bool = False   # a plain dataclass field, as a user writes one
+
+class Strict(ToyTask):
+    options = Options
+"""
+
+
+def test_a_tasks_bool_option_may_be_given_bare_like_the_trainers(tmp_path):
+    # a task's bool was a flag that took one argument: `--exact-only` alone was "expected one argument"
+    (tmp_path / "strict.py").write_text(BOOL_OPTION_TASK)
+    task = f"{tmp_path / 'strict.py'}:Strict"
+    given = {(): False, ("--exact-only",): True, ("--exact-only", "false"): False, ("--exact-only", "yes"): True}
+    for argv, value in given.items():
+        loaded = cli.load(["--task", task, *argv, "--overwrite"], environ={})
+        assert loaded.options.exact_only is value and loaded.cfg.overwrite is True, argv
+    assert "--exact-only [BOOL]" in cli.build_parser(task, config.fields_of(
+        cli.tasks.options_type(cli.tasks.resolve(task, {})))).format_help()
 
 
 def test_trl_loss_type_names_are_our_aggregations():

@@ -54,6 +54,11 @@ def test_derived_sizes():
     (["--trace-memory", "1"], 1, "--trace-memory 1: the evidence compares the first traced step with the last"),
     (["--lr-warmup-steps", "5", "--lr-warmup-ratio", "0.1"], 1, "--lr-warmup-steps 5 and --lr-warmup-ratio 0.1: give"),
     (["--ref-sync-steps", "10", "--kl-coef", "0"], 1, "--ref-sync-steps 10 moves the reference, and --kl-coef 0 has"),
+    # a warmup as long as the run never trains at the rate set (it was taken in silence)
+    (["--lr-warmup-steps", "50", "--steps", "2"], 1, "--lr-warmup-steps 50 with --steps 2: the learning rate would "
+                                                     "rise over the whole run"),
+    (["--lr-warmup-steps", "2", "--steps", "2"], 1, "give a warmup below 2 steps, or more --steps"),
+    (["--lr-warmup-ratio", "0.95", "--steps", "10"], 1, "--lr-warmup-ratio 0.95 (10 steps) with --steps 10"),
 ])
 def test_batch_rule_violations_name_the_values_and_a_fix(argv, world, message):
     with pytest.raises(ConfigError) as e:

@@ -132,3 +132,21 @@ def test_the_header_names_the_pretraining_mix_and_its_text(tiny_model_dir, tmp_p
     assert f" ptx 0.5 x next-token loss on 16 texts per update from {text} " in flat
     train_lean.main(toy(tiny_model_dir, tmp_path / "plain"))
     assert " ptx " not in capsys.readouterr().out   # off: no row
+
+
+def test_the_header_names_the_kl_estimator_and_k1_is_the_default_in_the_reward(tiny_model_dir):
+    # --kl-in reward kept k3, which grpo/algorithm.py says belongs in the loss: now k1 unless one is named
+    model = load_policy(tiny_model_dir, "cpu")
+    rows = {(): "kl 0.02 x k3 per token in the loss",
+            ("--kl-in", "reward"): "kl 0.02 x k1 (the default in the reward; --kl-estimator names another) per "
+                                   "sequence, subtracted from the reward before the advantages",
+            ("--kl-in", "reward", "--kl-estimator", "k3"): "kl 0.02 x k3 per sequence, subtracted from the reward",
+            ("--kl-coef", "0"): "kl off (--kl-coef 0: no reference model)"}
+    for argv, row in rows.items():
+        loaded = cli.load(["--model", tiny_model_dir, "--task", "toy", *argv], {}, tasks.BUILTIN)
+        assert loaded.cfg.kl_estimator == ("k1" if argv == ("--kl-in", "reward") else "k3")
+        text = " ".join(screen.header(loaded, batch_layout(loaded.cfg), torch.device("cpu"), model, None).split())
+        assert f" {row}" in text, (argv, text)
+    env = cli.load(["--model", tiny_model_dir, "--task", "toy"], {"GRPO_KL_IN": "reward", "GRPO_KL_ESTIMATOR": "k2"},
+                   tasks.BUILTIN)
+    assert env.cfg.kl_estimator == "k2"   # named in the environment: kept

@@ -334,6 +334,22 @@ class Flat(Base):
         return 0.5
 
 
+class MostlyFlat(Base):
+    scored = 0
+
+    def reward(self, prompt, completion):   # 1/0 within each group of step 1 (8 completions), then 0 everywhere
+        MostlyFlat.scored += 1
+        return float(MostlyFlat.scored % 2) if MostlyFlat.scored <= 8 else 0.0
+
+
+class Alternating(Base):
+    scored = 0
+
+    def reward(self, prompt, completion):   # 1/0 within every group of 2: never flat
+        Alternating.scored += 1
+        return float(Alternating.scored % 2)
+
+
 class BreaksAfterStep1(Base):
     scored = 0
 
@@ -436,6 +452,24 @@ def test_a_step_without_signal_is_named_once_with_what_to_try(rewards_file, tiny
     for hint in ("--temperature", "--group-size", "partial credit", "model that sometimes solves"):
         assert hint in notes[0]
     assert [r["frac_zero_std"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1.0] * 3
+    assert proc.stderr.strip().splitlines()[-1] == (   # and at the end, after the model is saved
+        "train_lean.py: 3 of 3 steps had only flat groups (every advantage 0): the model barely trained. Try a higher "
+        "--temperature, a larger --group-size, a reward with partial credit, or a model that sometimes solves the task")
+
+
+def test_a_run_whose_steps_mostly_learned_nothing_ends_saying_so(rewards_file, tiny_model_dir, tmp_path):
+    # it ended with "saved the trained model" and nothing else, the one note at step 1 far above
+    runs = {"MostlyFlat": [0.0, 1.0, 1.0], "Alternating": [0.0, 0.0, 0.0]}
+    for name, flat in runs.items():
+        proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:{name}", *SMALL, "--steps", "3",
+                     "--out-dir", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert [r["frac_zero_std"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")] == flat
+        summary = [line for line in proc.stderr.splitlines() if "had only flat groups" in line]
+        assert summary == ([f"train_lean.py: 2 of 3 steps had only flat groups (every advantage 0): the model barely "
+                            f"trained. Try a higher --temperature, a larger --group-size, a reward with partial "
+                            f"credit, or a model that sometimes solves the task"] if name == "MostlyFlat" else []), name
+    assert "saved the trained model" in proc.stdout
 
 
 @pytest.mark.slow
@@ -447,18 +481,27 @@ def test_a_step_whose_prompts_come_up_short_stops_with_a_clear_error(rewards_fil
                                                      "prompts, not 4: it must return exactly n (the batch is n groups)")
 
 
-def test_an_evaluation_that_returns_nan_is_a_clear_error(rewards_file, tiny_model_dir, tmp_path, clean_env):
-    with pytest.raises(TaskError, match=re.escape("the task's evaluate() returned {'accuracy': nan}: 'accuracy' "
-                                                  "must be a finite number")):
+def test_an_evaluation_that_returns_nan_is_a_clear_error(rewards_file, tiny_model_dir, tmp_path, capsys, clean_env):
+    # the evaluation before training: one line, exit 2 (nothing is lost yet); a later one raises (exit 1, step saved)
+    with pytest.raises(SystemExit) as exit_:
         train_lean.main(["--model", tiny_model_dir, "--task", f"{rewards_file}:NanEval", *SMALL, "--steps", "1",
                          "--eval-interval", "1", "--out-dir", str(tmp_path)])
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip() == (
+        "train_lean.py: error: the task's evaluation at step 0: the task's evaluate() returned {'accuracy': nan}: "
+        "'accuracy' must be a finite number")
 
 
-def test_an_evaluation_prompt_too_long_for_the_model_is_a_clear_error(rewards_file, tiny_model_dir, tmp_path,
-                                                                       clean_env):
-    with pytest.raises(TaskError, match=r"a prompt of 60\d tokens \('Repeat a: Repeat a: .*more than the model's 512"):
-        train_lean.main(["--model", tiny_model_dir, "--task", f"{rewards_file}:LongEval", *SMALL, "--steps", "1",
-                         "--eval-only", "--out-dir", str(tmp_path)])
+def test_an_evaluation_prompt_too_long_for_the_model_is_one_line_before_training(rewards_file, tiny_model_dir,
+                                                                                   tmp_path, capsys, clean_env):
+    # found by the evaluation before training (step 0, or --eval-only), where nothing is lost yet: it was a traceback
+    for args in (["--eval-only"], ["--eval-interval", "1", "--out-dir", str(tmp_path / "run")]):
+        with pytest.raises(SystemExit) as exit_:
+            train_lean.main(["--model", tiny_model_dir, "--task", f"{rewards_file}:LongEval", *SMALL, "--steps", "1",
+                             "--out-dir", str(tmp_path), *args])
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and "\n" not in err, err
+        assert re.fullmatch(r"train_lean.py: error: the task's evaluation at step 0: a prompt of 60\d tokens "
+                            r"\('Repeat a: Repeat a: .*more than the model's 512.*", err), err
 
 
 # ---- sampled evaluation: pass@k and mean@n -----------------------------------------------------------------
