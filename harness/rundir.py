@@ -101,6 +101,29 @@ def earlier_run(cfg) -> list:
     return found + [settings] if found and os.path.exists(settings) else found
 
 
+def inputs(cfg, options) -> list:
+    """(flag, path) of what the run reads from disk: --model when it is a local folder, and every setting of the
+    Config or the task's options marked path="in". (--resume's checkpoint is not one: --overwrite excludes it.)"""
+    found = [("--model", cfg.model)]
+    for settings in (cfg, options):
+        for f in dataclasses.fields(settings) if settings is not None else ():
+            if f.metadata.get("path") == "in" and getattr(settings, f.name) is not None:
+                found.append((config.flag(f.name), getattr(settings, f.name)))
+    return [(flag, path) for flag, path in found if os.path.exists(path)]
+
+
+def check_overwrite_keeps_inputs(cfg, options, doomed: list) -> None:
+    """--overwrite deletes the earlier run's records: refuse when one of them is, or holds, what this run reads
+    (`--model OUT/model --out-dir OUT --overwrite` would delete the model it was asked to train)."""
+    for path in doomed:
+        gone = os.path.realpath(path)
+        for flag, value in inputs(cfg, options):
+            read = os.path.realpath(value)
+            if read == gone or read.startswith(gone + os.sep):
+                raise config.ConfigError(f"--overwrite would delete {path}, which {flag} {value} reads: copy it out of "
+                                         f"{cfg.out_dir} first, or pass another --out-dir")
+
+
 def check_space(out_dir: str, model: str) -> None:
     """Refuse a disk that clearly cannot hold the trained model and one checkpoint: about 4 x the weights'
     files (the model; a checkpoint's weights and AdamW's two moments). A hub id's size is not known here."""
@@ -234,6 +257,8 @@ def prepare(cfg, options) -> tuple:
                        "to --resume; --save-interval N keeps them)"
             raise config.ConfigError(f"--out-dir {cfg.out_dir} holds an earlier run's records ({', '.join(found)}): "
                                      f"pass {hint}")
+        if found:
+            check_overwrite_keeps_inputs(cfg, options, found)
         if found and main:
             for path in found:
                 if os.path.isdir(path):
