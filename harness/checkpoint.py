@@ -102,7 +102,8 @@ def write_manifest(folder: str) -> None:
 
 
 def damage(path: str):
-    """What is wrong with the checkpoint at path, or None when it is intact: its files against its manifest."""
+    """What is wrong with the checkpoint at path, or None when it is intact: its files against its manifest, and
+    the step its trainer state records against its folder's name."""
     try:
         if not os.path.exists(os.path.join(path, MANIFEST)):
             return f"{MANIFEST} is missing"
@@ -116,6 +117,11 @@ def damage(path: str):
                 got = os.path.getsize(file) if check == "size" else _digest(file)["sha256"]
                 if got != expected[check]:
                     return f"{name} has {check} {got}, its manifest says {expected[check]}"
+        # intact files under another step's name (a copy, a rename): the step is where the prompt stream and the
+        # schedule go on from, so the folder's name must be the step its weights were saved after
+        recorded = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True)["step"]
+        if recorded != step_of(path):
+            return f"{STATE} records step {recorded}, but the folder's name says step {step_of(path)}"
     except Exception as e:  # noqa: BLE001 - whatever a damaged file makes a loader raise
         return f"{type(e).__name__}: {str(e).split('. ')[0].splitlines()[0] if str(e) else 'unreadable'}"
     return None

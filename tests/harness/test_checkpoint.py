@@ -300,3 +300,17 @@ def test_resuming_an_older_checkpoint_moves_the_later_ones_aside(two_saved_steps
                             "--learning-rate", "5e-4"))
     assert later.returncode == 0, later.stderr   # the same settings as the branch it continues
     assert f"resumed from {ckpts / 'step_000002'}" in later.stdout
+
+
+@pytest.mark.slow
+def test_a_checkpoint_under_another_steps_name_is_damaged(two_saved_steps, tmp_path):
+    # intact files, but copied under a later step's name: trusted, --resume would say "after step 3" with
+    # step 1's weights, and the prompt stream and schedule would skip two steps
+    out = copy_of(two_saved_steps, tmp_path)
+    ckpts = out / "checkpoints"
+    shutil.copytree(ckpts / "step_000001", ckpts / "step_000003")
+    with pytest.raises(checkpoint.CheckpointError, match="records step 1, but the folder's name says step 3"):
+        checkpoint.resolve(str(ckpts / "step_000003"), str(out))   # named itself: refused
+    assert checkpoint.resolve("latest", str(out), set_aside=True) == str(ckpts / "step_000002")
+    assert (ckpts / "damaged-step_000003").is_dir() and not (ckpts / "step_000003").exists()
+
