@@ -30,6 +30,7 @@ SUBDIR = "checkpoints"
 ADAPTER = "adapter"  # OUT_DIR/model/adapter: a LoRA run's adapters beside the merged model
 STATE = "trainer_state.pt"
 MANIFEST = "manifest.json"
+MODEL_STEP = "trained_step.json"   # OUT_DIR/model's: the step it was trained to
 _NAME = re.compile(r"step_(\d+)$")
 
 
@@ -254,8 +255,9 @@ class Saver:
         return False
 
 
-def save_model(folder: str, policy, tokenizer) -> str:
-    """The trained model as a plain Hugging Face folder (from_pretrained loads it), written atomically.
+def save_model(folder: str, policy, tokenizer, step: int) -> str:
+    """The trained model as a plain Hugging Face folder (from_pretrained loads it), written atomically, with the
+    step it was trained to in MODEL_STEP (a later --resume from an older checkpoint must not replace it unsaid).
 
     With LoRA (policy: the PeftModel) the folder holds the merged model, the adapters merged into a fresh
     copy of the base model loaded on the CPU (the live policy is left as it is), and the adapters alone in
@@ -270,9 +272,21 @@ def save_model(folder: str, policy, tokenizer) -> str:
     else:
         policy.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, MODEL_STEP), "w", encoding="utf-8") as f:
+        json.dump({"step": step}, f)
     shutil.rmtree(folder, ignore_errors=True)
     os.rename(tmp, folder)
     return folder
+
+
+def model_step(folder: str):
+    """The step the trained model in folder was saved after (save_model), or None: no such model, or one this
+    trainer did not write."""
+    try:
+        with open(os.path.join(folder, MODEL_STEP), encoding="utf-8") as f:
+            return json.load(f)["step"]
+    except FileNotFoundError:
+        return None
 
 
 def load_state(path: str) -> dict:
