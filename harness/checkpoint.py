@@ -96,8 +96,9 @@ def _digest(path: str) -> dict:
 
 
 def write_manifest(folder: str) -> None:
-    """Every file's size and sha256, written last into the (still temporary) checkpoint folder."""
-    files = {name: _digest(os.path.join(folder, name)) for name in sorted(os.listdir(folder))}
+    """Every file's size and sha256, written last into the (still temporary) checkpoint folder; written again
+    (an edited checkpoint's), it leaves out the manifest it replaces."""
+    files = {name: _digest(os.path.join(folder, name)) for name in sorted(os.listdir(folder)) if name != MANIFEST}
     with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(files, f, indent=1)
 
