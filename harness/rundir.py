@@ -157,14 +157,16 @@ def check_finished_model(cfg, resume_from: str) -> None:
     """A bare --resume must not go back behind a finished run: when OUT_DIR/model was trained to a later step
     than the checkpoint (a run resumed and finished without a checkpoint at its end), resuming would replace
     that model and the records after the checkpoint. Only a checkpoint named by its path branches off it."""
-    final, done = checkpoint.model_step(os.path.join(cfg.out_dir, "model")), checkpoint.step_of(resume_from)
+    model = os.path.join(cfg.out_dir, "model")
+    final, done = checkpoint.model_step(model), checkpoint.step_of(resume_from)
     named = os.path.isfile(os.path.join(cfg.resume, checkpoint.STATE))
     if final is not None and final > done and not named:
-        raise config.ConfigError(f"--resume: {os.path.join(cfg.out_dir, 'model')} was trained to step {final}, but the "
-                                 f"newest checkpoint, {resume_from}, is at step {done}: resuming would replace "
-                                 f"{f'steps {done + 1}-{final}' if final > done + 1 else f'step {final}'} and that model; pass --model {os.path.join(cfg.out_dir, 'model')} "
-                                 f"with another --out-dir to train on from it, or --resume {resume_from} to branch "
-                                 f"off step {done} (the later model and records are kept aside)")
+        replaced = f"steps {done + 1}-{final}" if final > done + 1 else f"step {final}"
+        raise config.ConfigError(f"--resume: {model} was trained to step {final}, but the newest checkpoint, "
+                                 f"{resume_from}, is at step {done}: resuming would replace {replaced} and that model; "
+                                 f"pass --model {model} with another --out-dir to train on from it, or --resume "
+                                 f"{resume_from} to branch off step {done} (the later model and records are kept "
+                                 f"aside)")
 
 
 def set_aside_later(cfg, step: int) -> None:
