@@ -7,8 +7,9 @@
     python monitor_memory.py --steps 200 --trace [-- train_lean.py flags]          ... and where it leaks
     python monitor_memory.py --sweep 8,16,32,64,128 [-- train_lean.py flags]        batch sweep
 
-Watching starts train_lean.py as a child process, follows the JSONL log it writes and prints a
-row every --every steps; when the run ends, or on Ctrl-C (which stops the child cleanly), it
+Watching starts train_lean.py as a child process in a folder of its own (out/monitor-<time>-<random>,
+kept: the run's log, output and model; unless the trainer flags give --out-dir), follows the JSONL
+log it writes and prints a row every --every steps; when the run ends, or on Ctrl-C (which stops the child cleanly), it
 prints the leak analysis of what it saw (memwatch.py): each memory series' trend, the memory
 each phase of a step adds (generation, rewards, reference, update) and, on a LEAK, the phase that
 grows. --trace has the trainer trace a window of steps after the warm-up (train_lean.py
@@ -30,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import memwatch
@@ -302,6 +304,16 @@ class RowPrinter:
             self.first = False
 
 
+def own_out_dir(train):
+    """The trainer flags with an --out-dir of the watched run's own, unless they (or GRPO_OUT_DIR) name one: the
+    trainer's default out/ holds whatever ran before, and the trainer refuses to write into an earlier run's
+    records. A new folder out/monitor-<time>-<random> is kept: it holds the run's log, output and model."""
+    if trainer_setting(train, "--out-dir", None) is not None:
+        return train
+    os.makedirs("out", exist_ok=True)
+    return train + ["--out-dir", tempfile.mkdtemp(prefix=time.strftime("monitor-%Y%m%d-%H%M%S-"), dir="out")]
+
+
 def evidence_file(args, train):
     """Where this run's leak evidence will be; None when it is not traced."""
     if not (args.trace or trainer_setting(train, "--trace-memory", "0") not in ("", "0")):
@@ -346,7 +358,9 @@ def watch(args, train):
         records.append(rec)
         show(rec)
     if child.returncode != 0 and not interrupted:
-        print(f"the trainer exited with code {child.returncode}; last lines of {output}:")
+        print(f"the trainer exited with code {child.returncode}"
+              + ("" if memwatch.train_records(records)[0] else " before its first step's record")
+              + f"; last lines of {output}:")
         with open(output, errors="replace") as f:
             print("".join(f.readlines()[-15:]).rstrip())
     return records, child.returncode, interrupted
@@ -670,10 +684,12 @@ def main(argv):
             records, returncode, interrupted = read_log(args.from_log), 0, False
             evidence_path, started = os.path.join(os.path.dirname(os.path.abspath(args.from_log)), EVIDENCE), 0.0
         else:
+            train = own_out_dir(train)
             evidence_path, started = evidence_file(args, train), time.time()
             records, returncode, interrupted = watch(args, train)
         report = memwatch.analyse(records, args.warmup, args.leak_mb_per_step, args.frag_ratio, args.churn_spread)
-        print_report(report)
+        if report["records"]:   # a trainer that failed before its first step leaves nothing to tabulate
+            print_report(report)
         evidence = None
         # a file from before this run started is an earlier run's evidence, not this one's
         if evidence_path and os.path.exists(evidence_path) and os.path.getmtime(evidence_path) >= started:

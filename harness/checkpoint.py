@@ -30,6 +30,7 @@ SUBDIR = "checkpoints"
 ADAPTER = "adapter"  # OUT_DIR/model/adapter: a LoRA run's adapters beside the merged model
 STATE = "trainer_state.pt"
 MANIFEST = "manifest.json"
+MODEL_STEP = "trained_step.json"   # OUT_DIR/model's: the step it was trained to
 _NAME = re.compile(r"step_(\d+)$")
 
 
@@ -95,14 +96,16 @@ def _digest(path: str) -> dict:
 
 
 def write_manifest(folder: str) -> None:
-    """Every file's size and sha256, written last into the (still temporary) checkpoint folder."""
-    files = {name: _digest(os.path.join(folder, name)) for name in sorted(os.listdir(folder))}
+    """Every file's size and sha256, written last into the (still temporary) checkpoint folder; written again
+    (an edited checkpoint's), it leaves out the manifest it replaces."""
+    files = {name: _digest(os.path.join(folder, name)) for name in sorted(os.listdir(folder)) if name != MANIFEST}
     with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(files, f, indent=1)
 
 
 def damage(path: str):
-    """What is wrong with the checkpoint at path, or None when it is intact: its files against its manifest."""
+    """What is wrong with the checkpoint at path, or None when it is intact: its files against its manifest, and
+    the step its trainer state records against its folder's name."""
     try:
         if not os.path.exists(os.path.join(path, MANIFEST)):
             return f"{MANIFEST} is missing"
@@ -116,6 +119,11 @@ def damage(path: str):
                 got = os.path.getsize(file) if check == "size" else _digest(file)["sha256"]
                 if got != expected[check]:
                     return f"{name} has {check} {got}, its manifest says {expected[check]}"
+        # intact files under another step's name (a copy, a rename): the step is where the prompt stream and the
+        # schedule go on from, so the folder's name must be the step its weights were saved after
+        recorded = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True)["step"]
+        if recorded != step_of(path):
+            return f"{STATE} records step {recorded}, but the folder's name says step {step_of(path)}"
     except Exception as e:  # noqa: BLE001 - whatever a damaged file makes a loader raise
         return f"{type(e).__name__}: {str(e).split('. ')[0].splitlines()[0] if str(e) else 'unreadable'}"
     return None
@@ -248,8 +256,9 @@ class Saver:
         return False
 
 
-def save_model(folder: str, policy, tokenizer) -> str:
-    """The trained model as a plain Hugging Face folder (from_pretrained loads it), written atomically.
+def save_model(folder: str, policy, tokenizer, step: int) -> str:
+    """The trained model as a plain Hugging Face folder (from_pretrained loads it), written atomically, with the
+    step it was trained to in MODEL_STEP (a later --resume from an older checkpoint must not replace it unsaid).
 
     With LoRA (policy: the PeftModel) the folder holds the merged model, the adapters merged into a fresh
     copy of the base model loaded on the CPU (the live policy is left as it is), and the adapters alone in
@@ -264,9 +273,21 @@ def save_model(folder: str, policy, tokenizer) -> str:
     else:
         policy.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, MODEL_STEP), "w", encoding="utf-8") as f:
+        json.dump({"step": step}, f)
     shutil.rmtree(folder, ignore_errors=True)
     os.rename(tmp, folder)
     return folder
+
+
+def model_step(folder: str):
+    """The step the trained model in folder was saved after (save_model), or None: no such model, or one this
+    trainer did not write."""
+    try:
+        with open(os.path.join(folder, MODEL_STEP), encoding="utf-8") as f:
+            return json.load(f)["step"]
+    except FileNotFoundError:
+        return None
 
 
 def load_state(path: str) -> dict:

@@ -200,7 +200,8 @@ class Run:
                     self.info(f"stopped after step {step}: continue with --resume")
                     return
         if cfg.save_final and self.main:  # the run reached its last step: keep what it made
-            folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), self.lora or self.policy, self.tokenizer)
+            folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), self.lora or self.policy, self.tokenizer,
+                                           cfg.steps)
             self.info(f"saved the trained model to {folder} (from_pretrained loads it)")
         summary = self.scorer.flat_summary()   # the same on every rank: each has the gathered frac_zero_std
         if summary:

@@ -103,6 +103,29 @@ def earlier_run(cfg) -> list:
     return found + [settings] if found and os.path.exists(settings) else found
 
 
+def inputs(cfg, options) -> list:
+    """(flag, path) of what the run reads from disk: --model when it is a local folder, and every setting of the
+    Config or the task's options marked path="in". (--resume's checkpoint is not one: --overwrite excludes it.)"""
+    found = [("--model", cfg.model)]
+    for settings in (cfg, options):
+        for f in dataclasses.fields(settings) if settings is not None else ():
+            if f.metadata.get("path") == "in" and getattr(settings, f.name) is not None:
+                found.append((config.flag(f.name), getattr(settings, f.name)))
+    return [(flag, path) for flag, path in found if os.path.exists(path)]
+
+
+def check_overwrite_keeps_inputs(cfg, options, doomed: list) -> None:
+    """--overwrite deletes the earlier run's records: refuse when one of them is, or holds, what this run reads
+    (`--model OUT/model --out-dir OUT --overwrite` would delete the model it was asked to train)."""
+    for path in doomed:
+        gone = os.path.realpath(path)
+        for flag, value in inputs(cfg, options):
+            read = os.path.realpath(value)
+            if read == gone or read.startswith(gone + os.sep):
+                raise config.ConfigError(f"--overwrite would delete {path}, which {flag} {value} reads: copy it out of "
+                                         f"{cfg.out_dir} first, or pass another --out-dir")
+
+
 def check_space(out_dir: str, model: str) -> None:
     """Refuse a disk that clearly cannot hold the trained model and one checkpoint: about 4 x the weights'
     files (the model; a checkpoint's weights and AdamW's two moments). A hub id's size is not known here."""
@@ -123,15 +146,54 @@ def _continues(resume_from, out_dir: str) -> bool:
         os.path.realpath(os.path.dirname(resume_from)) == os.path.realpath(os.path.join(out_dir, checkpoint.SUBDIR))
 
 
-def set_aside_later(out_dir: str, step: int) -> None:
-    """Rename OUT_DIR's checkpoints after `step` to abandoned-step_N: a run resumed from an older checkpoint
-    starts another future, and a later --resume (or the pruning of --keep-checkpoints) must not take the old one."""
-    for path in checkpoint.candidates(os.path.join(out_dir, checkpoint.SUBDIR)):
-        if checkpoint.step_of(path) > step:
-            aside = os.path.join(os.path.dirname(path), "abandoned-" + os.path.basename(path))
-            shutil.rmtree(aside, ignore_errors=True)
-            os.rename(path, aside)
-            log.warn(f"resuming from step {step}: the later checkpoint {path} is moved aside to {aside}")
+def _free_name(path: str) -> str:
+    """path, or path.2, path.3, ... whichever does not exist yet: what is set aside never replaces what was."""
+    n, free = 1, path
+    while os.path.lexists(free):
+        n += 1
+        free = f"{path}.{n}"
+    return free
+
+
+def check_finished_model(cfg, resume_from: str) -> None:
+    """A bare --resume must not go back behind a finished run: when OUT_DIR/model was trained to a later step
+    than the checkpoint (a run resumed and finished without a checkpoint at its end), resuming would replace
+    that model and the records after the checkpoint. Only a checkpoint named by its path branches off it."""
+    model = os.path.join(cfg.out_dir, "model")
+    final, done = checkpoint.model_step(model), checkpoint.step_of(resume_from)
+    named = os.path.isfile(os.path.join(cfg.resume, checkpoint.STATE))
+    if final is not None and final > done and not named:
+        replaced = f"steps {done + 1}-{final}" if final > done + 1 else f"step {final}"
+        raise config.ConfigError(f"--resume: {model} was trained to step {final}, but the newest checkpoint, "
+                                 f"{resume_from}, is at step {done}: resuming would replace {replaced} and that model; "
+                                 f"pass --model {model} with another --out-dir to train on from it, or --resume "
+                                 f"{resume_from} to branch off step {done} (the later model and records are kept "
+                                 f"aside)")
+
+
+def set_aside_later(cfg, step: int) -> None:
+    """Move aside what OUT_DIR holds of after `step`: a run resumed from an older checkpoint starts another future,
+    and a later --resume (or the pruning of --keep-checkpoints) must not take the old one, nor may it be lost.
+    Later checkpoints become abandoned-step_N; a model trained further, abandoned-model-step_N; and the logs,
+    whose later records the resumed run drops, are kept as they were beside them (PATH.abandoned-after-step_N)."""
+    later = [path for path in checkpoint.candidates(os.path.join(cfg.out_dir, checkpoint.SUBDIR))
+             if checkpoint.step_of(path) > step]
+    model = os.path.join(cfg.out_dir, "model")
+    final = checkpoint.model_step(model)
+    if final is not None and final > step:
+        later.append(model)
+    for path in later:
+        name = f"abandoned-model-step_{final:06d}" if path == model else "abandoned-" + os.path.basename(path)
+        aside = _free_name(os.path.join(os.path.dirname(path), name))
+        os.rename(path, aside)
+        log.warn(f"resuming from step {step}: the later {'model' if path == model else 'checkpoint'} {path} is moved "
+                 f"aside to {aside}")
+    for path in (log.metrics_path(cfg), cfg.log_completions) if later else ():
+        if path and os.path.exists(path):
+            aside = _free_name(f"{path}.abandoned-after-step_{step:06d}")
+            shutil.copyfile(path, aside)
+            log.warn(f"resuming from step {step}: {path}'s records after it are dropped; the file as it was is kept "
+                     f"as {aside}")
 
 
 def allowed_changes(text) -> list:
@@ -217,11 +279,13 @@ def prepare(cfg, options) -> tuple:
                                                               resume_from):
                 log.warn(note)
             done = checkpoint.step_of(resume_from)
-            if main and not cfg.eval_only and _continues(resume_from, cfg.out_dir):
-                set_aside_later(cfg.out_dir, done)
             if not cfg.eval_only and cfg.steps <= done:   # it would train nothing and save step `done` as final
                 raise config.ConfigError(f"--steps {cfg.steps}: the checkpoint {resume_from} is at step {done} already "
                                          f"(nothing to train): pass --steps above {done}")
+            if not cfg.eval_only and _continues(resume_from, cfg.out_dir):
+                check_finished_model(cfg, resume_from)
+                if main:
+                    set_aside_later(cfg, done)
         if cfg.eval_only:   # it writes only a --log-file, and that only when it holds no earlier records
             found = [cfg.log_file] if cfg.log_file and _holds_something(cfg.log_file) else []
         else:
@@ -236,6 +300,8 @@ def prepare(cfg, options) -> tuple:
                        "to --resume; --save-interval N keeps them)"
             raise config.ConfigError(f"--out-dir {cfg.out_dir} holds an earlier run's records ({', '.join(found)}): "
                                      f"pass {hint}")
+        if found:
+            check_overwrite_keeps_inputs(cfg, options, found)
         if found and main:
             for path in found:
                 if os.path.isdir(path):

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, records, train, weights
+from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, records, train, weights
 from harness import checkpoint
 
 
@@ -224,6 +224,9 @@ def test_a_damaged_newest_checkpoint_is_said_and_the_intact_one_used(two_saved_s
     line = one_line_error(train(*args, "--resume", str(newest)))   # named itself, it is refused
     assert "the checkpoint is damaged" in line and name in line
 
+    # the finished run's model is of step 2, newer than the intact checkpoint: a bare --resume would refuse to go
+    # behind it (test_a_resume_behind_a_finished_model_is_refused_or_branches_keeping_it); a run killed before it
+    shutil.rmtree(out / "model")
     result = train(*args, "--resume")
     assert result.returncode == 0, result.stderr
     said = [line for line in result.stderr.splitlines() if "is damaged" in line]
@@ -296,7 +299,60 @@ def test_resuming_an_older_checkpoint_moves_the_later_ones_aside(two_saved_steps
         in branch.stderr
     assert checkpoint.saved_settings(str(ckpts / "step_000002"))["learning_rate"] == 5e-4   # the new run's own
     assert checkpoint.saved_settings(str(ckpts / "abandoned-step_000002"))["learning_rate"] == 1e-3
+    # the first run's record of step 2 too, in the log as it was (the branch's log has its own step 2)
+    assert [r["step"] for r in records(out / "metrics.jsonl.abandoned-after-step_000001")] == [1, 2]
     later = train(*run_args(tiny_model_dir, evaluated, "--steps", "3", "--out-dir", str(out), "--resume",
                             "--learning-rate", "5e-4"))
     assert later.returncode == 0, later.stderr   # the same settings as the branch it continues
     assert f"resumed from {ckpts / 'step_000002'}" in later.stdout
+
+
+@pytest.mark.slow
+def test_a_checkpoint_under_another_steps_name_is_damaged(two_saved_steps, tmp_path):
+    # intact files, but copied under a later step's name: trusted, --resume would say "after step 3" with
+    # step 1's weights, and the prompt stream and schedule would skip two steps
+    out = copy_of(two_saved_steps, tmp_path)
+    ckpts = out / "checkpoints"
+    shutil.copytree(ckpts / "step_000001", ckpts / "step_000003")
+    with pytest.raises(checkpoint.CheckpointError, match="records step 1, but the folder's name says step 3"):
+        checkpoint.resolve(str(ckpts / "step_000003"), str(out))   # named itself: refused
+    assert checkpoint.resolve("latest", str(out), set_aside=True) == str(ckpts / "step_000002")
+    assert (ckpts / "damaged-step_000003").is_dir() and not (ckpts / "step_000003").exists()
+
+
+@pytest.mark.slow
+def test_a_resume_behind_a_finished_model_is_refused_or_branches_keeping_it(two_saved_steps, evaluated,
+                                                                           tiny_model_dir, tmp_path):
+    # the run is resumed to step 3 at another learning rate without a checkpoint at its end: its model and record
+    # of step 3 are newer than the newest checkpoint (step 2), and a later bare --resume would replace them unsaid
+    out = copy_of(two_saved_steps, tmp_path)
+    ckpts, logs = out / "checkpoints", ["--log-completions", str(out / "completions.jsonl")]
+    on = train(*run_args(tiny_model_dir, evaluated, "--steps", "3", "--out-dir", str(out), "--resume", *logs,
+                         "--learning-rate", "5e-4", "--resume-allow-change", "learning_rate", "--save-interval", "0"))
+    assert on.returncode == 0, on.stderr
+    assert checkpoint.model_step(str(out / "model")) == 3 and checkpoints_in(ckpts) == ["step_000001", "step_000002"]
+    finished = weights(out / "model")
+    line = one_line_error(train(*run_args(tiny_model_dir, evaluated, "--steps", "4", "--out-dir", str(out),
+                                          "--resume", *logs)))
+    assert f"{out / 'model'} was trained to step 3, but the newest checkpoint, {ckpts / 'step_000002'}, is at " \
+           f"step 2: resuming would replace step 3 and that model" in line
+    assert f"--resume {ckpts / 'step_000002'} to branch off step 2" in line
+
+    # named: it branches off step 2; the later model and records are moved aside, not deleted
+    branch = train(*run_args(tiny_model_dir, evaluated, "--steps", "4", "--out-dir", str(out),
+                             "--resume", str(ckpts / "step_000002"), *logs))
+    assert branch.returncode == 0, branch.stderr
+    aside = out / "abandoned-model-step_000003"
+    assert f"the later model {out / 'model'} is moved aside to {aside}" in branch.stderr
+    kept = weights(aside)
+    assert all(torch.equal(kept[k], finished[k]) for k in finished)
+    old = records(out / "metrics.jsonl.abandoned-after-step_000002")
+    assert [r["step"] for r in old if "kind" not in r] == [1, 2, 3]
+    assert {r["step"] for r in read_jsonl(out / "completions.jsonl.abandoned-after-step_000002")} == {1, 2, 3}
+    new = [r for r in records(out / "metrics.jsonl") if "kind" not in r]
+    assert [r["step"] for r in new] == [1, 2, 3, 4] and new[2]["lr"] == 1e-3   # step 3 redone at the checkpoint's
+    assert checkpoint.model_step(str(out / "model")) == 4
+
+
+def checkpoints_in(folder):
+    return sorted(p.name for p in folder.iterdir())

@@ -57,3 +57,36 @@ def test_the_readme_is_short_and_starts_with_the_two_commands():
     assert len(lines) <= 200
     first_block = open(README, encoding="utf-8").read().split("```bash\n", 1)[1].split("```", 1)[0]
     assert [line.split()[:2] for line in first_block.strip().splitlines()] == [["make", "train"], ["make", "test"]]
+
+
+def training_commands() -> list:
+    """The README's shell commands that train, in order, as (the command, its --out-dir, whether it continues or
+    only evaluates the run there, the logs it names). `make train` is train_lean.py with the defaults."""
+    text = open(README, encoding="utf-8").read()
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:2] == ["make", "train"]:
+                words = ["train_lean.py"]
+            if "train_lean.py" not in words or "..." in words:   # torchrun's line is a pattern, not a command
+                continue
+            args = words[words.index("train_lean.py") + 1:]
+            value = lambda flag, default=None: args[args.index(flag) + 1] if flag in args else default  # noqa: E731
+            found.append((line, value("--out-dir", "out"), "--resume" in args or "--eval-only" in args,
+                          [v for v in (value("--log-file"), value("--log-completions")) if v]))
+    return found
+
+
+def test_the_readmes_training_commands_run_in_order_without_colliding():
+    # each command that starts a run needs a folder (and logs) no earlier command wrote: run in the README's
+    # order, a shared one stops the later command at start-up (exit 2: the folder holds an earlier run's records)
+    commands, used = training_commands(), {}
+    assert len(commands) >= 5   # make train, the task example, the tiny model's run, the long run and its resume
+    for line, out_dir, continues, logs in commands:
+        if continues:
+            assert out_dir in used, f"{line!r} continues a run no earlier command started in {out_dir}"
+            continue
+        for path in (out_dir, *logs):
+            assert path not in used, f"{line!r} writes {path}, as {used.get(path)!r} did before it"
+            used[path] = line

@@ -137,3 +137,19 @@ def test_a_longer_resumed_run_says_that_its_schedule_stretches():
     assert not rundir.check_resume(saved, config.Config(lr_scheduler="cosine", steps=4), None, "ckpt")
     constant = config.settings(config.Config(steps=4), None)   # a constant rate does not depend on --steps
     assert not rundir.check_resume(constant, config.Config(steps=8), None, "ckpt")
+
+
+def test_overwrite_refuses_to_delete_what_the_run_reads(tiny_model_dir, tmp_path):
+    # train on from a finished run's model into the same folder: --overwrite would delete that model first
+    out = tmp_path / "x"
+    first = train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out))
+    assert first.returncode == 0, first.stderr
+    before = snapshot(out)
+    line = one_line_error(train(*toy(str(out / "model")), "--steps", "1", "--out-dir", str(out), "--overwrite"))
+    assert f"--overwrite would delete {out / 'model'}, which --model {out / 'model'} reads" in line
+    assert "copy it out of" in line and "another --out-dir" in line
+    # a file inside the doomed records (a path="in" setting): the same
+    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out), "--overwrite",
+                                "--ptx-coef", "1", "--ptx-file", str(out / "metrics.jsonl")))
+    assert f"which --ptx-file {out / 'metrics.jsonl'} reads" in line
+    assert snapshot(out) == before   # nothing was deleted

@@ -12,6 +12,7 @@ import pytest
 
 import monitor_memory
 import memwatch
+from monitor_memory import read_log
 from helpers import REPO as ROOT
 from helpers import children, process_alive, wait_until
 MONITOR = os.path.join(ROOT, "monitor_memory.py")
@@ -151,6 +152,28 @@ def test_watch_reports_a_crashed_trainer_with_exit_3(tmp_path):
                 cwd=tmp_path)
     assert r.returncode == 3, r.stdout + r.stderr
     assert "exited with code 1" in r.stdout and "simulated crash" in r.stdout
+
+
+def test_a_watched_run_gets_a_folder_of_its_own(tmp_path):
+    # out/ holds an earlier run (the trainer's default folder): the watched run writes elsewhere, and says where
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "metrics.jsonl").write_text('{"step": 1, "rss_mb": 1.0}\n')
+    r = monitor("--trainer", FAKE, 30, 8, "--summary", "s.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (folder,) = [p for p in (tmp_path / "out").iterdir() if p.name.startswith("monitor-")]
+    assert f"--out-dir out/{folder.name} --log-file out/{folder.name}/metrics.jsonl" in r.stdout.splitlines()[0]
+    assert len(read_log(folder / "metrics.jsonl")) == 33   # 30 steps and 3 eval records, the run's own
+    assert (tmp_path / "out" / "metrics.jsonl").read_text() == '{"step": 1, "rss_mb": 1.0}\n'
+    r = monitor("--trainer", FAKE, 30, 8, "--", "--out-dir", "mine", cwd=tmp_path)   # one given is used
+    assert r.returncode == 0 and "--out-dir mine --log-file mine/metrics.jsonl" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_trainer_that_fails_before_its_first_record_is_said_without_a_table(tmp_path):
+    r = monitor("--trainer", FAKE, "--steps", 30, "--", "--log-file", "m.jsonl", "--fail-at", 1, cwd=tmp_path)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "the trainer exited with code 1 before its first step's record" in r.stdout and "simulated crash" in r.stdout
+    assert "memory trend" not in r.stdout and "series" not in r.stdout
+    assert "verdict: not judged (the trainer failed)" in r.stdout
 
 
 def test_evidence_from_before_the_run_is_not_this_runs(tmp_path):
@@ -307,6 +330,19 @@ def test_kill_9_of_the_monitor_ends_its_trainer(tmp_path, tiny_model_dir):
     # its parent-death signal is SIGTERM, the trainer's clean stop: the step finished, a checkpoint saved
     output = (tmp_path / "run" / "train_output.txt").read_text()
     assert "SIGTERM: finishing this step" in output and "stopped after step" in output
+
+
+@needs_trainer
+@pytest.mark.slow
+def test_the_monitor_watches_the_real_trainer_after_an_earlier_run_in_out(tmp_path, tiny_model_dir):
+    # `monitor_memory.py 200 64` after any run: the trainer's default out/ holds that run's records, which it
+    # refuses to write into (exit 2); the monitor gives it a folder of its own
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "metrics.jsonl").write_text('{"step": 1}\n')
+    r = monitor(3, 8, "--warmup", 0, "--", "--model", tiny_model_dir, "--task", "toy", "--eval-interval", "0", *TRAIN,
+                cwd=tmp_path, env=ONE_THREAD)
+    assert "exited with code" not in r.stdout, r.stdout + r.stderr
+    assert "memory trend after a warm-up of 0 records (3 training records" in r.stdout
 
 
 # --- what the plots show -------------------------------------------------------------------------
