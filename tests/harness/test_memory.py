@@ -105,9 +105,11 @@ def test_a_run_that_ends_inside_the_window_still_writes_its_evidence(tmp_path):
     assert evidence["tensors"][0]["count"] == 2 and not tracemalloc.is_tracing()
 
 
-def test_no_trace_on_other_ranks_and_none_before_the_window(tmp_path):
+def test_no_trace_on_other_ranks_and_none_before_the_window(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")   # torchrun's second process, as distributed.is_main() reads it
     with memory.Phases(CPU, 1, settings(tmp_path / "a", trace=4, after=1), print) as phases:
         run_steps(phases, 6, [])
+    monkeypatch.delenv("RANK")
     said = []
     with memory.Phases(CPU, 0, settings(tmp_path / "b", trace=4, after=10), said.append) as phases:
         run_steps(phases, 3, [])
