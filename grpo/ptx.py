@@ -9,12 +9,10 @@ the same text; every device encodes all of them and takes its share, so the loss
 needs no collective.
 """
 import random
-import sys
 from dataclasses import dataclass
 
 import torch
 
-from grpo import distributed
 from grpo.rollout import left_pad, start_ids
 
 
@@ -26,23 +24,21 @@ class PtxBatch:
     attention: torch.Tensor
     target: torch.Tensor
     tokens: int
+    cut: int = 0    # the update's texts longer than the model's context, learned cut to it (every device's)
 
     def for_device(self, rank: int, world: int) -> "PtxBatch":
-        """This device's rows (every world-th from rank); tokens stays the whole update's."""
-        return PtxBatch(self.input_ids[rank::world], self.attention[rank::world], self.target[rank::world], self.tokens)
-
-
-_cut_said = False   # a text cut to the model's context is said once per process, not at every step
+        """This device's rows (every world-th from rank); tokens and cut stay the whole update's."""
+        return PtxBatch(self.input_ids[rank::world], self.attention[rank::world], self.target[rank::world], self.tokens,
+                        self.cut)
 
 
 def encode(texts, tokenizer, prepend_bos: bool, context: int | None, device=None) -> PtxBatch:
     """One update's texts as a batch: [BOS] + context + target + EOS, the target and EOS learned; a text longer
-    than the model's context keeps its first `context` tokens (said once). ValueError for a pair whose context
+    than the model's context keeps its first `context` tokens (counted in cut). ValueError for a pair whose context
     alone leaves no position for its target."""
-    global _cut_said
     pairs = [("", t) if isinstance(t, str) else tuple(t) for t in texts]
     eos, bos = tokenizer.eos_token_id, start_ids(tokenizer, prepend_bos)
-    rows, learned = [], []
+    rows, learned, cut = [], [], 0
     for pair, head, tail in zip(pairs, tokenizer([c for c, _ in pairs], add_special_tokens=False)["input_ids"],
                                 tokenizer([t for _, t in pairs], add_special_tokens=False)["input_ids"]):
         start, ids = bos + head, bos + head + tail + [eos]
@@ -51,19 +47,14 @@ def encode(texts, tokenizer, prepend_bos: bool, context: int | None, device=None
                              f"({pair[0]!r:.40}...) fills the model's {context} positions: no room is left for its "
                              f"target; shorten the task's demonstrations")
         if context is not None and len(ids) > context:
-            if not _cut_said and distributed.is_main():
-                print(f"train_lean.py: warning: a --ptx-coef text of {len(ids)} tokens (with EOS"
-                      f"{' and BOS' if bos else ''}) is longer than the model's {context} positions: it is learned "
-                      f"cut to its first {context}, without its end and EOS (said once)", file=sys.stderr, flush=True)
-            _cut_said = True
-            ids = ids[:context]
+            ids, cut = ids[:context], cut + 1
         rows.append(ids)
         learned.append([0] * len(start) + [1] * (len(ids) - len(start)))
     ids, attention = left_pad(rows, eos, device)
     target = left_pad(learned, 0, device)[0][:, 1:].to(torch.float32)   # position t predicts token t + 1
     if not target.any():
         raise ValueError(f"no --ptx-coef text leaves a token to learn (the first: {texts[0]!r:.80})")
-    return PtxBatch(ids, attention, target, int(target.sum().item()))
+    return PtxBatch(ids, attention, target, int(target.sum().item()), cut)
 
 
 def step_batches(source, step_seed: int, updates: int, per_update: int, tokenizer, prepend_bos: bool, context,

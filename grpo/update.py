@@ -126,6 +126,6 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
     ptx_nll, ptx_tokens = totals.pop("ptx_nll", 0.0), max(totals.pop("ptx_tokens", 0), 1)
     record = {"loss": totals.pop("loss") / updates, **{k: v / tokens for k, v in totals.items()},
               "grad_norm": sum(grad_norms) / updates, "skipped_nonfinite": skipped}
-    if mix is not None:   # the pretraining mix's mean loss per learned token (not times --ptx-coef)
-        record["ptx_loss"] = ptx_nll / ptx_tokens
+    if mix is not None:   # the pretraining mix's mean loss per learned token (not times --ptx-coef), its texts cut
+        record.update(ptx_loss=ptx_nll / ptx_tokens, ptx_cut=sum(b.cut for b in mix))
     return record

@@ -60,7 +60,7 @@ class Run:
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
         self.stack.push(distributed.close)      # told whether the run ended by an exception
-        self.exit_code = 0
+        self.exit_code, self.cut_said = 0, False
 
     def __enter__(self):
         return self
@@ -231,6 +231,11 @@ class Run:
         rec.update(log.throughput(self.phases.times(), self.step_rows), **self.phases.record())
         if not self.main:
             return
+        if rec.get("ptx_cut") and not self.cut_said:   # learned, but not whole: said once, counted in every record
+            self.cut_said = True
+            log.warn(f"step {step}: {rec['ptx_cut']} --ptx-coef text(s) longer than the model's {self.context} "
+                     f"positions: each is learned cut to its first {self.context} tokens, without its end and EOS "
+                     f"(said once; ptx_cut in each record counts them)")
         if cfg.log_completions:
             log.write_completions(self.completions_file, step, self.step_rows)
         log.write(self.metrics_file, rec)

@@ -74,17 +74,12 @@ def test_encode_learns_the_target_and_eos_never_the_bos_context_or_padding(tiny)
     assert batch.tokens == target + 1 + short - 1
 
 
-def test_a_text_longer_than_the_model_keeps_its_start_and_says_so_once(tiny, capsys, monkeypatch):
+def test_a_text_longer_than_the_model_keeps_its_start_and_is_counted(tiny):
     tok, _ = tiny
-    monkeypatch.setattr(ptx, "_cut_said", False)   # once per process: as if this were the run's first cut
-    batch = ptx.encode(["x " * 50], tok, prepend_bos=False, context=16)
-    assert batch.input_ids.shape == (1, 16) and batch.tokens == 15
+    batch = ptx.encode(["x " * 50, "short"], tok, prepend_bos=False, context=16)
+    assert batch.input_ids.shape == (2, 16) and batch.cut == 1   # counted: the run says it (harness/run.py)
     assert batch.input_ids[0].tolist() == tok("x " * 50, add_special_tokens=False)["input_ids"][:16]
-    ptx.encode(["x " * 40], tok, prepend_bos=False, context=16)   # the next step's: not said again
-    length = len(tok("x " * 50, add_special_tokens=False)["input_ids"]) + 1
-    assert capsys.readouterr().err == (f"train_lean.py: warning: a --ptx-coef text of {length} tokens (with EOS) is "
-                                       f"longer than the model's 16 positions: it is learned cut to its first 16, "
-                                       f"without its end and EOS (said once)\n")   # it was cut in silence
+    assert batch.target[0].sum() == 15 and batch.for_device(1, 2).cut == 1   # a device's share keeps the update's
 
 
 def test_a_pair_whose_context_fills_the_model_is_named(tiny):
@@ -167,3 +162,16 @@ def test_a_run_learns_the_text_and_resumes_exactly(tiny_model_dir, tmp_path, cle
     assert [r["step"] for r in resumed] == list(range(1, 7)) and resumed == straight
     losses = [r["ptx_loss"] for r in straight]
     assert losses[-1] < 0.5 * losses[0]   # two updates a step on these two lines: it learns them
+
+
+def test_a_run_says_once_that_a_text_was_cut_and_counts_it_in_every_record(tiny_model_dir, tmp_path, clean_env,
+                                                                            capsys):
+    import train_lean
+    text = tmp_path / "text.txt"
+    text.write_text("x " * 600 + "\n")   # longer than the tiny model's 512 positions: every draw is it
+    train_lean.main(ptx_run(tiny_model_dir, text, tmp_path / "run", "--steps", "2"))
+    said = [line for line in capsys.readouterr().err.splitlines() if "longer than the model's" in line]
+    assert said == ["train_lean.py: step 1: 6 --ptx-coef text(s) longer than the model's 512 positions: each is "
+                    "learned cut to its first 512 tokens, without its end and EOS (said once; ptx_cut in each "
+                    "record counts them)"]
+    assert [r["ptx_cut"] for r in records(tmp_path / "run" / "metrics.jsonl")] == [6, 6]   # 2 updates x 3 texts
