@@ -142,7 +142,10 @@ class Run:
             state = checkpoint.load_state(self.resume_from)
             optimizer.load_state_dict(state["optimizer"])
             streak = state["nonfinite_streak"]
-            if "reference" in state:  # --ref-sync-steps moved it: the checkpoint holds where it was
+            if "reference" in state and self.reference is None:   # --kl-coef 0 now (allowed): no KL, no reference
+                log.warn(f"{self.resume_from} holds the reference --ref-sync-steps moved; --kl-coef 0 has no KL term, "
+                         f"so it is not used")
+            elif "reference" in state:  # --ref-sync-steps moved it: the checkpoint holds where it was
                 self.reference.load_state_dict(state["reference"])
             # each rank continues its own RNG streams (rank 0's when the device count changed)
             checkpoint.set_rng_states(state["rng"][self.rank] if len(state["rng"]) == self.world else state["rng"][0])

@@ -119,7 +119,7 @@ def test_a_dynamic_sampling_run_resumes_exactly(tiny_model_dir, tmp_path, clean_
 
 
 
-def test_a_scheduled_run_with_a_moving_reference_resumes_exactly(tiny_model_dir, tmp_path, clean_env):
+def test_a_scheduled_run_with_a_moving_reference_resumes_exactly(tiny_model_dir, tmp_path, clean_env, capsys):
     # the learning rate is a function of the step; the reference that --ref-sync-steps moves is in the checkpoint
     import train_lean
     args = ["--model", tiny_model_dir, "--task", "toy", "--batch-size", "8", "--group-size", "4", "--max-new-tokens",
@@ -135,6 +135,12 @@ def test_a_scheduled_run_with_a_moving_reference_resumes_exactly(tiny_model_dir,
     assert [r["lr"] for r in straight] == pytest.approx([1e-2, 1e-2, 1e-3 + 9e-3 * 0.5 * (1 + math.cos(math.pi / 3)),
                                                          1e-3 + 9e-3 * 0.5 * (1 + math.cos(2 * math.pi / 3))])
     assert straight[2]["kl"] > 0   # the reference moved and the KL term sees it
+    # the KL term dropped on purpose: the moved reference is not needed, and said so (it was an AttributeError)
+    train_lean.main([*args, "--steps", "5", "--resume", "--kl-coef", "0", "--ref-sync-steps", "0", "--resume-allow-change",
+                     "kl_coef,ref_sync_steps", "--out-dir", str(tmp_path / "resumed")])
+    assert "step_000002 holds the reference --ref-sync-steps moved; --kl-coef 0 has no KL term, so it is not used" \
+        in capsys.readouterr().err
+    assert records(tmp_path / "resumed" / "metrics.jsonl")[-1]["kl"] == 0
 
 def run_args(model, task, *extra):
     return ["--model", model, *SMALL, "--task", task, *extra]
