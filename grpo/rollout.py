@@ -207,6 +207,9 @@ def select_rows(rollouts: list, rows: torch.Tensor, pad_id: int) -> Rollout:
         elif isinstance(parts[0], torch.Tensor):
             value = pad_id if f.name == "input_ids" else 0
             full = parts[0].shape[1] == rollouts[0].input_ids.shape[1]   # prompt + completion columns
+            if not full and parts[0].shape[1] != rollouts[0].completion_len:   # padding would misalign its columns
+                raise ValueError(f"Rollout.{f.name} is {list(parts[0].shape)}: select_rows carries [B], [B, T] and "
+                                 f"[B, prompt width + T] tensors; give another shape its own merge")
             chosen[f.name] = torch.cat([
                 torch.cat([pad(t[:, :w], (P - w, 0), value=value), pad(t[:, w:], (0, T - r.completion_len), value=value)], 1)
                 if full else pad(t, (0, T - r.completion_len), value=value)

@@ -237,3 +237,11 @@ def test_a_field_added_to_the_rollout_survives_dynamic_sampling():
     assert batch.per_position.tolist()[0] == [400, 402, 404, 406, 408, 0, 0]
     assert batch.per_position.tolist()[3] == [0, 1000, 1002, 1004, 1006, 1008, 1010]
     assert batch.attention.tolist()[2] == [0, 1, 1, 1, 1, 1, 1] and batch.completion_mask.tolist()[0] == [1, 1, 0, 0]
+
+    @dataclasses.dataclass
+    class Odd(Rollout):
+        features: torch.Tensor = None      # [B, 3]: no shape select_rows can pad without misaligning
+    odd = [Odd(**{f.name: getattr(r, f.name) for f in dataclasses.fields(Rollout)}, features=torch.zeros(4, 3))
+           for r in (a, b)]
+    with pytest.raises(ValueError, match=r"Rollout.features is \[4, 3\]: select_rows carries"):
+        merge(odd, group_size=2, groups=2, pad_id=-1)
