@@ -60,8 +60,8 @@ def load_tokenizer(name_or_path: str):
     tokenizer files loads as an empty one that encodes every prompt to nothing), and no token id past the
     model's vocab_size (its embeddings)."""
     from transformers import AutoTokenizer
-    missing = (f"the folder lacks the tokenizer's files (tokenizer.json, tokenizer.model, or vocab.json and "
-               f"merges.txt): copy them from where the model came from")
+    missing = ("the folder lacks the tokenizer's files (tokenizer.json, tokenizer.model, or vocab.json and "
+               "merges.txt): copy them from where the model came from")
     try:
         tok = _from_pretrained(AutoTokenizer, name_or_path)
     except ModelLoadError:   # a Llama-style model folder without them fails in transformers, which does not say so

@@ -466,9 +466,9 @@ def test_a_run_whose_steps_mostly_learned_nothing_ends_saying_so(rewards_file, t
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert [r["frac_zero_std"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")] == flat
         summary = [line for line in proc.stderr.splitlines() if "had only flat groups" in line]
-        assert summary == ([f"train_lean.py: 2 of 3 steps had only flat groups (every advantage 0): the model barely "
-                            f"trained. Try a higher --temperature, a larger --group-size, a reward with partial "
-                            f"credit, or a model that sometimes solves the task"] if name == "MostlyFlat" else []), name
+        assert summary == (["train_lean.py: 2 of 3 steps had only flat groups (every advantage 0): the model barely "
+                            "trained. Try a higher --temperature, a larger --group-size, a reward with partial "
+                            "credit, or a model that sometimes solves the task"] if name == "MostlyFlat" else []), name
     assert "saved the trained model" in proc.stdout
 
 
