@@ -3,7 +3,8 @@
     OUT_DIR/checkpoints/step_000120/   model.safetensors, config.json, tokenizer files (from_pretrained works);
                                        with LoRA adapter_model.safetensors and adapter_config.json instead
                                        of the weights (the base is --model, unchanged)
-                                       trainer_state.pt: optimizer, step, RNG states, the settings
+                                       trainer_state.pt: optimizer, step, RNG states, the settings, the
+                                       fingerprint of the model the run started from (--model)
                                        manifest.json: every file's size and sha256
 
 A checkpoint is written under a temporary name and renamed into place, so a process killed while
@@ -165,6 +166,24 @@ def saved_settings(path: str):
     return torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True)["config"]
 
 
+def saved_start_model(path: str):
+    """The fingerprint of the model the checkpoint's run started from, or None where it recorded none."""
+    return torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True).get("start_model")
+
+
+def fingerprint(model) -> str:
+    """A short hash of a model's weights as loaded (fp32, in the order of its state_dict) and of its config less
+    where it was read from: what --model held. LoRA adapters are left out: the base they sit on is the start.
+    One pass over the weights, no copy."""
+    digest = hashlib.sha256()   # hardware-accelerated on most CPUs: faster than blake2b or md5 there
+    conf = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    digest.update(json.dumps(conf, sort_keys=True, default=str).encode())
+    for name, tensor in model.state_dict().items():
+        if "lora_" not in name:
+            digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]
+
+
 def save(out_dir: str, step: int, policy, tokenizer, state: dict, keep: int) -> str:
     """Write checkpoint `step` atomically, drop all but the newest `keep`; return its path."""
     folder = os.path.join(out_dir, SUBDIR)
@@ -205,10 +224,11 @@ class Saver:
     """
 
     def __init__(self, out_dir: str, policy, tokenizer, optimizer, config: dict, keep: int, step: int,
-                 nonfinite_streak: int, reference=None):
+                 nonfinite_streak: int, reference=None, start_model=None):
         """reference: a reference that moves (--ref-sync-steps), saved with the step; None when it stays the
-        starting model, which --resume loads again."""
+        starting model, which --resume loads again. start_model: that model's fingerprint, compared on --resume."""
         self.out_dir, self.policy, self.tokenizer, self.optimizer = out_dir, policy, tokenizer, optimizer
+        self.start_model = start_model
         self.reference = reference
         self.config, self.keep = config, keep
         self.step = self.saved = step   # a fresh run's step 0 is its --model; a resumed run's is on disk
@@ -225,7 +245,7 @@ class Saver:
 
     def _write(self, rngs: list) -> str:
         state = {"optimizer": self.optimizer.state_dict(), "rng": rngs, "nonfinite_streak": self.streak,
-                 "config": self.config}
+                 "config": self.config, "start_model": self.start_model}
         if self.reference is not None:
             state["reference"] = self.reference.state_dict()
         return save(self.out_dir, self.step, self.policy, self.tokenizer, state, self.keep)

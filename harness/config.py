@@ -32,21 +32,23 @@ RANGES = {"at least 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambd
           "> 1": lambda v: v > 1, "in (0, 1]": lambda v: 0 < v <= 1}
 
 
-def opt(default, help, choices=None, const=None, path=None, auto=False, resume_free=False, must=None, note=None,
-        aliases=None):
+def opt(default, help, choices=None, const=None, path=None, auto=False, resume_free=False, resume_fixed=None,
+        must=None, note=None, aliases=None):
     """A field. With const the flag may be given bare (`--resume` means `--resume latest`; a bool flag may be
     given bare anyway, meaning true: harness/cli.py); path="in" marks
     a file the run reads and path="out" one it writes (a file, or with the name out_dir a folder), which
     rundir.check_paths tests before anything heavy is loaded; auto=True keeps the value "auto" as itself;
     must names its range in RANGES (None and "auto" pass) and note a hint its message adds; resume_free=True:
-    it may differ on --resume (see Config). choices given as a dict (name -> what it does, defined by the module
+    it may differ on --resume (see Config); resume_fixed="why": it may not, even when --resume-allow-change names it
+    (what the checkpoint holds was built with it). choices given as a dict (name -> what it does, defined by the module
     that owns them) are listed in the help; aliases maps other names for a choice to it (another trainer's)."""
     if isinstance(choices, dict):
         help = f"{help}: " + "; ".join(f"{k}: {v}" for k, v in choices.items())
     if aliases:
         help += " (also " + ", ".join(f"{k} = {v}" for k, v in aliases.items()) + ")"
     return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
-                                            "auto": auto, "resume_free": resume_free, "must": must, "note": note,
+                                            "auto": auto, "resume_free": resume_free,
+                                            "resume_fixed": resume_fixed, "must": must, "note": note,
                                             "aliases": aliases or {}})
 
 
@@ -56,6 +58,12 @@ def opt(default, help, choices=None, const=None, path=None, auto=False, resume_f
 # micro-batch on one device: here it is taken to mean token-mean. TRL's "dr_grpo" divides per
 # micro-batch and averages, the same when micro-batches are of equal size, as here.
 TRL_LOSS_TYPES = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean", "dr_grpo": "dr-grpo"}
+
+
+# The checkpoint's adapters are built with these and loaded as saved (peft's adapter config wins): a new value
+# would be recorded while the old one trains on, so --resume refuses it.
+ADAPTERS_FIXED = ("the checkpoint's adapters were built with it and load as they were saved; start a new run "
+                  "(--model OUT_DIR/model, the merged model) to train other adapters")
 
 
 # resume_free=True: --resume lets the setting differ from what the checkpoint recorded (any other difference is
@@ -125,11 +133,12 @@ class Config:
                                                   must="> 0")
     lora_rank: int = opt(0, "train LoRA adapters of this rank instead of every weight (needs peft: pip install "
                          "peft); the KL reference is then the same weights with the adapters off, no second model "
-                         "(0: full fine-tuning)", must=">= 0")
-    lora_alpha: float = opt(16.0, "LoRA scale: an adapter adds alpha / rank x B A to its weight", must="> 0")
+                         "(0: full fine-tuning)", must=">= 0", resume_fixed=ADAPTERS_FIXED)
+    lora_alpha: float = opt(16.0, "LoRA scale: an adapter adds alpha / rank x B A to its weight", must="> 0",
+                            resume_fixed=ADAPTERS_FIXED)
     lora_target_modules: typing.Optional[str] = opt(None, "modules that get adapters, comma-separated names "
                                                     "(default: peft's for the architecture: GPT-2's c_attn, "
-                                                    "Llama's and Qwen2's q_proj,v_proj)")
+                                                    "Llama's and Qwen2's q_proj,v_proj)", resume_fixed=ADAPTERS_FIXED)
     kl_coef: float = opt(0.02, "k3 KL penalty against the frozen reference (0: no reference model)", must=">= 0")
     ref_sync_steps: int = opt(0, "every N steps the reference moves toward the policy (TR-DPO; 0: it stays the "
                               "starting model)", must=">= 0")

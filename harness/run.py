@@ -110,6 +110,8 @@ class Run:
                 self.lora or frozen_copy(load_policy(cfg.model, device) if self.resume_from else self.policy))
         except (task_lib.TaskError, ModelLoadError) as e:
             usage_error(str(e))
+        if not cfg.eval_only:
+            self.start_model = self._start_model()
         self.info(screen.header(self.loaded, self.layout, device, self.policy, self.resume_from, self.lora))
         if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/model.py)
             self.policy.activation_checkpointing_enable({"use_reentrant": False})
@@ -118,6 +120,28 @@ class Run:
             task_lib.eval_completions, self.policy, self.tokenizer, prepend_bos=self.prepend_bos, device=device,
             max_new_tokens=cfg.max_new_tokens, batch=self.layout.generation_batch, autocast=self.autocast, seed=cfg.seed)
         return self.policy, self.reference, self.tokenizer
+
+    def _start_model(self):
+        """The fingerprint of what --model holds, kept with the run's checkpoints. A resumed run loads --model again
+        for the KL reference and the LoRA base: other weights there than the run started from are refused (exit 2)
+        unless --resume-allow-change model; where it loads nothing of --model (no KL, no LoRA), the saved one goes on."""
+        cfg = self.cfg
+        if not self.resume_from:
+            return checkpoint.fingerprint(self.policy)   # before any update
+        saved = checkpoint.saved_start_model(self.resume_from)
+        loaded = self.policy if self.lora is not None else self.reference   # what was read from --model now
+        if loaded is None:
+            return saved
+        now = checkpoint.fingerprint(loaded)
+        if now != saved and "model" not in rundir.allowed_changes(cfg.resume_allow_change):
+            usage_error(f"--resume: --model {cfg.model} holds other weights than the run started from (fingerprint "
+                        f"{saved or '(not recorded)'}, now {now}); the run's "
+                        f"{'LoRA base and ' if self.lora is not None else ''}KL reference would change under it: "
+                        f"restore it, or pass --resume-allow-change model to go on from these weights on purpose")
+        if now != saved:
+            log.warn(f"--model {cfg.model} holds other weights than the run started from (fingerprint "
+                     f"{saved or '(not recorded)'}, now {now}): going on from them (--resume-allow-change model)")
+        return now
 
     def evaluate_only(self) -> None:
         """--eval-only: the task's evaluation of --model; a log file only when asked for (an earlier run's metrics
@@ -140,7 +164,12 @@ class Run:
         cfg, layout, streak = self.cfg, self.layout, 0
         if self.resume_from:
             state = checkpoint.load_state(self.resume_from)
+            # the moments and step counts as saved, the hyperparameters (--weight-decay, ...) as set now: a change
+            # --resume-allow-change let through is then the one the run trains with
+            settings_now = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             optimizer.load_state_dict(state["optimizer"])
+            for group, now in zip(optimizer.param_groups, settings_now):
+                group.update(now)
             streak = state["nonfinite_streak"]
             if "reference" in state and self.reference is None:   # --kl-coef 0 now (allowed): no KL, no reference
                 log.warn(f"{self.resume_from} holds the reference --ref-sync-steps moved; --kl-coef 0 has no KL term, "
@@ -169,7 +198,7 @@ class Run:
         # checkpoints; and on a failure after a completed step, that step's (harness/checkpoint.py)
         self.saver = self.stack.enter_context(checkpoint.Saver(
             cfg.out_dir, self.lora or self.policy, self.tokenizer, optimizer, settings, cfg.keep_checkpoints,
-            self.start_step, streak, self.reference if cfg.ref_sync_steps else None))
+            self.start_step, streak, self.reference if cfg.ref_sync_steps else None, self.start_model))
         if self.evaluating and self.start_step == 0 and self.main:  # where the run starts from
             self._first_evaluation(self.metrics_file, self.reporter)
         self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate")

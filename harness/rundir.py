@@ -206,6 +206,12 @@ def resume_free(option_fields) -> frozenset:
     return frozenset(f.name for f in (*config.FIELDS.values(), *option_fields) if f.metadata.get("resume_free"))
 
 
+def resume_fixed(option_fields) -> dict:
+    """The settings --resume may not change even on request: name -> why (opt(..., resume_fixed=why))."""
+    return {f.name: f.metadata["resume_fixed"] for f in (*config.FIELDS.values(), *option_fields)
+            if f.metadata.get("resume_fixed")}
+
+
 def check_resume_flags(cfg, options) -> None:
     """--overwrite and --resume exclude each other; --resume-allow-change names settings that exist, that
     --resume would refuse to change, and comes with --resume."""
@@ -218,7 +224,7 @@ def check_resume_flags(cfg, options) -> None:
     if not names:
         raise config.ConfigError(f"--resume-allow-change {text!r} names no setting: pass e.g. learning_rate,kl_coef")
     option_fields = dataclasses.fields(options) if options is not None else ()
-    free = resume_free(option_fields)
+    free, fixed = resume_free(option_fields), resume_fixed(option_fields)
     for name in names:
         if name not in config.FIELDS and name not in {f.name for f in option_fields}:
             raise config.ConfigError(f"--resume-allow-change: {name!r} is not a setting of train_lean.py nor of "
@@ -226,6 +232,9 @@ def check_resume_flags(cfg, options) -> None:
         if name in free:
             raise config.ConfigError(f"--resume-allow-change: {config.flag(name)} may change on --resume without "
                                      f"it: leave it out")
+        if name in fixed:
+            raise config.ConfigError(f"--resume-allow-change: {config.flag(name)} cannot change on --resume: "
+                                     f"{fixed[name]}")
     if not cfg.resume:
         raise config.ConfigError(f"--resume-allow-change {text}: it applies only with --resume")
 
@@ -247,8 +256,13 @@ def check_resume(saved, cfg, options, checkpoint_path: str) -> list:
     setting it does not record included) is a ConfigError naming each (old -> new), unless --resume-allow-change
     names it. Returns the notes to print: the changes allowed, and what they do to the schedule."""
     current = config.settings(cfg, options)
-    free = resume_free(dataclasses.fields(options) if options is not None else ())
+    option_fields = dataclasses.fields(options) if options is not None else ()
+    free, fixed = resume_free(option_fields), resume_fixed(option_fields)
     changed = [n for n in current if n not in free and (n not in saved or not _same(saved[n], current[n]))]
+    for n in changed:
+        if n in fixed:
+            raise config.ConfigError(f"--resume {checkpoint_path}: {_changes([n], saved, current)}: this setting "
+                                     f"cannot change on --resume: {fixed[n]}")
     refused = [n for n in changed if n not in allowed_changes(cfg.resume_allow_change)]
     if refused:
         raise config.ConfigError(f"--resume: {checkpoint_path} was trained with other settings: "
