@@ -70,9 +70,17 @@ def without_tokenizer(model_dir: str, path: str) -> str:
 
 
 def env(**extra):
-    """One thread, so float reductions run in the same order in every process; no hub access."""
-    e = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_")}
-    e.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=REPO, **extra)
+    """One thread (several test processes share the machine's cores), no hub access, no GRPO_ variables."""
+    return user_env(OMP_NUM_THREADS="1", **extra)
+
+
+def user_env(**extra):
+    """A user's environment: the default threads (every core) and MKL mode; no hub access, no GRPO_ variables.
+    The tests of a promise users rely on (same seed, same run; a resumed run equals the uninterrupted one) run
+    under it, not under one thread."""
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith("GRPO_") and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR")}
+    e.update(HF_HUB_OFFLINE="1", PYTHONPATH=REPO, **extra)
     return e
 
 
