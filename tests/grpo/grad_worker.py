@@ -32,6 +32,9 @@ NOT_LOSS = {"lr_scheduler"}   # the optimizer's choice, not the loss's: the same
 CHOICES = {f"{name} {choice}": {name: choice} for name, f in FIELDS.items()
            if any(f.metadata["choices"] is d for d in vars(algorithm).values()) and name not in NOT_LOSS
            for choice in f.metadata["choices"] if choice != f.default}
+# Clip-Cov's default band (1, 5) holds no token of this batch (a tiny random model's logprobs barely spread), which
+# would make it the defaults' gradient: its generated knob takes a band that binds, and a share of 1%
+CHOICES["policy_loss clip-cov"].update(clip_cov_lb=0.1, cov_ratio=0.01)
 KNOBS = {
     "defaults": {},
     **CHOICES,
