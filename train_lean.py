@@ -84,7 +84,10 @@ def main(argv=None):
 
             # ---- advantages: each completion against its group, every rank's groups (--scale-rewards batch) --
             rewards = torch.cat(distributed.gather_objects(batch.train_rewards))  # every rank
-            advantages, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.scale_rewards)
+            parts = None if cfg.scale_rewards != "gdpo" else torch.cat(  # GDPO: each part, weighted, every rank
+                distributed.gather_objects(torch.tensor(batch.reward_parts)))
+            advantages, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.scale_rewards, parts=parts,
+                                                                weights=list(run.scorer.weights.values()))
             batch.advantages = advantages[rank * B:(rank + 1) * B].to(device)
             run.check_rewards(step, batch, rec)   # every rank: failures shown; every reward failed: the run stops
 

@@ -51,6 +51,13 @@ ADVANTAGES = {  # --scale-rewards
     "batch": "(r - the group's mean) / (the whole batch's std + eps), every device's rows",
     "none": "r - the group's mean (Dr. GRPO)",
     "rloo": "r - the mean of the group's other rewards (RLOO's leave-one-out baseline), not divided",
+    "reinforce++": "(r - the whole batch's mean) / (the batch's std + eps), every device's rows (REINFORCE++): a global "
+                   "baseline, so a group whose rewards are all equal still gets advantages",
+    "reinforce++-baseline": "(r - the group's mean) / (the batch's std of those differences + eps) (REINFORCE++-baseline)",
+    "maxrl": "(r - the group's mean) / (the group's mean + eps) (MaxRL): for rewards in {0, 1}, a rare success weighs "
+             "more; a negative mean flips the sign",
+    "gdpo": "each --reward-weights part normalised in its group as 'group' does, weighted and summed, then divided by "
+            "the batch's std of the sums + eps (GDPO)",
 }
 
 
@@ -64,12 +71,15 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return r.max(1).values != r.min(1).values
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4):
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4, parts=None,
+                     weights=None):
     """Each reward against its group, as ADVANTAGES[scale] says. Rows of one group are contiguous.
 
     A group whose rewards are all equal carries no signal: its advantages are exactly 0 (set, not
-    computed, so float rounding in the mean cannot leak a tiny gradient). Returns (advantages,
-    fraction of groups with zero std).
+    computed, so float rounding in the mean cannot leak a tiny gradient); not with "reinforce++", whose
+    baseline is the batch's, nor "gdpo", where each part's equal groups get 0 and a group whose weighted sum
+    ties may still differ part by part. parts [N, K] and weights (K numbers): the reward's parts, for "gdpo".
+    Returns (advantages, fraction of groups with zero std).
     """
     r = rewards.float().view(-1, group_size)
     adv = r - r.mean(1, keepdim=True)
@@ -79,10 +89,20 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         adv = adv / (rewards.float().std() + eps)
     elif scale == "rloo":  # each completion's baseline leaves it out: the mean of the other G - 1
         adv = r - (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    elif scale == "reinforce++":
+        adv = (r - r.mean()) / (r.std() + eps)
+    elif scale == "reinforce++-baseline":
+        adv = adv / (adv.std() + eps)
+    elif scale == "maxrl":
+        adv = adv / (r.mean(1, keepdim=True) + eps)
+    elif scale == "gdpo":  # normalised apart, a part of small spread is not drowned by one of large spread
+        adv = sum(w * group_advantages(parts[:, k], group_size, "group", eps)[0] for k, w in enumerate(weights))
+        adv = (adv / (adv.std() + eps)).view(-1, group_size)   # the sum's batch mean is 0 already
     elif scale != "none":
         raise ValueError(f"scale_rewards {scale!r} is not one of {', '.join(ADVANTAGES)}")
     zero = ~informative_groups(rewards, group_size)[:, None]
-    adv = adv.masked_fill(zero, 0.0)
+    if scale not in ("reinforce++", "gdpo"):
+        adv = adv.masked_fill(zero, 0.0)
     return adv.reshape(-1), zero.float().mean().item()
 
 
@@ -180,6 +200,21 @@ IMPORTANCE_LEVELS = {  # --importance-level
 }
 
 
+POLICY_LOSSES = {  # --policy-loss
+    "ppo": "the clipped surrogate -min(r A, clip(r, 1 - clip-range, 1 + clip-range-high) A) (PPO, GRPO)",
+    "cispo": "-sg(min(r, 1 + clip-range-high)) A logp (CISPO, MiniMax-M1): the weight is capped, not the update, so "
+             "every token keeps a gradient; no lower bound, as in its paper",
+    "sapo": "-(4 / tau) sigmoid(tau (r - 1)) A (SAPO): a soft gate instead of the clip, tau --sapo-tau-pos where "
+            "A > 0 and --sapo-tau-neg where A < 0",
+    "gmpo": "-A exp(the sequence's mean log-ratio, each token's clipped on A's side to -clip-range or clip-range-high) "
+            "(GMPO: the geometric mean of the ratios; its paper clips at 0.4 both sides)",
+    "clip-cov": "ppo, with --cov-ratio of the mini-batch's tokens, drawn among those whose (A - mean)(logp - mean) lies "
+                "in (--clip-cov-lb, --clip-cov-ub) and the clip left alone, detached (Clip-Cov)",
+    "kl-cov": "-r A, plus --kl-cov-coef x |logp - logp_old| on the --cov-ratio of the mini-batch's tokens of highest "
+              "(A - mean)(logp - mean) (KL-Cov)",
+}
+
+
 def loss_denominator(mask: torch.Tensor, cfg) -> float:
     """This device's part of a mini-batch's loss denominator, from the mini-batch rows' loss mask [B, T].
 
@@ -226,6 +261,31 @@ def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
     return torch.kthvalue(entropies.detach().float().cpu(), n - keep + 1).values.item()
 
 
+def covariance_tokens(logp, old_logp, advantages, cfg) -> torch.Tensor:
+    """[N] bool: the tokens Clip-Cov or KL-Cov act on, of a mini-batch's loss tokens (1-D: each token's logp, sampling
+    logp and its sequence's advantage), every device's, gathered before the micro-batches run.
+
+    The covariance term of a token is (A - mean A)(logp - mean logp), the means over these N tokens; k = cov_ratio x N
+    (at least 1). kl-cov: the k largest. clip-cov: k drawn among the tokens inside (lb, ub) that the PPO clip leaves
+    alone, ordered by their term and drawn with a generator seeded by --seed, so the draw depends on the set of tokens
+    only: the same on every device, for any micro-batch size or device count.
+    """
+    n = logp.numel()
+    chosen, k = torch.zeros(n, dtype=torch.bool), max(1, int(cfg.cov_ratio * n))
+    cov = (advantages - advantages.mean()) * (logp - logp.mean())
+    if n == 0:
+        return chosen
+    if cfg.policy_loss == "kl-cov":
+        chosen[torch.topk(cov, min(k, n)).indices] = True
+        return chosen
+    ratio, high = torch.exp(logp - old_logp), cfg.clip_range_high if cfg.clip_range_high is not None else cfg.clip_range
+    clipped = ((advantages > 0) & (ratio > 1 + high)) | ((advantages < 0) & (ratio < 1 - cfg.clip_range))
+    band = torch.nonzero((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~clipped).squeeze(1)
+    band = band[torch.argsort(cov[band])]
+    chosen[band[torch.randperm(band.numel(), generator=torch.Generator().manual_seed(cfg.seed))[:k]]] = True
+    return chosen
+
+
 def ptx_loss(logp: torch.Tensor, target: torch.Tensor, denominator: float, coef: float):
     """The pretraining-mix term of one micro-batch (PPO-ptx): coef x the next-token loss of its target tokens
     (logp [N, L], target [N, L] 0/1), divided by the update's target tokens over every device, as grpo_loss is by
@@ -236,7 +296,7 @@ def ptx_loss(logp: torch.Tensor, target: torch.Tensor, denominator: float, coef:
 
 
 def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_logp=None, entropy=None,
-              pg_mask=None):
+              pg_mask=None, cov_mask=None):
     """Loss of one micro-batch, already divided by the whole mini-batch's `denominator` (loss_denominator).
 
     Passing the mini-batch total (not this micro-batch's) is what makes gradient accumulation give
@@ -250,6 +310,8 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_
     has grown far past 1 cannot push the loss without bound. entropy: the per-token entropies [B, T]
     (needed for entropy_coef and the "entropy" statistic). pg_mask [B, T] (bool): the tokens that
     carry the policy-gradient term (the top-entropy tokens); the KL and entropy terms stay on every token.
+    cfg.policy_loss picks another policy-gradient term (POLICY_LOSSES); cov_mask [B, T] (bool): the tokens Clip-Cov
+    or KL-Cov act on (covariance_tokens).
 
     Returns (loss, stats): each statistic is a sum over this micro-batch's loss tokens, and the step's
     record shows it divided by the step's loss tokens (grpo/update.py), under the same name. A new
@@ -261,9 +323,24 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_
     mask = mask.to(logp.dtype)
     ratio = importance_ratio(logp, old_logp, mask, cfg.importance_level)
     adv = advantages[:, None].to(logp.dtype)
-    surrogate = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv)
+    kind = cfg.policy_loss
+    if kind == "cispo":   # a constant weight: the gradient is w A grad logp, w never 0
+        surrogate = -torch.clamp(ratio, max=1 + clip_high).detach() * adv * logp
+    elif kind == "sapo":  # the gate's slope is 1 at r = 1 (as the clip's), fading smoothly away from it
+        tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+        surrogate = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv
+    elif kind == "gmpo":  # the pessimistic side only, as PPO's clip: the upper bound for A > 0, the lower for A < 0
+        log_ratio, sign = logp - old_logp, torch.sign(adv)
+        log_ratio = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-clip_low, clip_high))
+        surrogate = -adv * torch.exp((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1))
+    elif kind == "kl-cov":
+        surrogate = -ratio * adv + cfg.kl_cov_coef * (logp - old_logp).abs() * cov_mask
+    else:  # ppo and clip-cov
+        surrogate = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv)
     if cfg.dual_clip is not None:
         surrogate = torch.where(adv < 0, torch.minimum(surrogate, -cfg.dual_clip * adv), surrogate)
+    if kind == "clip-cov":
+        surrogate = torch.where(cov_mask, surrogate.detach(), surrogate)
     per_token = surrogate.expand_as(logp)  # a sequence-level term is every token's
     if pg_mask is not None:
         per_token = per_token * pg_mask
@@ -279,8 +356,9 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_
     with torch.no_grad():
         ratio = ratio.expand_as(logp)
         counted = mask if pg_mask is None else mask * pg_mask   # the clip counts: tokens with a policy gradient
-        low = (ratio < 1 - clip_low) & (adv < 0)     # the clamp decides the minimum: no gradient
-        high = (ratio > 1 + clip_high) & (adv > 0)
+        lo, hi = (math.exp(-clip_low), math.exp(clip_high)) if kind == "gmpo" else (1 - clip_low, 1 + clip_high)
+        low = (ratio < lo) & (adv < 0)     # the clamp decides the minimum: no gradient
+        high = (ratio > hi) & (adv > 0)
         dual = (adv < 0) & (ratio > cfg.dual_clip) if cfg.dual_clip is not None else torch.zeros_like(low)
         stats = {
             # always the k3 estimate, a low-variance measure of the divergence, whichever estimator the loss uses
@@ -293,6 +371,8 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_
             "approx_kl": (ratio - 1) - torch.log(ratio),   # KL(old || new) from the ratio (as cleanrl logs it)
             "entropy": entropy if entropy is not None else torch.zeros_like(logp),
         }
+        if cov_mask is not None:
+            stats["cov_frac"] = cov_mask * counted   # the tokens Clip-Cov or KL-Cov acted on
         sums = torch.stack([(v * mask).sum() for v in stats.values()]).tolist()   # one device sync, not one each
         stats = dict(zip(stats, sums))
     return loss, stats

@@ -41,6 +41,10 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def is_main() -> bool:
     """Whether this process is rank 0, the one that prints, logs, saves and evaluates; before the process group
     exists, torchrun's RANK says so."""

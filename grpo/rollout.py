@@ -85,6 +85,7 @@ class Rollout:
     rewards: torch.Tensor = None     # [B] float32 on the host: what the task gave (with --overlong-buffer's penalty)
     train_rewards: torch.Tensor = None   # [B] what the advantages are made of: rewards, less a KL penalty
     components: dict = dataclasses.field(default_factory=dict)   # the reward's parts (reward_breakdown), means
+    reward_parts: list = None        # per row, its --reward-weights parts in their order (for --scale-rewards gdpo)
     errors: dict = dataclasses.field(default_factory=dict)       # failed rewards by kind
     ref_logp: torch.Tensor = None    # [B, T] the frozen reference's, when the run has a KL penalty
     advantages: torch.Tensor = None  # [B] on the device
@@ -94,8 +95,8 @@ class Rollout:
         return self.completion_mask.shape[1]
 
     def score(self, scorer) -> "Rollout":
-        """Fill rewards, components and errors with scorer(prompts, completions) (harness/task.py Scorer)."""
-        rewards, self.components, self.errors = scorer(self.prompts, self.texts)
+        """Fill rewards, components, errors and reward_parts with scorer(prompts, completions) (harness/task.py Scorer)."""
+        rewards, self.components, self.errors, self.reward_parts = scorer(self.prompts, self.texts)
         self.rewards = torch.from_numpy(rewards)
         return self
 

@@ -3,8 +3,8 @@ each accumulated over micro-batches and summed over devices before the optimizer
 
 The math is grpo/algorithm.py; this is the loop around it. Every cross-device call of the update is
 here, marked `# every rank`, and every rank makes them in the same order: the mini-batch's loss
-denominator and top-entropy threshold (before its micro-batches run), the gradient sum and the statistics'
-sum. `guard` (harness/guards.py Guard) keeps the run alive: guard.micro is the micro-batch size,
+denominator, top-entropy threshold and covariance tokens (before its micro-batches run), the gradient sum and
+the statistics' sum. `guard` (harness/guards.py Guard) keeps the run alive: guard.micro is the micro-batch size,
 guard.fit(run) calls run(micro) and retries it with a smaller one after an out-of-memory (every rank agrees),
 and guard.finite(loss, grad_norm) says whether an update may step the optimizer.
 """
@@ -14,7 +14,7 @@ from collections import Counter
 import torch
 
 from grpo import distributed
-from grpo.algorithm import grpo_loss, loss_denominator, ptx_loss, top_entropy_threshold
+from grpo.algorithm import covariance_tokens, grpo_loss, loss_denominator, ptx_loss, top_entropy_threshold
 from grpo.model import completion_logprobs, logprob_temperature, reference_weights, trainable_parameters
 
 
@@ -59,8 +59,24 @@ def high_entropy_tokens(policy, batch, rows, mask, micro: int, cfg, autocast) ->
     return chosen
 
 
+def high_covariance_tokens(policy, batch, rows, mask, micro: int, cfg, autocast) -> torch.Tensor:
+    """[B, T] bool: the tokens of the mini-batch `rows` that --policy-loss clip-cov or kl-cov acts on, chosen over the
+    mini-batch of every device (covariance_tokens) before any micro-batch runs."""
+    with torch.no_grad():
+        logp = torch.cat([token_logprobs(policy, batch, part, cfg, autocast) for part in rows.split(micro)])
+    carried = mask[rows].bool()
+    adv = batch.advantages[rows][:, None].expand_as(logp)
+    tokens = torch.stack([logp[carried], batch.old_logp[rows][carried], adv[carried]]).cpu()
+    every = distributed.gather_objects(tokens)  # every rank
+    start = sum(t.shape[1] for t in every[:distributed.rank()])
+    chosen, mine = torch.zeros_like(mask, dtype=torch.bool), torch.zeros_like(carried)
+    mine[carried] = covariance_tokens(*torch.cat(every, 1), cfg)[start:start + int(carried.sum())].to(mine.device)
+    chosen[rows] = mine
+    return chosen
+
+
 def accumulate(policy, optimizer, batch, rows, micro: int, mask, pg_mask, denominator: float, cfg,
-               autocast, mix=None) -> Counter:
+               autocast, mix=None, cov_mask=None) -> Counter:
     """Forward and backward of one mini-batch (rows), micro rows at a time, then of this device's share of the
     update's pretraining-mix texts (mix, a PtxBatch, with --ptx-coef); returns the summed statistics
     (grpo_loss's, "loss" and "tokens", and with mix "ptx_nll" and "ptx_tokens")."""
@@ -70,7 +86,8 @@ def accumulate(policy, optimizer, batch, rows, micro: int, mask, pg_mask, denomi
         logp, entropy = token_logprobs(policy, batch, part, cfg, autocast, with_entropy=True)
         loss, stats = grpo_loss(logp, batch.old_logp[part], batch.advantages[part], mask[part], denominator, cfg,
                                 ref_logp=None if batch.ref_logp is None else batch.ref_logp[part], entropy=entropy,
-                                pg_mask=None if pg_mask is None else pg_mask[part])
+                                pg_mask=None if pg_mask is None else pg_mask[part],
+                                cov_mask=None if cov_mask is None else cov_mask[part])
         loss.backward()
         sums.update(stats, loss=loss.item(), tokens=mask[part].sum().item())
     if mix is not None:   # every device reports the same statistics, a share of no texts too
@@ -108,9 +125,12 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
             pg_mask = None
             if cfg.top_entropy_quantile < 1:
                 pg_mask = high_entropy_tokens(policy, batch, rows, mask, guard.micro, cfg, autocast)
+            cov_mask = None
+            if cfg.policy_loss in ("clip-cov", "kl-cov"):
+                cov_mask = high_covariance_tokens(policy, batch, rows, mask, guard.micro, cfg, autocast)
             sums = guard.fit(functools.partial(accumulate, policy, optimizer, batch, rows, mask=mask, pg_mask=pg_mask,
                                                denominator=denominator, cfg=cfg, autocast=autocast,
-                                               mix=None if mix is None else mix[len(grad_norms)]))
+                                               mix=None if mix is None else mix[len(grad_norms)], cov_mask=cov_mask))
             distributed.sum_gradients(params)  # every rank
             names = sorted(sums)
             sums = dict(zip(names, distributed.all_sum([sums[k] for k in names])))  # every rank

@@ -8,6 +8,7 @@ with one line that names the bad value and a fix; train_lean.py prints it and ex
 """
 import dataclasses
 import importlib.util
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -150,6 +151,18 @@ class Config:
     dual_clip: typing.Optional[float] = opt(None, "dual-clip PPO: for negative advantages the loss is at most "
                                             "C x |A| (C > 1, e.g. 3; default off)", must="> 1",
                                             note="the bound is C x |A|")
+    policy_loss: str = opt("ppo", "the policy-gradient term", algorithm.POLICY_LOSSES)
+    sapo_tau_pos: float = opt(1.0, "--policy-loss sapo: the gate's temperature where A > 0", must="> 0")
+    sapo_tau_neg: float = opt(1.05, "--policy-loss sapo: the gate's temperature where A < 0 (above the positive one: "
+                              "off-policy negative updates fade sooner)", must="> 0")
+    cov_ratio: float = opt(2e-4, "--policy-loss clip-cov or kl-cov: the share of a mini-batch's loss tokens they act on "
+                           "(at least one token)", must="in (0, 1]")
+    clip_cov_lb: float = opt(1.0, "--policy-loss clip-cov: the covariance term above which a token may be detached")
+    clip_cov_ub: float = opt(5.0, "--policy-loss clip-cov: the covariance term below which a token may be detached")
+    kl_cov_coef: float = opt(1.0, "--policy-loss kl-cov: the weight of |logp - logp_old| on its tokens", must=">= 0")
+    reward_weights: typing.Optional[str] = opt(None, "the reward as a weighted sum of the task's reward_breakdown "
+                                               "parts, name=weight,... (e.g. correct=1,format=0.2); with "
+                                               "--scale-rewards gdpo each part is normalised in its group first")
     kl_estimator: str = opt("k3", "the KL estimator (grpo/algorithm.py says which belongs where; with --kl-in "
                             "reward the default is k1)", algorithm.KL_ESTIMATORS)
     kl_in: str = opt("loss", "where the KL penalty goes", algorithm.KL_PLACES)
@@ -210,6 +223,27 @@ class Config:
                             resume_free=True)
     trace_memory_after: int = opt(20, "--trace-memory starts after this many steps of the process (the warm-up)",
                                   must=">= 0", resume_free=True)
+
+
+# the numeric knobs of a --policy-loss choice: set with another choice, they would do nothing
+LOSS_KNOBS = {"sapo_tau_pos": ("sapo",), "sapo_tau_neg": ("sapo",), "cov_ratio": ("clip-cov", "kl-cov"),
+              "clip_cov_lb": ("clip-cov",), "clip_cov_ub": ("clip-cov",), "kl_cov_coef": ("kl-cov",)}
+
+
+def reward_weights(cfg) -> dict:
+    """--reward-weights as {part name: weight}, in the order given ({} without it); a ConfigError names a bad item."""
+    weights = {}
+    for item in cfg.reward_weights.split(",") if cfg.reward_weights is not None else ():
+        name, _, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if not name.strip() or not math.isfinite(weight) or name.strip() in weights:
+            raise ConfigError(f"--reward-weights {cfg.reward_weights}: {item!r} is not name=weight (a finite number; "
+                              f"each name once), as in correct=1,format=0.2")
+        weights[name.strip()] = weight
+    return weights
 
 
 def fields_of(cls) -> dict:
@@ -315,6 +349,24 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if (cfg.ptx_file or cfg.ptx_batch_size != FIELDS["ptx_batch_size"].default) and not cfg.ptx_coef:
         raise ConfigError(f"--ptx-{'file ' + cfg.ptx_file if cfg.ptx_file else f'batch-size {cfg.ptx_batch_size}'} "
                           f"with --ptx-coef 0 (no pretraining mix): give --ptx-coef above 0, or leave it out")
+    for name, losses in LOSS_KNOBS.items():
+        if getattr(cfg, name) != FIELDS[name].default and cfg.policy_loss not in losses:
+            raise ConfigError(f"{flag(name)} {getattr(cfg, name)} is a knob of --policy-loss {' or '.join(losses)}, and "
+                              f"the run's is {cfg.policy_loss}: pass --policy-loss {losses[0]}, or leave it out")
+    if cfg.clip_cov_lb >= cfg.clip_cov_ub:
+        raise ConfigError(f"--clip-cov-lb {cfg.clip_cov_lb} must be below --clip-cov-ub {cfg.clip_cov_ub}")
+    if cfg.importance_level == "sequence" and cfg.policy_loss in ("gmpo", "clip-cov", "kl-cov"):
+        raise ConfigError(f"--policy-loss {cfg.policy_loss} works on token ratios: use --importance-level token with it")
+    if cfg.dual_clip is not None and cfg.policy_loss not in ("ppo", "clip-cov"):
+        raise ConfigError(f"--dual-clip {cfg.dual_clip} bounds PPO's clipped term, and --policy-loss {cfg.policy_loss} "
+                          f"has none: leave one out")
+    weights = reward_weights(cfg)
+    if cfg.scale_rewards == "gdpo" and not weights:
+        raise ConfigError("--scale-rewards gdpo normalises each part of the reward: name them with --reward-weights "
+                          "(e.g. correct=1,format=1)")
+    if cfg.scale_rewards == "gdpo" and (cfg.overlong_buffer or (cfg.kl_in == "reward" and cfg.kl_coef)):
+        raise ConfigError(f"--scale-rewards gdpo makes advantages of the reward's parts alone, which would leave out "
+                          f"{'--overlong-buffer' if cfg.overlong_buffer else '--kl-in reward'}: leave one out")
     if cfg.trace_memory == 1:
         raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
     per_device = cfg.batch_size // world

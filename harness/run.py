@@ -83,6 +83,9 @@ class Run:
             task = task_lib.CheckedTask(task_lib.build(self.loaded.task, self.loaded.options, cfg.task))
             self.stack.callback(task_lib.close, task)
             mix_source = task_lib.mix_source(task, cfg.ptx_file) if cfg.ptx_coef else None
+            if cfg.reward_weights and not callable(getattr(task, "reward_breakdown", None)):
+                raise task_lib.TaskError(f"--reward-weights {cfg.reward_weights} weighs the parts of the task's "
+                                         f"reward_breakdown, and {cfg.task} has none")
             self.first_prompts = [] if cfg.eval_only else task.prompts(
                 self.layout.prompts_per_step, random.Random(stream_seed(cfg.seed, self.start_step + 1)))
         except task_lib.TaskError as e:
@@ -205,7 +208,7 @@ class Run:
             self.start_step, streak, self.reference if cfg.ref_sync_steps else None, self.start_model))
         if self.evaluating and self.start_step == 0 and self.main:  # where the run starts from
             self._first_evaluation(self.metrics_file, self.reporter)
-        self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate")
+        self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate", config.reward_weights(cfg))
         self.phases = self.stack.enter_context(memory.Phases(self.device, self.rank, cfg, self.info))
         return self.guard
 

@@ -254,12 +254,15 @@ def _short(value, width: int = 40) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def score(task, prompts, completions, failures: dict = None):
+def score(task, prompts, completions, failures: dict = None, weights: dict = None, rows: list = None):
     """Score completions. Returns (rewards [n] float32, component means, error counts by kind).
 
     A reward that fails gets the task's min_reward and is counted by kind: the exception's type when it
     raised, "returned str" / "returned nan" / "returned inf" ... when it returned no finite number.
     failures, when given, keeps the first failure of each kind: kind -> (exception, prompt, completion).
+    weights ({part: weight}, --reward-weights): the reward is the weighted sum of those reward_breakdown parts, a
+    part a completion does not report counting 0 (a task mixture's kinds report different parts); rows, when
+    given, gets each completion's parts in the weights' order (a failed reward's are each min_reward).
     """
     floor = float(getattr(task, "min_reward", 0.0))
     errors = Counter()
@@ -267,12 +270,17 @@ def score(task, prompts, completions, failures: dict = None):
     components, reported = Counter(), Counter()
     rewards = []
     for p, c in zip(prompts, completions):
+        values = [floor] * len(weights or ())
         try:
             if breakdown is not None:
                 parts = breakdown(p, c)
                 components.update({k: _number(v) for k, v in parts.items()})
                 reported.update(parts.keys())
-                r = _number(parts["reward"] if "reward" in parts else task.reward(p, c))
+                if weights:
+                    values = [_number(parts.get(k, 0.0)) for k in weights]
+                    r = _number(sum(w * v for w, v in zip(weights.values(), values)))
+                else:
+                    r = _number(parts["reward"] if "reward" in parts else task.reward(p, c))
             else:
                 r = _number(task.reward(p, c))
         except Exception as e:  # noqa: BLE001 - any scoring failure is the completion's fault
@@ -280,8 +288,10 @@ def score(task, prompts, completions, failures: dict = None):
             errors[kind] += 1
             if failures is not None and kind not in failures:
                 failures[kind] = (e, p, c)
-            r = floor
+            r, values = floor, [floor] * len(weights or ())
         rewards.append(r)
+        if rows is not None:
+            rows.append(values)
     # Each component is averaged over the completions that report it: in a task mixture the
     # components of one kind are means over that kind's completions, not diluted by the others.
     means = {k: v / reported[k] for k, v in components.items() if k != "reward"}
@@ -295,15 +305,17 @@ class Scorer:
     reward failed stops the run (unless tolerate), and the first step whose groups all got equal rewards is
     named, with what to try."""
 
-    def __init__(self, task, tolerate: bool):
-        self.task, self.tolerate = task, tolerate
+    def __init__(self, task, tolerate: bool, weights: dict = None):
+        self.task, self.tolerate, self.weights = task, tolerate, weights or {}
         self.shown, self.flat_named = set(), False
         self.steps, self.flat_steps = 0, 0   # this process's steps, and those whose groups were all flat
         self.scored, self.failures = 0, {}
 
     def __call__(self, prompts, completions):
+        """(rewards, component means, errors by kind, and with --reward-weights each row's parts, else None)."""
         self.scored += len(completions)
-        return score(self.task, prompts, completions, self.failures)
+        rows = [] if self.weights else None
+        return (*score(self.task, prompts, completions, self.failures, self.weights, rows), rows)
 
     def to_gather(self) -> dict:
         """This device's rows scored this step, and a report of its first failure of each kind not yet shown."""
@@ -323,6 +335,10 @@ class Scorer:
                                 f"reward, or pass --reward-errors tolerate to give such completions the task's "
                                 f"min_reward and go on")
             raise error from (None if isinstance(e, NotANumber) else e.with_traceback(_from_task(e)))
+        unknown = [k for k in self.weights if k != "reward" and k not in step_rows["components"]]
+        if unknown and step_rows["components"] and not self.steps:   # a typo would weigh 0 all run long
+            raise RewardError(f"--reward-weights names {', '.join(unknown)}: no completion of step {step} reported "
+                              f"such a part (the task's reward_breakdown gave {', '.join(step_rows['components'])})")
         for kind in sorted(errors.keys() - self.shown):   # each kind new to the run, the lowest rank's first
             log.warn(f"step {step}: the task's reward {step_rows['reports'][kind]}")
             self.shown.add(kind)

@@ -32,6 +32,9 @@ NOT_LOSS = {"lr_scheduler"}   # the optimizer's choice, not the loss's: the same
 CHOICES = {f"{name} {choice}": {name: choice} for name, f in FIELDS.items()
            if any(f.metadata["choices"] is d for d in vars(algorithm).values()) and name not in NOT_LOSS
            for choice in f.metadata["choices"] if choice != f.default}
+# Clip-Cov's default band (1, 5) holds no token of this batch (a tiny random model's logprobs barely spread), which
+# would make it the defaults' gradient: its generated knob takes a band that binds, and a share of 1%
+CHOICES["policy_loss clip-cov"].update(clip_cov_lb=0.1, cov_ratio=0.01)
 KNOBS = {
     "defaults": {},
     **CHOICES,
@@ -44,6 +47,11 @@ KNOBS = {
     "top entropy seq-mean": {"top_entropy_quantile": 0.2, "loss_agg": "seq-mean"},
     "top entropy dr-grpo": {"top_entropy_quantile": 0.2, "loss_agg": "dr-grpo"},
     "pretraining mix": {"ptx_coef": 0.5},   # the batch's "ptx" texts, learned beside the rollouts
+    "cispo capped low": {"policy_loss": "cispo", "clip_high": 0.05},
+    "sapo temperatures": {"policy_loss": "sapo", "sapo_tau_pos": 0.5, "sapo_tau_neg": 4.0},
+    "gmpo seq-mean": {"policy_loss": "gmpo", "loss_agg": "seq-mean", "clip_low": 0.4, "clip_high": 0.4},
+    "clip-cov wide band": {"policy_loss": "clip-cov", "cov_ratio": 0.05, "clip_cov_lb": 0.1, "clip_cov_ub": 20.0},
+    "kl-cov dr-grpo": {"policy_loss": "kl-cov", "cov_ratio": 0.05, "kl_cov_coef": 0.5, "loss_agg": "dr-grpo"},
     "all at once": {**GSPO, "loss_agg": "dr-grpo", "dual_clip": 1.2, "kl_estimator": "k2", "entropy_coef": 0.05,
                     "top_entropy_quantile": 0.3, "scale_rewards": "batch", "ptx_coef": 0.3},
 }
@@ -57,8 +65,10 @@ def config_for(knobs: dict) -> Config:
 
 
 def as_rollout(batch, cfg, rank: int, world: int) -> Rollout:
-    """This rank's rows of the batch, with advantages from every rank's rewards (as the trainer makes them)."""
-    advantages, _ = group_advantages(batch["rewards"], GROUP, cfg.scale_rewards)
+    """This rank's rows of the batch, with advantages from every rank's rewards (as the trainer makes them); for
+    GDPO two parts of the reward: the reward and its sign, weighted 1 and 0.5."""
+    parts = torch.stack([batch["rewards"], batch["rewards"].sign()], 1)
+    advantages, _ = group_advantages(batch["rewards"], GROUP, cfg.scale_rewards, parts=parts, weights=[1.0, 0.5])
     n = batch["cmask"].shape[0] // world
     mine = {k: v[rank * n:(rank + 1) * n] for k, v in {**batch, "adv": advantages}.items() if k != "ptx"}
     return Rollout(prompts=[""] * n, texts=[""] * n, input_ids=mine["inputs"], attention=mine["attention"],
@@ -91,11 +101,14 @@ def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold
         pg_mask = per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg)
     elif cfg.top_entropy_quantile < 1:
         pg_mask = update.high_entropy_tokens(model, rollout, rows, mask, micro, cfg, None)
+    cov_mask = None
+    if cfg.policy_loss in ("clip-cov", "kl-cov"):
+        cov_mask = update.high_covariance_tokens(model, rollout, rows, mask, micro, cfg, None)
     # the pretraining mix: every rank holds the update's texts and takes its share (grpo/ptx.py)
     texts = PtxBatch(**batch["ptx"]).for_device(rank, world) if cfg.ptx_coef else None
     params = [p for p in model.parameters() if p.requires_grad]
     update.accumulate(model, torch.optim.SGD(params, lr=0.0), rollout, rows, micro, mask, pg_mask, denominator, cfg,
-                      None, mix=texts)
+                      None, mix=texts, cov_mask=cov_mask)
     distributed.sum_gradients(params)
     return torch.cat([p.grad.reshape(-1) for p in params])
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from grpo.algorithm import (group_advantages, grpo_loss, importance_ratio, informative_groups, k3_kl, kl_estimate,
+from grpo.algorithm import (covariance_tokens, group_advantages, grpo_loss, importance_ratio, informative_groups, k3_kl, kl_estimate,
                             kl_penalised_rewards, learning_rate, loss_denominator, overlong_penalty,
                             top_entropy_threshold)
 from harness.config import Config
@@ -520,3 +520,190 @@ def test_learning_rate_schedules_against_their_formulas():
     cosine = Config(learning_rate=1.0, steps=10, lr_scheduler="cosine", lr_warmup_ratio=0.2)
     assert [learning_rate(s, cosine) for s in range(1, 11)] == pytest.approx(
         [0.5, 1.0] + [0.5 * (1 + math.cos(math.pi * (s - 3) / 8)) for s in range(3, 11)])
+
+
+# ---- REINFORCE++, MaxRL, GDPO: each advantage against its formula, looped by hand --------------------------------
+
+def _std(values):   # the unbiased sample standard deviation, as torch.std
+    m = sum(values) / len(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def test_reinforce_plus_plus_uses_the_batch_mean_and_std():
+    rewards = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]   # the second group all equal: it still gets advantages
+    adv, frac = group_advantages(torch.tensor(rewards), 4, "reinforce++", eps=1e-4)
+    mean, std = sum(rewards) / 8, _std(rewards)
+    assert adv.tolist() == pytest.approx([(r - mean) / (std + 1e-4) for r in rewards], rel=1e-5)
+    assert (adv[4:] > 0).all() and frac == 0.5
+
+
+def test_reinforce_plus_plus_baseline_divides_the_group_centred_rewards_by_their_batch_std():
+    rewards = [1.0, 0.0, 0.0, 1.0, 2.0, 4.0, 6.0, 9.0, 3.0, 3.0, 3.0, 3.0]
+    centred = [r - sum(rewards[i // 4 * 4:i // 4 * 4 + 4]) / 4 for i, r in enumerate(rewards)]
+    adv, _ = group_advantages(torch.tensor(rewards), 4, "reinforce++-baseline", eps=1e-4)
+    expected = [c / (_std(centred) + 1e-4) for c in centred]
+    assert adv.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert adv[8:].tolist() == [0.0] * 4
+    # not --scale-rewards batch, whose std is the raw rewards'
+    assert not torch.allclose(adv, group_advantages(torch.tensor(rewards), 4, "batch", eps=1e-4)[0])
+
+
+def test_maxrl_divides_by_the_group_mean():
+    adv, _ = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]), 4, "maxrl",
+                              eps=0.0)
+    # one success in four: (1 - 1/4) / (1/4) = 3, each failure -1; three in four: 1/3 and -1; none: 0
+    assert adv.tolist() == pytest.approx([3, -1, -1, -1, 1 / 3, 1 / 3, 1 / 3, -1, 0, 0, 0, 0])
+    rewards = [0.2, 0.9, 0.5, 0.4]
+    adv, _ = group_advantages(torch.tensor(rewards), 4, "maxrl")
+    m = sum(rewards) / 4
+    assert adv.tolist() == pytest.approx([(r - m) / (m + 1e-4) for r in rewards], rel=1e-5)
+
+
+def test_gdpo_normalises_each_part_in_its_group_then_the_weighted_sum_by_the_batch():
+    # two parts; group 1 ties on the weighted sum (1 + 0 = 0 + 1) part by part, group 2 differs in part 0 only
+    parts = [[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0], [2.0, 1.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+    weights = [1.0, 0.5]
+    summed = [sum(w * p for w, p in zip(weights, row)) for row in parts]
+    adv, _ = group_advantages(torch.tensor(summed), 4, "gdpo", eps=1e-4, parts=torch.tensor(parts), weights=weights)
+    per_row = [0.0] * 8
+    for k, w in enumerate(weights):
+        for g in range(2):
+            values = [parts[i][k] for i in range(g * 4, g * 4 + 4)]
+            m = sum(values) / 4
+            for j, v in enumerate(values):   # a part equal across its group gives 0
+                per_row[g * 4 + j] += w * (0.0 if max(values) == min(values) else (v - m) / (_std(values) + 1e-4))
+    expected = [a / (_std(per_row) + 1e-4) for a in per_row]
+    assert adv.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    # GRPO on the weighted sum gives (1, 0) and (0, 1) the same advantage; GDPO keeps them apart
+    assert adv[0] != adv[1]
+    assert adv[5].item() == pytest.approx(expected[5]) and adv[6] == adv[7]
+
+
+# ---- the policy-loss variants: value and gradient against their formulas -------------------------------------
+
+RATIOS = torch.tensor([[1.5, 0.9, 1.0], [0.5, 1.1, 2.0]])   # the last token is masked (MASK)
+
+
+def test_cispo_caps_a_stop_gradient_weight_and_keeps_every_tokens_gradient():
+    logp = leaf(torch.log(RATIOS))
+    loss, _ = grpo_loss(logp, OLD, ADV, MASK, 5.0, loss_config(policy_loss="cispo", clip_high=0.28))
+    expected, grads = 0.0, torch.zeros(2, 3)
+    for i in range(2):
+        for t in range(3):
+            if MASK[i, t]:
+                w = min(RATIOS[i, t].item(), 1.28)   # no lower bound: 0.5 stays 0.5
+                expected += -w * ADV[i].item() * math.log(RATIOS[i, t].item())
+                grads[i, t] = -w * ADV[i].item() / 5   # the weight is a constant: d/dlogp of -w A logp
+    assert loss.item() == pytest.approx(expected / 5, rel=1e-5)
+    loss.backward()
+    assert torch.allclose(logp.grad, grads)
+    assert logp.grad[0, 0] != 0   # ratio 1.5 > 1.28 with A > 0: PPO's clip would leave it no gradient
+
+
+def test_sapo_is_a_soft_gate_with_a_temperature_per_sign():
+    logp = leaf(torch.log(RATIOS))
+    cfg = loss_config(policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=3.0)
+    loss, _ = grpo_loss(logp, OLD, ADV, MASK, 5.0, cfg)
+    expected, grads = 0.0, torch.zeros(2, 3)
+    for i in range(2):
+        a = ADV[i].item()
+        tau = 1.0 if a > 0 else 3.0
+        for t in range(3):
+            if MASK[i, t]:
+                r = RATIOS[i, t].item()
+                s = 1 / (1 + math.exp(-tau * (r - 1)))
+                expected += -4 / tau * s * a
+                grads[i, t] = -4 * s * (1 - s) * r * a / 5   # d/dlogp: the gate's slope x dr/dlogp (= r)
+    assert loss.item() == pytest.approx(expected / 5, rel=1e-5)
+    loss.backward()
+    assert torch.allclose(logp.grad, grads, rtol=1e-5)
+    # on-policy (r = 1) the gradient is exactly PPO's: -A per token
+    logp = leaf(torch.zeros(2, 3))
+    grpo_loss(logp, OLD, ADV, MASK, 5.0, cfg)[0].backward()
+    assert torch.allclose(logp.grad, -ADV[:, None] * MASK / 5)
+
+
+def test_gmpo_is_the_geometric_mean_of_the_ratios_clipped_in_log_space():
+    logp = leaf(torch.log(RATIOS))
+    loss, stats = grpo_loss(logp, OLD, ADV, MASK, 2.0, loss_config(policy_loss="gmpo", clip_low=0.4, clip_high=0.3,
+                                                                    loss_agg="seq-mean"))
+    expected, grads = 0.0, torch.zeros(2, 3)
+    for i in range(2):
+        a, n = ADV[i].item(), int(MASK[i].sum())
+        logs, free = [], []
+        for t in range(n):
+            x = math.log(RATIOS[i, t].item())
+            clipped = min(x, 0.3) if a > 0 else max(x, -0.4)   # A's side only
+            logs.append(clipped)
+            free.append(clipped == x)
+        geo = math.exp(sum(logs) / n)
+        expected += -a * geo
+        for t in range(n):   # d/dlogp_t of -A exp(mean): -A geo / n where the token is not clipped
+            grads[i, t] = -a * geo / n / 2 if free[t] else 0.0
+    assert loss.item() == pytest.approx(expected / 2, rel=1e-5)
+    loss.backward()
+    assert torch.allclose(logp.grad, grads, rtol=1e-5)
+    assert logp.grad[0, 0] == 0 and stats["clip_high_frac"] == 1   # log 1.5 = 0.405 > 0.3 with A > 0
+
+
+def _covariances(logp, adv):
+    n = len(logp)
+    ml, ma = sum(logp) / n, sum(adv) / n
+    return [(a - ma) * (lp - ml) for lp, a in zip(logp, adv)]
+
+
+def test_kl_cov_chooses_the_highest_covariance_tokens():
+    torch.manual_seed(0)
+    logp, adv = -torch.rand(200), torch.randn(200)
+    cov = _covariances(logp.tolist(), adv.tolist())
+    chosen = covariance_tokens(logp, logp, adv, loss_config(policy_loss="kl-cov", cov_ratio=0.03))
+    assert set(torch.nonzero(chosen).squeeze(1).tolist()) == set(sorted(range(200), key=lambda i: -cov[i])[:6])
+    # at least one token, however small the share
+    assert covariance_tokens(logp, logp, adv, loss_config(policy_loss="kl-cov", cov_ratio=1e-6)).sum() == 1
+
+
+def test_clip_cov_draws_in_the_band_outside_the_clip_the_same_for_any_order():
+    torch.manual_seed(1)
+    logp, adv = -3 * torch.rand(300), 2 * torch.randn(300)
+    old = logp - 0.3 * torch.randn(300)   # some ratios outside the clip range
+    cfg = loss_config(policy_loss="clip-cov", cov_ratio=0.02, clip_cov_lb=0.5, clip_cov_ub=2.0)
+    cov = _covariances(logp.tolist(), adv.tolist())
+    ratio = torch.exp(logp - old).tolist()
+    band = {i for i in range(300) if 0.5 < cov[i] < 2.0
+            and not (adv[i] > 0 and ratio[i] > 1.2) and not (adv[i] < 0 and ratio[i] < 0.8)}
+    chosen = covariance_tokens(logp, old, adv, cfg)
+    picked = set(torch.nonzero(chosen).squeeze(1).tolist())
+    assert len(band) > 6 and len(picked) == 6 and picked <= band
+    # a function of the set of tokens: shuffled (another device split, another order), the same tokens
+    perm = torch.randperm(300)
+    again = covariance_tokens(logp[perm], old[perm], adv[perm], cfg)
+    assert set(perm[again].tolist()) == picked
+    # a share above the band's size takes the whole band
+    wide = covariance_tokens(logp, old, adv, loss_config(policy_loss="clip-cov", cov_ratio=0.9, clip_cov_lb=0.5,
+                                                         clip_cov_ub=2.0))
+    assert set(torch.nonzero(wide).squeeze(1).tolist()) == band
+
+
+def test_clip_cov_detaches_its_tokens_and_kl_cov_penalises_them():
+    logp = leaf(torch.log(RATIOS))
+    chosen = torch.tensor([[False, True, False], [True, False, False]])
+    ppo, _ = grpo_loss(logp, OLD, ADV, MASK, 5.0, loss_config())
+    ppo.backward()
+    ppo_grad, logp.grad = logp.grad.clone(), None
+    loss, stats = grpo_loss(logp, OLD, ADV, MASK, 5.0, loss_config(policy_loss="clip-cov"), cov_mask=chosen)
+    assert loss.item() == pytest.approx(ppo.item())   # detached, not removed: the loss reads the same
+    loss.backward()
+    assert torch.equal(logp.grad, torch.where(chosen, 0.0, ppo_grad)) and stats["cov_frac"] == 2
+    logp.grad = None
+    loss, _ = grpo_loss(logp, OLD, ADV, MASK, 5.0, loss_config(policy_loss="kl-cov", kl_cov_coef=0.5), cov_mask=chosen)
+    expected, grads = 0.0, torch.zeros(2, 3)
+    for i in range(2):
+        for t in range(3):
+            if MASK[i, t]:
+                r, a, d = RATIOS[i, t].item(), ADV[i].item(), math.log(RATIOS[i, t].item())
+                pen = 0.5 if chosen[i, t] else 0.0   # no clip: -r A, plus the penalty on the chosen tokens
+                expected += -r * a + pen * abs(d)
+                grads[i, t] = (-r * a + pen * math.copysign(1, d)) / 5
+    assert loss.item() == pytest.approx(expected / 5, rel=1e-5)
+    loss.backward()
+    assert torch.allclose(logp.grad, grads, rtol=1e-5)

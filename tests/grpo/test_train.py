@@ -1,4 +1,5 @@
 """End to end: the real train_lean.py on a tiny real model, through its command line."""
+import math
 import os
 import subprocess
 import sys
@@ -148,18 +149,40 @@ KNOBS.update({
     "top-entropy": (["--top-entropy-quantile", "0.2"], "entropy"),
     "mask-truncated": (["--mask-truncated"], "truncated_frac"),
     "overlong": (["--overlong-buffer", "4", "--overlong-penalty", "0.5"], "reward_mean"),
+    "sapo-temperatures": (["--policy-loss", "sapo", "--sapo-tau-pos", "0.5", "--sapo-tau-neg", "2"], "loss"),
+    "clip-cov-band": (["--policy-loss", "clip-cov", "--cov-ratio", "0.1", "--clip-cov-lb", "-100", "--clip-cov-ub",
+                       "100"], "cov_frac"),
+    "kl-cov-share": (["--policy-loss", "kl-cov", "--cov-ratio", "0.1", "--kl-cov-coef", "0.5"], "cov_frac"),
+    # a task whose reward has parts ({parted}: PARTED_TASK written to a file): weighted, and GDPO's normalised apart
+    "reward-weights": (["--task", "{parted}", "--reward-weights", "letter=1,short=0.5"], "reward_short"),
+    "--scale-rewards gdpo": (["--scale-rewards", "gdpo", "--task", "{parted}", "--reward-weights", "letter=1,short=0.5"],
+                             "reward_letter"),
 })
+PARTED_TASK = """
+from tasks.toy import ToyTask
+
+class Parted(ToyTask):
+    def reward_breakdown(self, prompt, completion):
+        return {"reward": self.reward(prompt, completion), "letter": float(completion[:1] == prompt[7]),
+                "short": 1 / (1 + len(completion))}
+"""
 
 
 @pytest.mark.parametrize("knob", KNOBS)
 def test_each_algorithm_knob_runs_end_to_end_and_logs(knob, tiny_model_dir, tmp_path, clean_env):
     args, key = KNOBS[knob]
+    (tmp_path / "parted.py").write_text(PARTED_TASK)
+    args = [a.replace("{parted}", f"{tmp_path / 'parted.py'}:Parted") for a in args]
     train_lean.main(["--model", tiny_model_dir, "--task", "toy", "--steps", "2", "--batch-size", "8",
                      "--group-size", "4", "--mini-batch-size", "4", "--micro-batch-size", "2", "--max-new-tokens", "12",
                      "--learning-rate", "1e-3", "--log-level", "warning", "--save-final", "false",
                      "--eval-interval", "0", "--out-dir", str(tmp_path), *args])
     recs = records(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2] and all(key in r and r[key] == r[key] for r in recs)
+    assert all(math.isfinite(r["loss"]) for r in recs)
+    rows = [line.split()[:2] for line in (tmp_path / "settings.txt").read_text().splitlines()]
+    chosen = [(f, v) for f, v in zip(args, args[1:]) if f in ("--policy-loss", "--scale-rewards", "--reward-weights")]
+    assert all([f, v] in rows for f, v in chosen), rows   # the run's settings.txt names the choice
     for r in recs:   # the metrics every run logs
         assert r["completion_len_min"] <= r["completion_len_mean"] <= r["completion_len_max"] <= 12
         assert 0 <= r["truncated_frac"] <= 1 and r["entropy"] >= 0 and r["reward_std_group"] >= 0
@@ -168,6 +191,9 @@ def test_each_algorithm_knob_runs_end_to_end_and_logs(knob, tiny_model_dir, tmp_
         assert all(r["groups_drawn"] >= 2 and r["groups_drawn"] - r["groups_dropped"] == 2 for r in recs)
     if knob == "mask-truncated":   # a random tiny model rarely stops: cut-off rows carry no loss at all
         assert all(r["loss"] == 0 and r["grad_norm"] == 0 for r in recs if r["truncated_frac"] == 1)
+    if knob == "reward-weights":   # the reward is the weighted sum of the parts, their means in the record
+        assert all(r["reward_mean"] == pytest.approx(r["reward_letter"] + 0.5 * r["reward_short"], rel=1e-5)
+                   for r in recs)
     if knob == "overlong":   # every toy completion runs to the limit: each loses the whole penalty
         assert all(r["truncated_frac"] < 1 or r["reward_mean"] <= 1 - 0.5 for r in recs)
 

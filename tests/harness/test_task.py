@@ -16,8 +16,8 @@ from helpers import SMALL, read_jsonl, records, train, weights
 from grpo.decoders import generate
 from grpo.model import load_policy, load_tokenizer
 from grpo.rollout import decode_completions, encode_prompts, left_pad
-from harness.task import (TaskError, build, check_metrics, draw_prompts, eval_completions, evaluate, pass_at_k,
-                          sampled_metrics, score)
+from harness.task import (RewardError, Scorer, TaskError, build, check_metrics, draw_prompts, eval_completions,
+                          evaluate, pass_at_k, sampled_metrics, score)
 from tasks import get_task
 from tasks.toy import ToyTask
 
@@ -93,6 +93,25 @@ def test_component_means_are_returned():
     rewards, means, errors = score(Parts(), ["p", "p"], ["ab", "abcd"])
     assert np.allclose(rewards, [1.0, 2.0])
     assert means == {"format": 1.0, "length": 3.0} and errors == {}
+
+
+def test_reward_weights_sum_the_parts_and_keep_each_rows():
+    rows = []
+    rewards, _, _ = score(Parts(), ["p"] * 3, ["ab", "abcd", None], weights={"length": 0.5, "format": 2.0}, rows=rows)
+    # 0.5 x length + 2 x format; the third completion's reward fails (len(None)): min_reward, its parts too
+    assert np.allclose(rewards, [3.0, 4.0, 0.0]) and rows == [[2.0, 1.0], [4.0, 1.0], [0.0, 0.0]]
+    rows = []
+    assert np.allclose(score(Parts(), ["p"], ["ab"], weights={"missing": 1.0, "length": 1.0}, rows=rows)[0], [2.0])
+    assert rows == [[0.0, 2.0]]   # a part a completion does not report counts 0 (a mixture's other kind)
+
+
+def test_a_weighted_part_no_completion_reported_stops_the_first_step():
+    scorer = Scorer(Parts(), tolerate=False, weights={"lenght": 1.0})
+    step_rows = {"errors": {}, "scored": 2, "reports": {}, "components": {"format": 1.0, "length": 3.0}}
+    with pytest.raises(RewardError, match="--reward-weights names lenght: no completion of step 1 reported such a "
+                                          "part .the task's reward_breakdown gave format, length."):
+        scorer.after_step(1, step_rows, 0.0)
+    Scorer(Parts(), tolerate=False, weights={"length": 1.0, "reward": 1.0}).after_step(1, step_rows, 0.0)
 
 
 # A user's task with options and a held-out evaluation, as a file: the protocol end to end through the trainer.
