@@ -78,7 +78,7 @@ def summarise(values) -> dict:
 
 def decimals(lo: float, hi: float) -> int:
     """Decimals that show an interval of this width with two significant digits (at least 2, at most 6):
-    0.10 [0.06, 0.17], but 0.0040 [0.0011, 0.0146]."""
+    0.10 [0.06, 0.17], but 0.004 [0.001, 0.015] and 0.0040 [0.0032, 0.0049]."""
     width = hi - lo
     if not width > 0:
         return 2
