@@ -2,11 +2,16 @@
 distribution on a tiny case, the paired comparison and McNemar's exact test on cases whose answer is known."""
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
 
+import train_lean
+from helpers import EVALUATED_TASK, SMALL, read_jsonl
+
 from harness import intervals
+from harness.task import TaskError, check_metrics, summarise_metrics
 
 
 # Wilson's 95% interval, (hits, n) -> (lo, hi): the closed forms at 0 and n hits (z^2 / (n + z^2)), and the values
@@ -111,3 +116,91 @@ def test_on_few_items_the_exact_test_keeps_the_bootstrap_from_claiming_too_much(
 def test_a_paired_comparison_refuses_unpaired_scores():
     with pytest.raises(ValueError, match="the same items"):
         intervals.paired([0, 1, 1], [0, 1])
+
+
+# ---- through the trainer: a user's task that gives per-item scores, and one that gives plain numbers ----------
+
+PER_ITEM_TASK = '''
+class Letters:
+    name = "letters"
+
+    def prompts(self, n, rng):
+        return [f"Repeat {rng.choice('abc')}: " for _ in range(n)]
+
+    def reward(self, prompt, completion):
+        return completion[:4].count(prompt[7]) / 4
+
+    def evaluate(self, complete):
+        prompts = [f"Repeat {c}: " for c in "abcdefghij"]
+        texts = complete(prompts)
+        return {"starts_right": [t[:1] == p[7] for p, t in zip(prompts, texts)],    # a rate: Wilson
+                "credit": [self.reward(p, t) + 0.5 for p, t in zip(prompts, texts)],  # a mean: the bootstrap
+                "n_prompts": len(prompts)}                                           # a plain number, as ever
+'''
+
+
+@pytest.fixture
+def letters(tmp_path):
+    path = tmp_path / "letters.py"
+    path.write_text(PER_ITEM_TASK)
+    return f"{path}:Letters"
+
+
+def test_a_user_task_with_per_item_scores_gets_intervals_with_no_code_of_its_own(letters, tiny_model_dir, tmp_path,
+                                                                                 capsys, clean_env):
+    run = tmp_path / "run"
+    train_lean.main(["--model", tiny_model_dir, "--task", letters, *SMALL[:-4], "--steps", "2", "--eval-interval", "2",
+                     "--log-level", "info", "--out-dir", str(run)])
+    out = capsys.readouterr().out
+    evals = [r for r in read_jsonl(run / "metrics.jsonl") if r.get("kind") == "eval"]
+    items = read_jsonl(run / "metrics.items.jsonl")
+    assert [r["step"] for r in evals] == [r["step"] for r in items] == [0, 2]
+    for record, scored in zip(evals, items):
+        rate, credit = scored["items"]["starts_right"], scored["items"]["credit"]
+        assert set(scored["items"]) == {"starts_right", "credit"} and len(rate) == len(credit) == 10
+        assert record["starts_right"] == sum(rate) / 10 and record["credit"] == sum(credit) / 10
+        assert (record["starts_right_lo"], record["starts_right_hi"]) == intervals.wilson(int(sum(rate)), 10)
+        assert (record["credit_lo"], record["credit_hi"]) == intervals.bootstrap(credit)
+        assert record["starts_right_n"] == record["credit_n"] == 10 and record["n_prompts"] == 10
+        assert "n_prompts_lo" not in record and scored["prompts"] == 10
+        # the console: the value, its interval and n, as the record has them; the plain number as before
+        shown = intervals.shown(record["starts_right"], record["starts_right_lo"], record["starts_right_hi"], 10)
+        assert re.search(rf"^  starts_right  {re.escape(shown)}$", out, re.M)
+        assert re.search(r"^  n_prompts     10$", out, re.M)
+    assert items[0]["prompts_sha256"] == items[1]["prompts_sha256"]   # the same items at every evaluation
+
+
+def test_a_task_with_plain_numbers_is_logged_as_before_and_writes_no_items(echo_task, tiny_model_dir, tmp_path,
+                                                                          capsys, clean_env):
+    train_lean.main(["--model", tiny_model_dir, "--task", echo_task, *SMALL[:-4], "--steps", "1", "--eval-interval",
+                     "1", "--out-dir", str(tmp_path)])
+    evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("kind") == "eval"]
+    assert [set(r) for r in evals] == [{"kind", "step", "n", "first_letter_rate", "eval_time_s"}] * 2
+    assert not (tmp_path / "metrics.items.jsonl").exists()
+    assert re.search(r"^  first_letter_rate  \d\.\d{4}$", capsys.readouterr().out, re.M)
+
+
+@pytest.fixture
+def echo_task(tmp_path):
+    path = tmp_path / "evaluated.py"
+    path.write_text(EVALUATED_TASK)
+    return f"{path}:Evaluated"
+
+
+@pytest.mark.parametrize("result, message", [
+    ({"acc": []}, "returned {'acc': []}: per-item scores need at least one item"),
+    ({"acc": [1, float("nan")]}, "returned nan as item 1 of 'acc': each per-item score must be a finite number"),
+    ({"acc": [1, "0"]}, "returned '0' as item 1 of 'acc'"),
+    ({"acc": np.zeros((2, 2))}, "returned 'acc' as an array of shape (2, 2)"),
+    ({"acc": [1, 0], "acc_lo": 0.1}, "returned the key 'acc_lo' beside the per-item scores of 'acc'"),
+])
+def test_per_item_scores_are_checked(result, message):
+    with pytest.raises(TaskError, match=re.escape(f"the task's evaluate() {message}")):
+        check_metrics(result)
+
+
+def test_per_item_scores_may_be_a_numpy_array_or_a_tuple_and_a_0d_array_is_one_number():
+    checked = check_metrics({"a": np.array([1, 0, 1]), "b": (0.5, 0.25), "c": np.array(0.5)})
+    assert checked == {"a": [1.0, 0.0, 1.0], "b": [0.5, 0.25], "c": 0.5}
+    record, items = summarise_metrics(checked)
+    assert record["a"] == 2 / 3 and record["a_n"] == 3 and record["c"] == 0.5 and set(items) == {"a", "b"}
