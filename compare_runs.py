@@ -103,7 +103,7 @@ def row(name: str, a: list, b: list) -> tuple:
     text = (f"{value(sa)}  {value(sb)}  {signed(c['diff'], d)} [{signed(c['lo'], d)}, {signed(c['hi'], d)}]  "
             f"n={c['n']}  {c['verdict']}")
     if "p" in c:   # a rate: the items only one side got right, and the exact test on them
-        text += f" ({c['b_only']} items only B, {c['a_only']} only A; McNemar p={c['p']:.2g})"
+        text += f" ({c['b_only']} only B, {c['a_only']} only A; McNemar p={c['p']:.2g})"
     return text, c["verdict"]
 
 
@@ -142,8 +142,8 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"compare_runs.py: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"A: {run_a} step {step_a}\nB: {run_b} step {step_b}\nthe same {a['prompts']} held-out prompts "
-          f"(sha256 {a['prompts_sha256'][:12]}); each metric: A and B [95% interval], B - A [paired 95% interval]")
+    print(f"A: {run_a} step {step_a}\nB: {run_b} step {step_b}\nthe same held-out items ({a['prompts']} prompts asked, "
+          f"sha256 {a['prompts_sha256'][:12]}); each metric: A and B [95% interval], B - A [paired 95% interval]")
     width = max(map(len, names))
     verdicts = {}
     for name in names:

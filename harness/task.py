@@ -11,11 +11,14 @@ and optionally
     options                               a dataclass type: its fields become flags (--field-name) and
                                           GRPO_FIELD_NAME overrides when this task is chosen, validated and
                                           shown like the trainer's own; the task is built as Task(**options)
-    evaluate(complete) -> dict[str, float]    held-out metrics; complete(prompts) -> list[str] is the
+    evaluate(complete) -> dict            held-out metrics, each a number or a list of per-item scores (the
+                                          trainer writes their mean, its 95% interval and the item count, and
+                                          keeps the scores for compare_runs.py: docs/evaluation.md);
+                                          complete(prompts) -> list[str] is the
                                           trainer's greedy decoding of the policy being trained, and
                                           complete(prompts, n=8, temperature=1.0) -> a list of 8-lists
                                           samples (seeded: the same at every evaluation of the run);
-                                          sampled_metrics() turns them into pass@k and mean@n
+                                          sampled_metrics() turns them into per-prompt pass@k and mean@n
     demonstrations(n, rng) -> list        n texts for --ptx-coef to learn (grpo/ptx.py): each a str, or a
                                           (context, target) pair whose target alone is learned
     close()                               release engines, pools, files
@@ -27,8 +30,8 @@ state of its own: a resumed run draws exactly the prompts the killed one would h
 
 What a task gives is checked where it enters (a TaskError names the bad value): prompts() must return
 exactly n non-empty strings, demonstrations() n texts none of which (nor a pair's target) is empty, min_reward
-must be a finite number, evaluate() a dict of names to finite numbers. A reward that fails gets min_reward and
-is counted; Scorer prints the first failure of each kind with its traceback, stops the run when every reward of a
+must be a finite number, evaluate() a dict of names to finite numbers or to non-empty lists of them. A reward
+that fails gets min_reward and is counted; Scorer prints the first failure of each kind with its traceback, stops the run when every reward of a
 step failed (--reward-errors), and says at the end when most steps learned nothing (only flat groups).
 
 --task takes a built-in name (the trainer passes the registry of tasks/__init__.py), path/to/file.py:Name
@@ -547,7 +550,7 @@ def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_
 
 
 def eval_table(record: dict, items: dict = ()) -> str:
-    """The console table: one metric a line; a per-item one with its interval and item count, 0.10 [0.06, 0.17] n=100."""
+    """The console table, a metric a line; a per-item one with its interval and item count: 0.10 [0.06, 0.17] n=100."""
     keys = [k for k in record if k not in EVAL_RECORD_KEYS and not any(
         k.endswith(s) and k[:-len(s)] in items for s in INTERVAL_KEYS)]
     width = max(map(len, keys), default=0)

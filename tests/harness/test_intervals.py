@@ -35,7 +35,8 @@ def test_wilson_is_the_score_formula_and_stays_inside_0_1():
             p = hits / n
             # the roots of (p - x)^2 = z^2 x (1 - x) / n, the interval's definition
             a, b, c = 1 + z * z / n, -(2 * p + z * z / n), p * p
-            roots = sorted(((-b - math.sqrt(b * b - 4 * a * c)) / (2 * a), (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)))
+            root = math.sqrt(b * b - 4 * a * c)
+            roots = sorted(((-b - root) / (2 * a), (-b + root) / (2 * a)))
             lo, hi = intervals.wilson(hits, n)
             assert (lo, hi) == pytest.approx(roots, abs=1e-12) and 0 <= lo <= p <= hi <= 1
     assert intervals.wilson(0, 5)[0] == 0.0 and intervals.wilson(5, 5)[1] == 1.0   # exactly, not a hair outside
@@ -204,3 +205,18 @@ def test_per_item_scores_may_be_a_numpy_array_or_a_tuple_and_a_0d_array_is_one_n
     assert checked == {"a": [1.0, 0.0, 1.0], "b": [0.5, 0.25], "c": 0.5}
     record, items = summarise_metrics(checked)
     assert record["a"] == 2 / 3 and record["a_n"] == 3 and record["c"] == 0.5 and set(items) == {"a", "b"}
+
+
+def test_the_items_file_follows_the_records_on_resume_and_in_a_new_run(tiny_model_dir, tmp_path, capsys, clean_env):
+    # resumed from an older checkpoint, the run redoes the later evaluations: their earlier scores are dropped
+    # (and kept aside with the file as it was), so each step has one line, the new run's
+    args = ["--model", tiny_model_dir, "--task", "toy", *SMALL[:-4], "--steps", "2", "--eval-interval", "1",
+            "--save-interval", "1", "--out-dir", str(tmp_path)]
+    train_lean.main(args)
+    train_lean.main([*args, "--resume", str(tmp_path / "checkpoints" / "step_000001")])
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.items.jsonl")] == [0, 1, 2]
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.items.jsonl.abandoned-after-step_000001")] == [0, 1, 2]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):   # a new run into the folder: refused, the items named with the records
+        train_lean.main(args)
+    assert "metrics.items.jsonl" in capsys.readouterr().err

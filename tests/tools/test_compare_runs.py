@@ -55,7 +55,7 @@ def test_a_clear_gain_is_b_higher_and_identical_runs_show_no_difference(runs):
     gain = compare(a, b)
     assert gain.returncode == 0, gain.stderr
     rows = lines_of(gain.stdout)
-    assert rows["acc"].endswith("n=200  B higher (40 items only B, 0 only A; McNemar p=1.8e-12)")
+    assert rows["acc"].endswith("n=200  B higher (40 only B, 0 only A; McNemar p=1.8e-12)")
     assert "+0.20 [" in rows["acc"] and rows["credit"].endswith("n=200  B higher")
     same = compare(a, c)
     assert same.returncode == 0 and all(r.endswith("no detectable difference") or "no detectable difference (" in r
@@ -69,9 +69,9 @@ def test_one_run_compares_its_first_evaluation_with_its_last(runs):
     a, b, _ = runs
     out = compare(b)
     assert out.returncode == 0 and f"A: {b} step 0\nB: {b} step 10" in out.stdout
-    assert "B higher (40 items only B, 0 only A" in lines_of(out.stdout)["acc"]
+    assert "B higher (40 only B, 0 only A" in lines_of(out.stdout)["acc"]
     swapped = compare(b, "--step-a", 10, "--step-b", 0)   # after against before
-    assert "A higher (0 items only B, 40 only A" in lines_of(swapped.stdout)["acc"]
+    assert "A higher (0 only B, 40 only A" in lines_of(swapped.stdout)["acc"]
 
 
 def test_fail_if_lower_exits_1_when_b_is_detectably_lower(runs):
