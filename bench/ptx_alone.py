@@ -47,11 +47,14 @@ def main(argv=None):
     params = trainable_parameters(policy)
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     evaluating = hasattr(task, "evaluate") and cfg.eval_interval > 0
+    items = log.items_path(os.path.join(cfg.out_dir, "metrics.jsonl"))   # per-item scores, for compare_runs.py
+    if os.path.exists(items):   # a fresh run: its evaluations append to a file of their own
+        os.remove(items)
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w", encoding="utf-8") as metrics:
         complete = functools.partial(task_lib.eval_completions, policy, tokenizer, prepend_bos=prepend_bos, device=device,
                                      max_new_tokens=cfg.max_new_tokens, batch=layout.generation_batch, seed=cfg.seed)
         if evaluating:
-            task_lib.evaluate(task, complete, 0, metrics)
+            task_lib.evaluate(task, complete, 0, metrics, items_path=items)
         t0 = time.perf_counter()
         for step in range(1, cfg.steps + 1):
             for group in optimizer.param_groups:
@@ -72,7 +75,7 @@ def main(argv=None):
             if step % 50 == 0:
                 print(f"step {step}/{cfg.steps} | ptx {nll / tokens:.3f} | {time.perf_counter() - t0:.0f}s", flush=True)
             if evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):
-                task_lib.evaluate(task, complete, step, metrics)
+                task_lib.evaluate(task, complete, step, metrics, items_path=items)
     checkpoint.save_model(os.path.join(cfg.out_dir, "model"), policy, tokenizer, cfg.steps)
     task_lib.close(task)
 

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from grpo.model import load_policy, load_tokenizer, model_autocast  # noqa: E402
-from harness.task import eval_completions  # noqa: E402
+from harness.task import check_metrics, eval_completions, summarise_metrics  # noqa: E402
 from tasks.rookworld.engine import EnginePool, find_stockfish  # noqa: E402
 from tasks.rookworld.evaluate import policy_metrics  # noqa: E402
 from tasks.rookworld.data import read_rookworld  # noqa: E402
@@ -87,7 +87,7 @@ def model_metrics(model: str, items: list[dict], batch: int) -> dict:
     texts = eval_completions(policy, tokenizer, [item["prompt"] for item in items], prepend_bos=prepend_bos,
                              max_new_tokens=144, batch=batch, device=torch.device("cpu"),
                              autocast=model_autocast(torch.device("cpu"), "fp32"))
-    return policy_metrics(items, texts)
+    return summarise_metrics(check_metrics(policy_metrics(items, texts)))[0]   # each rate, its interval beside
 
 
 def main():

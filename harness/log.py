@@ -5,6 +5,7 @@ Every function here is local to its process: what the step's record needs from e
 once per step (device_part -> distributed.gather_objects -> whole_step, harness/run.py), so a logging call can sit under
 `if main_rank:` without leaving another rank waiting.
 """
+import hashlib
 import json
 import math
 import numbers
@@ -35,6 +36,13 @@ def metrics_path(cfg) -> str:
     return cfg.log_file or os.path.join(cfg.out_dir, METRICS)
 
 
+def items_path(metrics: str) -> str:
+    """Where an evaluation's per-item scores go, beside its records: OUT_DIR/metrics.items.jsonl for metrics.jsonl.
+    A file of their own keeps metrics.jsonl one short line per record (a chess evaluation has thousands of scores)."""
+    root, ext = os.path.splitext(metrics)
+    return f"{root}.items{ext or '.jsonl'}"
+
+
 def warn(message: str) -> None:
     """A line on stderr from rank 0 only ("train_lean.py: MESSAGE"): errors and warnings that --log-level does not
     silence."""
@@ -50,19 +58,29 @@ def info(enabled: bool, message: str) -> None:
 
 class EvalProgress:
     """complete(prompts, ...) of an evaluation, said: a line when it starts, and on a terminal a running count of
-    the prompts completed (how many the task asks for is not known in advance). close() ends the count."""
+    the prompts completed (how many the task asks for is not known in advance). close() ends the count. What was
+    asked is kept too: `asked` prompts, in order, whose digest() names the held-out items (two evaluations of
+    the same items can be compared item by item; compare_runs.py refuses others)."""
 
     def __init__(self, complete, what: str):
         print(f"{what}: evaluating ...", flush=True)
         self.complete = complete
+        self.asked, self.hash = 0, hashlib.sha256()
         # redrawn at every call: one call decodes a whole batch of prompts, never too often to show
         self.bar = tqdm(desc=what, unit=" prompts", disable=not sys.stderr.isatty(), file=sys.stderr, leave=False,
                         mininterval=0, miniters=1)
 
     def __call__(self, prompts, *args, **kwargs):
+        for prompt in prompts:   # each prompt's length first: no two lists of prompts hash alike
+            text = str(prompt).encode("utf-8", "surrogatepass")
+            self.hash.update(len(text).to_bytes(8, "little") + text)
+        self.asked += len(prompts)
         texts = self.complete(prompts, *args, **kwargs)
         self.bar.update(len(prompts))
         return texts
+
+    def digest(self) -> str:
+        return self.hash.hexdigest()
 
     def close(self) -> None:
         self.bar.close()

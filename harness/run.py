@@ -154,14 +154,15 @@ class Run:
         """--eval-only: the task's evaluation of --model; a log file only when asked for (an earlier run's metrics
         are not overwritten)."""
         if self.main:
-            self._first_evaluation(self.stack.enter_context(log.open_jsonl(self.cfg.log_file))
-                                   if self.cfg.log_file else None)
+            log_file = self.cfg.log_file
+            self._first_evaluation(self.stack.enter_context(log.open_jsonl(log_file)) if log_file else None,
+                                   items_path=log.items_path(log_file) if log_file else None)
 
-    def _first_evaluation(self, metrics_file, reporter=None) -> None:
+    def _first_evaluation(self, metrics_file, reporter=None, items_path=None) -> None:
         """The evaluation before any training (step 0, or --eval-only). A TaskError there (a held-out prompt too long
         for the model, a metric that is no number) loses nothing yet: one line, exit 2, as at start-up."""
         try:
-            task_lib.evaluate(self.task, self.complete, self.start_step, metrics_file, reporter)
+            task_lib.evaluate(self.task, self.complete, self.start_step, metrics_file, reporter, items_path)
         except task_lib.TaskError as e:
             usage_error(f"the task's evaluation at step {self.start_step}: {e}")
 
@@ -206,8 +207,12 @@ class Run:
         self.saver = self.stack.enter_context(checkpoint.Saver(
             cfg.out_dir, self.lora or self.policy, self.tokenizer, optimizer, settings, cfg.keep_checkpoints,
             self.start_step, streak, self.reference if cfg.ref_sync_steps else None, self.start_model))
+        # each evaluation's per-item scores, beside the records (written only when the task gives some)
+        self.items_path = log.items_path(log.metrics_path(cfg))
+        if self.resume_from and self.main:   # like the records: those of steps after the checkpoint are redone
+            log.keep_until(self.items_path, self.start_step)
         if self.evaluating and self.start_step == 0 and self.main:  # where the run starts from
-            self._first_evaluation(self.metrics_file, self.reporter)
+            self._first_evaluation(self.metrics_file, self.reporter, self.items_path)
         self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate", config.reward_weights(cfg))
         self.phases = self.stack.enter_context(memory.Phases(self.device, self.rank, cfg, self.info))
         return self.guard
@@ -282,4 +287,4 @@ class Run:
         if cfg.log_level != "warning":
             self.print_line(log.step_line(rec, cfg.steps))
         if self.evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):  # the last: "after"
-            task_lib.evaluate(self.task, self.complete, step, self.metrics_file, self.reporter)
+            task_lib.evaluate(self.task, self.complete, step, self.metrics_file, self.reporter, self.items_path)

@@ -96,7 +96,7 @@ def _holds_something(path: str) -> bool:
 def earlier_run(cfg) -> list:
     """The records of an earlier run that this one would overwrite or mix with its own."""
     paths = [os.path.join(cfg.out_dir, name) for name in OUTPUTS]
-    paths += [p for p in (cfg.log_file, cfg.log_completions) if p]
+    paths += [p for p in (cfg.log_file, log.items_path(log.metrics_path(cfg)), cfg.log_completions) if p]
     unique = {os.path.abspath(p): p for p in paths}
     found = [p for p in unique.values() if _holds_something(p)]
     settings = os.path.join(cfg.out_dir, SETTINGS)
@@ -188,7 +188,7 @@ def set_aside_later(cfg, step: int) -> None:
         os.rename(path, aside)
         log.warn(f"resuming from step {step}: the later {'model' if path == model else 'checkpoint'} {path} is moved "
                  f"aside to {aside}")
-    for path in (log.metrics_path(cfg), cfg.log_completions) if later else ():
+    for path in (log.metrics_path(cfg), log.items_path(log.metrics_path(cfg)), cfg.log_completions) if later else ():
         if path and os.path.exists(path):
             aside = _free_name(f"{path}.abandoned-after-step_{step:06d}")
             shutil.copyfile(path, aside)
@@ -301,7 +301,8 @@ def prepare(cfg, options) -> tuple:
                 if main:
                     set_aside_later(cfg, done)
         if cfg.eval_only:   # it writes only a --log-file, and that only when it holds no earlier records
-            found = [cfg.log_file] if cfg.log_file and _holds_something(cfg.log_file) else []
+            found = [p for p in (cfg.log_file, log.items_path(cfg.log_file)) if _holds_something(p)] \
+                if cfg.log_file else []
         else:
             found = [] if _continues(resume_from, cfg.out_dir) else earlier_run(cfg)
         if found and not cfg.overwrite:

@@ -11,11 +11,14 @@ and optionally
     options                               a dataclass type: its fields become flags (--field-name) and
                                           GRPO_FIELD_NAME overrides when this task is chosen, validated and
                                           shown like the trainer's own; the task is built as Task(**options)
-    evaluate(complete) -> dict[str, float]    held-out metrics; complete(prompts) -> list[str] is the
+    evaluate(complete) -> dict            held-out metrics, each a number or a list of per-item scores (the
+                                          trainer writes their mean, its 95% interval and the item count, and
+                                          keeps the scores for compare_runs.py: docs/evaluation.md);
+                                          complete(prompts) -> list[str] is the
                                           trainer's greedy decoding of the policy being trained, and
                                           complete(prompts, n=8, temperature=1.0) -> a list of 8-lists
                                           samples (seeded: the same at every evaluation of the run);
-                                          sampled_metrics() turns them into pass@k and mean@n
+                                          sampled_metrics() turns them into per-prompt pass@k and mean@n
     demonstrations(n, rng) -> list        n texts for --ptx-coef to learn (grpo/ptx.py): each a str, or a
                                           (context, target) pair whose target alone is learned
     close()                               release engines, pools, files
@@ -27,8 +30,8 @@ state of its own: a resumed run draws exactly the prompts the killed one would h
 
 What a task gives is checked where it enters (a TaskError names the bad value): prompts() must return
 exactly n non-empty strings, demonstrations() n texts none of which (nor a pair's target) is empty, min_reward
-must be a finite number, evaluate() a dict of names to finite numbers. A reward that fails gets min_reward and
-is counted; Scorer prints the first failure of each kind with its traceback, stops the run when every reward of a
+must be a finite number, evaluate() a dict of names to finite numbers or to non-empty lists of them. A reward
+that fails gets min_reward and is counted; Scorer prints the first failure of each kind with its traceback, stops the run when every reward of a
 step failed (--reward-errors), and says at the end when most steps learned nothing (only flat groups).
 
 --task takes a built-in name (the trainer passes the registry of tasks/__init__.py), path/to/file.py:Name
@@ -55,7 +58,7 @@ import torch
 from grpo.decoders import generate
 from grpo.model import context_length
 from grpo.rollout import decode_completions, encode_prompts, left_pad, stream_seed
-from harness import log
+from harness import intervals, log
 from harness.config import opt
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)   # rewards are stored as float32: a larger one is inf there
@@ -387,10 +390,13 @@ def _where(fn) -> str:
 
 
 EVAL_RECORD_KEYS = ("kind", "step", "eval_time_s")   # the eval record's own keys, not the task's to give
+INTERVAL_KEYS = ("_lo", "_hi", "_n")   # beside a per-item metric NAME in the record: NAME_lo, NAME_hi, NAME_n
 
 
 def check_metrics(result) -> dict:
-    """What evaluate() returned, checked: a dict of names (str) to finite numbers; ints stay ints."""
+    """What evaluate() returned, checked: a dict of names (str) to finite numbers (ints stay ints), or to per-item
+    scores (a list, tuple or 1-D array of finite numbers, one per held-out item; bools count 1 / 0), kept as a list
+    of floats."""
     if not isinstance(result, dict):
         raise TaskError(f"the task's evaluate() returned a {type(result).__name__} ({_short(result)}), not a dict "
                         f"of metric names to numbers")
@@ -399,12 +405,54 @@ def check_metrics(result) -> dict:
         if not isinstance(k, str) or k in EVAL_RECORD_KEYS:
             raise TaskError(f"the task's evaluate() returned the key {k!r}: metric names are str, and "
                             f"{', '.join(EVAL_RECORD_KEYS)} are the eval record's own")
+        if isinstance(v, (list, tuple)) or isinstance(v, np.ndarray) and v.ndim:   # a 0-d array is one number
+            out[k] = _items(k, v)
+            continue
         try:
             out[k] = int(v) if isinstance(v, numbers.Integral) else _number(v, sys.float_info.max)
         except NotANumber:
             raise TaskError(f"the task's evaluate() returned {{{k!r}: {_short(v)}}}: {k!r} must be a finite "
                             f"number") from None
+    for k, v in out.items():   # NAME_lo, NAME_hi and NAME_n of a per-item metric are the trainer's to write
+        taken = [k + s for s in INTERVAL_KEYS if k + s in out] if isinstance(v, list) else []
+        if taken:
+            raise TaskError(f"the task's evaluate() returned the key {taken[0]!r} beside the per-item scores of {k!r}: "
+                            f"the trainer writes {k}_lo, {k}_hi and {k}_n itself (the interval and the item count)")
     return out
+
+
+def _items(name: str, values) -> list:
+    """A metric's per-item scores as floats, checked: at least one item, each a finite number."""
+    if isinstance(values, np.ndarray) and values.ndim != 1:
+        raise TaskError(f"the task's evaluate() returned {name!r} as an array of shape {values.shape}: per-item "
+                        f"scores are one number per item (a list or a 1-D array)")
+    if len(values) == 0:
+        raise TaskError(f"the task's evaluate() returned {{{name!r}: {_short(values)}}}: per-item scores need at least "
+                        f"one item")
+    out = []
+    for i, v in enumerate(values):
+        try:
+            out.append(_number(v, sys.float_info.max))
+        except NotANumber:
+            raise TaskError(f"the task's evaluate() returned {_short(v)} as item {i} of {name!r}: each per-item "
+                            f"score must be a finite number") from None
+    return out
+
+
+def summarise_metrics(checked: dict) -> tuple:
+    """(the eval record's metrics, the per-item scores by name) of check_metrics()'s dict: a plain number stays as it
+    is; per-item scores become their mean NAME (summed in item order: the number a task that averaged them itself
+    would give) with the 95% interval NAME_lo, NAME_hi (Wilson for a rate, every item 0 or 1; else a bootstrap over
+    the items: harness/intervals.py) and the item count NAME_n."""
+    record, items = {}, {}
+    for k, v in checked.items():
+        if isinstance(v, list):
+            s = intervals.summarise(v)
+            record.update({k: s["value"], f"{k}_lo": s["lo"], f"{k}_hi": s["hi"], f"{k}_n": s["n"]})
+            items[k] = v
+        else:
+            record[k] = v
+    return record, items
 
 
 @dataclasses.dataclass
@@ -447,16 +495,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def sampled_metrics(complete, prompts: list, correct, k: int, n: int = None, temperature: float = 1.0,
                     name: str = "") -> dict:
     """n (default k) completions of each prompt sampled with complete(prompts, n=n, temperature=temperature) and
-    judged by correct(prompt, completion) -> bool: {"<name>_pass@k": the mean over prompts of pass_at_k,
-    "<name>_mean@n": the share of all samples that are correct (the unbiased pass@1)}."""
+    judged by correct(prompt, completion) -> bool, per prompt: {"<name>_pass@k": pass_at_k of each prompt,
+    "<name>_mean@n": the share of each prompt's samples that are correct (the unbiased pass@1)}. Returned by
+    evaluate(), the trainer averages each list over the prompts and gives it its interval (a bootstrap over them)."""
     n = n or k
     if not 1 <= k <= n:
         raise ValueError(f"sampled_metrics needs 1 <= k <= n, not k={k}, n={n}")
     hits = [sum(bool(correct(p, c)) for c in group) for p, group in zip(prompts, complete(prompts, n=n,
                                                                                       temperature=temperature))]
     prefix = f"{name}_" if name else ""
-    return {f"{prefix}pass@{k}": sum(pass_at_k(n, c, k) for c in hits) / len(hits),
-            f"{prefix}mean@{n}": sum(hits) / (n * len(hits))}
+    return {f"{prefix}pass@{k}": [pass_at_k(n, c, k) for c in hits], f"{prefix}mean@{n}": [c / n for c in hits]}
 
 
 def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature: float = None, *, prepend_bos: bool,
@@ -492,29 +540,40 @@ def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature
     return texts if n is None else [texts[i:i + n] for i in range(0, len(texts), n)]
 
 
-def evaluate(task, complete, step: int, metrics_file=None, reporter=None) -> dict:
+def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_path: str = None) -> dict:
     """The task's held-out evaluation: evaluate(complete), where complete(prompts) -> list[str] is greedy
     decoding of the policy (the same prompt encoding, BOS and --max-new-tokens as training) and
     complete(prompts, n=..., temperature=...) samples n per prompt (eval_completions). What the
-    task returns (checked: names to finite numbers) is printed as a table and logged as a record with "kind":
-    "eval" (to the JSONL file and the --report-to reporter). Rank 0 alone calls it: nothing here waits on
-    another rank."""
+    task returns (checked: names to finite numbers or to per-item scores) is printed as a table and logged as a
+    record with "kind": "eval" (to the JSONL file and the --report-to reporter); a per-item metric is logged as its
+    mean with its interval and item count (summarise_metrics), and its scores as a line of items_path
+    (harness/log.py items_path: what compare_runs.py pairs), with a hash of the prompts the evaluation asked for,
+    which says whether two evaluations scored the same items. Rank 0 alone calls it: nothing here waits on another
+    rank."""
     t0 = time.perf_counter()
     with contextlib.closing(log.EvalProgress(complete, f"eval at step {step}")) as counted:   # said, not silent
-        result = check_metrics(task.evaluate(counted))
+        result, items = summarise_metrics(check_metrics(task.evaluate(counted)))
     record = {"kind": "eval", "step": step, **result, "eval_time_s": time.perf_counter() - t0}
-    print(eval_table(record), flush=True)
+    print(eval_table(record, items), flush=True)
     if metrics_file is not None:
         log.write(metrics_file, record)
+    if items_path is not None and items:
+        with log.open_jsonl(items_path, append=True) as f:
+            log.write(f, {"step": step, "prompts": counted.asked, "prompts_sha256": counted.digest(), "items": items})
     if reporter is not None:
         reporter.log(record, step)
     return record
 
 
-def eval_table(record: dict) -> str:
-    keys = [k for k in record if k not in ("kind", "step", "eval_time_s")]
+def eval_table(record: dict, items: dict = ()) -> str:
+    """The console table, a metric a line; a per-item one with its interval and item count: 0.10 [0.06, 0.17] n=100."""
+    keys = [k for k in record if k not in EVAL_RECORD_KEYS and not any(
+        k.endswith(s) and k[:-len(s)] in items for s in INTERVAL_KEYS)]
     width = max(map(len, keys), default=0)
     lines = [f"eval at step {record['step']} ({record['eval_time_s']:.1f} s)"]
-    lines += [f"  {k:<{width}}  {record[k]:.4f}" if isinstance(record[k], float) else f"  {k:<{width}}  {record[k]}"
-              for k in keys]
+    for k in keys:
+        v = record[k]
+        text = (intervals.shown(v, record[f"{k}_lo"], record[f"{k}_hi"], record[f"{k}_n"]) if k in items
+                else f"{v:.4f}" if isinstance(v, float) else f"{v}")
+        lines.append(f"  {k:<{width}}  {text}")
     return "\n".join(lines)

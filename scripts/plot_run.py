@@ -26,9 +26,11 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 
 def eval_metrics(evals: list[dict]) -> list[str]:
-    """The eval records' rates: float values in [0, 1] (counts and timings are not drawn)."""
+    """The eval records' rates: float values in [0, 1] (counts, timings and a metric's interval NAME_lo / NAME_hi
+    are not drawn as metrics of their own)."""
     first = evals[0] if evals else {}
-    return [k for k, v in first.items() if isinstance(v, float) and 0 <= v <= 1 and not k.endswith("_time_s")]
+    return [k for k, v in first.items() if isinstance(v, float) and 0 <= v <= 1 and not k.endswith("_time_s")
+            and not (k.endswith(("_lo", "_hi")) and k[:-3] in first)]
 
 
 def main(argv=None):

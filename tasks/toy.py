@@ -5,7 +5,8 @@ completion that are c (a short completion scores its missing characters as misse
 model already hits c now and then, so rewards vary inside a group and GRPO has a signal.
 
 Its evaluation asks each letter once: a completion is correct when its reward is 1 (all `width` characters
-are the letter). Greedy accuracy and mean reward; with --eval-k, pass@K and mean@N of sampled completions.
+are the letter). Greedy accuracy and mean reward; with --eval-k, pass@K and mean@N of sampled completions; each given per letter,
+so the trainer adds its interval.
 """
 import random
 
@@ -37,8 +38,8 @@ class ToyTask:
     def evaluate(self, complete) -> dict:
         prompts = [f"Repeat {c}: " for c in LETTERS]
         texts = complete(prompts)
-        out = {"acc": sum(map(self.correct, prompts, texts)) / len(prompts),
-               "reward": sum(map(self.reward, prompts, texts)) / len(prompts)}
+        # per letter: the trainer averages them and gives each its interval (harness/intervals.py)
+        out = {"acc": list(map(self.correct, prompts, texts)), "reward": list(map(self.reward, prompts, texts))}
         if self.eval_k:
             out.update(sampled_metrics(complete, prompts, self.correct, self.eval_k, self.eval_n,
                                        self.eval_temperature))

@@ -112,6 +112,11 @@ def one_line_error(result) -> str:
     return lines[0]
 
 
+def means(metrics: dict) -> dict:
+    """What a task's evaluate() returned, each per-item list as its mean (the number the eval record holds)."""
+    return {k: sum(map(float, v)) / len(v) if isinstance(v, (list, tuple)) else v for k, v in metrics.items()}
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -39,10 +39,6 @@ def select(items: list[dict], kinds: tuple[str, ...], per_kind: int) -> list[dic
     return [item for kind in kinds for item in [i for i in items if i["kind"] == kind][:per_kind]]
 
 
-def _rate(hits: list[bool]) -> float:
-    return sum(hits) / len(hits) if hits else 0.0
-
-
 def _legal_best(item: dict, answer) -> str | None:
     """The UCI of the answer's best move (B:) when it is legal in the item's position, else None."""
     move = legal_move(parse_board(item["fen"]), answer.best)
@@ -68,8 +64,7 @@ def policy_metrics(items: list[dict], completions: list[str]) -> dict:
         top5.append(uci in item["moves"])
         legal.append(uci is not None)
         fmt.append(all(policy_format_checks(answer)))
-    return {"p_n": len(items), "p_best_move_acc": _rate(best), "p_top5_acc": _rate(top5),
-            "p_legal_rate": _rate(legal), "p_format_rate": _rate(fmt)}
+    return {"p_n": len(items), "p_best_move_acc": best, "p_top5_acc": top5, "p_legal_rate": legal, "p_format_rate": fmt}
 
 
 def env_metrics(items: list[dict], completions: list[str]) -> dict:
@@ -79,11 +74,13 @@ def env_metrics(items: list[dict], completions: list[str]) -> dict:
         fmt.append(all(env_format_checks(completion)))
         fen.append(next_fen_hit(item, completion))
         exact.append(got == item["expected"])
-    return {"a_n": len(items), "a_format_rate": _rate(fmt), "a_next_fen_acc": _rate(fen), "a_exact_acc": _rate(exact)}
+    return {"a_n": len(items), "a_format_rate": fmt, "a_next_fen_acc": fen, "a_exact_acc": exact}
 
 
 def metrics(items: list[dict], completions: list[str]) -> dict:
-    """All metrics of an evaluation; a kind without items is left out."""
+    """All metrics of an evaluation, each a list of the kind's per-item hits (the trainer's eval record holds their
+    rate with its Wilson interval: harness/task.py summarise_metrics) beside the kind's item count; a kind without
+    items is left out."""
     out = {}
     pairs = list(zip(items, completions))
     policy = [(i, c) for i, c in pairs if i["kind"] == "P"]

@@ -31,6 +31,7 @@ def test_the_task_example_trains_and_evaluates_as_printed(tiny_model_dir, tmp_pa
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     evals = [r for r in records if r.get("kind") == "eval"]
     assert [r["step"] for r in evals] == [0, 2] and all(0 <= r["accuracy"] <= 1 for r in evals)
+    assert all(r["accuracy_n"] == 100 and r["accuracy_lo"] <= r["accuracy"] <= r["accuracy_hi"] for r in evals)
     assert [r["step"] for r in records if "kind" not in r] == [1, 2]
     from harness.task import build, resolve   # the reward is right about right and wrong answers
     add = build(resolve(f"{tmp_path / 'add.py'}:Add", {}))

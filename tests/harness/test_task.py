@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train_lean
-from helpers import SMALL, read_jsonl, records, train, weights
+from helpers import SMALL, means, read_jsonl, records, train, weights
 
 from grpo.decoders import generate
 from grpo.model import load_policy, load_tokenizer
@@ -566,13 +566,15 @@ def test_sampled_metrics_of_real_samples_are_the_estimator_over_the_counts(tiny_
     counts = [sum(contains_letter(p, c) for c in group) for p, group in zip(LETTER_PROMPTS, samples)]
     assert any(0 < c < 16 for c in counts) and len(set(counts)) > 2, counts
     got = sampled_metrics(tiny_complete, LETTER_PROMPTS, contains_letter, k=4, n=16, name="letter")
-    assert got == {"letter_pass@4": pytest.approx(float(sum(direct_pass_at_k(16, c, 4) for c in counts) / 5)),
-                   "letter_mean@16": sum(counts) / 80}
+    # per prompt: the trainer averages them (and gives each its interval)
+    assert got == {"letter_pass@4": pytest.approx([float(direct_pass_at_k(16, c, 4)) for c in counts]),
+                   "letter_mean@16": [c / 16 for c in counts]}
+    assert means(got)["letter_mean@16"] == pytest.approx(sum(counts) / 80)
     # n defaults to k: pass@k is then "any of the k is correct"
     few = tiny_complete(LETTER_PROMPTS, n=3, temperature=1.0)
     assert sampled_metrics(tiny_complete, LETTER_PROMPTS, contains_letter, k=3) == {
-        "pass@3": pytest.approx(sum(any(contains_letter(p, c) for c in g) for p, g in zip(LETTER_PROMPTS, few)) / 5),
-        "mean@3": pytest.approx(sum(contains_letter(p, c) for p, g in zip(LETTER_PROMPTS, few) for c in g) / 15)}
+        "pass@3": [float(any(contains_letter(p, c) for c in g)) for p, g in zip(LETTER_PROMPTS, few)],
+        "mean@3": pytest.approx([sum(contains_letter(p, c) for c in g) / 3 for p, g in zip(LETTER_PROMPTS, few)])}
     with pytest.raises(ValueError, match="1 <= k <= n"):
         sampled_metrics(tiny_complete, LETTER_PROMPTS, contains_letter, k=4, n=2)
 
@@ -584,11 +586,11 @@ def test_the_toy_task_reports_greedy_and_sampled_metrics(tiny_complete):
     greedy, samples = tiny_complete(LETTER_PROMPTS), tiny_complete(LETTER_PROMPTS, n=16, temperature=1.0)
     counts = [sum(c[:1] == p[7] for c in group) for p, group in zip(LETTER_PROMPTS, samples)]
     assert sum(counts) > 0, counts
-    assert task.evaluate(tiny_complete) == {
+    assert means(task.evaluate(tiny_complete)) == {
         "acc": sum(c[:1] == p[7] for p, c in zip(LETTER_PROMPTS, greedy)) / 5,
         "reward": sum(c[:1] == p[7] for p, c in zip(LETTER_PROMPTS, greedy)) / 5,
         "pass@4": pytest.approx(float(sum(direct_pass_at_k(16, c, 4) for c in counts) / 5)),
-        "mean@16": sum(counts) / 80}
+        "mean@16": pytest.approx(sum(counts) / 80)}
     assert set(ToyTask().evaluate(tiny_complete)) == {"acc", "reward"}   # greedy only by default
 
 

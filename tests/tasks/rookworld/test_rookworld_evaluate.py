@@ -4,6 +4,7 @@ from math import comb
 
 import chess
 import pytest
+from helpers import means
 
 from tasks.rookworld.evaluate import held_out_positions, load_eval_set, metrics, select
 from tasks.rookworld.format import (
@@ -37,16 +38,16 @@ def perfect(item):
 def test_metrics_of_perfect_partial_and_junk_answers():
     items = select(load_eval_set(), ("P", "A"), 10)
     assert [i["kind"] for i in items] == ["P"] * 10 + ["A"] * 10
-    best = metrics(items, [perfect(i) for i in items])
+    best = means(metrics(items, [perfect(i) for i in items]))
     assert best == {"p_n": 10, "p_best_move_acc": 1.0, "p_top5_acc": 1.0, "p_legal_rate": 1.0,
                     "p_format_rate": 1.0, "a_n": 10, "a_format_rate": 1.0, "a_next_fen_acc": 1.0,
                     "a_exact_acc": 1.0}
     second = [policy_completion(i["moves"], i["evals"], i["moves"][-1]) if i["kind"] == "P"
               else i["expected"][:-1] + ("0" if i["expected"][-1] == "1" else "1") for i in items]
-    partial = metrics(items, second)
+    partial = means(metrics(items, second))
     assert partial["p_best_move_acc"] == 0.0 and partial["p_top5_acc"] == 1.0 and partial["p_format_rate"] == 1.0
     assert partial["a_next_fen_acc"] == 1.0 and partial["a_exact_acc"] == 0.0
-    junk = metrics(items, ["B: e2e4 junk"] * len(items))
+    junk = means(metrics(items, ["B: e2e4 junk"] * len(items)))
     assert junk["p_format_rate"] == 0.0 and junk["a_exact_acc"] == 0.0 and junk["a_next_fen_acc"] == 0.0
     assert partial["a_format_rate"] == 1.0 and junk["a_format_rate"] == 0.0
 
@@ -60,10 +61,10 @@ def test_each_task_evaluates_its_kinds_through_the_trainers_decoding():
         asked.append(len(prompts))
         return [by_prompt[p] for p in prompts]
 
-    env = ChessEnvTask(eval_samples=4).evaluate(complete)
+    env = means(ChessEnvTask(eval_samples=4).evaluate(complete))
     assert env == {"a_n": 4, "a_format_rate": 1.0, "a_next_fen_acc": 1.0, "a_exact_acc": 1.0}
     policy = ChessPolicyTask(stockfish_path="/nonexistent", eval_samples=3)   # evaluating needs no engine
-    assert policy.evaluate(complete)["p_best_move_acc"] == 1.0 and "a_n" not in policy.evaluate(complete)
+    assert policy.evaluate(complete)["p_best_move_acc"] == [True] * 3 and "a_n" not in policy.evaluate(complete)
     mix = ChessMixTask(task_mix=1.0, stockfish_path="/nonexistent", eval_samples=2).evaluate(complete)
     assert mix["p_n"] == 2 and mix["a_n"] == 2   # both kinds, whatever the training mix
     assert asked == [4, 3, 3, 4]
@@ -83,8 +84,8 @@ def test_sampled_pass_at_k_of_the_best_move_and_next_fen_over_known_answers():
         temperatures.append(temperature)
         return [[by_prompt[p] if j < count[p] else "junk" for j in range(n)] for p in prompts]
 
-    got = ChessMixTask(task_mix=1.0, stockfish_path="/nonexistent", eval_samples=5, eval_k=2, eval_n=4,
-                       eval_temperature=0.8).evaluate(complete)
+    got = means(ChessMixTask(task_mix=1.0, stockfish_path="/nonexistent", eval_samples=5, eval_k=2, eval_n=4,
+                             eval_temperature=0.8).evaluate(complete))
     for kind, name in (("P", "p_best_move"), ("A", "a_next_fen")):
         counts = [count[i["prompt"]] for i in items if i["kind"] == kind]
         assert sorted(counts) == [0, 1, 2, 3, 4]
