@@ -22,6 +22,13 @@ BASE = ["--task", "toy", "--batch-size", "8", "--group-size", "4", "--mini-batch
         "--learning-rate", "1e-2", "--lr-scheduler", "cosine", "--min-lr-ratio", "0.5", "--kl-coef", "0.05",
         "--steps", "3", "--save-interval", "1", "--keep-checkpoints", "3", "--eval-interval", "0",
         "--log-level", "warning"]
+class PartsToy(ToyTask):
+    """The toy task with its reward in two parts, for --reward-weights."""
+    def reward_breakdown(self, prompt, completion):
+        parts = {"hit": self.reward(prompt, completion), "len": len(completion.strip()) / 20}
+        return {**parts, "reward": parts["hit"]}
+
+
 def compared(option_fields=()):
     free, fixed = rundir.resume_free(option_fields), rundir.resume_fixed(option_fields)
     return sorted(n for n in [*config.FIELDS, *(f.name for f in option_fields)] if n not in free and n not in fixed)
@@ -32,7 +39,14 @@ MIX = ["--ptx-coef", "0.5", "--ptx-file", "{texts_a}"]
 ENABLING = {"ref_sync_alpha": ["--ref-sync-steps", "1"],
             "max_sampling_rounds": ["--dynamic-sampling", "--temperature", "0.1"],   # groups flat round after round
             "overlong_penalty": ["--overlong-buffer", "4"],
-            "ptx_coef": MIX, "ptx_file": MIX, "ptx_batch_size": MIX}
+            "ptx_coef": MIX, "ptx_file": MIX, "ptx_batch_size": MIX,
+            "sapo_tau_pos": ["--policy-loss", "sapo"], "sapo_tau_neg": ["--policy-loss", "sapo"],
+            # a wide band and share, so the tiny model's tokens fall in them
+            "cov_ratio": ["--policy-loss", "kl-cov", "--cov-ratio", "0.1"],
+            "kl_cov_coef": ["--policy-loss", "kl-cov", "--cov-ratio", "0.1"],
+            "clip_cov_lb": ["--policy-loss", "clip-cov", "--cov-ratio", "0.5", "--clip-cov-lb=-100"],
+            "clip_cov_ub": ["--policy-loss", "clip-cov", "--cov-ratio", "0.5", "--clip-cov-lb=-100"],
+            "reward_weights": ["--task", "tests.harness.test_resume_changes:PartsToy", "--reward-weights", "hit=1,len=1"]}
 # --kl-in reward alone also moves the estimator's default to k1, a second change: the first run's estimator is kept
 ALONG = {"kl_in": ["--kl-estimator", "k3"]}
 # a value each compared setting changes to (choices of grpo/algorithm.py's dicts: their first other choice)
@@ -43,7 +57,9 @@ NEW = {"model": "{other_model}", "task": "tests.harness.test_resume_changes:Othe
        "clip_range": 1e-4, "clip_range_high": 1e-4, "kl_coef": 0.5, "ref_sync_steps": 1, "ref_sync_alpha": 0.5,
        "dual_clip": 1.01, "entropy_coef": 0.5, "top_entropy_quantile": 0.3, "dynamic_sampling": True,
        "max_sampling_rounds": 1, "mask_truncated": True, "overlong_buffer": 4, "overlong_penalty": 3.0,
-       "ptx_coef": 0.1, "ptx_file": "{texts_b}", "ptx_batch_size": 3, "seed": 1, "dtype": "bf16"}
+       "ptx_coef": 0.1, "ptx_file": "{texts_b}", "ptx_batch_size": 3, "seed": 1, "dtype": "bf16",
+       "sapo_tau_pos": 5.0, "sapo_tau_neg": 5.0, "cov_ratio": 0.5, "kl_cov_coef": 5.0, "clip_cov_lb": -1e-6,
+       "clip_cov_ub": 1e-6, "reward_weights": "hit=1,len=-3"}
 NEW.update({name: next(c for c in f.metadata["choices"] if c != f.default) for name, f in config.FIELDS.items()
             if isinstance(f.metadata["choices"], dict) and name not in NEW and name in compared()})
 
@@ -98,7 +114,7 @@ def test_an_allowed_change_is_the_one_the_resumed_run_trains_with(name, start, t
     changed = str(tmp_path / "changed")
     shutil.copytree(out, changed)
     value = NEW[name].format(**paths) if isinstance(NEW[name], str) else NEW[name]
-    train_lean.main([*args, config.flag(name), str(value).lower() if isinstance(value, bool) else str(value),
+    train_lean.main([*args, f"{config.flag(name)}={str(value).lower() if isinstance(value, bool) else value}",
                      *ALONG.get(name, []), "--out-dir", changed, "--resume", "--resume-allow-change", name])
     (recs, w), (recs_same, w_same) = behaviour(changed), behaviour(same)
     assert [r["step"] for r in recs] == [r["step"] for r in recs_same]
