@@ -11,7 +11,7 @@ import train_lean
 from grpo import algorithm
 from harness import config
 
-from helpers import REPO, read_jsonl as records
+from helpers import REPO, read_jsonl as records, user_env
 
 STEP_KEYS = {"step", "reward_mean", "reward_std", "frac_zero_std", "loss", "kl", "clip_frac", "ratio_mean",
              "grad_norm", "completion_len_mean", "step_time_s", "gen_time_s", "train_time_s", "samples_per_s",
@@ -19,8 +19,8 @@ STEP_KEYS = {"step", "reward_mean", "reward_std", "frac_zero_std", "loss", "kl",
 
 
 def run(args, cwd, env=None):
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_")}
-    full_env.update(env or {})
+    """train_lean.py as a user starts it: their threads and MKL mode (helpers.user_env), no GRPO_ variables."""
+    full_env = user_env(**(env or {}))
     return subprocess.run([sys.executable, os.path.join(REPO, "train_lean.py"), *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=300)
 
@@ -47,8 +47,9 @@ def test_two_steps_write_every_key(two_steps):
     assert [r["step"] for r in recs] == [1, 2]
     # the toy task's held-out evaluation, by default before training and after the last step, greedy only
     evals = [r for r in records(out / "metrics.jsonl") if r.get("kind") == "eval"]
-    assert [r["step"] for r in evals] == [0, 2] and all(set(r) == {"kind", "step", "acc", "reward", "eval_time_s"}
-                                                        for r in evals)
+    assert [r["step"] for r in evals] == [0, 2] and all(set(r) == {
+        "kind", "step", "acc", "reward", "eval_time_s", *(f"{m}_{k}" for m in ("acc", "reward") for k in ("lo", "hi", "n"))}
+        for r in evals)
     for r in recs:
         assert STEP_KEYS <= set(r), STEP_KEYS - set(r)
         assert r["kl"] >= 0 and 0 <= r["frac_zero_std"] <= 1

@@ -9,7 +9,10 @@ import pytest
 
 import train_lean
 from tasks.rookworld.engine import find_stockfish
-from helpers import REPO, env, line_starting, process_alive, read_jsonl as records, wait_until
+from safetensors.torch import load_file
+
+from helpers import REPO, env, line_starting, process_alive, read_jsonl as records, user_env, wait_until
+from helpers import records as stable_records
 
 
 
@@ -123,3 +126,27 @@ def test_a_crash_mid_run_exits_1_promptly_and_leaves_no_engine(tiny_model_dir, t
     stderr = (tmp_path / "stderr").read_text()
     assert proc.returncode == 1 and "RuntimeError: simulated crash in the update" in stderr
     assert engines and wait_until(lambda: not any(process_alive(p) for p in engines), timeout=5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_stockfish() is None, reason="needs Stockfish")
+def test_the_main_job_killed_and_resumed_equals_an_uninterrupted_run_on_the_default_threads(tmp_path):
+    """`make train` (the shipped model, --ptx-coef 1) under a user's environment: every thread, MKL as it comes.
+    A run killed with SIGKILL after a checkpoint and resumed ends with the records and weights of a run of the
+    same seed that was never stopped: the second run is both the same-seed repeat and the resume."""
+    args = [sys.executable, os.path.join(REPO, "train_lean.py"), "--ptx-coef", "1", "--steps", "12",
+            "--save-interval", "4", "--eval-interval", "0"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    done = subprocess.run([*args, "--out-dir", str(whole)], env=user_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    proc = subprocess.Popen([*args, "--out-dir", str(cut)], env=user_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    wait_until(lambda: (cut / "checkpoints" / "step_000004").is_dir() or proc.poll() is not None, timeout=900)
+    proc.kill()
+    assert proc.wait() == -9, "the run ended before it was killed: nothing was tested"
+    resumed = subprocess.run([*args, "--out-dir", str(cut), "--resume"], env=user_env(), capture_output=True,
+                             text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert stable_records(cut / "metrics.jsonl") == stable_records(whole / "metrics.jsonl")
+    a, b = (load_file(str(d / "model" / "model.safetensors")) for d in (whole, cut))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
