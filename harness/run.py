@@ -195,6 +195,7 @@ class Run:
             self.info(f"micro-batch auto: {micro} per device ({micro * self.world} global) fits at {longest} tokens, "
                       f"{layout.mini_batch_per_device // micro} gradient-accumulation steps")
         settings = config.settings(cfg, self.loaded.options)
+        rundir.branch_off(cfg, self.resume_from)   # a resume from an older checkpoint: the later ones aside, kept
         self.metrics_file, self.completions_file = log.open_run_logs(
             log.metrics_path(cfg), cfg.log_completions, self.start_step if self.resume_from else None,
             self.stack) if self.main else (None, None)

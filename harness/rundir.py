@@ -196,6 +196,14 @@ def set_aside_later(cfg, step: int) -> None:
                      f"as {aside}")
 
 
+def branch_off(cfg, resume_from) -> None:
+    """A run resumed from an older checkpoint of OUT_DIR sets aside what is later (set_aside_later), on rank 0: once
+    everything that may refuse the run (its settings, its model, its task) has passed, so a refused --resume leaves
+    the folder as it was."""
+    if resume_from and _continues(resume_from, cfg.out_dir) and distributed.is_main():
+        set_aside_later(cfg, checkpoint.step_of(resume_from))
+
+
 def allowed_changes(text) -> list:
     """The names --resume-allow-change gives: comma-separated, as fields (learning_rate) or flags (--learning-rate)."""
     return [n.strip().lstrip("-").replace("-", "_") for n in (text or "").split(",") if n.strip()]
@@ -297,9 +305,7 @@ def prepare(cfg, options) -> tuple:
                 raise config.ConfigError(f"--steps {cfg.steps}: the checkpoint {resume_from} is at step {done} already "
                                          f"(nothing to train): pass --steps above {done}")
             if not cfg.eval_only and _continues(resume_from, cfg.out_dir):
-                check_finished_model(cfg, resume_from)
-                if main:
-                    set_aside_later(cfg, done)
+                check_finished_model(cfg, resume_from)   # what is later is moved aside by branch_off, at the start
         if cfg.eval_only:   # it writes only a --log-file, and that only when it holds no earlier records
             found = [p for p in (cfg.log_file, log.items_path(cfg.log_file)) if _holds_something(p)] \
                 if cfg.log_file else []

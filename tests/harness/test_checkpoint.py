@@ -299,6 +299,16 @@ def test_resuming_an_older_checkpoint_moves_the_later_ones_aside(two_saved_steps
     # neither pruning nor a later bare --resume may pick it over the new run's own checkpoints
     out = copy_of(two_saved_steps, tmp_path)
     ckpts = out / "checkpoints"
+    # refused after its settings passed (its --model, allowed to change, holds no weights): nothing is moved yet
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    shutil.copy(os.path.join(tiny_model_dir, "config.json"), empty)
+    refused = train(*run_args(str(empty), evaluated, "--steps", "2", "--out-dir", str(out), "--resume",
+                              str(ckpts / "step_000001"), "--resume-allow-change", "model,learning_rate",
+                              "--learning-rate", "5e-4"))
+    assert refused.returncode == 2 and "error: cannot load --model" in refused.stderr, refused.stderr
+    assert sorted(os.listdir(ckpts)) == ["step_000001", "step_000002"]
+    assert not list(out.glob("*abandoned*"))
     branch = train(*run_args(tiny_model_dir, evaluated, "--steps", "2", "--save-interval", "5", "--out-dir", str(out),
                              "--resume", str(ckpts / "step_000001"), "--learning-rate", "5e-4",
                              "--resume-allow-change", "learning_rate"))
