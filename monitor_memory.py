@@ -454,7 +454,7 @@ def run_figure(records, report):
     marks = memwatch.phase_marks(recs)
     added = [f for f in memwatch.INCREMENTS if f in marks]
     panels = max(len(groups) + len(added), 1)
-    fig, axes = plt.subplots(panels, 1, figsize=(9, 3.6 * panels), squeeze=False)
+    fig, axes = plt.subplots(panels, 1, figsize=(12, 3.6 * panels), squeeze=False)
     for ax, family in zip(axes[len(groups):, 0], added):
         phases = report["phases"][family]
         for phase, (steps, mb) in memwatch.phase_increments(recs, family, marks[family]).items():
@@ -486,7 +486,8 @@ def run_figure(records, report):
             ax.axvspan(recs[0]["step"], recs[min(report["warmup"], len(recs)) - 1]["step"],
                        color="0.9", label="warm-up (not fitted)")
         ax.set_xlabel("step")
-        ax.legend(fontsize=8, loc="best")
+        # beside the panel, not on it: flat memory runs along the middle, where "best" would cover it
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         ax.grid(alpha=0.3)
     return fig
 

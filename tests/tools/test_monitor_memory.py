@@ -357,6 +357,20 @@ def test_the_leak_plot_spans_the_threshold_over_the_run_so_flat_memory_looks_fla
     assert 2.0 * 199 <= high - low < 2.0 * 199 * 1.2   # wider than the minimum: the data's own range
 
 
+def test_the_leak_plots_legend_covers_none_of_its_lines():
+    flat = [{"step": s, "rss_mb": 400.0 + 0.1 * (s % 3)} for s in range(1, 201)]
+    fig = monitor_memory.run_figure(flat, memwatch.analyse(flat))
+    fig.tight_layout()   # laid out as monitor_memory.save writes it
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    for ax in fig.axes:
+        legend, panel = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert legend.x0 >= panel.x1   # beside the panel
+        assert legend.x1 <= fig.bbox.x1   # and inside the picture
+
+
 def test_the_sweep_plot_ticks_are_the_batch_sizes():
     rows = [{"batch_size": b, "peak_mb": 300 + 0.7 * b, "samples_per_s": 10 + b / 10, "status": "OK"} for b in (48, 64, 80)]
     fig = monitor_memory.sweep_figure({"rows": rows, "device": "cpu", "budget_mb": 24000.0, "fixed_mb": 300.0,
