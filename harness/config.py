@@ -144,6 +144,13 @@ class Config:
     kl_estimator: str = opt("k3", "the KL estimator (grpo/algorithm.py says which belongs where; with --kl-in "
                             "reward the default is k1)", algorithm.KL_ESTIMATORS)
     kl_in: str = opt("loss", "where the KL penalty goes", algorithm.KL_PLACES)
+    mismatch_correction: str = opt("none", "the correction of the gap between the sampler's logprobs and the trainer's "
+                                   "(their ratio w, detached, weighs each token's policy-gradient term)",
+                                   algorithm.MISMATCH_CORRECTIONS)
+    mismatch_cap: float = opt(2.0, "--mismatch-correction: the largest weight w kept (tis: the cap; the masks: the "
+                              "band's top)", must="at least 1")
+    mismatch_low: float = opt(0.5, "--mismatch-correction token-mask or sequence-mask: the band's bottom",
+                              must="in [0, 1)")
     entropy_coef: float = opt(0.0, "entropy bonus: the loss minus this x the mean token entropy (0: off)", must=">= 0")
     top_entropy_quantile: float = opt(1.0, "only this share of a mini-batch's tokens, the highest-entropy ones, "
                                       "carry the policy-gradient loss (1: all)", must="in (0, 1]",
@@ -306,6 +313,12 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if (cfg.ptx_file or cfg.ptx_batch_size != FIELDS["ptx_batch_size"].default) and not cfg.ptx_coef:
         raise ConfigError(f"--ptx-{'file ' + cfg.ptx_file if cfg.ptx_file else f'batch-size {cfg.ptx_batch_size}'} "
                           f"with --ptx-coef 0 (no pretraining mix): give --ptx-coef above 0, or leave it out")
+    for name in ("mismatch_cap", "mismatch_low"):   # a band or cap that nothing uses is a mistake, said
+        used = cfg.mismatch_correction != "none" and (name == "mismatch_cap" or "mask" in cfg.mismatch_correction)
+        if getattr(cfg, name) != FIELDS[name].default and not used:
+            raise ConfigError(f"{flag(name)} {getattr(cfg, name)} with --mismatch-correction {cfg.mismatch_correction}, "
+                              f"which does not use it: pass {'a mask' if name == 'mismatch_low' else 'a correction'}, "
+                              f"or leave {flag(name)} out")
     if cfg.trace_memory == 1:
         raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
     per_device = cfg.batch_size // world

@@ -27,8 +27,10 @@ def batch(rollout64, tiny_model_dir):
     # 11 pretraining-mix texts of different lengths, some with a context: 8 + 3 per micro-batches of 8, 6 + 5 per rank
     texts = [("Repeat " + c * i + ": ", c * (11 - i)) if i % 3 else "plain " * i + c for i, c in enumerate("abcdeabcdea")]
     ptx = vars(encode(texts, load_tokenizer(tiny_model_dir), prepend_bos=True, context=None))
+    # the sampler's logprobs (Rollout.sampler_logp) apart from the trainer's, so --mismatch-correction weighs and drops
     return {"inputs": inputs, "attention": attention, "cmask": cmask, "rewards": adv, "ptx": ptx,
-            "old": old + 0.3 * torch.randn_like(old) * cmask, "ref": logp + 0.2 * torch.randn_like(logp) * cmask}
+            "old": old + 0.3 * torch.randn_like(old) * cmask, "ref": logp + 0.2 * torch.randn_like(logp) * cmask,
+            "sampler": logp + 0.3 * torch.randn_like(logp) * cmask}
 
 
 def relative(a, b):
