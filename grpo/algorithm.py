@@ -150,6 +150,14 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3
     raise ValueError(f"kl estimator {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
 
 
+def adaptive_kl_coef(coef: float, kl: float, completions: int, cfg) -> float:
+    """The next step's KL coefficient under --kl-target, from this step's KL (Ziegler et al.'s controller, as verl
+    and OpenRLHF have it): coef x (1 + clip(kl / target - 1, -0.2, 0.2) x completions / --kl-horizon). The error
+    is clipped so that one odd step cannot move it far; the horizon sets how fast it follows."""
+    error = min(max(kl / cfg.kl_target - 1, -0.2), 0.2)
+    return coef * (1 + error * completions / cfg.kl_horizon)
+
+
 def kl_penalised_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
                          kl_coef: float, estimator: str = "k1") -> torch.Tensor:
     """rewards [B] minus kl_coef x each sequence's summed per-token KL estimate (detached), for --kl-in reward.

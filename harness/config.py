@@ -131,6 +131,11 @@ class Config:
                                                     "(default: peft's for the architecture: GPT-2's c_attn, "
                                                     "Llama's and Qwen2's q_proj,v_proj)")
     kl_coef: float = opt(0.02, "k3 KL penalty against the frozen reference (0: no reference model)", must=">= 0")
+    kl_target: typing.Optional[float] = opt(None, "adaptive KL: --kl-coef is where the coefficient starts, and each "
+                                            "step moves it toward this KL per token (the record's kl, its kl_coef; "
+                                            "default off)", must="> 0")
+    kl_horizon: int = opt(10000, "--kl-target: completions over which the coefficient moves by at most 20 percent",
+                          must="at least 1")
     ref_sync_steps: int = opt(0, "every N steps the reference moves toward the policy (TR-DPO; 0: it stays the "
                               "starting model)", must=">= 0")
     ref_sync_alpha: float = opt(1.0, "with --ref-sync-steps: reference = alpha x policy + (1 - alpha) x reference "
@@ -298,6 +303,12 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
         raise ConfigError(f"{given} with --steps {cfg.steps}: the learning rate would rise over the whole run and "
                           f"train at --learning-rate {cfg.learning_rate:g} by the last step at best: give a warmup "
                           f"below {cfg.steps} steps, or more --steps")
+    if cfg.kl_target and not cfg.kl_coef:
+        raise ConfigError(f"--kl-target {cfg.kl_target} steers the KL coefficient, and --kl-coef 0 has no KL term: "
+                          f"pass a --kl-coef above 0 to start from, or leave --kl-target out")
+    if cfg.kl_horizon != FIELDS["kl_horizon"].default and not cfg.kl_target:
+        raise ConfigError(f"--kl-horizon {cfg.kl_horizon} without --kl-target (a fixed --kl-coef): give a --kl-target, "
+                          f"or leave --kl-horizon out")
     if cfg.ref_sync_steps and not cfg.kl_coef:
         raise ConfigError(f"--ref-sync-steps {cfg.ref_sync_steps} moves the reference, and --kl-coef 0 has none: "
                           f"pass a --kl-coef above 0, or leave --ref-sync-steps out")

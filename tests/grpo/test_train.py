@@ -151,6 +151,7 @@ KNOBS.update({
     "tis-top-p": (["--mismatch-correction", "tis", "--top-p", "0.9", "--mismatch-cap", "1.5"], "mismatch_weight"),
     "token-mask-top-k": (["--mismatch-correction", "token-mask", "--top-k", "20", "--mismatch-low", "0.2"],
                          "mismatch_zero_frac"),
+    "adaptive-kl": (["--kl-target", "0.01", "--kl-horizon", "100"], "kl_coef"),
 })
 
 
