@@ -21,7 +21,8 @@ import torch
 import tasks
 from grpo import distributed, ptx
 from grpo.algorithm import adaptive_kl_coef, group_advantages, kl_penalised_rewards, learning_rate, overlong_penalty
-from grpo.model import sync_reference, trainable_parameters
+from grpo.model import sync_reference
+from grpo.optim import make_optimizer
 from grpo.rollout import merge, missing_groups, sample_groups, stream_seed
 from grpo.update import reference_logprobs, update
 from harness.run import Run
@@ -38,8 +39,7 @@ def main(argv=None):
         policy, reference, tokenizer = run.load_models()   # reference: a frozen copy of the start, None without KL
         if cfg.eval_only:
             return run.evaluate_only()
-        optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=cfg.learning_rate,
-                                      weight_decay=cfg.weight_decay)
+        optimizer = make_optimizer(policy, cfg)   # AdamW, or --optimizer muon (grpo/optim.py)
         guard = run.start_training(optimizer)   # the micro-batch and its out-of-memory retry, non-finite updates
         sample = functools.partial(sample_groups, policy, tokenizer, group_size=G, prepend_bos=run.prepend_bos,
                                    generation_batch=layout.generation_batch, max_new_tokens=cfg.max_new_tokens,

@@ -12,7 +12,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from grpo import algorithm
+from grpo import algorithm, optim
 from harness import log
 
 
@@ -112,13 +112,14 @@ class Config:
                         "GPT-2 and Llama-family models): compiling costs seconds once, a step then runs faster",
                         resume_free=True)
     # algorithm
-    learning_rate: float = opt(1e-4, "AdamW learning rate (1e-4 suits the shipped 5M-parameter default model; "
+    learning_rate: float = opt(1e-4, "learning rate (1e-4 suits the shipped 5M-parameter default model; "
                                "use about 1e-5 for a 124M model such as RookWorld-LM)", must="> 0")
     lr_scheduler: str = opt("constant", "the learning rate over the run, after its warmup", algorithm.LR_SCHEDULES)
     lr_warmup_steps: int = opt(0, "steps whose learning rate rises linearly to --learning-rate (0: none)", must=">= 0")
     lr_warmup_ratio: float = opt(0.0, "the warmup as a share of --steps, instead of --lr-warmup-steps", must="in [0, 1)")
     min_lr_ratio: float = opt(0.0, "the floor linear and cosine decay to, a share of --learning-rate", must="in [0, 1)")
-    weight_decay: float = opt(0.0, "AdamW weight decay", must=">= 0")
+    optimizer: str = opt("adamw", "the optimizer (both at --learning-rate)", optim.OPTIMIZERS)
+    weight_decay: float = opt(0.0, "decoupled weight decay (AdamW's, and Muon's)", must=">= 0")
     max_grad_norm: float = opt(1.0, "gradient-norm clipping", must=">= 0")
     clip_range: float = opt(0.2, "PPO clip range (low side, and high side unless --clip-range-high)", must="> 0")
     clip_range_high: typing.Optional[float] = opt(None, "PPO clip range on the high side (default: --clip-range)",

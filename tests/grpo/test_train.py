@@ -152,6 +152,7 @@ KNOBS.update({
     "token-mask-top-k": (["--mismatch-correction", "token-mask", "--top-k", "20", "--mismatch-low", "0.2"],
                          "mismatch_zero_frac"),
     "adaptive-kl": (["--kl-target", "0.01", "--kl-horizon", "100"], "kl_coef"),
+    "muon": (["--optimizer", "muon"], "grad_norm"),
 })
 
 
