@@ -82,7 +82,8 @@ def main(argv=None):
                 batch.ref_logp = reference_logprobs(reference, batch, cfg, run.autocast, guard)
                 if cfg.kl_in == "reward":
                     batch.train_rewards = kl_penalised_rewards(batch.rewards.to(device), batch.old_logp, batch.ref_logp,
-                                                               batch.completion_mask, step_cfg.kl_coef, cfg.kl_estimator).cpu()
+                                                               batch.completion_mask, step_cfg.kl_coef,
+                                                               cfg.kl_estimator).cpu()
             run.phase_done("ref")
 
             # ---- advantages: each completion against its group, every rank's groups (--scale-rewards batch) --

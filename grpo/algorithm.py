@@ -333,9 +333,9 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_
             "approx_kl": (ratio - 1) - torch.log(ratio),   # KL(old || new) from the ratio (as cleanrl logs it)
             "entropy": entropy if entropy is not None else torch.zeros_like(logp),
         }
-        if sampler_logp is not None:   # KL(sampler || trainer) by k3 on the sampler's tokens; the gap; the weight
-            gap = train_logp - sampler_logp
-            stats.update(mismatch_kl=torch.exp(gap) - gap - 1, mismatch_abs=gap.abs(), mismatch_max=gap.abs())
+        if sampler_logp is not None:   # KL(sampler || trainer) by k3 on the sampler's tokens (expm1: gaps near float
+            gap = train_logp - sampler_logp   # rounding would cancel to below 0), the gap, the weight
+            stats.update(mismatch_kl=torch.expm1(gap) - gap, mismatch_abs=gap.abs(), mismatch_max=gap.abs())
             if weight is not None:
                 stats.update(mismatch_weight=weight.expand_as(logp), mismatch_zero_frac=(weight == 0).expand_as(logp))
         sums = [(v * mask).max() if k == "mismatch_max" else (v * mask).sum() for k, v in stats.items()]

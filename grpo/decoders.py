@@ -301,8 +301,9 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     logprob = logprobs.gather(-1, token[:, None]).squeeze(-1)
     if not with_sampler:
         return token, logprob
-    truncated = temperature > 0 and filtered is not logits
-    return token, logprob, torch.log_softmax(filtered, -1).gather(-1, token[:, None]).squeeze(-1) if truncated else logprob
+    if temperature == 0 or filtered is logits:   # nothing truncated: the distribution drawn from is the policy's
+        return token, logprob, logprob
+    return token, logprob, torch.log_softmax(filtered, -1).gather(-1, token[:, None]).squeeze(-1)
 
 
 # rows that have all finished are noticed only every this many steps: a check reads a flag back from the

@@ -118,6 +118,8 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B) if mini < B else torch.arange(B)
         for rows in order.split(mini):
+            # the mismatch is measured where the trainer's logprobs at the sampling weights are known
+            sampler = None if behaviour is None and grad_norms else sampler_logprobs(batch)
             # micro-batches of similar length waste less compute on padding
             rows = rows[torch.argsort(lengths[rows], stable=True)].to(batch.input_ids.device)
             # the denominator is global, so summing gradients over ranks gives the one-process gradient
@@ -127,9 +129,8 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
                 pg_mask = high_entropy_tokens(policy, batch, rows, mask, guard.micro, cfg, autocast)
             sums = guard.fit(functools.partial(accumulate, policy, optimizer, batch, rows, mask=mask, pg_mask=pg_mask,
                                                denominator=denominator, cfg=cfg, autocast=autocast,
-                                               mix=None if mix is None else mix[len(grad_norms)], behaviour=behaviour,
-                                               sampler=sampler_logprobs(batch) if behaviour is not None or not grad_norms
-                                               else None))   # the mismatch: measured where the trainer's are known
+                                               mix=None if mix is None else mix[len(grad_norms)], sampler=sampler,
+                                               behaviour=behaviour))
             distributed.sum_gradients(params)  # every rank
             peaks.append(max(distributed.gather_objects(sums.pop("mismatch_max"))))  # every rank
             names = sorted(sums)

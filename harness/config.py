@@ -328,9 +328,9 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     for name in ("mismatch_cap", "mismatch_low"):   # a band or cap that nothing uses is a mistake, said
         used = cfg.mismatch_correction != "none" and (name == "mismatch_cap" or "mask" in cfg.mismatch_correction)
         if getattr(cfg, name) != FIELDS[name].default and not used:
+            fix = "a mask" if name == "mismatch_low" else "a correction"
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)} with --mismatch-correction {cfg.mismatch_correction}, "
-                              f"which does not use it: pass {'a mask' if name == 'mismatch_low' else 'a correction'}, "
-                              f"or leave {flag(name)} out")
+                              f"which does not use it: pass {fix}, or leave {flag(name)} out")
     if cfg.trace_memory == 1:
         raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
     per_device = cfg.batch_size // world
