@@ -12,6 +12,7 @@ and recorded (settings, the run folder, checkpoints, logs, memory, guards, the c
 is the harness/ package, called below by name as `run.<something>`; grpo/ never imports it. The calls every
 rank makes together under torchrun are marked `# every rank`: here and in grpo/update.py only.
 """
+import dataclasses
 import functools
 import random
 
@@ -19,8 +20,9 @@ import torch
 
 import tasks
 from grpo import distributed, ptx
-from grpo.algorithm import group_advantages, kl_penalised_rewards, learning_rate, overlong_penalty
-from grpo.model import sync_reference, trainable_parameters
+from grpo.algorithm import adaptive_kl_coef, group_advantages, kl_penalised_rewards, learning_rate, overlong_penalty
+from grpo.model import sync_reference
+from grpo.optim import make_optimizer
 from grpo.rollout import merge, missing_groups, sample_groups, stream_seed
 from grpo.update import reference_logprobs, update
 from harness.run import Run
@@ -37,8 +39,7 @@ def main(argv=None):
         policy, reference, tokenizer = run.load_models()   # reference: a frozen copy of the start, None without KL
         if cfg.eval_only:
             return run.evaluate_only()
-        optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=cfg.learning_rate,
-                                      weight_decay=cfg.weight_decay)
+        optimizer = make_optimizer(policy, cfg)   # AdamW, or --optimizer muon (grpo/optim.py)
         guard = run.start_training(optimizer)   # the micro-batch and its out-of-memory retry, non-finite updates
         sample = functools.partial(sample_groups, policy, tokenizer, group_size=G, prepend_bos=run.prepend_bos,
                                    generation_batch=layout.generation_batch, max_new_tokens=cfg.max_new_tokens,
@@ -75,11 +76,14 @@ def main(argv=None):
             run.phase_done("score")
 
             # ---- reference logprobs, once per row: the KL penalty in the loss or in the reward --------------
+            # (its coefficient --kl-coef, or with --kl-target the controller's, kept in checkpoints by the harness)
+            step_cfg = dataclasses.replace(cfg, kl_coef=run.kl_coef) if cfg.kl_target else cfg
             if reference is not None:
                 batch.ref_logp = reference_logprobs(reference, batch, cfg, run.autocast, guard)
                 if cfg.kl_in == "reward":
                     batch.train_rewards = kl_penalised_rewards(batch.rewards.to(device), batch.old_logp, batch.ref_logp,
-                                                               batch.completion_mask, cfg.kl_coef, cfg.kl_estimator).cpu()
+                                                               batch.completion_mask, step_cfg.kl_coef,
+                                                               cfg.kl_estimator).cpu()
             run.phase_done("ref")
 
             # ---- advantages: each completion against its group, every rank's groups (--scale-rewards batch) --
@@ -99,7 +103,9 @@ def main(argv=None):
             mix = None if mix_source is None else [b.for_device(rank, world) for b in ptx.step_batches(
                 mix_source, stream_seed(cfg.seed, step), layout.updates_per_step, cfg.ptx_batch_size, tokenizer,
                 run.prepend_bos, run.context, device)]
-            rec.update(update(policy, optimizer, batch, cfg, layout, run.autocast, guard, mix))
+            rec.update(update(policy, optimizer, batch, step_cfg, layout, run.autocast, guard, mix))
+            if cfg.kl_target:   # the next step's coefficient, from this step's KL (the same on every rank)
+                rec["kl_coef"], run.kl_coef = run.kl_coef, adaptive_kl_coef(run.kl_coef, rec["kl"], cfg.batch_size, cfg)
             if cfg.ref_sync_steps and step % cfg.ref_sync_steps == 0:   # TR-DPO: the reference follows
                 sync_reference(reference, policy, cfg.ref_sync_alpha)
             run.end_step(rec, batch)   # the record, the console line, the held-out evaluation when due

@@ -170,6 +170,14 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3
     raise ValueError(f"kl estimator {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
 
 
+def adaptive_kl_coef(coef: float, kl: float, completions: int, cfg) -> float:
+    """The next step's KL coefficient under --kl-target, from this step's KL (Ziegler et al.'s controller, as verl
+    and OpenRLHF have it): coef x (1 + clip(kl / target - 1, -0.2, 0.2) x completions / --kl-horizon). The error
+    is clipped so that one odd step cannot move it far; the horizon sets how fast it follows."""
+    error = min(max(kl / cfg.kl_target - 1, -0.2), 0.2)
+    return coef * (1 + error * completions / cfg.kl_horizon)
+
+
 def kl_penalised_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
                          kl_coef: float, estimator: str = "k1") -> torch.Tensor:
     """rewards [B] minus kl_coef x each sequence's summed per-token KL estimate (detached), for --kl-in reward.
@@ -247,6 +255,31 @@ def importance_ratio(logp, old_logp, mask, importance_level: str = "token") -> t
     raise ValueError(f"importance level {importance_level!r} is not one of {', '.join(IMPORTANCE_LEVELS)}")
 
 
+# The sampler and the trainer compute the same policy's logprobs apart (compiled or bf16 decoding, and --top-k,
+# --top-p, --min-new-tokens, which sample from a truncated, renormalised distribution): the tokens come from
+# pi_sampler, the gradient is taken for pi_trainer. w = pi_trainer / pi_sampler per token (the trainer's logprobs
+# at the weights that sampled) corrects it; each choice weighs the policy-gradient term by it, detached.
+MISMATCH_CORRECTIONS = {  # --mismatch-correction
+    "none": "none (the gap is measured in every record: mismatch_kl, mismatch_abs, mismatch_max)",
+    "tis": "x min(w, --mismatch-cap), w = pi_trainer / pi_sampler (truncated importance sampling)",
+    "token-mask": "x w inside [--mismatch-low, --mismatch-cap], 0 outside: the token is dropped (IcePop)",
+    "sequence-mask": "x the sequence's w (its tokens' geometric mean) inside the band, 0 outside: the sequence dropped",
+}
+
+
+def mismatch_weight(train_logp, sampler_logp, mask, cfg):
+    """The detached weight of each token's policy-gradient term [B, T] ([B, 1] sequence-mask), or None ("none")."""
+    if cfg.mismatch_correction == "none":
+        return None
+    level = "sequence" if cfg.mismatch_correction == "sequence-mask" else "token"
+    w = importance_ratio(train_logp.detach(), sampler_logp, mask, level)
+    if cfg.mismatch_correction == "tis":
+        return w.clamp(max=cfg.mismatch_cap)
+    if cfg.mismatch_correction in ("token-mask", "sequence-mask"):
+        return w * ((w >= cfg.mismatch_low) & (w <= cfg.mismatch_cap))
+    raise ValueError(f"mismatch correction {cfg.mismatch_correction!r} is not one of {', '.join(MISMATCH_CORRECTIONS)}")
+
+
 def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
     """The entropy at or above which a token is among the top `quantile` share of a mini-batch's tokens.
 
@@ -296,7 +329,7 @@ def ptx_loss(logp: torch.Tensor, target: torch.Tensor, denominator: float, coef:
 
 
 def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_logp=None, entropy=None,
-              pg_mask=None, cov_mask=None):
+              pg_mask=None, cov_mask=None, sampler_logp=None, train_logp=None):
     """Loss of one micro-batch, already divided by the whole mini-batch's `denominator` (loss_denominator).
 
     Passing the mini-batch total (not this micro-batch's) is what makes gradient accumulation give
@@ -312,6 +345,9 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_
     carry the policy-gradient term (the top-entropy tokens); the KL and entropy terms stay on every token.
     cfg.policy_loss picks another policy-gradient term (POLICY_LOSSES); cov_mask [B, T] (bool): the tokens Clip-Cov
     or KL-Cov act on (covariance_tokens).
+    sampler_logp [B, T]: the sampler's logprobs (Rollout.sampler_logp, else old_logp): the mismatch statistics and
+    --mismatch-correction's weight, against train_logp, the trainer's at the weights that sampled (default: logp,
+    right until the first optimizer step on the batch). mismatch_max is a maximum, not a sum.
 
     Returns (loss, stats): each statistic is a sum over this micro-batch's loss tokens, and the step's
     record shows it divided by the step's loss tokens (grpo/update.py), under the same name. A new
@@ -344,6 +380,10 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_
     per_token = surrogate.expand_as(logp)  # a sequence-level term is every token's
     if pg_mask is not None:
         per_token = per_token * pg_mask
+    if sampler_logp is not None:
+        train_logp = logp.detach() if train_logp is None else train_logp
+        weight = mismatch_weight(train_logp, sampler_logp, mask, cfg)
+        per_token = per_token if weight is None else per_token * weight
     if ref_logp is not None and kl_coef > 0:
         per_token = per_token + kl_coef * kl_estimate(logp, ref_logp, cfg.kl_estimator)
     if cfg.entropy_coef:
@@ -373,6 +413,11 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, *, ref_
         }
         if cov_mask is not None:
             stats["cov_frac"] = cov_mask * counted   # the tokens Clip-Cov or KL-Cov acted on
-        sums = torch.stack([(v * mask).sum() for v in stats.values()]).tolist()   # one device sync, not one each
-        stats = dict(zip(stats, sums))
+        if sampler_logp is not None:   # KL(sampler || trainer) by k3 on the sampler's tokens (expm1: gaps near float
+            gap = train_logp - sampler_logp   # rounding would cancel to below 0), the gap, the weight
+            stats.update(mismatch_kl=torch.expm1(gap) - gap, mismatch_abs=gap.abs(), mismatch_max=gap.abs())
+            if weight is not None:
+                stats.update(mismatch_weight=weight.expand_as(logp), mismatch_zero_frac=(weight == 0).expand_as(logp))
+        sums = [(v * mask).max() if k == "mismatch_max" else (v * mask).sum() for k, v in stats.items()]
+        stats = dict(zip(stats, torch.stack(sums).tolist()))   # one device sync, not one each
     return loss, stats

@@ -268,12 +268,15 @@ def sample_index(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, banned: int = None):
+def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, banned: int = None,
+                 with_sampler: bool = False):
     """Draw one token per row; return it with its logprob under the temperature-scaled distribution.
 
     The logprob is taken before top-k/top-p truncation (and before `banned`, a token id that may
     not be drawn now): it is the policy's own logprob, the same quantity the training forward
-    computes, so the first update is exactly on-policy.
+    computes, so the first update is exactly on-policy. with_sampler: also the token's logprob under
+    the distribution it was drawn from (truncated and renormalised), which the mismatch metric and its
+    corrections compare with the trainer's (grpo/algorithm.py mismatch_weight).
     """
     logits = logits.float() / logprob_temperature(temperature)
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -295,7 +298,12 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
             filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = logprobs.exp() if filtered is logits else torch.softmax(filtered, dim=-1)
         token = sample_index(probs)
-    return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+    logprob = logprobs.gather(-1, token[:, None]).squeeze(-1)
+    if not with_sampler:
+        return token, logprob
+    if temperature == 0 or filtered is logits:   # nothing truncated: the distribution drawn from is the policy's
+        return token, logprob, logprob
+    return token, logprob, torch.log_softmax(filtered, -1).gather(-1, token[:, None]).squeeze(-1)
 
 
 # rows that have all finished are noticed only every this many steps: a check reads a flag back from the
@@ -305,7 +313,8 @@ DONE_CHECK_EVERY = 8
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, *, eos_id: int, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0, autocast=None, compile: bool = False):
+             top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0, autocast=None, compile: bool = False,
+             with_sampler: bool = False):
     """Sample one completion per row of a left-padded prompt batch.
 
     Returns completion_ids [B, T], completion_mask [B, T] and the sampling logprobs [B, T], where T is
@@ -313,16 +322,17 @@ def generate(model, prompt_ids, prompt_mask, *, eos_id: int, max_new_tokens: int
     at most max_new_tokens). Rows that have finished keep receiving EOS, which the mask hides. EOS
     cannot be drawn before min_new_tokens (its probability still counts in the recorded logprob).
     compile runs the decode step through torch.compile (CUDA: as a replayed graph) where the model
-    has a preallocated decoder (grpo/decoders.py); the first call pays the compilation.
+    has a preallocated decoder (grpo/decoders.py); the first call pays the compilation. with_sampler: a fourth
+    output, the logprobs under the distributions the tokens were drawn from (sample_token).
     """
     autocast = autocast or torch.autocast(prompt_ids.device.type, enabled=False)
     with autocast:  # entered once: autocast keeps its bf16 copies of the weights for the whole loop
         return _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperature, top_k, top_p,
-                         min_new_tokens, compile)
+                         min_new_tokens, compile, with_sampler)
 
 
 def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperature, top_k, top_p, min_new_tokens,
-              compile=False):
+              compile=False, with_sampler=False):
     batch = prompt_ids.shape[0]
     # the rows of a group share their prompt: each distinct one is prefilled once, then its KV is copied
     prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
@@ -334,11 +344,14 @@ def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperatur
     done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     tokens = torch.full((batch, max_new_tokens), eos_id, dtype=torch.long, device=prompt_ids.device)
     logprobs = torch.zeros((batch, max_new_tokens), device=prompt_ids.device)
+    sampled = torch.zeros_like(logprobs) if with_sampler else None
     for step in range(max_new_tokens):
-        token, logprob = sample_token(logits, temperature, top_k, top_p,
-                                      banned=eos_id if step < min_new_tokens else None)
+        token, logprob, *sampler = sample_token(logits, temperature, top_k, top_p, with_sampler=with_sampler,
+                                                banned=eos_id if step < min_new_tokens else None)
         token = token.masked_fill(done, eos_id)
         tokens[:, step], logprobs[:, step] = token, logprob
+        if with_sampler:
+            sampled[:, step] = sampler[0]
         done |= token == eos_id
         if step + 1 == max_new_tokens or ((step + 1) % DONE_CHECK_EVERY == 0 and bool(done.all())):
             break
@@ -347,4 +360,6 @@ def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperatur
     if bool(done.all()):  # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
         step = int(mask.sum(1).max()) - 1
     completion_ids, logprobs = tokens[:, :step + 1], logprobs[:, :step + 1]
+    if with_sampler:
+        return completion_ids, mask[:, :step + 1], logprobs, sampled[:, :step + 1]
     return completion_ids, mask[:, :step + 1], logprobs

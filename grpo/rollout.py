@@ -80,7 +80,7 @@ class Rollout:
     input_ids: torch.Tensor          # [B, prompt width + T]
     attention: torch.Tensor          # [B, prompt width + T]
     completion_mask: torch.Tensor    # [B, T]
-    old_logp: torch.Tensor           # [B, T] the sampling logprobs
+    old_logp: torch.Tensor           # [B, T] the sampling logprobs, the policy's own (PPO's pi_old)
     truncated: torch.Tensor          # [B] bool: stopped by max_new_tokens before an EOS
     rewards: torch.Tensor = None     # [B] float32 on the host: what the task gave (with --overlong-buffer's penalty)
     train_rewards: torch.Tensor = None   # [B] what the advantages are made of: rewards, less a KL penalty
@@ -89,6 +89,9 @@ class Rollout:
     errors: dict = dataclasses.field(default_factory=dict)       # failed rewards by kind
     ref_logp: torch.Tensor = None    # [B, T] the frozen reference's, when the run has a KL penalty
     advantages: torch.Tensor = None  # [B] on the device
+    # [B, T] under the distribution sampled from, which --top-k, --top-p and --min-new-tokens truncate and renormalise
+    # (None: nothing truncated, old_logp): the sampler side of the mismatch (grpo/algorithm.py mismatch_weight)
+    sampler_logp: torch.Tensor = None
 
     @property
     def completion_len(self) -> int:
@@ -135,22 +138,25 @@ def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_
     ids = encode_prompts(tokenizer, prompts, prepend_bos, max_new_tokens, context_length(policy.config))
     prompt_ids, prompt_mask = left_pad(ids, eos, device)
     prompt_ids, prompt_mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
+    truncates = temperature > 0 and (top_k > 0 or top_p < 1 or min_new_tokens > 0)
     chunks = []
     for s in range(0, prompt_ids.shape[0], generation_batch):
         torch.manual_seed(stream_seed(seed, first_row + s))
         chunks.append(generate(policy, prompt_ids[s:s + generation_batch], prompt_mask[s:s + generation_batch],
                                eos_id=eos, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, min_new_tokens=min_new_tokens, autocast=autocast, compile=compile))
+                               top_p=top_p, min_new_tokens=min_new_tokens, autocast=autocast, compile=compile,
+                               with_sampler=truncates))
     width = max(c[0].shape[1] for c in chunks)
     pad = torch.nn.functional.pad
     completion_ids = torch.cat([pad(c[0], (0, width - c[0].shape[1]), value=eos) for c in chunks])
     completion_mask = torch.cat([pad(c[1], (0, width - c[1].shape[1])) for c in chunks])
-    old_logp = torch.cat([pad(c[2], (0, width - c[2].shape[1])) for c in chunks])
+    old_logp, sampler_logp = (torch.cat([pad(c[i], (0, width - c[i].shape[1])) for c in chunks]) if i < len(chunks[0])
+                              else None for i in (2, 3))
     return Rollout(prompts=[p for p in prompts for _ in range(group_size)],
                    texts=decode_completions(tokenizer, completion_ids, completion_mask, eos),
                    input_ids=torch.cat([prompt_ids, completion_ids], 1),
                    attention=torch.cat([prompt_mask, completion_mask], 1),
-                   completion_mask=completion_mask, old_logp=old_logp,
+                   completion_mask=completion_mask, old_logp=old_logp, sampler_logp=sampler_logp,
                    truncated=truncated_rows(completion_ids, completion_mask, eos))
 
 

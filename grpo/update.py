@@ -26,8 +26,8 @@ def token_logprobs(model, batch, rows, cfg, autocast, with_entropy: bool = False
                                with_entropy=with_entropy)
 
 
-def _reference_logprobs(reference, batch, micro: int, cfg, autocast) -> torch.Tensor:
-    with torch.no_grad(), reference_weights(reference) as model:  # with LoRA: the policy, adapters off
+def _all_logprobs(model, batch, micro: int, cfg, autocast) -> torch.Tensor:
+    with torch.no_grad():
         return torch.cat([token_logprobs(model, batch, slice(s, s + micro), cfg, autocast)
                           for s in range(0, batch.input_ids.shape[0], micro)])
 
@@ -35,7 +35,13 @@ def _reference_logprobs(reference, batch, micro: int, cfg, autocast) -> torch.Te
 def reference_logprobs(reference, batch, cfg, autocast, guard) -> torch.Tensor:
     """The reference's logprobs of every completion token, micro rows at a time. reference: a frozen copy, or
     with LoRA the PeftModel (its adapters switched off)."""
-    return guard.fit(functools.partial(_reference_logprobs, reference, batch, cfg=cfg, autocast=autocast))
+    with reference_weights(reference) as model:  # with LoRA: the policy, adapters off
+        return guard.fit(functools.partial(_all_logprobs, model, batch, cfg=cfg, autocast=autocast))
+
+
+def sampler_logprobs(batch) -> torch.Tensor:
+    """The sampler's logprobs of the batch: under the truncated distribution it drew from, or its own old_logp."""
+    return batch.old_logp if batch.sampler_logp is None else batch.sampler_logp
 
 
 def loss_mask(batch, cfg) -> torch.Tensor:
@@ -76,10 +82,12 @@ def high_covariance_tokens(policy, batch, rows, mask, micro: int, cfg, autocast)
 
 
 def accumulate(policy, optimizer, batch, rows, micro: int, mask, pg_mask, denominator: float, cfg,
-               autocast, mix=None, cov_mask=None) -> Counter:
+               autocast, mix=None, cov_mask=None, sampler=None, behaviour=None) -> Counter:
     """Forward and backward of one mini-batch (rows), micro rows at a time, then of this device's share of the
     update's pretraining-mix texts (mix, a PtxBatch, with --ptx-coef); returns the summed statistics
-    (grpo_loss's, "loss" and "tokens", and with mix "ptx_nll" and "ptx_tokens")."""
+    (grpo_loss's, "loss" and "tokens", and with mix "ptx_nll" and "ptx_tokens"). sampler: the sampler's
+    logprobs [B, T] (sampler_logprobs), to measure and correct the mismatch against behaviour, the trainer's at
+    the weights that sampled (None: each forward's own); None: not measured ("mismatch_tokens" 0)."""
     optimizer.zero_grad(set_to_none=True)
     sums = Counter()
     for part in rows.split(micro):
@@ -87,9 +95,13 @@ def accumulate(policy, optimizer, batch, rows, micro: int, mask, pg_mask, denomi
         loss, stats = grpo_loss(logp, batch.old_logp[part], batch.advantages[part], mask[part], denominator, cfg,
                                 ref_logp=None if batch.ref_logp is None else batch.ref_logp[part], entropy=entropy,
                                 pg_mask=None if pg_mask is None else pg_mask[part],
-                                cov_mask=None if cov_mask is None else cov_mask[part])
+                                cov_mask=None if cov_mask is None else cov_mask[part],
+                                sampler_logp=None if sampler is None else sampler[part],
+                                train_logp=None if behaviour is None else behaviour[part])
         loss.backward()
-        sums.update(stats, loss=loss.item(), tokens=mask[part].sum().item())
+        peak, tokens = stats.pop("mismatch_max", 0.0), mask[part].sum().item()
+        sums.update(stats, loss=loss.item(), tokens=tokens, mismatch_tokens=tokens if sampler is not None else 0)
+        sums["mismatch_max"] = max(sums["mismatch_max"], peak)
     if mix is not None:   # every device reports the same statistics, a share of no texts too
         sums.update(ptx_nll=0.0, ptx_tokens=0)
     for s in range(0, 0 if mix is None else mix.input_ids.shape[0], micro):
@@ -114,10 +126,17 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
     B, mini = batch.input_ids.shape[0], layout.mini_batch_per_device
     lengths = batch.attention.sum(1).cpu()  # sorted on the host: no device round trip per mini-batch
     mask = loss_mask(batch, cfg)
-    totals, grad_norms, skipped = Counter(), [], 0
+    totals, grad_norms, skipped, peaks = Counter(), [], 0, []
+    # the trainer's logprobs at the weights that sampled: each forward gives them until the first optimizer step; a
+    # correction on a step of several updates needs them for every row before it (one more forward, no gradient)
+    behaviour = None
+    if cfg.mismatch_correction != "none" and layout.updates_per_step > 1:
+        behaviour = guard.fit(functools.partial(_all_logprobs, policy, batch, cfg=cfg, autocast=autocast))
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B) if mini < B else torch.arange(B)
         for rows in order.split(mini):
+            # the mismatch is measured where the trainer's logprobs at the sampling weights are known
+            sampler = None if behaviour is None and grad_norms else sampler_logprobs(batch)
             # micro-batches of similar length waste less compute on padding
             rows = rows[torch.argsort(lengths[rows], stable=True)].to(batch.input_ids.device)
             # the denominator is global, so summing gradients over ranks gives the one-process gradient
@@ -130,8 +149,10 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
                 cov_mask = high_covariance_tokens(policy, batch, rows, mask, guard.micro, cfg, autocast)
             sums = guard.fit(functools.partial(accumulate, policy, optimizer, batch, rows, mask=mask, pg_mask=pg_mask,
                                                denominator=denominator, cfg=cfg, autocast=autocast,
-                                               mix=None if mix is None else mix[len(grad_norms)], cov_mask=cov_mask))
+                                               mix=None if mix is None else mix[len(grad_norms)], cov_mask=cov_mask,
+                                               sampler=sampler, behaviour=behaviour))
             distributed.sum_gradients(params)  # every rank
+            peaks.append(max(distributed.gather_objects(sums.pop("mismatch_max"))))  # every rank
             names = sorted(sums)
             sums = dict(zip(names, distributed.all_sum([sums[k] for k in names])))  # every rank
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
@@ -144,7 +165,9 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
             grad_norms.append(grad_norm)
     tokens, updates = max(totals.pop("tokens"), 1), len(grad_norms)
     ptx_nll, ptx_tokens = totals.pop("ptx_nll", 0.0), max(totals.pop("ptx_tokens", 0), 1)
-    record = {"loss": totals.pop("loss") / updates, **{k: v / tokens for k, v in totals.items()},
+    measured = max(totals.pop("mismatch_tokens"), 1)
+    record = {"loss": totals.pop("loss") / updates, "mismatch_max": max(peaks),
+              **{k: v / (measured if k.startswith("mismatch") else tokens) for k, v in totals.items()},
               "grad_norm": sum(grad_norms) / updates, "skipped_nonfinite": skipped}
     if mix is not None:   # the pretraining mix's mean loss per learned token (not times --ptx-coef), its texts cut
         record.update(ptx_loss=ptx_nll / ptx_tokens, ptx_cut=sum(b.cut for b in mix))

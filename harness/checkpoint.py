@@ -4,7 +4,8 @@
                                        with LoRA adapter_model.safetensors and adapter_config.json instead
                                        of the weights (the base is --model, unchanged)
                                        trainer_state.pt: optimizer, step, RNG states, the settings, the
-                                       fingerprint of the model the run started from (--model)
+                                       fingerprint of the model the run started from (--model), --kl-target's
+                                       coefficient
                                        manifest.json: every file's size and sha256
 
 A checkpoint is written under a temporary name and renamed into place, so a process killed while
@@ -232,22 +233,25 @@ class Saver:
         self.reference = reference
         self.config, self.keep = config, keep
         self.step = self.saved = step   # a fresh run's step 0 is its --model; a resumed run's is on disk
-        self.streak = nonfinite_streak
+        self.streak, self.kl_coef = nonfinite_streak, None
         self.updates = self.updates_at_step = 0   # optimizer steps taken, and when the last step completed
         optimizer.register_step_post_hook(self._counted)
 
     def _counted(self, optimizer, args, kwargs) -> None:
         self.updates += 1
 
-    def completed(self, step: int, nonfinite_streak: int) -> None:
-        """Step `step`'s update returned: the weights and optimizer state are those after it."""
-        self.step, self.streak, self.updates_at_step = step, nonfinite_streak, self.updates
+    def completed(self, step: int, nonfinite_streak: int, kl_coef: float = None) -> None:
+        """Step `step`'s update returned: the weights and optimizer state are those after it; kl_coef: with
+        --kl-target, the coefficient the next step trains with."""
+        self.step, self.streak, self.updates_at_step, self.kl_coef = step, nonfinite_streak, self.updates, kl_coef
 
     def _write(self, rngs: list) -> str:
         state = {"optimizer": self.optimizer.state_dict(), "rng": rngs, "nonfinite_streak": self.streak,
                  "config": self.config, "start_model": self.start_model}
         if self.reference is not None:
             state["reference"] = self.reference.state_dict()
+        if self.kl_coef is not None:
+            state["kl_coef"] = self.kl_coef
         return save(self.out_dir, self.step, self.policy, self.tokenizer, state, self.keep)
 
     def save(self, rngs: list):

@@ -13,7 +13,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from grpo import algorithm
+from grpo import algorithm, optim
 from harness import log
 
 
@@ -121,13 +121,14 @@ class Config:
                         "GPT-2 and Llama-family models): compiling costs seconds once, a step then runs faster",
                         resume_free=True)
     # algorithm
-    learning_rate: float = opt(1e-4, "AdamW learning rate (1e-4 suits the shipped 5M-parameter default model; "
+    learning_rate: float = opt(1e-4, "learning rate (1e-4 suits the shipped 5M-parameter default model; "
                                "use about 1e-5 for a 124M model such as RookWorld-LM)", must="> 0")
     lr_scheduler: str = opt("constant", "the learning rate over the run, after its warmup", algorithm.LR_SCHEDULES)
     lr_warmup_steps: int = opt(0, "steps whose learning rate rises linearly to --learning-rate (0: none)", must=">= 0")
     lr_warmup_ratio: float = opt(0.0, "the warmup as a share of --steps, instead of --lr-warmup-steps", must="in [0, 1)")
     min_lr_ratio: float = opt(0.0, "the floor linear and cosine decay to, a share of --learning-rate", must="in [0, 1)")
-    weight_decay: float = opt(0.0, "AdamW weight decay", must=">= 0")
+    optimizer: str = opt("adamw", "the optimizer (both at --learning-rate)", optim.OPTIMIZERS)
+    weight_decay: float = opt(0.0, "decoupled weight decay (AdamW's, and Muon's)", must=">= 0")
     max_grad_norm: float = opt(1.0, "gradient-norm clipping", must=">= 0")
     clip_range: float = opt(0.2, "PPO clip range (low side, and high side unless --clip-range-high)", must="> 0")
     clip_range_high: typing.Optional[float] = opt(None, "PPO clip range on the high side (default: --clip-range)",
@@ -141,6 +142,11 @@ class Config:
                                                     "(default: peft's for the architecture: GPT-2's c_attn, "
                                                     "Llama's and Qwen2's q_proj,v_proj)", resume_fixed=ADAPTERS_FIXED)
     kl_coef: float = opt(0.02, "k3 KL penalty against the frozen reference (0: no reference model)", must=">= 0")
+    kl_target: typing.Optional[float] = opt(None, "adaptive KL: --kl-coef is where the coefficient starts, and each "
+                                            "step moves it toward this KL per token (the record's kl, its kl_coef; "
+                                            "default off)", must="> 0")
+    kl_horizon: int = opt(10000, "--kl-target: completions over which the coefficient moves by at most 20 percent",
+                          must="at least 1")
     ref_sync_steps: int = opt(0, "every N steps the reference moves toward the policy (TR-DPO; 0: it stays the "
                               "starting model)", must=">= 0")
     ref_sync_alpha: float = opt(1.0, "with --ref-sync-steps: reference = alpha x policy + (1 - alpha) x reference "
@@ -166,6 +172,13 @@ class Config:
     kl_estimator: str = opt("k3", "the KL estimator (grpo/algorithm.py says which belongs where; with --kl-in "
                             "reward the default is k1)", algorithm.KL_ESTIMATORS)
     kl_in: str = opt("loss", "where the KL penalty goes", algorithm.KL_PLACES)
+    mismatch_correction: str = opt("none", "the correction of the gap between the sampler's logprobs and the trainer's "
+                                   "(their ratio w, detached, weighs each token's policy-gradient term)",
+                                   algorithm.MISMATCH_CORRECTIONS)
+    mismatch_cap: float = opt(2.0, "--mismatch-correction: the largest weight w kept (tis: the cap; the masks: the "
+                              "band's top)", must="at least 1")
+    mismatch_low: float = opt(0.5, "--mismatch-correction token-mask or sequence-mask: the band's bottom",
+                              must="in [0, 1)")
     entropy_coef: float = opt(0.0, "entropy bonus: the loss minus this x the mean token entropy (0: off)", must=">= 0")
     top_entropy_quantile: float = opt(1.0, "only this share of a mini-batch's tokens, the highest-entropy ones, "
                                       "carry the policy-gradient loss (1: all)", must="in (0, 1]",
@@ -334,6 +347,12 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
         raise ConfigError(f"{given} with --steps {cfg.steps}: the learning rate would rise over the whole run and "
                           f"train at --learning-rate {cfg.learning_rate:g} by the last step at best: give a warmup "
                           f"below {cfg.steps} steps, or more --steps")
+    if cfg.kl_target and not cfg.kl_coef:
+        raise ConfigError(f"--kl-target {cfg.kl_target} steers the KL coefficient, and --kl-coef 0 has no KL term: "
+                          f"pass a --kl-coef above 0 to start from, or leave --kl-target out")
+    if cfg.kl_horizon != FIELDS["kl_horizon"].default and not cfg.kl_target:
+        raise ConfigError(f"--kl-horizon {cfg.kl_horizon} without --kl-target (a fixed --kl-coef): give a --kl-target, "
+                          f"or leave --kl-horizon out")
     if cfg.ref_sync_steps and not cfg.kl_coef:
         raise ConfigError(f"--ref-sync-steps {cfg.ref_sync_steps} moves the reference, and --kl-coef 0 has none: "
                           f"pass a --kl-coef above 0, or leave --ref-sync-steps out")
@@ -367,6 +386,12 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if cfg.scale_rewards == "gdpo" and (cfg.overlong_buffer or (cfg.kl_in == "reward" and cfg.kl_coef)):
         raise ConfigError(f"--scale-rewards gdpo makes advantages of the reward's parts alone, which would leave out "
                           f"{'--overlong-buffer' if cfg.overlong_buffer else '--kl-in reward'}: leave one out")
+    for name in ("mismatch_cap", "mismatch_low"):   # a band or cap that nothing uses is a mistake, said
+        used = cfg.mismatch_correction != "none" and (name == "mismatch_cap" or "mask" in cfg.mismatch_correction)
+        if getattr(cfg, name) != FIELDS[name].default and not used:
+            fix = "a mask" if name == "mismatch_low" else "a correction"
+            raise ConfigError(f"{flag(name)} {getattr(cfg, name)} with --mismatch-correction {cfg.mismatch_correction}, "
+                              f"which does not use it: pass {fix}, or leave {flag(name)} out")
     if cfg.trace_memory == 1:
         raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
     per_device = cfg.batch_size // world

@@ -170,6 +170,7 @@ class Run:
         """Before the first step: --resume's optimizer, reference and RNG states; the guard of the update (its
         micro-batch probed with --micro-batch-size auto); the logs, reporter and checkpoints; the step-0 evaluation."""
         cfg, layout, streak = self.cfg, self.layout, 0
+        self.kl_coef = cfg.kl_coef   # --kl-target steers it from here (train_lean.py); a checkpoint holds where it was
         if self.resume_from:
             state = checkpoint.load_state(self.resume_from)
             # the moments and step counts as saved, the hyperparameters (--weight-decay, ...) as set now: a change
@@ -179,6 +180,8 @@ class Run:
             for group, now in zip(optimizer.param_groups, settings_now):
                 group.update(now)
             streak = state["nonfinite_streak"]
+            if cfg.kl_target and "kl_coef" in state:
+                self.kl_coef = state["kl_coef"]
             if "reference" in state and self.reference is None:   # --kl-coef 0 now (allowed): no KL, no reference
                 log.warn(f"{self.resume_from} holds the reference --ref-sync-steps moved; --kl-coef 0 has no KL term, "
                          f"so it is not used")
@@ -268,7 +271,7 @@ class Run:
         """The step's update has returned: it is what a failure from here on saves; its record, console line and, when
         due, the held-out evaluation."""
         cfg, step = self.cfg, rec["step"]
-        self.saver.completed(step, self.guard.nonfinite_streak)
+        self.saver.completed(step, self.guard.nonfinite_streak, self.kl_coef if cfg.kl_target else None)
         self.phases.end("train")
         rec.update(log.batch_stats(self.step_rows, cfg.group_size))
         if self.guard.notes:

@@ -108,7 +108,8 @@ def _kl(cfg, sources) -> str:
         return "off (--kl-coef 0: no reference model)"
     chosen = " (the default in the reward; --kl-estimator names another)" if (
         cfg.kl_in == "reward" and sources["kl_estimator"] == "default") else ""
-    return f"{cfg.kl_coef:g} x {cfg.kl_estimator}{chosen} {algorithm.KL_PLACES[cfg.kl_in]}"
+    adaptive = f", steered toward KL {cfg.kl_target:g} (--kl-target)" if cfg.kl_target else ""
+    return f"{cfg.kl_coef:g} x {cfg.kl_estimator}{chosen} {algorithm.KL_PLACES[cfg.kl_in]}{adaptive}"
 
 
 def header(loaded, layout, device, model, resume_from, lora=None) -> str:

@@ -52,8 +52,12 @@ KNOBS = {
     "gmpo seq-mean": {"policy_loss": "gmpo", "loss_agg": "seq-mean", "clip_low": 0.4, "clip_high": 0.4},
     "clip-cov wide band": {"policy_loss": "clip-cov", "cov_ratio": 0.05, "clip_cov_lb": 0.1, "clip_cov_ub": 20.0},
     "kl-cov dr-grpo": {"policy_loss": "kl-cov", "cov_ratio": 0.05, "kl_cov_coef": 0.5, "loss_agg": "dr-grpo"},
+    "tis cap": {"mismatch_correction": "tis", "mismatch_cap": 1.3},
+    "token mask band": {"mismatch_correction": "token-mask", "mismatch_low": 0.8, "mismatch_cap": 1.25},
+    "sequence mask band": {"mismatch_correction": "sequence-mask", "mismatch_low": 0.97, "mismatch_cap": 1.03},
+    "sequence mask seq-mean": {"mismatch_correction": "sequence-mask", "loss_agg": "seq-mean"},
     "all at once": {**GSPO, "loss_agg": "dr-grpo", "dual_clip": 1.2, "kl_estimator": "k2", "entropy_coef": 0.05,
-                    "top_entropy_quantile": 0.3, "scale_rewards": "batch", "ptx_coef": 0.3},
+                    "top_entropy_quantile": 0.3, "scale_rewards": "batch", "ptx_coef": 0.3, "mismatch_correction": "tis"},
 }
 
 
@@ -73,7 +77,7 @@ def as_rollout(batch, cfg, rank: int, world: int) -> Rollout:
     mine = {k: v[rank * n:(rank + 1) * n] for k, v in {**batch, "adv": advantages}.items() if k != "ptx"}
     return Rollout(prompts=[""] * n, texts=[""] * n, input_ids=mine["inputs"], attention=mine["attention"],
                    completion_mask=mine["cmask"], old_logp=mine["old"], truncated=torch.zeros(n, dtype=torch.bool),
-                   ref_logp=mine["ref"], advantages=mine["adv"])
+                   ref_logp=mine["ref"], advantages=mine["adv"], sampler_logp=mine["sampler"])
 
 
 def per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg):
@@ -108,7 +112,7 @@ def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold
     texts = PtxBatch(**batch["ptx"]).for_device(rank, world) if cfg.ptx_coef else None
     params = [p for p in model.parameters() if p.requires_grad]
     update.accumulate(model, torch.optim.SGD(params, lr=0.0), rollout, rows, micro, mask, pg_mask, denominator, cfg,
-                      None, mix=texts, cov_mask=cov_mask)
+                      None, mix=texts, cov_mask=cov_mask, sampler=update.sampler_logprobs(rollout))
     distributed.sum_gradients(params)
     return torch.cat([p.grad.reshape(-1) for p in params])
 

@@ -41,7 +41,7 @@ def test_two_processes_make_the_one_process_update(tiny_model_dir, tmp_path):
         # the same rollouts, rewards and advantages; the loss and gradient up to summation order
         for k in ("reward_mean", "reward_std", "frac_zero_std", "completion_len_mean"):
             assert ra[k] == rb[k], k
-        for k in ("loss", "kl", "clip_frac", "ratio_mean", "grad_norm"):
+        for k in ("loss", "kl", "clip_frac", "ratio_mean", "grad_norm", "mismatch_abs", "mismatch_max"):
             assert abs(ra[k] - rb[k]) <= 1e-5 * max(1.0, abs(ra[k])), (k, ra[k], rb[k])
     assert a[0]["grad_norm"] > 0 or a[1]["grad_norm"] > 0  # something was learned, so something was compared
 

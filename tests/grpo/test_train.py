@@ -15,7 +15,7 @@ from helpers import REPO, read_jsonl as records, user_env
 
 STEP_KEYS = {"step", "reward_mean", "reward_std", "frac_zero_std", "loss", "kl", "clip_frac", "ratio_mean",
              "grad_norm", "completion_len_mean", "step_time_s", "gen_time_s", "train_time_s", "samples_per_s",
-             "tokens_per_s", "rss_mb"}
+             "tokens_per_s", "rss_mb", "mismatch_kl", "mismatch_abs", "mismatch_max"}
 
 
 def run(args, cwd, env=None):
@@ -158,6 +158,11 @@ KNOBS.update({
     "reward-weights": (["--task", "{parted}", "--reward-weights", "letter=1,short=0.5"], "reward_short"),
     "--scale-rewards gdpo": (["--scale-rewards", "gdpo", "--task", "{parted}", "--reward-weights", "letter=1,short=0.5"],
                              "reward_letter"),
+    "tis-top-p": (["--mismatch-correction", "tis", "--top-p", "0.9", "--mismatch-cap", "1.5"], "mismatch_weight"),
+    "token-mask-top-k": (["--mismatch-correction", "token-mask", "--top-k", "20", "--mismatch-low", "0.2"],
+                         "mismatch_zero_frac"),
+    "adaptive-kl": (["--kl-target", "0.01", "--kl-horizon", "100"], "kl_coef"),
+    "muon": (["--optimizer", "muon"], "grad_norm"),
 })
 PARTED_TASK = """
 from tasks.toy import ToyTask
@@ -188,6 +193,7 @@ def test_each_algorithm_knob_runs_end_to_end_and_logs(knob, tiny_model_dir, tmp_
         assert r["completion_len_min"] <= r["completion_len_mean"] <= r["completion_len_max"] <= 12
         assert 0 <= r["truncated_frac"] <= 1 and r["entropy"] >= 0 and r["reward_std_group"] >= 0
         assert r["clip_frac"] == pytest.approx(r["clip_low_frac"] + r["clip_high_frac"])
+        assert 0 <= r["mismatch_abs"] <= r["mismatch_max"] and r["mismatch_kl"] >= 0   # measured in every run
     if knob == "dynamic-sampling":
         assert all(r["groups_drawn"] >= 2 and r["groups_drawn"] - r["groups_dropped"] == 2 for r in recs)
     if knob == "mask-truncated":   # a random tiny model rarely stops: cut-off rows carry no loss at all

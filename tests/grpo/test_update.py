@@ -27,8 +27,10 @@ def batch(rollout64, tiny_model_dir):
     # 11 pretraining-mix texts of different lengths, some with a context: 8 + 3 per micro-batches of 8, 6 + 5 per rank
     texts = [("Repeat " + c * i + ": ", c * (11 - i)) if i % 3 else "plain " * i + c for i, c in enumerate("abcdeabcdea")]
     ptx = vars(encode(texts, load_tokenizer(tiny_model_dir), prepend_bos=True, context=None))
+    # the sampler's logprobs (Rollout.sampler_logp) apart from the trainer's, so --mismatch-correction weighs and drops
     return {"inputs": inputs, "attention": attention, "cmask": cmask, "rewards": adv, "ptx": ptx,
-            "old": old + 0.3 * torch.randn_like(old) * cmask, "ref": logp + 0.2 * torch.randn_like(logp) * cmask}
+            "old": old + 0.3 * torch.randn_like(old) * cmask, "ref": logp + 0.2 * torch.randn_like(logp) * cmask,
+            "sampler": logp + 0.3 * torch.randn_like(logp) * cmask}
 
 
 def relative(a, b):
@@ -57,6 +59,14 @@ def test_the_batch_exercises_every_clip(rollout64, batch):
         assert stats["clip_frac"] < cmask.sum()
     _, stats = grpo_loss(logp, batch["old"], adv, cmask, 1.0, loss_config(**KNOBS["dual clip"]))
     assert stats["clip_dual_frac"] > 0
+    # the mismatch knobs: each mask drops some tokens (or sequences) and keeps others, the cap binds somewhere
+    weights = {}
+    for name, knobs in (*((n, KNOBS[n]) for n in ("tis cap", "token mask band", "sequence mask band")),
+                        ("uncapped", {"mismatch_correction": "tis", "mismatch_cap": 100.0})):
+        _, stats = grpo_loss(logp, batch["old"], adv, cmask, 1.0, loss_config(**knobs), sampler_logp=batch["sampler"])
+        weights[name] = stats["mismatch_weight"]
+        assert 0 < stats["mismatch_zero_frac"] < cmask.sum() if "mask" in name else stats["mismatch_zero_frac"] == 0
+    assert weights["tis cap"] < weights["uncapped"]
     # sequence ratios: some sequences inside the GSPO clip range, some outside it
     seq = importance_ratio(logp, batch["old"], cmask, "sequence").squeeze(1)
     assert ((seq - 1).abs() < 0.02).any() and ((seq - 1).abs() > 0.03).any()

@@ -98,7 +98,7 @@ def test_help_groups_follow_the_config(monkeypatch):
     (["--lr=1e-5"], {}, "did you mean --learning-rate or --lora-rank?"),
     (["--learing-rate", "1e-5"], {}, "did you mean --learning-rate?"),   # a typo: the closest spelling
     (["--batch", "8"], {}, "did you mean --batch-size?"),   # a prefix: suggested, never taken
-    (["--kl", "0.1"], {}, "did you mean --kl-coef, --kl-cov-coef, --kl-estimator or --kl-in?"),
+    (["--kl", "0.1"], {}, "did you mean --kl-coef, --kl-target, --kl-horizon, --kl-cov-coef, --kl-estimator or --kl-in?"),
     (["--task", "chess", "--stockfish-dept", "3"], {}, "did you mean --stockfish-depth?"),   # a task's option
     (["--task", "toy", "--bogus", "1"], {}, "--bogus is not a flag of train_lean.py nor of --task toy (see "
                                             "train_lean.py --task toy --help)"),

@@ -1,0 +1,76 @@
+"""The optimizer (--optimizer): AdamW, or Muon for the hidden weight matrices and AdamW for the rest.
+
+Muon (torch.optim.Muon) orthogonalises each 2-D update (Newton-Schulz); it is made for the matrices inside the
+network. The embeddings and the output head (rows that are tokens, a lookup and a classifier), biases and norms stay
+with AdamW, as nanochat, prime-rl and Muon's authors split them. Muon's updates are scaled to AdamW's size
+(adjust_lr_fn "match_rms_adamw", Moonshot's), so --learning-rate and --weight-decay serve both.
+"""
+import torch
+
+from grpo.model import trainable_parameters
+
+OPTIMIZERS = {  # --optimizer
+    "adamw": "AdamW for every weight",
+    "muon": "Muon for the hidden 2-D weight matrices, AdamW for the embeddings, output head, biases and norms",
+}
+
+
+class Optimizers:
+    """Optimizers over disjoint parameters, stepped as one: the part of torch.optim.Optimizer the trainer uses
+    (param_groups for the learning rate, state, zero_grad, step, a state dict for checkpoints, a step hook)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    @property
+    def param_groups(self) -> list:
+        return [g for o in self.parts for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for o in self.parts for p, s in o.state.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.parts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.parts:
+            o.step()
+
+    def state_dict(self) -> dict:
+        return {"parts": [o.state_dict() for o in self.parts]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "parts" not in state or len(state["parts"]) != len(self.parts):
+            raise ValueError("the checkpoint's optimizer state is not this --optimizer's")
+        for o, s in zip(self.parts, state["parts"]):
+            o.load_state_dict(s)
+
+    def register_step_post_hook(self, hook):
+        return self.parts[-1].register_step_post_hook(hook)   # every part steps together: one call per update
+
+
+def hidden_matrices(model) -> list:
+    """The trainable 2-D weights that are neither an embedding (tokens, positions) nor the output head."""
+    outside = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = model.get_output_embeddings()
+    if head is not None:
+        outside.add(id(head.weight))
+    return [p for p in trainable_parameters(model) if p.ndim == 2 and id(p) not in outside]
+
+
+def make_optimizer(model, cfg):
+    """--optimizer over the model's trainable parameters, at --learning-rate with --weight-decay."""
+    params = trainable_parameters(model)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    if cfg.optimizer != "muon":
+        raise ValueError(f"optimizer {cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    hidden = hidden_matrices(model)
+    chosen = {id(p) for p in hidden}
+    rest = [p for p in params if id(p) not in chosen]
+    parts = [torch.optim.Muon(hidden, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                              adjust_lr_fn="match_rms_adamw")] if hidden else []
+    parts += [torch.optim.AdamW(rest, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)] if rest else []
+    return Optimizers(parts)
