@@ -127,7 +127,9 @@ class Config:
     lr_warmup_steps: int = opt(0, "steps whose learning rate rises linearly to --learning-rate (0: none)", must=">= 0")
     lr_warmup_ratio: float = opt(0.0, "the warmup as a share of --steps, instead of --lr-warmup-steps", must="in [0, 1)")
     min_lr_ratio: float = opt(0.0, "the floor linear and cosine decay to, a share of --learning-rate", must="in [0, 1)")
-    optimizer: str = opt("adamw", "the optimizer (both at --learning-rate)", optim.OPTIMIZERS)
+    optimizer: str = opt("adamw", "the optimizer (both at --learning-rate)", optim.OPTIMIZERS,
+                         resume_fixed="the checkpoint holds that optimizer's state (its moments and steps), which no "
+                                      "other optimizer reads; start a new run from OUT_DIR/model to change it")
     weight_decay: float = opt(0.0, "decoupled weight decay (AdamW's, and Muon's)", must=">= 0")
     max_grad_norm: float = opt(1.0, "gradient-norm clipping", must=">= 0")
     clip_range: float = opt(0.2, "PPO clip range (low side, and high side unless --clip-range-high)", must="> 0")

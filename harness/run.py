@@ -180,8 +180,12 @@ class Run:
             for group, now in zip(optimizer.param_groups, settings_now):
                 group.update(now)
             streak = state["nonfinite_streak"]
-            if cfg.kl_target and "kl_coef" in state:
-                self.kl_coef = state["kl_coef"]
+            if cfg.kl_target and "kl_coef" in state:   # where --kl-target had steered it; a new --kl-coef starts over
+                if state["config"].get("kl_coef") == cfg.kl_coef:
+                    self.kl_coef = state["kl_coef"]
+                else:
+                    log.warn(f"--kl-target: the coefficient starts again from --kl-coef {cfg.kl_coef} (it had reached "
+                             f"{state['kl_coef']:.4g})")
             if "reference" in state and self.reference is None:   # --kl-coef 0 now (allowed): no KL, no reference
                 log.warn(f"{self.resume_from} holds the reference --ref-sync-steps moved; --kl-coef 0 has no KL term, "
                          f"so it is not used")

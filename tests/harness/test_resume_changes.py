@@ -46,6 +46,8 @@ ENABLING = {"ref_sync_alpha": ["--ref-sync-steps", "1"],
             "kl_cov_coef": ["--policy-loss", "kl-cov", "--cov-ratio", "0.1"],
             "clip_cov_lb": ["--policy-loss", "clip-cov", "--cov-ratio", "0.5", "--clip-cov-lb=-100"],
             "clip_cov_ub": ["--policy-loss", "clip-cov", "--cov-ratio", "0.5", "--clip-cov-lb=-100"],
+            "kl_horizon": ["--kl-target", "0.001"], "mismatch_cap": ["--mismatch-correction", "tis", "--dtype", "bf16"],   # weights above 1 only where bf16 rounds
+            "mismatch_low": ["--mismatch-correction", "token-mask", "--top-p", "0.8"],
             "reward_weights": ["--task", "tests.harness.test_resume_changes:PartsToy", "--reward-weights", "hit=1,len=1"]}
 # --kl-in reward alone also moves the estimator's default to k1, a second change: the first run's estimator is kept
 ALONG = {"kl_in": ["--kl-estimator", "k3"]}
@@ -59,7 +61,8 @@ NEW = {"model": "{other_model}", "task": "tests.harness.test_resume_changes:Othe
        "max_sampling_rounds": 1, "mask_truncated": True, "overlong_buffer": 4, "overlong_penalty": 3.0,
        "ptx_coef": 0.1, "ptx_file": "{texts_b}", "ptx_batch_size": 3, "seed": 1, "dtype": "bf16",
        "sapo_tau_pos": 5.0, "sapo_tau_neg": 5.0, "cov_ratio": 0.5, "kl_cov_coef": 5.0, "clip_cov_lb": -1e-6,
-       "clip_cov_ub": 1e-6, "reward_weights": "hit=1,len=-3"}
+       "clip_cov_ub": 1e-6, "reward_weights": "hit=1,len=-3", "kl_target": 0.001, "kl_horizon": 10,
+       "mismatch_cap": 1.0001, "mismatch_low": 0.999}
 NEW.update({name: next(c for c in f.metadata["choices"] if c != f.default) for name, f in config.FIELDS.items()
             if isinstance(f.metadata["choices"], dict) and name not in NEW and name in compared()})
 
@@ -106,11 +109,17 @@ def behaviour(out):
     return records(os.path.join(out, "metrics.jsonl")), weights(os.path.join(out, "checkpoints", "step_000003"))
 
 
+# each setting from the checkpoint its ENABLING flags made; and some again where another setting holds its value
+CASES = {**{name: (name, ENABLING.get(name, [])) for name in NEW},
+         "kl_coef under --kl-target": ("kl_coef", ["--kl-target", "0.001"])}   # the coefficient starts over from it
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(NEW))
-def test_an_allowed_change_is_the_one_the_resumed_run_trains_with(name, start, tmp_path, clean_env):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_an_allowed_change_is_the_one_the_resumed_run_trains_with(case, start, tmp_path, clean_env):
     make, paths = start
-    args, out, same = make(ENABLING.get(name, []))
+    name, enabling = CASES[case]
+    args, out, same = make(enabling)
     changed = str(tmp_path / "changed")
     shutil.copytree(out, changed)
     value = NEW[name].format(**paths) if isinstance(NEW[name], str) else NEW[name]
@@ -127,7 +136,8 @@ def test_a_fixed_setting_is_refused_with_its_reason(name, tmp_path, clean_env, c
     with pytest.raises(SystemExit) as e:
         train_lean.main(["--task", "toy", "--out-dir", str(tmp_path), "--resume", "--resume-allow-change", name])
     assert e.value.code == 2
-    assert f"{config.flag(name)} cannot change on --resume: the checkpoint's adapters" in capsys.readouterr().err
+    reason = config.FIELDS[name].metadata["resume_fixed"]
+    assert f"{config.flag(name)} cannot change on --resume: {reason}" in capsys.readouterr().err
 
 
 def test_a_lora_checkpoint_refuses_other_adapters_on_resume(tiny_model_dir, tmp_path, clean_env, capsys):
