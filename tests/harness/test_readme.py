@@ -19,8 +19,9 @@ def example(tmp_path):
     code = re.search(r"```python\n(.*?)```", section("Your own task"), re.S).group(1)
     assert 10 <= len(code.strip().splitlines()) <= 20   # "a complete example of about 15 lines"
     (tmp_path / "add.py").write_text(code)
-    command = shlex.split(re.search(r"```bash\n(.*?)```", section("Your own task"), re.S).group(1))
-    assert command[:2] == ["python", "train_lean.py"]
+    lines = re.search(r"```bash\n(.*?)```", section("Your own task"), re.S).group(1).splitlines()
+    command = next(shlex.split(line) for line in lines if "train_lean.py" in line)
+    assert command[:2] == [".venv/bin/python", "train_lean.py"]
     return command[2:]
 
 
@@ -75,8 +76,14 @@ def training_commands() -> list:
             args = words[words.index("train_lean.py") + 1:]
             value = lambda flag, default=None: args[args.index(flag) + 1] if flag in args else default  # noqa: E731
             found.append((line, value("--out-dir", "out"), "--resume" in args or "--eval-only" in args,
-                          [v for v in (value("--log-file"), value("--log-completions")) if v]))
+                          [v for v in (value("--log-file"), value("--log-completions")) if v], value("--model")))
     return found
+
+
+def made_models() -> list:
+    """The folders the README's commands make with scripts/make_tiny_model.py, in order, as (line number, folder)."""
+    text = open(README, encoding="utf-8").read()
+    return [(text[:m.start()].count("\n"), m.group(1)) for m in re.finditer(r"make_tiny_model\.py (\S+)", text)]
 
 
 def test_the_readmes_training_commands_run_in_order_without_colliding():
@@ -84,7 +91,12 @@ def test_the_readmes_training_commands_run_in_order_without_colliding():
     # order, a shared one stops the later command at start-up (exit 2: the folder holds an earlier run's records)
     commands, used = training_commands(), {}
     assert len(commands) >= 5   # make train, the task example, the tiny model's run, the long run and its resume
-    for line, out_dir, continues, logs in commands:
+    text = open(README, encoding="utf-8").read()
+    for line, out_dir, continues, logs, model in commands:
+        if model and not model.startswith("models/"):   # a folder an earlier command made (not a hub id here)
+            at = text.index(line)
+            assert any(n < text[:at].count("\n") and folder == model for n, folder in made_models()), \
+                f"{line!r} trains {model}, which no earlier command makes"
         if continues:
             assert out_dir in used, f"{line!r} continues a run no earlier command started in {out_dir}"
             continue
