@@ -1,5 +1,4 @@
 """harness/run.py's own promises that no other module's tests cover."""
-import os
 import subprocess
 import sys
 
