@@ -109,12 +109,7 @@ def load_policy(name_or_path: str, device: str):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar says nothing useful here
-    # On the CPU, attention as plain matmuls and a softmax ("eager"), not PyTorch's fused kernel (SDPA): on several
-    # threads the fused kernel's backward gave gradients that differed in the last bits between two processes of one
-    # seed, so same-seed runs drifted apart; the plain path gives the same bits every run. On GPUs the fused kernels
-    # stay (their memory matters there, and CUDA runs are not bit-reproducible anyway).
-    attention = {"attn_implementation": "eager"} if torch.device(device).type == "cpu" else {}
-    model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=torch.float32, **attention)
+    model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=torch.float32)
     # fp32 master weights always: bf16 is used through autocast, never as the stored weights,
     # because AdamW updates on bf16 weights round away most of a 1e-5 learning rate.
     fuse_tanh_gelu(model)

@@ -40,10 +40,6 @@ def usage_error(message: str):
 class Run:
     def __init__(self, argv=None, builtin: dict = None, default_task: str = None):
         """argv: the command line (default sys.argv); builtin and default_task: the task registry (tasks/)."""
-        # MKL's conditional numerical reproducibility: without it MKL may pick its kernel by the alignment of each
-        # buffer, which follows the allocator, so two same-seed runs on several threads can differ in the last bits
-        # and then drift apart. Read at MKL's first call (nothing has multiplied yet); a user's own value is kept.
-        os.environ.setdefault("MKL_CBWR", "AUTO")
         try:
             self.loaded = cli.load(argv, builtin=builtin, default_task=default_task)
             cfg = self.cfg = self.loaded.cfg

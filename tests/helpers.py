@@ -75,11 +75,9 @@ def env(**extra):
 
 
 def user_env(**extra):
-    """A user's environment: the default threads (every core) and MKL mode; no hub access, no GRPO_ variables.
-    The tests of a promise users rely on (same seed, same run; a resumed run equals the uninterrupted one) run
-    under it, not under one thread."""
+    """A user's environment: the default threads (every core); no hub access, no GRPO_ variables."""
     e = {k: v for k, v in os.environ.items()
-         if not k.startswith("GRPO_") and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR")}
+         if not k.startswith("GRPO_") and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     e.update(HF_HUB_OFFLINE="1", PYTHONPATH=REPO, **extra)
     return e
 

@@ -19,7 +19,7 @@ STEP_KEYS = {"step", "reward_mean", "reward_std", "frac_zero_std", "loss", "kl",
 
 
 def run(args, cwd, env=None):
-    """train_lean.py as a user starts it: their threads and MKL mode (helpers.user_env), no GRPO_ variables."""
+    """train_lean.py as a user starts it: their threads (helpers.user_env), no GRPO_ variables."""
     full_env = user_env(**(env or {}))
     return subprocess.run([sys.executable, os.path.join(REPO, "train_lean.py"), *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=300)
