@@ -32,10 +32,9 @@ class DataOptions(SampledEvalOptions):   # --eval-k: pass@K of P:'s best move an
     # evaluation only: neither touches the weights. The subset keeps a 700-step run's evaluations near a sixth of its
     # time; the whole set, where a run's before and after are compared, sees a 3-point change (docs/chess.md).
     eval_samples: int = opt(EVAL_SUBSET, "held-out items per kind (P:, A:) at each evaluation between the run's first "
-                            "and last: the set's first N of each kind", resume_free=True)
+                            "and last: the set's first N of each kind (at most --eval-full-samples)", resume_free=True)
     eval_full_samples: int = opt(EVAL_FULL, "held-out items per kind at the run's first and last evaluation and with "
-                                 "--eval-only (the set has 1000 each; never fewer than --eval-samples)",
-                                 resume_free=True)
+                                 "--eval-only: the set's first N of each kind (it has 1000)", resume_free=True)
 
     def __post_init__(self):
         super().__post_init__()
@@ -96,9 +95,10 @@ class MixOptions(PolicyOptions):
 
 
 def _per_kind(task, full: bool) -> int:
-    """Held-out items per kind: the fixed subset (--eval-samples) between a run's first and last evaluation; at those
-    two and with --eval-only (full, harness/task.py) --eval-full-samples, at least as many."""
-    return max(task.eval_full_samples, task.eval_samples) if full else task.eval_samples
+    """Held-out items per kind: --eval-full-samples at a run's first and last evaluation and with --eval-only (full,
+    harness/task.py); the fixed subset --eval-samples, no more, between (--eval-full-samples 100 alone scores the
+    original set's items at every evaluation)."""
+    return task.eval_full_samples if full else min(task.eval_samples, task.eval_full_samples)
 
 
 def _split(n: int, share: float, rng: random.Random) -> int:
