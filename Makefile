@@ -34,10 +34,11 @@ bench: install .venv-bench/.installed
 	$(PY) bench/run.py --trl-python .venv-bench/bin/python $(ARGS)
 
 
-# The main job: GRPO on the shipped chess model (models/rook-tiny), offline; the P: reward needs Stockfish.
-# --ptx-coef 1 mixes in the chess task's A: demonstrations, so the A: skill RL does not train is kept (docs/ptx.md).
+# The main job: GRPO on the shipped chess model (models/rook-tiny), offline; the P: reward needs Stockfish. The
+# chess task declares --ptx-coef 1 (its A: demonstrations mixed in, so the A: skill RL does not train is kept:
+# docs/ptx.md), so this is exactly `python train_lean.py $(ARGS)`; ARGS="--ptx-coef 0" runs GRPO alone.
 train: install stockfish
-	$(PY) train_lean.py --ptx-coef 1 $(ARGS)
+	$(PY) train_lean.py $(ARGS)
 
 # Rebuild models/rook-tiny from its seed, in the three stages that made it (docs/chess.md says what each does
 # and BENCHMARKS.md how long it takes).

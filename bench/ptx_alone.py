@@ -75,7 +75,7 @@ def main(argv=None):
             if step % 50 == 0:
                 print(f"step {step}/{cfg.steps} | ptx {nll / tokens:.3f} | {time.perf_counter() - t0:.0f}s", flush=True)
             if evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):
-                task_lib.evaluate(task, complete, step, metrics, items_path=items)
+                task_lib.evaluate(task, complete, step, metrics, items_path=items, full=step == cfg.steps)
     checkpoint.save_model(os.path.join(cfg.out_dir, "model"), policy, tokenizer, cfg.steps)
     task_lib.close(task)
 

@@ -1,9 +1,11 @@
 """The command line and the GRPO_<FLAG> environment: argv and environ into the Config and the task's options.
 
 Every field of the Config (harness/config.py) is a flag --field-name and an override GRPO_FIELD_NAME, and so is
-every field of the chosen task's options dataclass (harness/task.py), for that task only. Precedence: command
-line > environment > default. A value is checked against its field's type and choices here, its range and the
-batch arithmetic in config.batch_layout. A bad one raises config.ConfigError: one line that names it.
+every field of the chosen task's options dataclass (harness/task.py), for that task only. A task may also declare
+trainer settings it needs (its trainer_settings, harness/task.py). Precedence: command line > environment > the
+task's declared value > default. A value is checked against its field's type and choices here (a declared one, and
+its range, as soon as the task is found), its range and the batch arithmetic in config.batch_layout. A bad one
+raises config.ConfigError: one line that names it.
 """
 import argparse
 import dataclasses
@@ -14,7 +16,7 @@ import sys
 import typing
 
 from harness import task as tasks
-from harness.config import FIELDS, Config, ConfigError, env_name, fields_of, flag
+from harness.config import FIELDS, Config, ConfigError, env_name, fields_of, flag, range_error
 
 BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
@@ -22,7 +24,7 @@ BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": 
 class Loaded(typing.NamedTuple):
     cfg: Config
     options: typing.Any       # an instance of the task's options dataclass, or None
-    sources: dict             # field name -> "cli" | "env" | "default", the task's options included
+    sources: dict             # field name -> "cli" | "env" | "task" | "default", the task's options included
     task: typing.Any          # the class or object --task names, imported, not yet built
 
 
@@ -97,11 +99,14 @@ def _metavar(name: str, f) -> str:
     return "PATH" if f.metadata.get("path") else name.upper()
 
 
-def _help(f, default_task: str) -> str:
+def _help(f, default_task: str, declared: dict = None, task_name: str = "") -> str:
     """A flag's help with its default and its range: "[default 64; at least 1]". An unset default is "off",
-    unless the help says what it comes to ("(default: batch)")."""
+    unless the help says what it comes to ("(default: batch)"); a value the task declares is shown as its default
+    ("[default 1.0 (--task chess); >= 0]")."""
     text = f.metadata.get("help", "")
-    if f.name == "task":
+    if f.name in (declared or {}):
+        default = f"{_spelt(declared[f.name])} (--task {task_name})"
+    elif f.name == "task":
         default = default_task
     elif f.default is not dataclasses.MISSING:
         default = "off" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
@@ -109,15 +114,17 @@ def _help(f, default_task: str) -> str:
         default = f.default_factory()
     else:
         default = "required"
-    shown = [] if f.default is None and "default" in text else [f"default {default}"]
+    shown = [] if f.default is None and "default" in text and f.name not in (declared or {}) else [f"default {default}"]
     shown += [f.metadata["must"]] if f.metadata.get("must") else []
     return f"{text} [{'; '.join(shown)}]" if shown else text
 
 
-def build_parser(task_name: str = "", task_fields: dict = None, default_task: str = None) -> argparse.ArgumentParser:
+def build_parser(task_name: str = "", task_fields: dict = None, default_task: str = None,
+                 declared: dict = None) -> argparse.ArgumentParser:
     p = _Parser(prog="train_lean.py", allow_abbrev=False, usage="train_lean.py [--task TASK] [--flag VALUE ...]",
                 description="GRPO on a small causal LM. Every flag also reads GRPO_<FLAG> from the environment "
-                "(--batch-size: GRPO_BATCH_SIZE; command line > environment > default). A flag shown [BOOL] may "
+                "(--batch-size: GRPO_BATCH_SIZE; command line > environment > the task's declared value > default). "
+                "A flag shown [BOOL] may "
                 "be given bare (true); true/false, 1/0, yes/no, on/off.")
     groups = [(p.add_argument_group(title), {n: FIELDS[n] for n in names}) for title, names in help_groups(FIELDS)]
     if task_fields:
@@ -128,7 +135,7 @@ def build_parser(task_name: str = "", task_fields: dict = None, default_task: st
             const = "true" if _base_type(f)[0] is bool else f.metadata.get("const")
             bare = {"nargs": "?", "const": const} if const is not None else {}
             group.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=_metavar(name, f), **bare,
-                               help=_help(f, default_task))
+                               help=_help(f, default_task, declared, task_name))
     return p
 
 
@@ -146,14 +153,55 @@ def _either(names: list) -> str:
     return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
-def _read(fields: dict, given: dict, environ) -> tuple[dict, dict]:
-    """Each field's value and its source: the command line, else the environment, else the default."""
+def _spelt(value) -> str:
+    """A declared value as a command line spells it: a bool true/false, None none, a number as Python writes it."""
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def declared_settings(target, task_name: str) -> dict:
+    """The trainer settings the task declares (its optional trainer_settings: {field name: value}), each checked as
+    the same value given as a flag would be, its type, choices and range included: a bad one is a ConfigError that
+    names the task and the setting. The values are the trainer's defaults for this task (_read)."""
+    declared = getattr(target, "trainer_settings", None)
+    if declared is None:
+        return {}
+    where = f"--task {task_name}'s trainer_settings"
+    if not isinstance(declared, dict):
+        raise ConfigError(f"{where} must be a dict of trainer setting names to values, not {declared!r:.60}")
+    options = tasks.options_type(target)
+    out = {}
+    for name, value in declared.items():
+        if not isinstance(name, str) or name not in FIELDS or name == "task":   # the task cannot choose itself
+            near = did_you_mean(name, FIELDS) if isinstance(name, str) else []
+            own = isinstance(name, str) and options is not None and name in fields_of(options)
+            raise ConfigError(f"{where} names {name!r}, which is not a trainer setting" + (
+                " (it is the task's own option: set its default in the options dataclass)" if own else
+                f" (did you mean {_either(near)}?)" if near and name != "task" else
+                " (the names are the fields of harness/config.py Config, as --help lists them)"))
+        if isinstance(value, (str, bool, int, float)) or value is None:   # what a flag or GRPO_ variable can say
+            value = _convert(FIELDS[name], value if isinstance(value, str) else _spelt(value), f"{where}: {flag(name)}")
+        else:
+            raise ConfigError(f"{where}: {flag(name)} {value!r:.60} is not a value a flag takes (a str, number, bool "
+                              f"or None)")
+        problem = range_error(name, value)
+        if problem:
+            raise ConfigError(f"{where}: {problem}")
+        out[name] = value
+    return out
+
+
+def _read(fields: dict, given: dict, environ, declared: dict = None) -> tuple[dict, dict]:
+    """Each field's value and its source: the command line, else the environment, else the task's declared value
+    (declared: checked already), else the default."""
     values, sources = {}, {}
+    declared = declared or {}
     for name, f in fields.items():
         if name in given:
             values[name], sources[name] = _convert(f, given[name], flag(name)), "cli"
         elif env_name(name) in environ:
             values[name], sources[name] = _convert(f, environ[env_name(name)], env_name(name)), "env"
+        elif name in declared:
+            values[name], sources[name] = declared[name], "task"
         elif f.default is not dataclasses.MISSING:
             values[name], sources[name] = f.default, "default"
         elif f.default_factory is not dataclasses.MISSING:
@@ -182,7 +230,8 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
     if clash:
         raise tasks.TaskError(f"--task {task_name}: its option {clash[0]!r} has the name of a trainer setting "
                               f"({flag(clash[0])}): rename it")
-    given, extra = build_parser(task_name, task_fields, default_task).parse_known_args(argv)
+    declared = declared_settings(target, task_name)
+    given, extra = build_parser(task_name, task_fields, default_task, declared).parse_known_args(argv)
     if extra:
         bad = next((a for a in extra if a.startswith("-")), extra[0])
         near = did_you_mean(bad, [*FIELDS, *task_fields]) if bad.startswith("--") else []
@@ -191,7 +240,7 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
             f"{bad} is not a flag of train_lean.py nor of --task {task_name}") +
             f" (see train_lean.py --task {task_name} --help)")
     given = vars(given)
-    values, sources = _read(FIELDS, given, environ)
+    values, sources = _read(FIELDS, given, environ, declared)
     option_values, option_sources = _read(task_fields, given, environ)
     known = FIELDS.keys() | task_fields.keys()
     # a setting's variable is read by its upper-case name alone: another spelling would be ignored in silence

@@ -302,6 +302,16 @@ class Layout:
     generation_batch: int           # completions sampled at once on one device
 
 
+def range_error(name: str, value) -> str | None:
+    """The message when value lies outside the range field `name` declares ("--top-p 0.0 must be in (0, 1]"), else
+    None (None and "auto" pass)."""
+    f = FIELDS[name]
+    must, note = f.metadata["must"], f.metadata["note"]
+    if must and value is not None and value != "auto" and not RANGES[must](value):
+        return f"{flag(name)} {value} must be {must}" + (f" ({note})" if note else "")
+    return None
+
+
 def _multiples(value: int, of: int) -> str:
     low = value // of * of
     return f"use {low} or {low + of}" if low > 0 else f"use {of}"
@@ -309,10 +319,10 @@ def _multiples(value: int, of: int) -> str:
 
 def batch_layout(cfg: Config, world: int = 1) -> Layout:
     """Check every field's range, then the rules between fields; return the derived sizes (per device, global)."""
-    for name, f in FIELDS.items():
-        value, must, note = getattr(cfg, name), f.metadata["must"], f.metadata["note"]
-        if must and value is not None and value != "auto" and not RANGES[must](value):
-            raise ConfigError(f"{flag(name)} {value} must be {must}" + (f" ({note})" if note else ""))
+    for name in FIELDS:
+        problem = range_error(name, getattr(cfg, name))
+        if problem:
+            raise ConfigError(problem)
     if cfg.group_size < 2:
         raise ConfigError(f"--group-size {cfg.group_size}: GRPO needs at least 2 completions per prompt")
     if cfg.batch_size % cfg.group_size:

@@ -78,7 +78,8 @@ class Run:
         try:
             task = task_lib.CheckedTask(task_lib.build(self.loaded.task, self.loaded.options, cfg.task))
             self.stack.callback(task_lib.close, task)
-            mix_source = task_lib.mix_source(task, cfg.ptx_file) if cfg.ptx_coef else None
+            # --eval-only learns nothing: a task's declared --ptx-coef needs no texts there
+            mix_source = task_lib.mix_source(task, cfg.ptx_file) if cfg.ptx_coef and not cfg.eval_only else None
             if cfg.reward_weights and not callable(getattr(task, "reward_breakdown", None)):
                 raise task_lib.TaskError(f"--reward-weights {cfg.reward_weights} weighs the parts of the task's "
                                          f"reward_breakdown, and {cfg.task} has none")
@@ -291,4 +292,5 @@ class Run:
         if cfg.log_level != "warning":
             self.print_line(log.step_line(rec, cfg.steps))
         if self.evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):  # the last: "after"
-            task_lib.evaluate(self.task, self.complete, step, self.metrics_file, self.reporter, self.items_path)
+            task_lib.evaluate(self.task, self.complete, step, self.metrics_file, self.reporter, self.items_path,
+                              full=step == cfg.steps)   # whole where before and after are compared

@@ -40,7 +40,7 @@ def describe(cfg, options, sources: dict, layout) -> str:
     rows += [(config.flag(n), _shown(getattr(options, n), "none"), sources[n]) for n in sources if n not in trainer]
     w = max(len(r[0]) for r in rows)
     v = max(len(r[1]) for r in rows)
-    lines = ["settings (source: cli > env > default)"]
+    lines = ["settings (source: cli > env > task > default)"]
     lines += [f"  {a:<{w}}  {b:<{v}}  {c}" for a, b, c in rows[:len(trainer)]]
     if options is not None:
         lines.append(f"options of --task {cfg.task}")
@@ -124,7 +124,7 @@ def header(loaded, layout, device, model, resume_from, lora=None) -> str:
         decoder += ", compiled (--compile)" if fast else "; --compile has no effect on it"
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     # a flag and its value stay on one line when the header wraps (no-break spaces, made plain after wrapping)
-    given = [f"{config.flag(n)}\xa0{_text(values[n])}" + ("\xa0(env)" if s == "env" else "")
+    given = [f"{config.flag(n)}\xa0{_text(values[n])}" + (f"\xa0({s})" if s in ("env", "task") else "")
              for n, s in sources.items() if s != "default"]
     start = checkpoint.step_of(resume_from) + 1 if resume_from else 1
     first = "evaluation only" if cfg.eval_only else f"GRPO, steps {start}-{cfg.steps}"

@@ -18,9 +18,18 @@ and optionally
                                           trainer's greedy decoding of the policy being trained, and
                                           complete(prompts, n=8, temperature=1.0) -> a list of 8-lists
                                           samples (seeded: the same at every evaluation of the run);
-                                          sampled_metrics() turns them into per-prompt pass@k and mean@n
+                                          sampled_metrics() turns them into per-prompt pass@k and mean@n.
+                                          evaluate(complete, full) when it takes a `full` argument: True at the
+                                          run's first and last evaluation and with --eval-only, False between, so
+                                          that a large held-out set can be scored whole where a run's before and
+                                          after are compared, and a fixed subset of it every --eval-interval
     demonstrations(n, rng) -> list        n texts for --ptx-coef to learn (grpo/ptx.py): each a str, or a
                                           (context, target) pair whose target alone is learned
+    trainer_settings: dict                trainer settings the task needs, {Config field name: value}, e.g.
+                                          {"ptx_coef": 1.0}: each is the trainer's default while this task is
+                                          chosen (command line > GRPO_ environment > the task's > the default),
+                                          shown with the source "task" in the header and settings.txt, checked at
+                                          start-up as the same value given as a flag (harness/cli.py)
     close()                               release engines, pools, files
 
 A task whose options inherit SampledEvalOptions gets --eval-k, --eval-n and --eval-temperature for that.
@@ -540,7 +549,17 @@ def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature
     return texts if n is None else [texts[i:i + n] for i in range(0, len(texts), n)]
 
 
-def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_path: str = None) -> dict:
+def takes_full(evaluate) -> bool:
+    """Whether a task's evaluate() takes the `full` argument (by name, or as **kwargs)."""
+    try:
+        params = inspect.signature(evaluate).parameters.values()
+    except (TypeError, ValueError):   # a builtin or C callable without a signature: the one-argument form
+        return False
+    return any(p.name == "full" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_path: str = None,
+             full: bool = True) -> dict:
     """The task's held-out evaluation: evaluate(complete), where complete(prompts) -> list[str] is greedy
     decoding of the policy (the same prompt encoding, BOS and --max-new-tokens as training) and
     complete(prompts, n=..., temperature=...) samples n per prompt (eval_completions). What the
@@ -548,11 +567,13 @@ def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_
     record with "kind": "eval" (to the JSONL file and the --report-to reporter); a per-item metric is logged as its
     mean with its interval and item count (summarise_metrics), and its scores as a line of items_path
     (harness/log.py items_path: what compare_runs.py pairs), with a hash of the prompts the evaluation asked for,
-    which says whether two evaluations scored the same items. Rank 0 alone calls it: nothing here waits on another
-    rank."""
+    which says whether two evaluations scored the same items. full (the run's first and last evaluation, --eval-only)
+    is passed on to a task whose evaluate() takes it (takes_full). Rank 0 alone calls it: nothing here waits on
+    another rank."""
     t0 = time.perf_counter()
     with contextlib.closing(log.EvalProgress(complete, f"eval at step {step}")) as counted:   # said, not silent
-        result, items = summarise_metrics(check_metrics(task.evaluate(counted)))
+        asked = task.evaluate(counted, full=full) if takes_full(task.evaluate) else task.evaluate(counted)
+        result, items = summarise_metrics(check_metrics(asked))
     record = {"kind": "eval", "step": step, **result, "eval_time_s": time.perf_counter() - t0}
     print(eval_table(record, items), flush=True)
     if metrics_file is not None:

@@ -219,6 +219,7 @@ def train_command(args, out_dir: str, resume: bool) -> list[str]:
         cmd += ["--eval-interval", "0"]   # the mid-evaluation kills are chess's
     else:
         cmd += ["--eval-interval", str(args.eval_interval), "--eval-samples", str(args.eval_samples),
+                "--eval-full-samples", str(args.eval_samples),   # the first and last evaluations as small
                 "--stockfish-depth", str(args.stockfish_depth)]
     return cmd + (["--resume"] if resume else ["--overwrite"])   # a start with no checkpoint yet starts over
 

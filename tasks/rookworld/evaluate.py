@@ -11,6 +11,7 @@ A: format rate (every format check of the A: reward passes: four fields, a valid
 With --eval-k K (and --eval-n N samples per item, default K): pass@K and mean@N of P:'s best move and of A:'s
 next FEN (p_best_move_pass@K, a_next_fen_mean@N, ...), from completions sampled at --eval-temperature.
 """
+import functools
 import json
 import os
 
@@ -19,14 +20,18 @@ from tasks.rookworld.format import legal_move, parse_board, parse_policy_complet
 from tasks.rookworld.rewards import env_format_checks
 
 EVAL_SET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval_set.jsonl")
+EVAL_FULL = 1000    # items per kind in the set (make_eval_set.py), scored whole at a run's first and last evaluation
+EVAL_SUBSET = 200   # its first items per kind, scored at the evaluations between
 
 
-def held_out_positions(path: str = EVAL_SET) -> set[str]:
-    """Positions of the committed evaluation set; generated training prompts avoid them."""
+@functools.lru_cache(maxsize=None)
+def held_out_positions(path: str = EVAL_SET) -> frozenset[str]:
+    """Positions of the committed evaluation set; generated training prompts and demonstrations skip them (read once
+    per process: each chess task holds them)."""
     if not os.path.exists(path):
-        return set()
+        return frozenset()
     with open(path, encoding="utf-8") as f:
-        return {position_key(json.loads(line)["fen"]) for line in f if line.strip()}
+        return frozenset(position_key(json.loads(line)["fen"]) for line in f if line.strip())
 
 
 def load_eval_set(path: str = EVAL_SET) -> list[dict]:

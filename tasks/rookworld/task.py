@@ -20,6 +20,7 @@ from tasks.rookworld.engine import DEFAULT_TIMEOUT_S, INSTALL_HINT, EnginePool, 
 from tasks.rookworld.format import (env_prompt, expected_env_completion, parse_board, parse_env_prompt,
                                     policy_answer, policy_prompt, position_key, prompt_fen)
 from tasks.rookworld.positions import history, random_board, random_transition
+from tasks.rookworld.evaluate import EVAL_FULL, EVAL_SUBSET
 from tasks.rookworld.rewards import (ENV_WEIGHTS, FEN_SIMILARITY_SHARE, POLICY_WEIGHTS, env_components, env_reward,
                                      policy_components, policy_reward)
 
@@ -28,13 +29,18 @@ from tasks.rookworld.rewards import (ENV_WEIGHTS, FEN_SIMILARITY_SHARE, POLICY_W
 class DataOptions(SampledEvalOptions):   # --eval-k: pass@K of P:'s best move and A:'s next FEN as well
     data: typing.Optional[str] = opt(None, "RookWorld-format text file to draw prompts from (default: generated "
                                      "positions)", path="in")
-    eval_samples: int = opt(100, "held-out items per kind (P:, A:) in each evaluation (the set has 100 each)",
-                            resume_free=True)   # evaluation only: it never touches the weights
+    # evaluation only: neither touches the weights. The subset keeps a 700-step run's evaluations near a sixth of its
+    # time; the whole set, where a run's before and after are compared, sees a 3-point change (docs/chess.md).
+    eval_samples: int = opt(EVAL_SUBSET, "held-out items per kind (P:, A:) at each evaluation between the run's first "
+                            "and last: the set's first N of each kind (at most --eval-full-samples)", resume_free=True)
+    eval_full_samples: int = opt(EVAL_FULL, "held-out items per kind at the run's first and last evaluation and with "
+                                 "--eval-only: the set's first N of each kind (it has 1000)", resume_free=True)
 
     def __post_init__(self):
         super().__post_init__()
-        if self.eval_samples < 1:
-            raise ValueError(f"--eval-samples {self.eval_samples} must be at least 1")
+        for name in ("eval_samples", "eval_full_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
 
 
 def _fen_similarity_opt():
@@ -88,6 +94,13 @@ class MixOptions(PolicyOptions):
         _check_fen_similarity(self.fen_similarity)
 
 
+def _per_kind(task, full: bool) -> int:
+    """Held-out items per kind: --eval-full-samples at a run's first and last evaluation and with --eval-only (full,
+    harness/task.py); the fixed subset --eval-samples, no more, between (--eval-full-samples 100 alone scores the
+    original set's items at every evaluation)."""
+    return task.eval_full_samples if full else min(task.eval_samples, task.eval_full_samples)
+
+
 def _split(n: int, share: float, rng: random.Random) -> int:
     """How many of n go to the first kind: stochastic rounding keeps the expected share exact for any n."""
     exact = n * share
@@ -128,12 +141,12 @@ class ChessEnvTask:
     min_reward = 0.0
     options = EnvOptions
 
-    def __init__(self, data: str | None = None, eval_samples: int = 100, fen_similarity: float = FEN_SIMILARITY_SHARE,
-                 data_required: bool = True, expected_cache: int = 200_000, eval_k: int = 0, eval_n: int = 0,
-                 eval_temperature: float = 1.0):
+    def __init__(self, data: str | None = None, eval_samples: int = EVAL_SUBSET,
+                 fen_similarity: float = FEN_SIMILARITY_SHARE, data_required: bool = True, expected_cache: int = 200_000,
+                 eval_k: int = 0, eval_n: int = 0, eval_temperature: float = 1.0, eval_full_samples: int = EVAL_FULL):
         _check_fen_similarity(fen_similarity)
         self.data = _load_prompts(data, "A", data_required)
-        self.eval_samples, self.fen_similarity = eval_samples, fen_similarity
+        self.eval_samples, self.eval_full_samples, self.fen_similarity = eval_samples, eval_full_samples, fen_similarity
         self.sampled_eval = (eval_k, eval_n, eval_temperature)
         self.held_out = held_out.held_out_positions()
         # Expected completions of generated prompts, computed from the full game (fivefold
@@ -186,8 +199,8 @@ class ChessEnvTask:
     def reward(self, prompt: str, completion: str) -> float:
         return self.reward_breakdown(prompt, completion)["reward"]
 
-    def evaluate(self, complete) -> dict:
-        return held_out.evaluate(complete, ("A",), self.eval_samples, *self.sampled_eval)
+    def evaluate(self, complete, full: bool = False) -> dict:
+        return held_out.evaluate(complete, ("A",), _per_kind(self, full), *self.sampled_eval)
 
     def close(self) -> None:
         pass
@@ -203,14 +216,16 @@ class ChessPolicyTask:
     options = PolicyOptions
 
     def __init__(self, data: str | None = None, stockfish_path: str | None = None, stockfish_depth: int = 10,
-                 stockfish_timeout: float = DEFAULT_TIMEOUT_S, eval_samples: int = 100, engines: int | None = None,
-                 data_required: bool = True, eval_k: int = 0, eval_n: int = 0, eval_temperature: float = 1.0):
+                 stockfish_timeout: float = DEFAULT_TIMEOUT_S, eval_samples: int = EVAL_SUBSET, engines: int | None = None,
+                 data_required: bool = True, eval_k: int = 0, eval_n: int = 0, eval_temperature: float = 1.0,
+                 eval_full_samples: int = EVAL_FULL):
         self.stockfish = find_stockfish(stockfish_path)
         self.missing = (f"no executable Stockfish at {stockfish_path}" if stockfish_path else "no Stockfish found") \
             + f": {INSTALL_HINT}"
         self.data = _load_prompts(data, "P", data_required)
         self.held_out = held_out.held_out_positions()
         self.depth, self.timeout, self.eval_samples = stockfish_depth, stockfish_timeout, eval_samples
+        self.eval_full_samples = eval_full_samples
         self.sampled_eval = (eval_k, eval_n, eval_temperature)
         # One engine per 4 cores, at most 4: enough to keep up with generation without starving it.
         self.size = engines or min(4, max(1, (os.cpu_count() or 1) // 4))
@@ -271,8 +286,8 @@ class ChessPolicyTask:
     def reward(self, prompt: str, completion: str) -> float:
         return self.reward_breakdown(prompt, completion)["reward"]
 
-    def evaluate(self, complete) -> dict:
-        return held_out.evaluate(complete, ("P",), self.eval_samples, *self.sampled_eval)
+    def evaluate(self, complete, full: bool = False) -> dict:
+        return held_out.evaluate(complete, ("P",), _per_kind(self, full), *self.sampled_eval)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -284,16 +299,21 @@ class ChessMixTask:
     name = "chess"
     min_reward = 0.0
     options = MixOptions
+    # GRPO alone on the P: reward forgets the A: skill it never rewards (docs/chess.md); the pretraining mix of the
+    # task's A: demonstrations keeps it. Declared here, so that the bare command is the main job (--ptx-coef 0: RL alone).
+    trainer_settings = {"ptx_coef": 1.0}
 
     def __init__(self, task_mix: float = MixOptions.task_mix, data: str | None = None,
                  stockfish_path: str | None = None, stockfish_depth: int = 10,
-                 stockfish_timeout: float = DEFAULT_TIMEOUT_S, eval_samples: int = 100,
+                 stockfish_timeout: float = DEFAULT_TIMEOUT_S, eval_samples: int = EVAL_SUBSET,
                  fen_similarity: float = FEN_SIMILARITY_SHARE, eval_k: int = 0, eval_n: int = 0,
-                 eval_temperature: float = 1.0, demo_mix: float = MixOptions.demo_mix):
+                 eval_temperature: float = 1.0, demo_mix: float = MixOptions.demo_mix,
+                 eval_full_samples: int = EVAL_FULL):
         for name, share in (("task-mix", task_mix), ("demo-mix", demo_mix)):
             if not 0.0 <= share <= 1.0:
                 raise TaskError(f"--{name} {share}: must lie in [0, 1] (the share of P:)")
         self.task_mix, self.demo_mix, self.eval_samples = task_mix, demo_mix, eval_samples
+        self.eval_full_samples = eval_full_samples
         self.sampled_eval = (eval_k, eval_n, eval_temperature)
         # With --data, a kind the file lacks is generated instead of refused.
         self.policy = ChessPolicyTask(data, stockfish_path, stockfish_depth, stockfish_timeout,
@@ -332,9 +352,9 @@ class ChessMixTask:
     def reward(self, prompt: str, completion: str) -> float:
         return self.reward_breakdown(prompt, completion)["reward"]
 
-    def evaluate(self, complete) -> dict:
+    def evaluate(self, complete, full: bool = False) -> dict:
         """Both kinds, whatever the mix: the held-out set measures the model, not the training diet."""
-        return held_out.evaluate(complete, ("P", "A"), self.eval_samples, *self.sampled_eval)
+        return held_out.evaluate(complete, ("P", "A"), _per_kind(self, full), *self.sampled_eval)
 
     def close(self) -> None:
         for task in {id(t): t for t in (self.policy, self.env, self.policy_texts, self.env_texts)}.values():

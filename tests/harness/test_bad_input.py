@@ -57,7 +57,6 @@ RANGES = [
     ("--ref-sync-steps", "-1", ">= 0"), ("--lora-rank", "-1", ">= 0"), ("--lora-alpha", "0", "> 0"),
     ("--lora-target-modules", "c_attn", "with --lora-rank 0"),
     ("--ptx-coef", "-1", ">= 0"), ("--ptx-batch-size", "0", "at least 1"), ("--demo-mix", "1.5", "[0, 1]"),
-    ("--ptx-batch-size", "4", "with --ptx-coef 0 (no pretraining mix)"),
     ("--sapo-tau-pos", "0", "> 0"), ("--sapo-tau-neg", "-1", "> 0"), ("--cov-ratio", "0", "(0, 1]"),
     ("--cov-ratio", "1.5", "(0, 1]"), ("--kl-cov-coef", "-1", ">= 0"),
     ("--sapo-tau-pos", "2", "is a knob of --policy-loss sapo, and the run's is ppo"),
@@ -141,6 +140,8 @@ def file_cases(root):
         (["--data", str(root / "missing.txt")], "no such file"),
         (["--ptx-coef", "1", "--ptx-file", str(root / "missing.txt")], "no such file"),
         (["--ptx-file", str(root / "not-rookworld.txt")], "with --ptx-coef 0 (no pretraining mix)"),
+        # the default --task chess declares --ptx-coef 1 (tasks/rookworld/task.py): the toy task's is 0
+        (["--ptx-batch-size", "4"], "with --ptx-coef 0 (no pretraining mix)"),
         (["--ptx-coef", "1", "--ptx-file", str(root / "blank.txt")], "has no text"),
         (["--ptx-coef", "1", "--task", "toy"], "--ptx-coef needs text: give --ptx-file PATH"),
         (["--ptx-coef", "1", "--task", f"{root / 'prompts.py'}:FewTexts"], "demonstrations(2, rng) returned 1 texts"),

@@ -162,3 +162,62 @@ def test_trl_loss_type_names_are_our_aggregations():
         assert load(["--task", "toy", "--loss-agg", trl], {})[0].loss_agg == ours
     with pytest.raises(ConfigError, match="'sum' is not one of token-mean, seq-mean, dr-grpo, dapo, bnpo, grpo, dr_grpo"):
         load(["--task", "toy", "--loss-agg", "sum"], {})
+
+
+DECLARING_TASK = """
+from tasks.toy import ToyTask
+
+class Declares(ToyTask):
+    trainer_settings = {"learning_rate": 3e-4, "temperature": 0.5}
+
+class Bad(ToyTask):
+    trainer_settings = BAD
+"""
+
+
+def declaring(tmp_path, bad=None) -> str:
+    (tmp_path / "declares.py").write_text(DECLARING_TASK.replace("BAD", repr(bad)))
+    return f"{tmp_path / 'declares.py'}:{'Bad' if bad is not None else 'Declares'}"
+
+
+def test_a_tasks_declared_settings_rank_below_the_environment_and_the_command_line(tmp_path):
+    task = declaring(tmp_path)
+    cfg, sources = load(["--task", task], environ={})
+    assert (cfg.learning_rate, sources["learning_rate"]) == (3e-4, "task") and sources["temperature"] == "task"
+    assert (cfg.group_size, sources["group_size"]) == (8, "default")   # what it does not declare
+    cfg, sources = load(["--task", task], environ={"GRPO_LEARNING_RATE": "2e-4"})
+    assert (cfg.learning_rate, sources["learning_rate"]) == (2e-4, "env") and cfg.temperature == 0.5
+    cfg, sources = load(["--task", task, "--learning-rate", "1e-4"], environ={"GRPO_LEARNING_RATE": "2e-4"})
+    assert (cfg.learning_rate, sources["learning_rate"]) == (1e-4, "cli")
+    help_text = " ".join(cli.build_parser("add.py:Add", {}, declared={"learning_rate": 3e-4}).format_help().split())
+    assert "[default 0.0003 (--task add.py:Add); > 0]" in help_text   # --help shows the value the run gets
+
+
+def test_the_chess_main_job_gets_its_pretraining_mix_with_no_flag():
+    # `python train_lean.py --batch-size 64` is `make train`: --task chess declares --ptx-coef 1
+    cfg, sources = load(["--batch-size", "64"], environ={})
+    assert cfg.task == "chess" and (cfg.ptx_coef, sources["ptx_coef"]) == (1.0, "task")
+    cfg, sources = load(["--ptx-coef", "0"], environ={})   # GRPO alone, on purpose
+    assert (cfg.ptx_coef, sources["ptx_coef"]) == (0.0, "cli")
+    cfg, sources = load(["--task", "chess-env"], environ={})   # the one-kind tasks declare nothing
+    assert (cfg.ptx_coef, sources["ptx_coef"]) == (0.0, "default")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"ptx_coef": -1}, "trainer_settings: --ptx-coef -1.0 must be >= 0"),                # its range, as a flag's
+    ({"batch_size": 1.5}, "trainer_settings: --batch-size '1.5' is not a valid int"),   # its type
+    ({"loss_agg": "mean"}, "trainer_settings: --loss-agg 'mean' is not one of"),         # its choices
+    ({"temperature": "inf"}, "trainer_settings: --temperature 'inf' is not a finite number"),   # a str as GRPO_'s
+    ({"ptx_coeff": 1}, "names 'ptx_coeff', which is not a trainer setting (did you mean ptx_coef?)"),
+    ({"letter": "b"}, "names 'letter', which is not a trainer setting"),
+    ({"eval_k": 2}, "names 'eval_k', which is not a trainer setting (it is the task's own option"),
+    ({"task": "toy"}, "names 'task', which is not a trainer setting"),
+    ({"seed": [1]}, "trainer_settings: --seed [1] is not a value a flag takes"),
+    (["ptx_coef"], "trainer_settings must be a dict"),
+])
+def test_a_bad_declaration_is_refused_naming_the_task_and_the_setting(tmp_path, bad, message):
+    task = declaring(tmp_path, bad)
+    with pytest.raises(ConfigError) as e:
+        load(["--task", task], environ={})
+    assert str(e.value).startswith(f"--task {task}'s trainer_settings") and message in str(e.value)
+    assert "\n" not in str(e.value)

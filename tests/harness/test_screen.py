@@ -37,7 +37,7 @@ def test_the_header_says_what_runs_and_where_its_results_go(tiny_model_dir, tmp_
                      flat)
     assert "settings (source" not in stdout and "--prompt-bos" not in stdout
     table = (out / "settings.txt").read_text()
-    assert table.startswith("settings (source: cli > env > default)\n")
+    assert table.startswith("settings (source: cli > env > task > default)\n")
     assert "batch layout (per device | global)" in table
     assert re.search(r"--steps\s+1\s+cli", table) and re.search(r"--prompt-bos\s+auto\s+default", table)
 
@@ -150,3 +150,21 @@ def test_the_header_names_the_kl_estimator_and_k1_is_the_default_in_the_reward(t
     env = cli.load(["--model", tiny_model_dir, "--task", "toy"], {"GRPO_KL_IN": "reward", "GRPO_KL_ESTIMATOR": "k2"},
                    tasks.BUILTIN)
     assert env.cfg.kl_estimator == "k2"   # named in the environment: kept
+
+
+def test_a_tasks_declared_setting_is_shown_with_the_source_task(tiny_model_dir, tmp_path, capsys, clean_env):
+    (tmp_path / "declares.py").write_text("from tasks.toy import ToyTask\n\nclass Declares(ToyTask):\n"
+                                          "    trainer_settings = {'temperature': 0.5, 'top_k': 3}\n\n"
+                                          "class Bad(ToyTask):\n    trainer_settings = {'top_k': -3}\n")
+    out, task = tmp_path / "run", f"{tmp_path / 'declares.py'}:Declares"
+    args = ["--model", tiny_model_dir, "--task", task, *SMALL, "--steps", "1", "--out-dir", str(out)]
+    train_lean.main([*args, "--top-k", "4"])
+    flat = " ".join(capsys.readouterr().out.split())
+    assert ", --temperature 0.5 (task), " in flat and "--top-k 4," in flat and "--top-k 3" not in flat
+    table = (out / "settings.txt").read_text()
+    assert re.search(r"--temperature\s+0.5\s+task\n", table) and re.search(r"--top-k\s+4\s+cli\n", table)
+    with pytest.raises(SystemExit) as exit_:   # refused at start-up as the same flag value is: exit 2, one line
+        train_lean.main([*args, "--task", f"{tmp_path / 'declares.py'}:Bad", "--overwrite"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "--task " in err and "Bad's trainer_settings: --top-k -3 must be >= 0" in err

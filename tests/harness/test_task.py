@@ -17,7 +17,7 @@ from grpo.decoders import generate
 from grpo.model import load_policy, load_tokenizer
 from grpo.rollout import decode_completions, encode_prompts, left_pad
 from harness.task import (RewardError, Scorer, TaskError, build, check_metrics, draw_prompts, eval_completions,
-                          evaluate, pass_at_k, sampled_metrics, score)
+                          evaluate, pass_at_k, sampled_metrics, score, takes_full)
 from tasks import get_task
 from tasks.toy import ToyTask
 
@@ -325,6 +325,29 @@ def test_an_evaluation_off_a_terminal_is_one_line_before_and_the_time_after(caps
     evaluate(task, lambda prompts, *rest: prompts, step=0)
     assert task.seen == ("eval at step 0: evaluating ...\n", "")   # no progress bar into a log file
     assert re.match(r"eval at step 0 \(\d+\.\d s\)\n  n  5\n", capsys.readouterr().out)
+
+
+def test_evaluate_passes_full_only_to_a_task_that_takes_it(capsys):
+    # evaluate(complete, full): the whole held-out set at a run's first and last evaluation, a subset between
+    # (tests/tasks/rookworld/test_rookworld_train.py runs it); a one-argument evaluate() is called as before
+    class Sized:
+        def evaluate(self, complete, full=False):
+            return {"n": len(complete(["a", "b", "c"] if full else ["a"]))}
+
+    class Keywords:
+        def evaluate(self, complete, **options):
+            return {"full": int(options["full"])}
+
+    class Plain:
+        def evaluate(self, complete):
+            return {"n": len(complete(["a"]))}
+
+    echo = lambda prompts: list(prompts)  # noqa: E731
+    assert evaluate(Sized(), echo, step=0)["n"] == 3 and evaluate(Sized(), echo, step=5, full=False)["n"] == 1
+    assert evaluate(Keywords(), echo, step=5, full=False)["full"] == 0
+    assert evaluate(Plain(), echo, step=0)["n"] == 1 and evaluate(Plain(), echo, step=5, full=False)["n"] == 1
+    assert takes_full(Sized().evaluate) and not takes_full(Plain().evaluate) and not takes_full(len)
+    capsys.readouterr()
 
 
 # ---- through the trainer: what the user sees ---------------------------------------------------------------

@@ -1,4 +1,7 @@
 """Held-out evaluation: the committed set is sound, and the metrics measure what they say."""
+import hashlib
+import json
+import random
 from fractions import Fraction
 from math import comb
 
@@ -6,15 +9,17 @@ import chess
 import pytest
 from helpers import means
 
-from tasks.rookworld.evaluate import held_out_positions, load_eval_set, metrics, select
+from tasks.rookworld.engine import EnginePool, find_stockfish
+from tasks.rookworld.evaluate import EVAL_FULL, held_out_positions, load_eval_set, metrics, select
+from tasks.rookworld.make_eval_set import ORIGINAL, _NoEngine, prompt_key, training_positions
 from tasks.rookworld.format import (
-    expected_env_completion, legal_move, parse_board, parse_env_prompt, policy_completion, policy_prompt)
+    expected_env_completion, legal_move, parse_board, parse_env_prompt, policy_completion, policy_prompt, position_key)
 from tasks.rookworld.task import ChessEnvTask, ChessMixTask, ChessPolicyTask
 
 
 def test_committed_set_is_sound():
     items = load_eval_set()
-    assert sum(i["kind"] == "P" for i in items) == 100 and sum(i["kind"] == "A" for i in items) == 100
+    assert sum(i["kind"] == "P" for i in items) == EVAL_FULL == 1000 and sum(i["kind"] == "A" for i in items) == 1000
     for item in items:
         board = parse_board(item["fen"])
         if item["kind"] == "P":
@@ -26,7 +31,47 @@ def test_committed_set_is_sound():
             assert fields.fen == item["fen"]
             if not item["expected"].endswith("+0.5+1+0"):   # a draw may be a fivefold repetition
                 assert expected_env_completion(chess.Board(fields.fen), fields.move) == item["expected"]
-    assert len(held_out_positions()) == 200 and ChessEnvTask().held_out == held_out_positions()
+    assert len(held_out_positions()) == 2000 and ChessEnvTask().held_out == held_out_positions()   # all distinct
+
+
+def test_the_set_begins_with_the_original_100_items_of_each_kind():
+    # --eval-samples 100 scores the items the README's "before" column and earlier runs were measured on: the original
+    # file (seed 20261122) was its first 100 P: lines, then its first 100 A: lines
+    items = select(load_eval_set(), ("P", "A"), ORIGINAL[1])
+    text = "".join(json.dumps(item) + "\n" for item in items)
+    assert hashlib.sha256(text.encode()).hexdigest() == ORIGINAL_SHA256
+
+
+def test_the_set_is_disjoint_from_the_training_stream():
+    # a cheap sample of make_eval_set.py's own check, which covered steps 1-700 of seeds 0 and 1: the main job's
+    # generators, with no held-out filter, draw none of the added items' positions (so the filter never fires there
+    # and the training stream is what it was) ...
+    added = {position_key(i["fen"]) for kind in ("P", "A") for i in
+             [i for i in load_eval_set() if i["kind"] == kind][ORIGINAL[1]:]}
+    drawn = training_positions(seeds=(0,), steps=3) | training_positions(seeds=(1,), steps=700, first_step=698)
+    assert len(drawn) > 100 and not drawn & added
+    # ... and with the filter, the trainer's prompts and demonstrations never hold a held-out position
+    task = ChessMixTask(task_mix=0.5, stockfish_path="/nonexistent")
+    task.policy.pool = _NoEngine()
+    held = held_out_positions()
+    for step in range(1, 4):
+        prompts = task.prompts(64, random.Random(step)) + [c for c, _ in task.demonstrations(16, random.Random(step))]
+        assert not {prompt_key(p) for p in prompts} & held
+
+
+@pytest.mark.skipif(find_stockfish() is None, reason="needs Stockfish")
+def test_the_added_p_items_carry_stockfishs_analysis():
+    items = [i for i in load_eval_set() if i["kind"] == "P"][ORIGINAL[1]::300]   # three of the added ones
+    pool = EnginePool(find_stockfish(), depth=items[0]["depth"], size=1)
+    try:
+        for item in items:
+            analysis = pool.analyse(item["fen"]).result()
+            assert list(analysis.moves) == item["moves"] and list(analysis.evals) == item["evals"]
+    finally:
+        pool.close()
+
+
+ORIGINAL_SHA256 = "fcd963ed742f4ae5205e3a786b9efcee28898947e681b5063982eac519e95534"   # of that file, as committed
 
 
 def perfect(item):

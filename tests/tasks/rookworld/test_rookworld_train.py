@@ -2,6 +2,7 @@
 and the start-up errors (exit 2, one line). In-process (main(argv)): a subprocess would spend most of
 its time importing torch again; test_train.py covers the command line itself."""
 import os
+import re
 import subprocess
 import sys
 
@@ -16,7 +17,8 @@ from helpers import records as stable_records
 
 
 
-SMALL = ["--batch-size", "8", "--group-size", "4", "--max-new-tokens", "8", "--eval-samples", "3"]
+SMALL = ["--batch-size", "8", "--group-size", "4", "--max-new-tokens", "8", "--eval-samples", "3",
+         "--eval-full-samples", "3"]
 
 
 def test_chess_run_logs_components_and_evals(tiny_model_dir, tmp_path, capsys, clean_env):
@@ -48,6 +50,22 @@ def test_default_run_evaluates_before_and_after(tiny_model_dir, tmp_path, clean_
                      str(tmp_path / "chess"), *SMALL])
     evals = [r for r in records(tmp_path / "chess" / "metrics.jsonl") if r.get("kind") == "eval"]
     assert [r["step"] for r in evals] == [0, 3] and not [k for r in evals for k in r if "@" in k]
+
+
+def test_the_first_and_last_evaluations_score_the_whole_set_and_those_between_a_subset(tiny_model_dir, tmp_path,
+                                                                                       capsys, clean_env):
+    # --eval-full-samples items per kind before training and after the last step, where a run's before and after are
+    # compared (compare_runs.py pairs them); --eval-samples, the first of them, every --eval-interval between
+    small = [a for a in SMALL if a not in ("--eval-samples", "--eval-full-samples", "3")]
+    train_lean.main(["--model", tiny_model_dir, "--task", "chess-env", "--steps", "3", "--eval-interval", "1",
+                     "--eval-samples", "2", "--eval-full-samples", "5", "--out-dir", str(tmp_path / "run"), *small])
+    evals = [r for r in records(tmp_path / "run" / "metrics.jsonl") if r.get("kind") == "eval"]
+    assert [(r["step"], r["a_n"], r["a_exact_acc_n"]) for r in evals] == [(0, 5, 5), (1, 2, 2), (2, 2, 2), (3, 5, 5)]
+    asked = [line["prompts"] for line in records(tmp_path / "run" / "metrics.items.jsonl")]
+    assert asked == [5, 2, 2, 5]
+    train_lean.main(["--eval-only", "--model", tiny_model_dir, "--task", "chess-env", "--eval-samples", "2",
+                     "--eval-full-samples", "4", *small])   # --eval-only: the whole set too
+    assert re.search(r"\n  a_n +4\n", capsys.readouterr().out)
 
 
 def test_eval_only_prints_the_table(tiny_model_dir, tmp_path, capsys, clean_env):
