@@ -157,11 +157,11 @@ THREADS = [pytest.param("1", id="one-thread"),
 @pytest.mark.skipif(find_stockfish() is None, reason="needs Stockfish")
 @pytest.mark.parametrize("threads", THREADS)
 def test_the_main_job_killed_and_resumed_equals_an_uninterrupted_run(threads, tmp_path):
-    """`make train` (the shipped model, the chess task's --ptx-coef 1) killed with SIGKILL after a checkpoint and
+    """`make train` (the shipped model; the chess task declares --ptx-coef 1) killed with SIGKILL after a checkpoint and
     resumed ends with the records and weights of a run of the same seed that was never stopped: the second run is
     both the same-seed repeat and the resume."""
     run_env = user_env(**({"OMP_NUM_THREADS": threads} if threads else {}))
-    args = [sys.executable, os.path.join(REPO, "train_lean.py"), "--ptx-coef", "1", "--steps", "8",
+    args = [sys.executable, os.path.join(REPO, "train_lean.py"), "--steps", "8",
             "--save-interval", "4", "--eval-interval", "0"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     done = subprocess.run([*args, "--out-dir", str(whole)], env=run_env, capture_output=True, text=True)
