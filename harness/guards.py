@@ -1,4 +1,5 @@
 """What keeps a long run alive: out-of-memory retries, non-finite updates, and a clean stop on a signal."""
+import contextlib
 import functools
 import gc
 import math
@@ -31,22 +32,41 @@ def smaller_micro(micro: int, mini: int):
     return None
 
 
+@contextlib.contextmanager
+def cpu_threads(n: int):
+    """PyTorch's CPU threads set to n (0: left as they are) inside, restored after."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n:
+            torch.set_num_threads(before)
+
+
 class Guard:
     """What keeps the update alive, handed to grpo/update.py: the micro-batch size and its out-of-memory retry
     (fit), and the count of non-finite updates in a row (finite). notes: this step's retries, said as they happen
     and counted in the step's record."""
 
-    def __init__(self, micro: int, mini: int, info, nonfinite_streak: int = 0):
+    def __init__(self, micro: int, mini: int, info, nonfinite_streak: int = 0, threads: int = 0):
         self.micro, self.mini, self.info = micro, mini, info
         self.nonfinite_streak, self.notes = nonfinite_streak, []
+        self.threads = threads   # --update-threads: the CPU threads fit's passes run on (0: all)
 
     def fit(self, run):
         """run(micro), with micro halved (to a divisor of the mini-batch) until it fits in memory; self.micro keeps
         the size that fitted. `run` must start from a clean slate (zeroed gradients) each call. All ranks agree on
-        each retry, so no rank waits in a collective for one that ran out of memory."""
+        each retry, so no rank waits in a collective for one that ran out of memory.
+
+        On --update-threads (1 by default) CPU threads: on several, PyTorch's backward gave gradients that differed
+        in the last bits from one process to the next (same seed, same inputs), so same-seed runs drifted apart and a
+        resumed run did not end where the straight one did; on one thread they are the same bits every time."""
         while True:
             try:
-                result, oom = run(self.micro), False
+                with cpu_threads(self.threads):
+                    result, oom = run(self.micro), False
             except Exception as e:  # noqa: BLE001 - anything but an out-of-memory is re-raised
                 if not is_oom(e):
                     raise

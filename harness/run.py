@@ -191,7 +191,8 @@ class Run:
             # each rank continues its own RNG streams (rank 0's when the device count changed)
             checkpoint.set_rng_states(state["rng"][self.rank] if len(state["rng"]) == self.world else state["rng"][0])
             self.info(f"resumed from {self.resume_from} after step {self.start_step}")
-        self.guard = guards.Guard(layout.micro_batch, layout.mini_batch_per_device, self.info, streak)
+        self.guard = guards.Guard(layout.micro_batch, layout.mini_batch_per_device, self.info, streak,
+                                  cfg.update_threads if self.device.type == "cpu" else 0)
         if layout.micro_batch_auto:
             longest = max(map(len, self.first_ids)) + cfg.max_new_tokens
             micro = guards.probe_micro_batch(self.guard, self.policy, optimizer, longest, self.tokenizer.eos_token_id,

@@ -93,8 +93,7 @@ def wait_until(predicate, timeout: float, poll: float = 0.05) -> bool:
 
 
 def trainer_env() -> dict:
-    """One thread (same-seed runs on several threads are not yet bit-equal: docs/failures.md), no hub access, and no
-    GRPO_ variable of the caller's shell changing either run."""
+    """One thread, no hub access, and no GRPO_ variable of the caller's shell changing either run."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     return env

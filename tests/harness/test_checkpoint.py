@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, records, train, weights
+from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, records, train, user_env, weights
 from harness import checkpoint
 
 
@@ -35,10 +35,11 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model_dir, tmp_pat
     args = [TRAIN, "--model", tiny_model_dir, *SMALL, "--steps", str(steps), "--save-interval", "1",
             "--keep-checkpoints", "2"]
     whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
-    done = subprocess.run([sys.executable, *args, "--out-dir", whole], env=env(), capture_output=True)
+    # a user's environment (every thread), not the one thread of the other tests
+    done = subprocess.run([sys.executable, *args, "--out-dir", whole], env=user_env(), capture_output=True)
     assert done.returncode == 0
 
-    proc = subprocess.Popen([sys.executable, *args, "--out-dir", cut], env=env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, *args, "--out-dir", cut], env=user_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     wait_for(lambda: max(saved_steps(cut), default=0) >= 2, proc)
     proc.send_signal(signal.SIGKILL)
@@ -47,8 +48,8 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model_dir, tmp_pat
     assert killed_at < steps, "the run finished before the kill: nothing was tested"
     assert len(records(os.path.join(cut, "metrics.jsonl"))) >= killed_at
 
-    resumed = subprocess.run([sys.executable, *args, "--out-dir", cut, "--resume"], env=env(), capture_output=True,
-                             text=True)
+    resumed = subprocess.run([sys.executable, *args, "--out-dir", cut, "--resume"], env=user_env(),
+                             capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert f"after step {killed_at}" in resumed.stdout  # it did continue from the checkpoint, not restart
 

@@ -138,3 +138,16 @@ def test_empty_enormous_and_invalid_completions_are_scored():
     assert rewards.tolist() == [0.0, 1.0, 0.0] and errors == {}
     rewards, _, errors = score(Strict(), ["p"] * 3, completions)
     assert rewards.tolist() == [0.0, 1.0, -1.0] and errors == {"UnicodeEncodeError": 1}
+
+
+@pytest.mark.parametrize("threads, inside", [(1, 1), (0, 2)])
+def test_the_update_runs_on_update_threads_and_the_rest_on_every_thread(threads, inside):
+    """Guard.fit runs the update's passes on --update-threads CPU threads (0: as they are) and gives them back."""
+    torch.set_num_threads(2)
+    seen = []
+    guard = harness.guards.Guard(4, 8, print, threads=threads)
+    assert guard.fit(lambda micro: seen.append(torch.get_num_threads()) or micro) == 4
+    assert seen == [inside] and torch.get_num_threads() == 2
+    with pytest.raises(ValueError):   # given back on a failure too
+        guard.fit(lambda micro: (_ for _ in ()).throw(ValueError("boom")))
+    assert torch.get_num_threads() == 2

@@ -146,11 +146,8 @@ def test_a_crash_mid_run_exits_1_promptly_and_leaves_no_engine(tiny_model_dir, t
     assert engines and wait_until(lambda: not any(process_alive(p) for p in engines), timeout=5)
 
 
-# Same-seed runs on several threads are not yet bit-equal (docs/failures.md): the default threads' case is the open
-# defect, kept here so that it shows as fixed (XPASS) when it is.
-THREADS = [pytest.param("1", id="one-thread"),
-           pytest.param(None, id="default-threads", marks=pytest.mark.xfail(
-               strict=False, reason="open: same-seed runs on several threads drift apart (docs/failures.md)"))]
+# one thread, and a user's default threads (every core: the update still runs on --update-threads 1)
+THREADS = [pytest.param("1", id="one-thread"), pytest.param(None, id="default-threads")]
 
 
 @pytest.mark.slow
