@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from bench.engine_agreement import agreement
+from bench.real_positions import METRICS, tables
 from tasks.rookworld.engine import find_stockfish
 
 from helpers import REPO, ROOK_VAL, env
@@ -26,6 +27,21 @@ def test_agreement_counts_each_share_directly():
     assert shares == {"best agrees": 1 / 4, "deep best in top 5": 3 / 4, "shallow best in deep top 5": 2 / 4}
 
 
+def test_the_tables_give_each_rate_its_interval_and_pair_later_models_with_the_first():
+    before = {k: [1] * 10 + [0] * 90 for k in METRICS}               # 10% of 100 positions
+    gained = {k: [1] * 10 + [1] * 20 + [0] * 70 for k in METRICS}    # the same 10 and 20 more: +20 points
+    lost = {k: [0] * 10 + [0] * 90 for k in METRICS}                 # the 10 lost
+    mixed = {k: [0] * 10 + [1] * 11 + [0] * 79 for k in METRICS}     # 10 lost, 11 others gained: McNemar p = 1
+    text = tables([("before", before), ("gained", gained), ("lost", lost), ("mixed", mixed)])
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "10.0% [5.5, 17.4]" in text.splitlines()[2]              # Wilson at 10 / 100
+    later = text.split("Against before")[1]
+    assert "+20.0 [" in later and later.count("higher") == 4 and later.count("lower") == 4
+    assert later.count("no detectable difference") == 4 and "+1.0 [" in later
+    assert set(rows) >= {"model", "before", "gained", "lost", "mixed"}
+    assert tables([("only", before)]).count("\n") == 2               # one model: no paired table
+
+
 @pytest.mark.parametrize("script", ["real_positions.py", "engine_agreement.py"])
 def test_without_the_data_file_it_says_so_and_exits_0(script, tmp_path):
     args = [sys.executable, os.path.join(REPO, "bench", script), "--data", str(tmp_path / "absent.txt"),
@@ -39,11 +55,12 @@ def test_without_the_data_file_it_says_so_and_exits_0(script, tmp_path):
 @pytest.mark.skipif(not os.path.exists(ROOK_VAL), reason="no ../shared/data/rook_val_400.txt")
 @pytest.mark.skipif(find_stockfish() is None, reason="needs Stockfish")
 def test_a_tiny_model_on_real_lines_gets_a_table_row_and_cached_analyses(tiny_model_dir, tmp_path):
-    cmd = [sys.executable, os.path.join(REPO, "bench", "real_positions.py"), tiny_model_dir, "--limit", "6",
-           "--depth", "4", "--cache-dir", str(tmp_path), "--batch", "3"]
+    cmd = [sys.executable, os.path.join(REPO, "bench", "real_positions.py"), tiny_model_dir, tiny_model_dir,
+           "--limit", "6", "--depth", "4", "--cache-dir", str(tmp_path), "--batch", "3"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "6 real P: positions" in r.stdout and f"| {tiny_model_dir} | " in r.stdout
+    assert "6 real P: positions" in r.stdout and r.stdout.count(f"| {tiny_model_dir} | ") == 3
+    assert r.stdout.count("+0.0 [+0.0, +0.0] no detectable difference") == 4   # a model against itself
     cache = (tmp_path / "analysis_d4.jsonl").read_text().splitlines()
     assert len(cache) == 6
     again = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)   # from the cache
