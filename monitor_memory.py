@@ -16,7 +16,7 @@ grows. --trace has the trainer trace a window of steps after the warm-up (train_
 --trace-memory): on a LEAK the monitor shows the allocation sites (file:line) and the tensors that
 piled up, and on CUDA names the memory_viz snapshot. However the monitor ends (Ctrl-C, SIGTERM,
 SIGHUP, an error of its own, or kill -9: the trainer gets SIGTERM when its parent dies), a trainer
-it started is stopped, not left running. A sweep runs --steps steps (default 5) at each batch
+it started is stopped, not left running; under `nohup` a closed terminal (SIGHUP) stops nothing. A sweep runs --steps steps (default 5) at each batch
 size, each in a fresh process, and fits memory = fixed + per_sample * batch.
 
 Exit code: 0 no leak, 1 leak, 2 usage error, 3 nothing could be judged (too few steps after the
@@ -664,9 +664,11 @@ def main(argv):
         print(f"monitor_memory.py: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     # A `kill` (SIGTERM) of the monitor, or its terminal closing (SIGHUP), stops the child the same
-    # clean way a Ctrl-C does.
+    # clean way a Ctrl-C does; a signal this process was started ignoring stays ignored (`nohup` ignores
+    # SIGHUP so that the run outlives its terminal).
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler)
 
     if args.sweep:
         try:

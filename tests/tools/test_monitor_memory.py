@@ -107,10 +107,19 @@ def test_steps_and_batch_size_as_positionals(tmp_path):
     assert json.loads((tmp_path / "s.json").read_text())["records"] == 120
 
 
-def start_watching(tmp_path, args, rows, **popen):
+def started_with(ignored=()):
+    """A preexec_fn: the monitor starts with SIGINT and SIGHUP at their defaults (whatever this test process
+    inherited: a shell's background job ignores SIGINT, and Python then leaves Ctrl-C ignored), `ignored` ignored."""
+    def reset():
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+    return reset
+
+
+def start_watching(tmp_path, args, rows, ignored=(), **popen):
     """The monitor started with `args`; returns (monitor, trainer pid) once it has printed `rows` table rows."""
     p = subprocess.Popen([sys.executable, MONITOR, *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, **popen)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=started_with(ignored), **popen)
     seen = 0
     for line in p.stdout:  # wait for evidence of the run, not for a time
         seen += line.strip()[:1].isdigit()
@@ -142,6 +151,22 @@ def test_an_error_in_the_monitor_still_stops_the_trainer(tmp_path):
 def test_a_kill_or_a_closed_terminal_stops_the_trainer(tmp_path, sig):
     p, trainer, marker = watch_forever(tmp_path)
     p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    assert "interrupted: stopping the trainer" in out, out + err
+    assert marker.read_text() == "stopped by SIGINT\n" and not process_alive(trainer)
+
+
+def test_under_nohup_a_closed_terminal_leaves_the_run_going(tmp_path):
+    # nohup starts the monitor with SIGHUP ignored: the hang-up must not stop the run it asked to outlive it
+    p, trainer, marker = watch_forever(tmp_path, ignored=(signal.SIGHUP,))
+    p.send_signal(signal.SIGHUP)
+    seen = 0
+    for line in p.stdout:   # rows go on being printed after the hang-up
+        seen += line.strip()[:1].isdigit()
+        if seen >= 20:
+            break
+    assert seen >= 20 and process_alive(trainer) and not marker.exists()
+    p.send_signal(signal.SIGTERM)   # a kill still stops it cleanly
     out, err = p.communicate(timeout=120)
     assert "interrupted: stopping the trainer" in out, out + err
     assert marker.read_text() == "stopped by SIGINT\n" and not process_alive(trainer)
