@@ -83,6 +83,11 @@ class Run:
             if cfg.reward_weights and not callable(getattr(task, "reward_breakdown", None)):
                 raise task_lib.TaskError(f"--reward-weights {cfg.reward_weights} weighs the parts of the task's "
                                          f"reward_breakdown, and {cfg.task} has none")
+            declared = getattr(task, "reward_parts", None)
+            unknown = [k for k in config.reward_weights(cfg) if declared is not None and k not in (*declared, "reward")]
+            if unknown:
+                raise task_lib.TaskError(f"--reward-weights names {', '.join(unknown)}: {cfg.task}'s reward has no "
+                                         f"such part (its reward_parts: {', '.join(declared)})")
             self.first_prompts = [] if cfg.eval_only else task.prompts(
                 self.layout.prompts_per_step, random.Random(stream_seed(cfg.seed, self.start_step + 1)))
         except task_lib.TaskError as e:

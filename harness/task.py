@@ -6,6 +6,10 @@ A task is any object with
     reward(prompt: str, completion: str) -> float          a verifiable reward (a bool counts as 1.0 / 0.0)
 and optionally
     reward_breakdown(prompt, completion) -> dict[str, float]   the reward's components (and "reward")
+    reward_parts: tuple[str, ...]         every name reward_breakdown may give: --reward-weights is then checked
+                                          at start-up, and each step's parts against it (undeclared, a weight's
+                                          name is checked against the first step's parts, which a mixture of
+                                          kinds may draw without some)
     min_reward: float                     given to a completion whose reward failed: raised, or returned no
                                           number finite in float32 (default 0.0)
     options                               a dataclass type: its fields become flags (--field-name) and
@@ -347,8 +351,13 @@ class Scorer:
                                 f"reward, or pass --reward-errors tolerate to give such completions the task's "
                                 f"min_reward and go on")
             raise error from (None if isinstance(e, NotANumber) else e.with_traceback(_from_task(e)))
+        declared = getattr(self.task, "reward_parts", None)
+        undeclared = [k for k in step_rows["components"] if declared is not None and k not in declared]
+        if undeclared:   # a declaration the breakdown outgrew would pass a weight's typo at start-up
+            raise RewardError(f"step {step}: the task's reward_breakdown gave {', '.join(undeclared)}, which its "
+                              f"reward_parts ({', '.join(declared)}) do not name: declare every part")
         unknown = [k for k in self.weights if k != "reward" and k not in step_rows["components"]]
-        if unknown and step_rows["components"] and not self.steps:   # a typo would weigh 0 all run long
+        if unknown and step_rows["components"] and not self.steps and declared is None:   # a typo: 0 all run long
             raise RewardError(f"--reward-weights names {', '.join(unknown)}: no completion of step {step} reported "
                               f"such a part (the task's reward_breakdown gave {', '.join(step_rows['components'])})")
         for kind in sorted(errors.keys() - self.shown):   # each kind new to the run, the lowest rank's first

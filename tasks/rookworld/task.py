@@ -140,6 +140,7 @@ class ChessEnvTask:
     name = "chess-env"
     min_reward = 0.0
     options = EnvOptions
+    reward_parts = (*(f"env_{k}" for k in ENV_WEIGHTS), "env_exact", "reward")
 
     def __init__(self, data: str | None = None, eval_samples: int = EVAL_SUBSET,
                  fen_similarity: float = FEN_SIMILARITY_SHARE, data_required: bool = True, expected_cache: int = 200_000,
@@ -214,6 +215,7 @@ class ChessPolicyTask:
     name = "chess-policy"
     min_reward = 0.0
     options = PolicyOptions
+    reward_parts = (*(f"policy_{k}" for k in POLICY_WEIGHTS), "policy_legal", "reward")
 
     def __init__(self, data: str | None = None, stockfish_path: str | None = None, stockfish_depth: int = 10,
                  stockfish_timeout: float = DEFAULT_TIMEOUT_S, eval_samples: int = EVAL_SUBSET, engines: int | None = None,
@@ -339,6 +341,11 @@ class ChessMixTask:
               (self.env_texts.demonstrations(n - n_policy, rng) if n > n_policy else [])
         rng.shuffle(out)
         return out
+
+    @property
+    def reward_parts(self) -> tuple:
+        """Both kinds' parts while both are drawn: a step of one kind alone is no reason to refuse the other's."""
+        return tuple(dict.fromkeys(p for task in (self.policy, self.env) if task for p in task.reward_parts))
 
     def _task(self, prompt: str):
         task = self.policy if prompt.startswith("P: ") else self.env

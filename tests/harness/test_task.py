@@ -114,6 +114,20 @@ def test_a_weighted_part_no_completion_reported_stops_the_first_step():
     Scorer(Parts(), tolerate=False, weights={"length": 1.0, "reward": 1.0}).after_step(1, step_rows, 0.0)
 
 
+class DeclaredParts(Parts):
+    reward_parts = ("reward", "format", "length")
+
+
+def test_declared_parts_stand_for_the_first_steps_and_every_part_given_must_be_declared():
+    step_rows = {"errors": {}, "scored": 2, "reports": {}, "components": {"format": 1.0}}
+    # a declared part no completion of this step gave (another kind of a mixture): checked at start-up instead
+    Scorer(DeclaredParts(), tolerate=False, weights={"length": 1.0}).after_step(1, step_rows, 0.0)
+    step_rows["components"]["lenght"] = 2.0   # a breakdown that outgrew its declaration
+    with pytest.raises(RewardError, match="step 3: the task's reward_breakdown gave lenght, which its reward_parts "
+                                          ".reward, format, length. do not name: declare every part"):
+        Scorer(DeclaredParts(), tolerate=False, weights={"length": 1.0}).after_step(3, step_rows, 0.0)
+
+
 # A user's task with options and a held-out evaluation, as a file: the protocol end to end through the trainer.
 USER_TASK = '''
 from dataclasses import dataclass

@@ -93,6 +93,7 @@ def test_exact_completion_matches_python_chess_and_scores_the_maximum(generated)
         assert task.expected(prompt) == want
         parts = task.reward_breakdown(prompt, want)
         assert parts["reward"] == pytest.approx(1.0) and parts["env_exact"] == 1.0
+        assert tuple(parts) == task.reward_parts   # what --reward-weights is checked against at start-up
         assert task.reward(prompt, want + "\n") == pytest.approx(1.0)   # a trailing newline is no error
 
 

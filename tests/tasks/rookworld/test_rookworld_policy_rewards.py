@@ -6,12 +6,12 @@ import signal
 import chess
 import pytest
 
-from harness.task import TaskError, score
+from harness.task import Scorer, TaskError, score
 from tasks.rookworld.engine import find_stockfish
 from tasks.rookworld.format import (parse_board, parse_policy_completion, policy_completion, policy_prompt, prompt_fen,
                                     split_policy_line)
 from tasks.rookworld.positions import random_board
-from tasks.rookworld.task import ChessMixTask, ChessPolicyTask
+from tasks.rookworld.task import ChessEnvTask, ChessMixTask, ChessPolicyTask
 
 from helpers import ROOK_VAL
 
@@ -82,6 +82,7 @@ def test_answer_parts_earn_partial_credit(task, positions):
     analysis = task.engines().analyse(prompt_fen(prompt)).result()
     best = analysis.moves[0]
     full = task.reward_breakdown(prompt, answer(task, prompt, best))
+    assert tuple(full) == task.reward_parts   # what --reward-weights is checked against at start-up
     wrong_evals = task.reward_breakdown(
         prompt, policy_completion(list(analysis.moves), [e + 3 for e in analysis.evals], best))
     two = task.reward_breakdown(prompt, policy_completion(list(analysis.moves[:2]), list(analysis.evals[:2]), best))
@@ -145,6 +146,17 @@ def test_missing_engine_is_a_one_line_usage_error_when_prompts_are_drawn():
         ChessMixTask(stockfish_path="/nonexistent/stockfish").prompts(8, random.Random(0))
     mix = ChessMixTask(task_mix=0.0, stockfish_path="/nonexistent/stockfish")   # A: only: no engine
     assert all(p.startswith("A: ") for p in mix.prompts(4, random.Random(0)))
+    mix.close()
+
+
+def test_a_mostly_p_mixture_weighs_the_a_parts_a_step_did_not_draw():
+    # --task-mix 0.95 draws steps of P: alone; --reward-weights env_fen=1 is still a part of the reward
+    mix = ChessMixTask(task_mix=0.95, stockfish_path="/nonexistent/stockfish")
+    assert mix.reward_parts == ChessPolicyTask.reward_parts + ChessEnvTask.reward_parts[:-1]
+    p_only = {"errors": {}, "scored": 8, "reports": {}, "components": {"policy_best": 0.5, "policy_legal": 1.0}}
+    Scorer(mix, tolerate=False, weights={"env_fen": 1.0, "policy_best": 1.0}).after_step(1, p_only, 0.0)
+    assert ChessMixTask(task_mix=1.0, stockfish_path="/nonexistent/stockfish").reward_parts == \
+        ChessPolicyTask.reward_parts   # P: alone: an A: weight is refused at start-up
     mix.close()
 
 

@@ -95,6 +95,9 @@ def test_eval_only_with_samples_reports_pass_at_k_beside_the_greedy_numbers(tiny
     (["--task", "toy", "--data", __file__], "--data is not a flag of train_lean.py nor of --task toy"),
     (["--task", "chess-env", "--eval-n", "1", "--eval-k", "2"], "--eval-n 1 must be at least --eval-k 2"),
     (["--task", "chess", "--task-mix", "1.5"], "--task-mix 1.5 must be in [0, 1]"),
+    (["--task", "chess", "--reward-weights", "env_fenn=1"], "--reward-weights names env_fenn: chess's reward has no "
+                                                            "such part (its reward_parts: policy_best, "),
+    (["--task", "chess", "--task-mix", "1", "--reward-weights", "env_fen=1"], "names env_fen: chess's reward has no"),
     (["--task", "chess-env", "--data", "no-such-file.txt"], "--data no-such-file.txt: no such file"),
     (["--task", "chess-env", "--data", os.path.join(REPO, "README.md")],
      "lines are not RookWorld P:/A: samples"),
