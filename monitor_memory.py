@@ -16,8 +16,9 @@ grows. --trace has the trainer trace a window of steps after the warm-up (train_
 --trace-memory): on a LEAK the monitor shows the allocation sites (file:line) and the tensors that
 piled up, and on CUDA names the memory_viz snapshot. However the monitor ends (Ctrl-C, SIGTERM,
 SIGHUP, an error of its own, or kill -9: the trainer gets SIGTERM when its parent dies), a trainer
-it started is stopped, not left running; under `nohup` a closed terminal (SIGHUP) stops nothing. A sweep runs --steps steps (default 5) at each batch
-size, each in a fresh process, and fits memory = fixed + per_sample * batch.
+it started is stopped, not left running; under `nohup` a closed terminal (SIGHUP) stops nothing.
+A sweep runs --steps steps (default 5) at each batch size, each in a fresh process, and fits
+memory = fixed + per_sample * batch.
 
 Exit code: 0 no leak, 1 leak, 2 usage error, 3 nothing could be judged (too few steps after the
 warm-up, or the training run failed). A CI job can gate on it.

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -159,15 +160,20 @@ def test_a_kill_or_a_closed_terminal_stops_the_trainer(tmp_path, sig):
 def test_under_nohup_a_closed_terminal_leaves_the_run_going(tmp_path):
     # nohup starts the monitor with SIGHUP ignored: the hang-up must not stop the run it asked to outlive it
     p, trainer, marker = watch_forever(tmp_path, ignored=(signal.SIGHUP,))
+    lines = []   # the monitor's rows, read as it prints them: a full pipe would stall it, stopped or not
+    reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+    reader.start()
+    log = tmp_path / "m.jsonl"
+    steps = lambda: log.read_text().count('"step"')   # noqa: E731
+    at_hangup = steps()
     p.send_signal(signal.SIGHUP)
-    seen = 0
-    for line in p.stdout:   # rows go on being printed after the hang-up
-        seen += line.strip()[:1].isdigit()
-        if seen >= 20:
-            break
-    assert seen >= 20 and process_alive(trainer) and not marker.exists()
+    # the trainer writes 50 more steps after the hang-up (a stopped one writes none), and is never stopped
+    assert wait_until(lambda: steps() >= at_hangup + 50, timeout=60), "the hang-up stopped the run"
+    assert process_alive(trainer) and not marker.exists() and not any("interrupted" in line for line in lines)
     p.send_signal(signal.SIGTERM)   # a kill still stops it cleanly
-    out, err = p.communicate(timeout=120)
+    p.wait(timeout=120)
+    reader.join(timeout=30)
+    out, err = "".join(lines), p.stderr.read()
     assert "interrupted: stopping the trainer" in out, out + err
     assert marker.read_text() == "stopped by SIGINT\n" and not process_alive(trainer)
 

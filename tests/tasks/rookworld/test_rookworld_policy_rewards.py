@@ -155,9 +155,10 @@ def test_a_mostly_p_mixture_weighs_the_a_parts_a_step_did_not_draw():
     assert mix.reward_parts == ChessPolicyTask.reward_parts + ChessEnvTask.reward_parts[:-1]
     p_only = {"errors": {}, "scored": 8, "reports": {}, "components": {"policy_best": 0.5, "policy_legal": 1.0}}
     Scorer(mix, tolerate=False, weights={"env_fen": 1.0, "policy_best": 1.0}).after_step(1, p_only, 0.0)
-    assert ChessMixTask(task_mix=1.0, stockfish_path="/nonexistent/stockfish").reward_parts == \
-        ChessPolicyTask.reward_parts   # P: alone: an A: weight is refused at start-up
+    p_alone = ChessMixTask(task_mix=1.0, stockfish_path="/nonexistent/stockfish")
+    assert p_alone.reward_parts == ChessPolicyTask.reward_parts   # P: alone: an A: weight is refused at start-up
     mix.close()
+    p_alone.close()
 
 
 def test_mixture_draws_both_kinds_and_dispatches(task):
