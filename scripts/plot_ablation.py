@@ -3,10 +3,15 @@ from the lowest to the highest seed), one panel per metric.
 
     python scripts/plot_ablation.py docs/ablation.png "GRPO + text=out/a-s0/metrics.jsonl,out/a-s1/metrics.jsonl" \
         "GRPO alone=out/b-s0/metrics.jsonl,out/b-s1/metrics.jsonl" "text alone=out/c-s0/metrics.jsonl,..."
+
+A run that scores a whole held-out set at its ends and a part of it between (the chess task's first 200 items per
+kind) draws its evaluations on different items; --first 200 draws every evaluation on the same items: each metric's
+first 200 per-item scores, from the metrics.items.jsonl beside each metrics.jsonl.
 """
 import argparse
 import json
 import math
+import os
 
 import matplotlib
 
@@ -22,18 +27,47 @@ def evals(path: str) -> dict:
         return {r["step"]: r for r in map(json.loads, filter(str.strip, f)) if r.get("kind") == "eval"}
 
 
+def first_items(path: str, n: int, error) -> dict:
+    """step -> {metric: the mean of its first n per-item scores}, from the items file beside metrics.jsonl PATH;
+    error(message) for a run without one or an evaluation with fewer than n items."""
+    items = os.path.splitext(path)[0] + ".items.jsonl"
+    if not os.path.isfile(items):
+        error(f"--first {n}: {items} is missing (the trainer writes it when the task's evaluate() scores each item)")
+    found = {}
+    with open(items, encoding="utf-8") as f:
+        for record in map(json.loads, filter(str.strip, f)):
+            short = {k: len(v) for k, v in record["items"].items() if len(v) < n}
+            if short:
+                error(f"--first {n}: {items} step {record['step']} has fewer items: {short}")
+            found[record["step"]] = {k: sum(v[:n]) / n for k, v in record["items"].items()}
+    return found
+
+
+def load(path: str, first: int, error) -> dict:
+    """step -> eval record; with first, each per-item metric's value is the mean of its first items."""
+    records = evals(path)
+    if first:
+        for step, means in first_items(path, first, error).items():
+            records[step].update(means)
+    return records
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("png")
     parser.add_argument("settings", nargs="+", help='"LABEL=run-s0/metrics.jsonl,run-s1/metrics.jsonl", one per line')
     parser.add_argument("--title", default="the chess demo: held-out metrics (greedy), mean of the seeds and their range")
+    parser.add_argument("--first", type=int, default=0, metavar="N",
+                        help="draw every evaluation on each metric's first N items (from metrics.items.jsonl)")
     args = parser.parse_args(argv)
+    if args.first < 0:
+        parser.error(f"--first must be >= 0, got {args.first}")
     settings = []
     for item in args.settings:
         label, _, paths = item.partition("=")
         if not paths:
             parser.error(f"{item!r} is not LABEL=PATH[,PATH...]")
-        settings.append((label, [evals(p) for p in paths.split(",")]))
+        settings.append((label, [load(p, args.first, parser.error) for p in paths.split(",")]))
     first = next(iter(settings[0][1][0].values()))
     metrics = eval_metrics([first])
     cols = 3

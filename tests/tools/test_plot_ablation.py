@@ -1,4 +1,6 @@
 """scripts/plot_ablation.py: settings of several seeds -> one PNG, a panel per held-out metric."""
+import json
+
 import pytest
 
 import plot_ablation
@@ -17,3 +19,32 @@ def test_a_setting_without_its_runs_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         plot_ablation.main([str(tmp_path / "x.png"), "no runs"])
     assert exit_.value.code == 2 and "is not LABEL=PATH" in capsys.readouterr().err
+
+
+def write_items(metrics_path, per_step):
+    """The metrics.items.jsonl beside a run's metrics.jsonl: step -> {metric: per-item scores}."""
+    with open(metrics_path.replace("metrics.jsonl", "metrics.items.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": s, "items": items}) + "\n" for s, items in per_step.items())
+
+
+def test_first_draws_every_evaluation_on_its_first_items(tmp_path):
+    # a whole set of 6 at the ends, a part of 2 between: --first 2 recomputes each end on the 2 items the part has
+    path = write_run(tmp_path / "run", 0.0)
+    write_items(path, {0: {"p_legal_rate": [1, 0, 1, 1, 1, 1], "a_format_rate": [0, 0, 1, 1, 1, 1]},
+                       4: {"p_legal_rate": [1, 1, 0, 0, 0, 0], "a_format_rate": [1, 0, 0, 0, 0, 0]}})
+    drawn = plot_ablation.load(path, 2, pytest.fail)
+    assert [(drawn[s]["p_legal_rate"], drawn[s]["a_format_rate"]) for s in (0, 4)] == [(0.5, 0.0), (1.0, 0.5)]
+    assert plot_ablation.load(path, 0, pytest.fail)[4]["p_legal_rate"] == 0.3   # without --first: the record's value
+
+
+@pytest.mark.parametrize("case", ["fewer items", "no items file"])
+def test_first_without_enough_items_is_a_usage_error(tmp_path, capsys, case):
+    path = write_run(tmp_path / "run", 0.0)
+    if case == "fewer items":
+        write_items(path, {0: {"p_legal_rate": [1, 0, 1]}, 4: {"p_legal_rate": [1]}})
+    with pytest.raises(SystemExit) as exit_:
+        plot_ablation.main([str(tmp_path / "x.png"), "--first", "2", f"a={path}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    expected = "step 4 has fewer items: {'p_legal_rate': 1}" if case == "fewer items" else "items.jsonl is missing"
+    assert expected in err
