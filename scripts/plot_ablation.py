@@ -48,6 +48,8 @@ def load(path: str, first: int, error) -> dict:
     records = evals(path)
     if first:
         for step, means in first_items(path, first, error).items():
+            if step not in records:
+                error(f"--first {first}: step {step} has per-item scores and no evaluation record in {path}")
             records[step].update(means)
     return records
 

@@ -37,14 +37,15 @@ def test_first_draws_every_evaluation_on_its_first_items(tmp_path):
     assert plot_ablation.load(path, 0, pytest.fail)[4]["p_legal_rate"] == 0.3   # without --first: the record's value
 
 
-@pytest.mark.parametrize("case", ["fewer items", "no items file"])
-def test_first_without_enough_items_is_a_usage_error(tmp_path, capsys, case):
+@pytest.mark.parametrize("case, expected", [("fewer items", "step 4 has fewer items: {'p_legal_rate': 1}"),
+                                            ("no items file", "items.jsonl is missing"),
+                                            ("a step of its own", "step 9 has per-item scores and no evaluation")])
+def test_first_without_the_items_it_needs_is_a_usage_error(tmp_path, capsys, case, expected):
     path = write_run(tmp_path / "run", 0.0)
     if case == "fewer items":
         write_items(path, {0: {"p_legal_rate": [1, 0, 1]}, 4: {"p_legal_rate": [1]}})
+    if case == "a step of its own":
+        write_items(path, {0: {"p_legal_rate": [1, 0]}, 9: {"p_legal_rate": [1, 1]}})
     with pytest.raises(SystemExit) as exit_:
         plot_ablation.main([str(tmp_path / "x.png"), "--first", "2", f"a={path}"])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2
-    expected = "step 4 has fewer items: {'p_legal_rate': 1}" if case == "fewer items" else "items.jsonl is missing"
-    assert expected in err
+    assert exit_.value.code == 2 and expected in capsys.readouterr().err
