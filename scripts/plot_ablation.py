@@ -47,9 +47,11 @@ def load(path: str, first: int, error) -> dict:
     """step -> eval record; with first, each per-item metric's value is the mean of its first items."""
     records = evals(path)
     if first:
-        for step, means in first_items(path, first, error).items():
-            if step not in records:
-                error(f"--first {first}: step {step} has per-item scores and no evaluation record in {path}")
+        found = first_items(path, first, error)
+        if set(found) != set(records):   # one drawn on other items would bring back the jump --first removes
+            error(f"--first {first}: evaluations at steps {sorted(records)} in {path}, per-item scores at steps "
+                  f"{sorted(found)}")
+        for step, means in found.items():
             records[step].update(means)
     return records
 

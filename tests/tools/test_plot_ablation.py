@@ -39,13 +39,16 @@ def test_first_draws_every_evaluation_on_its_first_items(tmp_path):
 
 @pytest.mark.parametrize("case, expected", [("fewer items", "step 4 has fewer items: {'p_legal_rate': 1}"),
                                             ("no items file", "items.jsonl is missing"),
-                                            ("a step of its own", "step 9 has per-item scores and no evaluation")])
+                                            ("a step of its own", "steps [0, 4] in "),
+                                            ("a step without", "per-item scores at steps [0]")])
 def test_first_without_the_items_it_needs_is_a_usage_error(tmp_path, capsys, case, expected):
     path = write_run(tmp_path / "run", 0.0)
     if case == "fewer items":
         write_items(path, {0: {"p_legal_rate": [1, 0, 1]}, 4: {"p_legal_rate": [1]}})
     if case == "a step of its own":
-        write_items(path, {0: {"p_legal_rate": [1, 0]}, 9: {"p_legal_rate": [1, 1]}})
+        write_items(path, {0: {"p_legal_rate": [1, 0]}, 4: {"p_legal_rate": [1, 0]}, 9: {"p_legal_rate": [1, 1]}})
+    if case == "a step without":   # step 4's evaluation has no per-item scores: it would stay on other items
+        write_items(path, {0: {"p_legal_rate": [1, 0]}})
     with pytest.raises(SystemExit) as exit_:
         plot_ablation.main([str(tmp_path / "x.png"), "--first", "2", f"a={path}"])
     assert exit_.value.code == 2 and expected in capsys.readouterr().err
