@@ -42,15 +42,24 @@ class PreallocatedDecoder:
     the prompt's cache once per group instead of once per row. Attention runs in the cache's dtype
     (fp32 on CPU, where bf16 matmuls are emulated; the model's bf16 on GPU).
 
+    Each op of a step is a kernel launch on a GPU, and eagerly each is launched from Python: so a step
+    is written in few ops (bench/decode_ops.py counts them). Hidden states stay [rows, width]; the
+    views a layer needs are taken in one as_strided each; scores and outputs land in buffers laid out
+    for the next op (out=); the K/V tables of all layers are sliced once per token. Every value is
+    computed by the same kernels on the same operands as a plain forward, so nothing changes but the
+    number of calls.
+
     Compiled (compile=True), every step has the same shapes: the new keys and values go into their
     column of the full-length buffer, attention reads the whole buffer under a mask of the columns
-    written so far, and the step index is a tensor; so the step compiles once and, on CUDA, replays as a
-    graph. Eager, attention reads the written columns rounded up to a multiple of NEW_MULTIPLE instead
-    (the same mask, half the columns on average), as the shapes need not stay the same.
-    A subclass says how its architecture embeds a token and projects q, k, v (_embed, _qkv) and names
-    its modules (self.layers, self.final_norm); the block around them is the same for GPT-2 and Llama.
+    written so far, the step index is a tensor, and prompt columns are padded up to a power of two
+    times WIDTH_MULTIPLE (padded_width): a run compiles once per width bucket its prompts reach, and on
+    CUDA replays a graph. Eager, attention reads the written columns rounded up to a multiple of
+    NEW_MULTIPLE instead (the same mask, half the columns on average), as the shapes need not stay the same.
+    A subclass says how its architecture embeds a token (_embed), normalises and projects q, k, v (_qkv),
+    runs the rest of a layer (_rest: output projection, MLP, residuals) and the head (_head); the
+    attention between them is the same for GPT-2 and Llama.
     """
-    # prompt columns are padded up to a multiple of this (masked), so that a compiled step sees few shapes
+    # eager: prompt columns padded up to a multiple of this (masked); compiled: to a power of two from it
     WIDTH_MULTIPLE = 16
     NEW_MULTIPLE = 16
 
@@ -66,34 +75,46 @@ class PreallocatedDecoder:
         groups, group = self.groups, self.group = per_group.shape
         dtype = torch.float32 if device.type == "cpu" else cache.layers[0].keys.dtype
         _, kv_heads, _, head_dim = cache.layers[0].keys.shape
-        padded = -(-width // self.WIDTH_MULTIPLE) * self.WIDTH_MULTIPLE
+        heads = self.heads
+        rep = self.rep = heads // kv_heads
+        self.width = padded = padded_width(width, self.WIDTH_MULTIPLE, compile)
+        n_layers, T = len(cache.layers), max_new_tokens
         # Everything is laid out by group: [groups, K/V heads, ...]. Keys are stored transposed (columns
         # last), so that both score matmuls read them as they lie. Zeros, not empty: a masked column's
-        # weight is exactly 0, and 0 * NaN would not be.
-        self.prompt_k, self.prompt_v, self.new_k, self.new_v = [], [], [], []
+        # weight is exactly 0, and 0 * NaN would not be. One table per kind for all layers: a token
+        # slices each table once.
+        self.prompt_k = _zeros(model, "prompt_k", (n_layers, groups, kv_heads, head_dim, padded), dtype, device,
+                               compile)
+        self.prompt_v = _zeros(model, "prompt_v", (n_layers, groups, kv_heads, padded, head_dim), dtype, device,
+                               compile)
         for i, layer in enumerate(cache.layers):
-            k = _zeros(model, ("prompt_k", i), (groups, kv_heads, head_dim, padded), dtype, device, compile)
-            v = _zeros(model, ("prompt_v", i), (groups, kv_heads, padded, head_dim), dtype, device, compile)
-            k[..., :width], v[..., :width, :] = layer.keys[first].transpose(-1, -2), layer.values[first]
-            self.prompt_k.append(k)
-            self.prompt_v.append(v)
-            self.new_k.append(_zeros(model, ("new_k", i), (groups, kv_heads, group, head_dim, max_new_tokens),
-                                     dtype, device, compile))
-            self.new_v.append(_zeros(model, ("new_v", i), (groups, kv_heads, group, max_new_tokens, head_dim),
-                                     dtype, device, compile))
-        # additive masks: over each group's prompt columns (-inf on left padding and on the padded columns),
-        # and over the new columns at each step (-inf on those not written yet)
+            self.prompt_k[i, ..., :width] = layer.keys[first].transpose(-1, -2)
+            self.prompt_v[i, ..., :width, :] = layer.values[first]
+        self.new_k = _zeros(model, "new_k", (n_layers, groups, kv_heads, group, head_dim, T), dtype, device, compile)
+        self.new_v = _zeros(model, "new_v", (n_layers, groups, kv_heads, group, T, head_dim), dtype, device, compile)
+        self.prompt_ks, self.prompt_vs = self.prompt_k.unbind(0), self.prompt_v.unbind(0)
+        # the additive mask of each step over a group's prompt columns and the new ones: -inf on left padding,
+        # on the padded columns and on the new columns not written yet; scores: [groups, H_kv, group, rep, columns]
         pad = torch.nn.functional.pad(prompt_mask[::group], (0, padded - width))
-        bias = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill(pad == 0, float("-inf"))
-        self.prompt_bias = bias.view(groups, 1, 1, 1, padded)  # scores: [groups, H_kv, group, rep, columns]
-        written = torch.ones(max_new_tokens, max_new_tokens, dtype=torch.bool, device=device).tril()
-        self.new_bias = torch.zeros(written.shape, dtype=dtype, device=device).masked_fill(~written, float("-inf"))
-        self.positions = prompt_mask.sum(-1, keepdim=True) + torch.arange(max_new_tokens, device=device)
-        self.columns = torch.arange(max_new_tokens, device=device)
+        prompt_bias = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill(pad == 0, float("-inf"))
+        written = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        new_bias = torch.zeros(written.shape, dtype=dtype, device=device).masked_fill(~written, float("-inf"))
+        self.bias = torch.cat([prompt_bias.expand(T, groups, padded), new_bias[:, None].expand(T, groups, T)], -1
+                              ).view(T, groups, 1, 1, 1, padded + T)
+        self.positions = prompt_mask.sum(-1) + torch.arange(T, device=device)[:, None]  # [T, rows]
+        self.columns = torch.arange(T, device=device)
+        # the buffers a layer writes into: its scaled queries, and its attention output laid out as rows
+        self.q = torch.empty(groups, kv_heads, group * rep, head_dim, dtype=dtype, device=device)
+        self.q5 = self.q.view(groups, kv_heads, group, rep, head_dim)
+        self.o = torch.empty(groups, kv_heads, group * rep, head_dim, dtype=dtype, device=device)
+        self.o5 = self.o.view(groups, kv_heads, group, rep, head_dim)
+        self.y = torch.empty(batch, heads * head_dim, dtype=dtype, device=device)
+        self.y5 = self.y.view(groups, group, kv_heads, rep, head_dim).transpose(1, 2)
+        self.shape = (groups, kv_heads, group, rep, head_dim)
         self.device_type = device.type
         # the compiled step is the class's function, called with self: a bound method stored on self would
         # be a reference cycle, and the K/V buffers it holds would wait for the cycle collector
-        self.compiled = torch.compile(type(self)._forward, fullgraph=True,
+        self.compiled = torch.compile(type(self)._forward, fullgraph=True, dynamic=False,
                                       mode="reduce-overhead" if device.type == "cuda" else None) if compile else None
 
     def __call__(self, token, step: int):
@@ -102,45 +123,85 @@ class PreallocatedDecoder:
             new = min(new, -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
         elif self.device_type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's logits have been consumed
-        # views of this step's row of each table (compiled: of the same shapes at every step)
-        args = (token, self.columns[step:step + 1], self.positions[:, step:step + 1], self.new_bias[step, :new])
+        args = (token, self.columns[step:step + 1], self.positions[step], self.bias[step, ..., :self.width + new])
         return self._forward(*args) if self.compiled is None else self.compiled(self, *args)
 
-    def _forward(self, token, step, position, new_bias):
+    def _forward(self, token, step, position, bias):
         x, rotary = self._embed(token, position)
-        for i, (layer, norm_in, out_proj, norm_post, scaling) in enumerate(self.layers):
-            q, k, v = self._qkv(layer, norm_in(x), rotary)
+        width, new = self.width, bias.shape[-1] - self.width
+        new_k, new_v = self.new_k[..., :new].unbind(0), self.new_v[..., :new, :].unbind(0)
+        attend, scores = self._attend_traced, None
+        if self.compiled is None:  # this token's scores, then weights, for every layer in turn
+            attend = self._attend
+            scores = torch.empty(*self.shape[:-1], width + new, dtype=bias.dtype, device=bias.device)
+            scores = scores, _merged(scores, width), scores[..., width:]  # all, over the prompt, over the new
+        for i, (layer, scale) in enumerate(zip(self.layers, self.scales)):
+            q, k, v = self._qkv(layer, x, rotary)
             with torch.autocast(self.device_type, enabled=False):
-                y = self._attend(i, q, k, v, step, new_bias, scaling)
-            x = x + out_proj(y)
-            x = x + layer.mlp(norm_post(x))
-        return self.model.lm_head(self.final_norm(x))[:, -1]
+                y = attend(q, k, v, step, self.prompt_ks[i], self.prompt_vs[i], new_k[i], new_v[i], bias, scores,
+                           scale)
+            x = self._rest(layer, x, y)
+        return self._head(x)
 
-    def _attend(self, layer: int, q, k, v, step, new_bias, scale: float):
-        """Softmax attention of q [B, 1, H, D] over its group's prompt and its row's new tokens, after
-        writing k, v [B, 1, H_kv, D] at column `step`; H = H_kv x rep query heads share a K/V head
-        (grouped-query attention; rep = 1 for GPT-2). Returns [B, 1, H x D]."""
-        kp, vp, kn, vn = self.prompt_k[layer], self.prompt_v[layer], self.new_k[layer], self.new_v[layer]
-        groups, kv_heads, group, dim, _ = kn.shape
-        batch, _, heads, _ = q.shape
-        rep, width, new = heads // kv_heads, kp.shape[-1], new_bias.shape[-1]
-        kn.index_copy_(4, step, k.to(kn.dtype).view(groups, group, kv_heads, dim, 1).transpose(1, 2))
-        vn.index_copy_(3, step, v.to(vn.dtype).view(groups, group, kv_heads, 1, dim).transpose(1, 2))
-        kn, vn = kn[..., :new], vn[..., :new, :]
+    def _attend(self, q, k, v, step, kp, vp, kn, vn, bias, scores, scale: float):
+        """Softmax attention of q (rows x heads x D, in `_heads` form) over its group's prompt (kp, vp) and its
+        row's new tokens (kn, vn), after writing k, v at column `step`; H = H_kv x rep query heads share a K/V
+        head (grouped-query attention; rep = 1 for GPT-2). Returns self.y [rows, H x D], where it writes."""
+        g, kv, group, rep, dim = self.shape
+        kn.index_copy_(4, step, _heads(*k, (g, kv, group, dim, 1), group, "k"))
+        vn.index_copy_(3, step, _heads(*v, (g, kv, group, 1, dim), group, "v"))
         # a group's rows and a K/V head's query heads all read the same prompt keys: one matmul for them
-        q = (q.to(kn.dtype) * scale).view(groups, group, kv_heads, rep, dim).transpose(1, 2)
-        q = q.reshape(groups, kv_heads, group * rep, dim)
-        scores_p = (q @ kp).view(groups, kv_heads, group, rep, width)
-        scores_n = q.view(groups, kv_heads, group, rep, dim) @ kn  # [groups, H_kv, group, rep, new]
-        scores = torch.cat([scores_p + self.prompt_bias, scores_n + new_bias], -1)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vn.dtype)
-        out = probs[..., :width].reshape(groups, kv_heads, group * rep, width) @ vp
-        out = out.view(groups, kv_heads, group, rep, dim) + probs[..., width:] @ vn
-        return out.transpose(1, 2).reshape(batch, 1, heads * dim)
+        torch.mul(_heads(*q, self.shape, group, "q"), scale, out=self.q5)
+        scores, prompt, new = scores
+        torch.matmul(self.q, kp, out=prompt)
+        torch.matmul(self.q5, kn, out=new)  # [groups, H_kv, group, rep, new]
+        # the weights overwrite the scores (softmax reads each row before it writes it); softmax
+        # accumulates in fp32 whatever the dtype
+        torch.softmax(scores.add_(bias), -1, out=scores)
+        torch.matmul(prompt, vp, out=self.o)
+        torch.add(self.o5, new @ vn, out=self.y5)
+        return self.y
+
+    def _attend_traced(self, q, k, v, step, kp, vp, kn, vn, bias, _, scale: float):
+        """_attend's math without its out= buffers, which torch.compile cannot trace (its outputs are
+        strided views); compiled, the ops fuse anyway."""
+        g, kv, group, rep, dim = self.shape
+        kn.index_copy_(4, step, _heads(*k, (g, kv, group, dim, 1), group, "k"))
+        vn.index_copy_(3, step, _heads(*v, (g, kv, group, 1, dim), group, "v"))
+        q = _heads(*q, self.shape, group, "q") * scale
+        prompt = (q.reshape(g, kv, group * rep, dim) @ kp).view(*self.shape[:-1], self.width)
+        probs = torch.softmax(torch.cat([prompt, q @ kn], -1) + bias, -1, dtype=torch.float32).to(vn.dtype)
+        out = (_merged(probs, self.width) @ vp).view(self.shape) + probs[..., self.width:] @ vn
+        return out.transpose(1, 2).reshape(self.y.shape)
+
+
+def _merged(t, width: int):
+    """t [groups, H_kv, group, rep, columns] as [groups, H_kv, group x rep, width]: its first width columns."""
+    s = t.stride()
+    return t.as_strided((*t.shape[:2], t.shape[2] * t.shape[3], width), s[:2] + s[3:])
+
+
+def padded_width(width: int, multiple: int, compile: bool) -> int:
+    """The prompt columns a decoder keeps: width rounded up to a multiple (eager), or to a power of two
+    times it (compiled: one compiled step per bucket, log2 of the widths a run sees)."""
+    if not compile:
+        return -(-width // multiple) * multiple
+    return multiple * 2 ** max(0, (-(-width // multiple) - 1).bit_length())
+
+
+def _heads(t, offset: int, shape, group: int, kind: str):
+    """One view of t [rows, columns], a projection's output (storage of its own), from column `offset` (each
+    row's heads x D contiguous there) as the layout an attention op reads: "q" [groups, H_kv, group, rep, D],
+    "k" [groups, H_kv, group, D, 1] (keys transposed), "v" [groups, H_kv, group, 1, D]."""
+    row, dim = t.stride(0), shape[3] if kind == "k" else shape[4]
+    strides = {"q": (group * row, shape[3] * dim, row, dim, 1), "k": (group * row, dim, row, 1, dim),
+               "v": (group * row, dim, row, dim, 1)}[kind]
+    return t.as_strided(shape, strides, offset)
 
 
 class GPT2Decoder(PreallocatedDecoder):
-    """Plain GPT-2: learned absolute positions, one fused q/k/v projection, LayerNorm, GELU MLP."""
+    """Plain GPT-2: learned absolute positions, one fused q/k/v projection, LayerNorm, GELU MLP. Its
+    projections are Conv1D's own addmm, called directly (Conv1D reshapes around it; dropout is off in eval)."""
 
     @staticmethod
     def fits(model) -> bool:
@@ -151,15 +212,25 @@ class GPT2Decoder(PreallocatedDecoder):
     def __init__(self, model, *args, **kwargs):
         t = model.transformer
         self.t, self.heads = t, model.config.n_head
-        self.layers = [(b, b.ln_1, b.attn.c_proj, b.ln_2, b.attn.scaling) for b in t.h]
-        self.final_norm = t.ln_f
+        self.layers, self.scales = list(t.h), [b.attn.scaling for b in t.h]
         super().__init__(model, *args, **kwargs)
 
     def _embed(self, token, position):
-        return self.t.wte(token[:, None]) + self.t.wpe(position), None
+        return self.t.wte(token) + self.t.wpe(position), None
 
-    def _qkv(self, block, h, _):
-        return block.attn.c_attn(h).view(h.shape[0], 1, 3, self.heads, -1).unbind(2)
+    def _qkv(self, block, x, _):
+        h = block.ln_1(x)
+        qkv, width = torch.addmm(block.attn.c_attn.bias, h, block.attn.c_attn.weight), x.shape[-1]
+        return (qkv, 0), (qkv, width), (qkv, 2 * width)
+
+    def _rest(self, block, x, y):
+        proj, mlp = block.attn.c_proj, block.mlp
+        x = x + torch.addmm(proj.bias, y, proj.weight)
+        h = mlp.act(torch.addmm(mlp.c_fc.bias, block.ln_2(x), mlp.c_fc.weight))
+        return x + torch.addmm(mlp.c_proj.bias, h, mlp.c_proj.weight)
+
+    def _head(self, x):
+        return self.model.lm_head(self.t.ln_f(x))
 
 
 class LlamaDecoder(PreallocatedDecoder):
@@ -186,21 +257,26 @@ class LlamaDecoder(PreallocatedDecoder):
         self.m, self.heads = m, model.config.num_attention_heads
         # the model's own rotation (each family's modeling file has it), so q and k are rotated as in training
         self.apply_rotary = sys.modules[type(m.layers[0].self_attn).__module__].apply_rotary_pos_emb
-        self.layers = [(l, l.input_layernorm, l.self_attn.o_proj, l.post_attention_layernorm, l.self_attn.scaling)
-                       for l in m.layers]
-        self.final_norm = m.norm
+        self.layers, self.scales = list(m.layers), [l.self_attn.scaling for l in m.layers]
         super().__init__(model, *args, **kwargs)
 
     def _embed(self, token, position):
-        x = self.m.embed_tokens(token[:, None])
-        return x, self.m.rotary_emb(x, position)
+        x = self.m.embed_tokens(token)
+        return x, self.m.rotary_emb(x, position[:, None])
 
-    def _qkv(self, layer, h, rotary):
-        attn, batch = layer.self_attn, h.shape[0]
-        q = attn.q_proj(h).view(batch, 1, -1, attn.head_dim)
-        k = attn.k_proj(h).view(batch, 1, -1, attn.head_dim)
-        q, k = self.apply_rotary(q, k, *rotary, unsqueeze_dim=2)  # [B, 1, heads, D]: cos, sin [B, 1, 1, D]
-        return q, k, attn.v_proj(h).view(batch, 1, -1, attn.head_dim)
+    def _qkv(self, layer, x, rotary):
+        attn, h = layer.self_attn, layer.input_layernorm(x)
+        q = attn.q_proj(h).view(h.shape[0], 1, -1, attn.head_dim)
+        k = attn.k_proj(h).view(h.shape[0], 1, -1, attn.head_dim)
+        q, k = self.apply_rotary(q, k, *rotary, unsqueeze_dim=2)  # [B, 1, heads, D]: cos, sin [B, 1, D]
+        return (q, 0), (k, 0), (attn.v_proj(h), 0)
+
+    def _rest(self, layer, x, y):
+        x = x + layer.self_attn.o_proj(y)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _head(self, x):
+        return self.model.lm_head(self.m.norm(x))
 
 
 class HFDecoder:
@@ -278,7 +354,10 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     the distribution it was drawn from (truncated and renormalised), which the mismatch metric and its
     corrections compare with the trainer's (grpo/algorithm.py mismatch_weight).
     """
-    logits = logits.float() / logprob_temperature(temperature)
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    if logprob_temperature(temperature) != 1:  # x / 1 is x: an op a token saved
+        logits = logits / logprob_temperature(temperature)
     logprobs = torch.log_softmax(logits, dim=-1)
     filtered = logits
     if banned is not None:

@@ -259,3 +259,11 @@ def test_the_decoder_a_model_gets_is_named(family):
     other = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0,
                                        scale_attn_by_inverse_layer_idx=True))
     assert decoders.decoder_name(other).startswith("HFDecoder (generic HF forward")
+
+
+@pytest.mark.slow  # two profiled generate() calls of a 12-layer model: ~50 s
+def test_an_eager_gpt2_decode_token_runs_at_most_350_top_level_ops():
+    """The launch proxy the GPU issue set (672 ops a token before): each op is a kernel launch on a GPU."""
+    from bench.decode_ops import build_model, per_token
+    ops, _ = per_token(build_model("gpt2", 12, torch.device("cpu")), torch.device("cpu"))
+    assert ops <= 350, ops
