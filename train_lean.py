@@ -45,7 +45,7 @@ def main(argv=None):
                                    generation_batch=layout.generation_batch, max_new_tokens=cfg.max_new_tokens,
                                    temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                    min_new_tokens=cfg.min_new_tokens, autocast=run.autocast, device=device,
-                                   compile=cfg.compile)
+                                   compile=cfg.compile == "on")
 
         for step in run.steps():   # checkpoints, a stop on Ctrl-C, the final model: harness/run.py
             rec = {"step": step}   # the step's JSON record: the stages below add to it

@@ -145,7 +145,7 @@ def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_
         chunks.append(generate(policy, prompt_ids[s:s + generation_batch], prompt_mask[s:s + generation_batch],
                                eos_id=eos, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, min_new_tokens=min_new_tokens, autocast=autocast, compile=compile,
-                               with_sampler=truncates))
+                               with_sampler=truncates, group_size=group_size))
     width = max(c[0].shape[1] for c in chunks)
     pad = torch.nn.functional.pad
     completion_ids = torch.cat([pad(c[0], (0, width - c[0].shape[1]), value=eos) for c in chunks])

@@ -15,6 +15,8 @@ import os
 import sys
 import typing
 
+import torch
+
 from harness import task as tasks
 from harness.config import FIELDS, Config, ConfigError, env_name, fields_of, flag, range_error
 
@@ -258,6 +260,10 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
             f"not a setting of train_lean.py nor of --task {task_name}") +
             f" (see train_lean.py --task {task_name} --help)")
     values["task"] = task_name
+    cuda = values["device"].startswith("cuda") or (values["device"] == "auto" and torch.cuda.is_available())
+    for name, fast, plain in (("dtype", "bf16", "fp32"), ("compile", "on", "off")):
+        if values[name] == "auto":   # fast where researchers train; on a CPU the bits of runs before auto
+            values[name] = fast if cuda else plain
     if values["kl_in"] == "reward" and sources["kl_estimator"] == "default":
         values["kl_estimator"] = "k1"   # the estimator that belongs in the reward (grpo/algorithm.py); others if named
     asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")

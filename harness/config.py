@@ -121,9 +121,10 @@ class Config:
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy", must=">= 0", note="0 means greedy")
     top_k: int = opt(0, "sample from the k most likely tokens (0: off)", must=">= 0", note="0 means off")
     top_p: float = opt(1.0, "nucleus sampling threshold (1: off)", must="in (0, 1]")
-    compile: bool = opt(False, "run each decode step through torch.compile (inductor on CPU, CUDA graphs on a GPU; "
-                        "GPT-2 and Llama-family models): compiling costs seconds once, a step then runs faster",
-                        resume_free=True)
+    compile: str = opt("auto", "run each decode step through torch.compile (inductor on CPU, CUDA graphs on a GPU; "
+                       "GPT-2 and Llama-family models): compiling costs seconds once, a step then runs faster "
+                       "(auto: on a GPU; a bare flag means on)", ["auto", "on", "off"], const="on",
+                       aliases={"true": "on", "false": "off"}, resume_free=True)
     # algorithm
     learning_rate: float = opt(1e-4, "learning rate (1e-4 suits the shipped 5M-parameter default model; "
                                "use about 1e-5 for a 124M model such as RookWorld-LM)", must="> 0")
@@ -207,8 +208,9 @@ class Config:
     steps: int = opt(700, "training steps", must="at least 1", resume_free=True)
     seed: int = opt(0, "seed for prompts, sampling and initialisation")
     device: str = opt("auto", "auto (CUDA when present), cpu, cuda or cuda:N", resume_free=True)
-    dtype: str = opt("fp32", "compute dtype; bf16 uses autocast over fp32 weights and optimizer state (on a "
-                     "CPU without native bf16 it is emulated and slower than fp32)", ["fp32", "bf16"])
+    dtype: str = opt("auto", "compute dtype; bf16 uses autocast over fp32 weights and optimizer state (on a "
+                     "CPU without native bf16 it is emulated and slower than fp32; auto: bf16 on a GPU)",
+                     ["auto", "fp32", "bf16"])
     out_dir: str = opt("out", "folder for logs, checkpoints and the trained model", path="out", resume_free=True)
     log_file: typing.Optional[str] = opt(None, "JSONL metrics, one object per step (default: OUT_DIR/metrics.jsonl)",
                                          path="out", resume_free=True)

@@ -24,7 +24,7 @@ import sys
 
 from tqdm import tqdm
 
-from grpo import distributed, ptx
+from grpo import decoders, distributed, ptx
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
                         load_trainable, model_autocast)
 from grpo.rollout import encode_prompts, stream_seed, wants_bos
@@ -172,6 +172,7 @@ class Run:
         """Before the first step: --resume's optimizer, reference and RNG states; the guard of the update (its
         micro-batch probed with --micro-batch-size auto); the logs, reporter and checkpoints; the step-0 evaluation."""
         cfg, layout, streak = self.cfg, self.layout, 0
+        self.compiles_before = decoders.compilations()   # a step's record counts its own (--compile)
         self.kl_coef = cfg.kl_coef   # --kl-target steers it from here (train_lean.py); a checkpoint holds where it was
         if self.resume_from:
             state = checkpoint.load_state(self.resume_from)
@@ -284,6 +285,9 @@ class Run:
         if self.guard.notes:
             rec.update(oom_retries=len(self.guard.notes), micro_batch=self.guard.micro)
         rec.update(log.throughput(self.phases.times(), self.step_rows), **self.phases.record())
+        if cfg.compile == "on":   # each is seconds to minutes of the step's generation time
+            now = decoders.compilations()
+            rec["decode_compiles"], self.compiles_before = now - self.compiles_before, now
         if not self.main:
             return
         if rec.get("ptx_cut") and not self.cut_said:   # learned, but not whole: said once, counted in every record

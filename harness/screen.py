@@ -119,9 +119,10 @@ def header(loaded, layout, device, model, resume_from, lora=None) -> str:
     cfg, sources = loaded.cfg, loaded.sources
     values = config.settings(cfg, loaded.options)
     decoder = decoders.decoder_name(model)
-    if cfg.compile:
+    why = "--compile on" if sources.get("compile") != "default" else "the default on a GPU; --compile off: eager"
+    if cfg.compile == "on":
         fast = decoders.decoder_class(model) is not decoders.HFDecoder
-        decoder += ", compiled (--compile)" if fast else "; --compile has no effect on it"
+        decoder += f", compiled ({why})" if fast else "; --compile has no effect on it"
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     # a flag and its value stay on one line when the header wraps (no-break spaces, made plain after wrapping)
     given = [f"{config.flag(n)}\xa0{_text(values[n])}" + (f"\xa0({s})" if s in ("env", "task") else "")
@@ -134,6 +135,8 @@ def header(loaded, layout, device, model, resume_from, lora=None) -> str:
             *([("lora", model_lib.lora_summary(lora, cfg.kl_coef > 0 and not cfg.eval_only))] if lora else []),
             ("task", cfg.task),
             ("device", f"{where}, {cfg.dtype}" + (" autocast over fp32 weights" if cfg.dtype == "bf16" else "") +
+             (" (the default on a GPU; --dtype fp32 to change)" if cfg.dtype == "bf16" and sources.get("dtype")
+              == "default" else "") +
              (f", {layout.devices} processes" if layout.devices > 1 else "")),
             *([] if cfg.eval_only else [("batch", batch_line(cfg, layout))]),
             *([("ptx", f"{cfg.ptx_coef} x next-token loss on {cfg.ptx_batch_size} texts per update from "

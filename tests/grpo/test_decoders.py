@@ -1,5 +1,7 @@
 """The speed paths compute the same thing as the plain ones and as HF generate: decode loop (eager and
 compiled), shared prompts, sampling, checkpointing."""
+import math
+
 import pytest
 import torch
 
@@ -267,3 +269,50 @@ def test_an_eager_gpt2_decode_token_runs_at_most_350_top_level_ops():
     from bench.decode_ops import build_model, per_token
     ops, _ = per_token(build_model("gpt2", 12, torch.device("cpu")), torch.device("cpu"))
     assert ops <= 350, ops
+
+
+
+def _truncated(logits, top_k, top_p, banned):
+    """The distribution sample_token draws from, by its definition: the banned token out, then the top_k most
+    likely, then the most likely whose mass before them is below top_p; renormalised."""
+    p = [math.exp(x) if i != banned else 0.0 for i, x in enumerate(logits.tolist())]
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+    keep = set(order[:top_k or len(p)])
+    total, above = sum(p[i] for i in keep), 0.0
+    for i in [i for i in order if i in keep]:
+        if above / total >= top_p:
+            keep.discard(i)
+        else:
+            above += p[i]
+    q = torch.tensor([p[i] if i in keep else 0.0 for i in range(len(p))], dtype=torch.float64)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.7), (6, 0.9)])
+def test_the_exponential_race_draws_the_distribution_multinomial_draws(monkeypatch, top_k, top_p):
+    """Through sample_token (a banned token, top-k and top-p applied first), over 12 tokens: the race's and
+    torch.multinomial's counts both fit the truncated distribution (chi-square under its 0.1% critical
+    value for 11 degrees of freedom, 31.3), and neither draws a token outside it."""
+    torch.manual_seed(0)
+    logits, rows = torch.randn(12) * 1.5, 200_000
+    target = _truncated(logits, top_k, top_p, banned=3)
+    for sampler in (decoders.race_index, lambda p: torch.multinomial(p, 1).squeeze(-1)):
+        monkeypatch.setattr(decoders, "sample_index", sampler)
+        torch.manual_seed(1)
+        token, _ = sample_token(logits.expand(rows, 12), 1.0, top_k, top_p, banned=3)
+        counts = torch.bincount(token, minlength=12).double()
+        assert (counts[target == 0] == 0).all()
+        expected = target[target > 0] * rows
+        assert float(((counts[target > 0] - expected) ** 2 / expected).sum()) < 31.3
+
+
+def test_the_exponential_race_gives_a_long_tail_its_mass():
+    """One likely token and 20,000 rare ones (each 2e-5 of the head's probability, 0.29 of the mass
+    together): the tail is drawn at its rate (within 4 standard errors over 20,000 draws)."""
+    torch.manual_seed(0)
+    probs = torch.full((20_001,), 2e-5)
+    probs[0] = 1.0
+    tail = float(probs[1:].sum() / probs.sum())
+    drawn = torch.cat([decoders.race_index(probs.expand(500, -1)) for _ in range(40)])
+    rate, se = float((drawn > 0).double().mean()), math.sqrt(tail * (1 - tail) / drawn.numel())
+    assert abs(rate - tail) < 4 * se, (rate, tail)

@@ -77,7 +77,8 @@ def test_help_is_grouped_and_shows_allowed_values_and_defaults():
     assert "--micro-batch-size INT|auto" in text and "--learning-rate FLOAT" in text and "--log-file PATH" in text
     for name, f in FIELDS.items():   # each flag shows its choices, and its default unless its help says it
         if f.metadata["choices"]:
-            assert f"{config.flag(name)} {{{','.join(f.metadata['choices'])}}}" in text, name
+            shown = f"{{{','.join(f.metadata['choices'])}}}"   # in brackets where the flag may be given bare
+            assert f"{config.flag(name)} {f'[{shown}]' if f.metadata['const'] else shown}" in text, name
     flat = " ".join(text.split())
     assert "[default 64; at least 1]" in flat and "[default chess]" in flat and "[default false]" in flat
     assert "(default: batch) [at least 1]" in flat and "with every sampled completion [default off]" in flat
@@ -221,3 +222,15 @@ def test_a_bad_declaration_is_refused_naming_the_task_and_the_setting(tmp_path, 
         load(["--task", task], environ={})
     assert str(e.value).startswith(f"--task {task}'s trainer_settings") and message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv, dtype, compile", [
+    (["--device", "cpu"], "fp32", "off"),              # a CPU: the bits of the runs before auto
+    (["--device", "cuda:1"], "bf16", "on"),            # a GPU: the fast path with no flag
+    (["--device", "cuda", "--compile", "off", "--dtype", "fp32"], "fp32", "off"),
+    (["--device", "cpu", "--compile"], "fp32", "on"),  # bare: on
+    (["--device", "cpu", "--compile", "true"], "fp32", "on"),   # the bool it was before
+])
+def test_dtype_and_compile_auto_mean_the_fast_path_on_a_gpu_only(argv, dtype, compile):
+    cfg = cli.load(["--task", "toy", *argv], {}, tasks.BUILTIN).cfg
+    assert (cfg.dtype, cfg.compile) == (dtype, compile)

@@ -106,7 +106,7 @@ def test_the_header_of_an_evaluation_and_of_a_model_without_a_fast_path(tiny_mod
     text = screen.header(loaded, batch_layout(loaded.cfg), torch.device("cpu"), load_policy(tiny_model_dir, "cpu"),
                          None)
     assert text.startswith("train_lean.py: evaluation only")
-    assert "GPT2Decoder (fast GPT-2 path), compiled (--compile)" in text
+    assert "GPT2Decoder (fast GPT-2 path), compiled (--compile on)" in text
     assert "the task's evaluate() on the model, then exit (--eval-only)" in text
     assert "writes      nothing (the results are printed; --log-file keeps them)" in text
     assert "batch" not in text and "out dir" not in text
