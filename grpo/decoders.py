@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from grpo.model import logprob_temperature, position_ids_from_mask
+from grpo.model import head_multiple, logprob_temperature, padded_head, position_ids_from_mask
 
 # a compiled step's K/V buffers, kept from one generate() to the next by model and shape: a CUDA graph
 # replays on the addresses it was recorded with, so new buffers every call would record a new graph
@@ -116,6 +116,7 @@ class PreallocatedDecoder:
         self.y5 = self.y.view(groups, group, kv_heads, rep, head_dim).transpose(1, 2)
         self.shape = (groups, kv_heads, group, rep, head_dim)
         self.device_type = device.type
+        self.head = self._padded_head(model, device, compile)
         # the compiled step is the class's function, called with self: a bound method stored on self would
         # be a reference cycle, and the K/V buffers it holds would wait for the cycle collector
         self.compiled = torch.compile(type(self)._forward, fullgraph=True, dynamic=False,
@@ -146,6 +147,25 @@ class PreallocatedDecoder:
                            scale)
             x = self._rest(layer, x, y)
         return self._head(x)
+
+    def _head(self, x):
+        logits = torch.nn.functional.linear(self._final_norm(x), *self.head)
+        return logits if logits.shape[-1] == self.vocab else logits[:, :self.vocab]
+
+    def _padded_head(self, model, device, keep: bool):
+        """The output head padded as in training (grpo/model.py padded_head: on a GPU only), in the dtype the
+        steps compute in; compiled, kept from call to call and refreshed in place (a replayed graph reads it
+        where it was recorded)."""
+        head = model.get_output_embeddings()
+        self.vocab = head.weight.shape[0]
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        padded = padded_head(head, head_multiple(device))
+        if padded[0] is head.weight and dtype in (None, head.weight.dtype):
+            return padded
+        if not keep:
+            return tuple(t if t is None else t.to(dtype or t.dtype) for t in padded)
+        return tuple(t if t is None else _zeros(model, f"head{i}", t.shape, dtype or t.dtype, device, True).copy_(t)
+                     for i, t in enumerate(padded))
 
     def _attend(self, q, k, v, step, kp, vp, kn, vn, bias, scores, scale: float):
         """Softmax attention of q (rows x heads x D, in `_heads` form) over its group's prompt (kp, vp) and its
@@ -238,8 +258,8 @@ class GPT2Decoder(PreallocatedDecoder):
         h = mlp.act(torch.addmm(mlp.c_fc.bias, block.ln_2(x), mlp.c_fc.weight))
         return x + torch.addmm(mlp.c_proj.bias, h, mlp.c_proj.weight)
 
-    def _head(self, x):
-        return self.model.lm_head(self.t.ln_f(x))
+    def _final_norm(self, x):
+        return self.t.ln_f(x)
 
 
 class LlamaDecoder(PreallocatedDecoder):
@@ -284,8 +304,8 @@ class LlamaDecoder(PreallocatedDecoder):
         x = x + layer.self_attn.o_proj(y)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
-    def _head(self, x):
-        return self.model.lm_head(self.m.norm(x))
+    def _final_norm(self, x):
+        return self.m.norm(x)
 
 
 class HFDecoder:

@@ -245,9 +245,26 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def _chosen_logprobs(hidden, targets, weight, bias, temperature, with_entropy=False):
-    """(logprob of each row's target,) or with_entropy (logprob, entropy of the row's distribution)."""
-    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+def padded_head(head, multiple: int):
+    """(weight, bias) of the output head with zero rows up to a multiple of `multiple` (their logits are sliced
+    off): GPU matmul kernels are chosen by shape, and a vocabulary like GPT-2's 50257 gets a slow one. A
+    differentiable copy, so gradients reach the head's own weight; multiple 1: the head's own tensors."""
+    pad = -head.weight.shape[0] % multiple
+    if not pad:
+        return head.weight, head.bias
+    bias = None if head.bias is None else torch.nn.functional.pad(head.bias, (0, pad))
+    return torch.nn.functional.pad(head.weight, (0, 0, 0, pad)), bias
+
+
+def head_multiple(device) -> int:
+    """The vocabulary rows the head is padded to a multiple of: 64 on a GPU; 1 (none) elsewhere."""
+    return 64 if torch.device(device).type == "cuda" else 1
+
+
+def _chosen_logprobs(hidden, targets, weight, bias, temperature, with_entropy=False, vocab=None):
+    """(logprob of each row's target,) or with_entropy (logprob, entropy of the row's distribution); vocab:
+    the head's real rows, when weight has padding rows after them."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)[:, :vocab].float() / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
     if not with_entropy:
@@ -303,7 +320,8 @@ def _completion_hidden(model, input_ids, attention_mask, n_completion: int, shar
 
 
 def completion_logprobs(model, input_ids, attention_mask, n_completion: int, temperature: float,
-                        chunk_rows: int, autocast=None, share_prompts: bool = True, with_entropy: bool = False):
+                        chunk_rows: int, autocast=None, share_prompts: bool = True, with_entropy: bool = False,
+                        head_rows: int = None):
     """Logprob of each of the last n_completion tokens of input_ids under `model`: [B, n_completion].
 
     position_ids come from the attention mask, so a left-padded prompt is scored at the positions it
@@ -314,7 +332,8 @@ def completion_logprobs(model, input_ids, attention_mask, n_completion: int, tem
 
     with_entropy: returns (logprobs, entropies), the entropy of the temperature-scaled distribution
     the token was sampled from at each position, computed from the same chunks of logits (with
-    gradients, for an entropy bonus).
+    gradients, for an entropy bonus). head_rows: the head is padded to a multiple of it (padded_head;
+    default head_multiple: on a GPU only).
     """
     autocast = autocast or torch.autocast(input_ids.device.type, enabled=False)
     with autocast, _checkpointed_layers(model, torch.is_grad_enabled()) as checkpointing:
@@ -325,11 +344,12 @@ def completion_logprobs(model, input_ids, attention_mask, n_completion: int, tem
         hidden = hidden.reshape(batch * n_completion, -1)
         targets = input_ids[:, -n_completion:].reshape(-1)
         head = model.get_output_embeddings()
+        weight, bias = padded_head(head, head_rows or head_multiple(input_ids.device))
         recompute = torch.is_grad_enabled() and hidden.shape[0] > chunk_rows
         parts = []
         for s in range(0, hidden.shape[0], chunk_rows):
-            args = (hidden[s:s + chunk_rows], targets[s:s + chunk_rows], head.weight, head.bias, temperature,
-                    with_entropy)
+            args = (hidden[s:s + chunk_rows], targets[s:s + chunk_rows], weight, bias, temperature,
+                    with_entropy, head.weight.shape[0])
             parts.append(checkpoint(_chosen_logprobs, *args, use_reentrant=False) if recompute
                          else _chosen_logprobs(*args))
         out = [torch.cat(p).view(batch, n_completion) for p in zip(*parts)]

@@ -316,3 +316,21 @@ def test_the_exponential_race_gives_a_long_tail_its_mass():
     drawn = torch.cat([decoders.race_index(probs.expand(500, -1)) for _ in range(40)])
     rate, se = float((drawn > 0).double().mean()), math.sqrt(tail * (1 - tail) / drawn.numel())
     assert abs(rate - tail) < 4 * se, (rate, tail)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_padded_decode_head_samples_what_the_plain_one_does(tiny_model_dir, tmp_path, monkeypatch, compile):
+    """The decode step's head padded to 64 rows (a GPU's default) on the CPU, a vocabulary of 300: the same
+    greedy tokens and logprobs within float rounding; never a padding row's token."""
+    from helpers import small_vocab_model
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_policy(small_vocab_model(tiny_model_dir, tmp_path / "m300"), "cpu")
+    ids, mask = _group_batch(tok)
+    ids = ids % 300   # the model's vocabulary
+    runs = []
+    for multiple in (1, 64):
+        monkeypatch.setattr(decoders, "head_multiple", lambda device: multiple)
+        runs.append(generate(model, ids, mask, eos_id=-1, max_new_tokens=12, temperature=0.0, compile=compile))
+    (plain_ids, _, plain_logp), (padded_ids, _, padded_logp) = runs
+    assert torch.equal(plain_ids, padded_ids) and int(padded_ids.max()) < 300
+    assert (plain_logp - padded_logp).abs().max().item() <= 1e-5

@@ -88,3 +88,24 @@ def test_sync_reference_mixes_the_policy_in_at_alpha(tiny_model_dir):
         assert torch.allclose(r, 0.3 * p + 0.7 * old, atol=1e-6) and not r.requires_grad
     sync_reference(reference, policy, 1.0)   # alpha 1: the policy's weights exactly
     assert all(torch.equal(r, p) for r, p in zip(reference.parameters(), policy.parameters()))
+
+
+def test_a_padded_head_gives_the_logprobs_entropies_and_gradients_of_the_plain_one(tiny_model_dir, tmp_path):
+    """head_rows 64 (a GPU's default) on the CPU, fp32, a vocabulary of 300 (not a multiple of 64): the same
+    logprobs and entropies within float rounding, and the head's own weight gets the same gradient."""
+    from grpo.model import completion_logprobs
+    model = load_policy(small_vocab_model(tiny_model_dir, tmp_path / "m300"), "cpu")
+    torch.manual_seed(0)
+    ids = torch.randint(1, 300, (6, 14))
+    mask = torch.ones_like(ids)
+    mask[:2, :3] = 0   # left padding
+    results = []
+    for rows in (1, 64):
+        model.zero_grad()
+        logp, entropy = completion_logprobs(model, ids, mask, 8, 0.7, chunk_rows=16, with_entropy=True,
+                                            head_rows=rows)
+        (logp.sum() + entropy.sum()).backward()
+        results.append((logp.detach(), entropy.detach(), model.get_output_embeddings().weight.grad.clone()))
+    (logp, entropy, grad), (logp64, entropy64, grad64) = results
+    assert torch.allclose(logp, logp64, atol=1e-5, rtol=0) and torch.allclose(entropy, entropy64, atol=1e-5, rtol=0)
+    assert grad64.shape == grad.shape and torch.allclose(grad, grad64, atol=1e-5, rtol=1e-4)
