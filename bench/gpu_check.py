@@ -1,0 +1,227 @@
+"""One GPU check: everything the GPU issue asks of a card, measured in one command, one table.
+
+    python bench/gpu_check.py            # on a one-GPU machine, offline, under 8 minutes
+    python bench/gpu_check.py --smoke    # the same sections, tiny, on the CPU (CI runs it)
+
+Sections, each a subprocess or a call with its own time limit (one failing is reported, the others go on):
+the whole GRPO step at the 124M shape (bench/run.py's workload: 64 = 8 x 8 completions of 144 tokens, KL on)
+with no speed flags, with --compile off, TRL's GRPOTrainer (when trl imports) and the floor; decode tokens/s
+and ops (CUDA: kernels) per token; recompilations after the first step; peak memory; same seed, same bits;
+monitor_memory.py's clean (exit 0) and leaking (exit 1) verdicts; an out-of-memory snapshot provoked and
+found where the console says (CUDA only); the same step at Qwen2.5-0.5B's shape (random weights, built
+here); monitor_memory.py --sweep under a 24 GB budget. It installs nothing and reads no network.
+"""
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+from bench.common import MODELS, model_dir, task_flag  # noqa: E402
+
+# Qwen2.5-0.5B's configuration (24 x 896, 14 query heads on 2 K/V heads, MLP 4864, tied 151936 vocabulary)
+MODELS.setdefault("qwen2.5-0.5b", {"arch": "qwen2", "n_layer": 24, "n_embd": 896, "n_head": 14, "n_kv_head": 2,
+                                   "intermediate": 4864, "n_positions": 1024, "vocab_size": 151936})
+LEAKY_TASK = '''
+import torch
+KEPT = []
+class Leaky:
+    """The toy task's prompts; every reward keeps 256 kB on the run's device (16 MB a step at batch 64)."""
+    name, min_reward = "leaky", 0.0
+    def prompts(self, n, rng):
+        return [f"say {rng.choice('ab')}:" for _ in range(n)]
+    def reward(self, prompt, completion):
+        KEPT.append(torch.ones(2 ** 16, device="cuda" if torch.cuda.is_available() else "cpu"))
+        return float(prompt[4] in completion)
+'''
+
+
+def shape(smoke: bool) -> dict:
+    """The workload: the issue's on a GPU; --smoke a tiny one that a 2-core CPU runs in seconds a step."""
+    if smoke:
+        return dict(model="tiny", big="tiny-llama", batch=16, tokens=16, warmup=1, steps=2, sweep="8,16",
+                    budget_gb=None)
+    return dict(model="gpt2-124m", big="qwen2.5-0.5b", batch=64, tokens=144, warmup=2, steps=6, sweep="64,96,128",
+                budget_gb=24)
+
+
+def train_command(path, s, out, extra=()):
+    """train_lean.py on bench/run.py's workload, with no speed flag unless `extra` names one."""
+    return [sys.executable, os.path.join(REPO, "train_lean.py"), "--model", path, "--task", task_flag("chess-a"),
+            "--batch-size", str(s["batch"]), "--group-size", "8", "--max-new-tokens", str(s["tokens"]),
+            "--min-new-tokens", str(s["tokens"]), "--kl-coef", "0.02", "--seed", "0", "--eval-interval", "0",
+            "--steps", str(s["warmup"] + s["steps"]), "--out-dir", out, "--log-level", "warning", *extra]
+
+
+def run(cmd, timeout, **kw):
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, **kw)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def step_section(path, s, work, name, extra=(), timeout=300):
+    """The whole step: median samples/s over the measured steps, their max/min, peak memory, recompiles."""
+    out = os.path.join(work, name)
+    code, text = run(train_command(path, s, out, extra), timeout)
+    if code:
+        raise RuntimeError(f"exit {code}: {text.strip().splitlines()[-1] if text.strip() else ''}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        recs = [r for r in map(json.loads, f) if "samples_per_s" in r]
+    measured = [r["samples_per_s"] for r in recs[s["warmup"]:]]
+    peak = max(r.get("cuda_peak_mb", r["rss_peak_mb"]) for r in recs)
+    later = sum(r.get("decode_compiles", 0) for r in recs[1:])
+    return {"samples/s": statistics.median(measured), "max/min": max(measured) / min(measured), "peak MB": peak,
+            "recompiles after step 1": later, "out": out}
+
+
+def peer_section(system, path, s, work, dtype, timeout=300):
+    """TRL's GRPOTrainer or the floor on the same workload (bench/trl_run.py, bench/floor_run.py)."""
+    out = os.path.join(work, f"{system}.jsonl")
+    script = {"trl": "trl_run.py", "floor": "floor_run.py"}[system]
+    code, text = run([sys.executable, os.path.join(HERE, script), "--model", path, "--dtype", dtype, "--steps",
+                      str(s["warmup"] + s["steps"]), "--task", "chess-a", "--new-tokens", str(s["tokens"]),
+                      "--out", out], timeout)
+    if code:
+        raise RuntimeError(f"exit {code}: {text.strip().splitlines()[-1] if text.strip() else ''}")
+    with open(out) as f:
+        recs = [r for r in map(json.loads, f) if "samples_per_s" in r][s["warmup"]:]
+    return {"samples/s": statistics.median(r["samples_per_s"] for r in recs),
+            "peak MB": max(r.get("cuda_peak_mb") or r.get("rss_peak_mb") or 0 for r in recs)}
+
+
+def decode_section(path, s, device):
+    """generate()'s tokens/s on the step's batch (eager and compiled), and ops / CUDA kernels per token."""
+    import torch
+    from bench.decode_ops import per_token
+    from grpo.decoders import generate
+    from grpo.model import load_policy, model_autocast
+    model = load_policy(path, device)
+    out = {}
+    for compile in (False, True):
+        ops, kernels = per_token(model, torch.device(device), compile=compile)
+        torch.manual_seed(0)
+        ids = torch.randint(3, 300, (s["batch"] // 8, 20), device=device).repeat_interleave(8, 0)
+        kw = dict(eos_id=0, max_new_tokens=s["tokens"], min_new_tokens=s["tokens"], compile=compile,
+                  autocast=model_autocast(torch.device(device), "bf16" if device == "cuda" else "fp32"))
+        generate(model, ids, torch.ones_like(ids), **kw)   # compiled: the compilation
+        start = time.perf_counter()
+        generate(model, ids, torch.ones_like(ids), **kw)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        tag = "compiled" if compile else "eager"
+        out[f"{tag} tokens/s"] = ids.shape[0] * s["tokens"] / (time.perf_counter() - start)
+        out[f"{tag} {'kernels' if kernels else 'ops'}/token"] = kernels or ops
+    return out
+
+
+def bits_section(path, s, work):
+    """Same seed, same bits: a second run of the default step fingerprints as the first did."""
+    from bench.fingerprint import fingerprint
+    first = os.path.join(work, "default")
+    again = os.path.join(work, "again")
+    code, text = run(train_command(path, s, again), 300)
+    if code:
+        raise RuntimeError(f"exit {code}")
+    a, b = fingerprint(first)[:2], fingerprint(again)[:2]
+    return {"same bits": a == b, "fingerprint": " ".join(a)}
+
+
+def monitor_section(s, work):
+    """monitor_memory.py on a clean toy run (exit 0) and on one whose task keeps memory every reward (exit 1)."""
+    task = os.path.join(work, "leaky.py")
+    with open(task, "w") as f:
+        f.write(LEAKY_TASK)
+    tiny = model_dir("tiny", os.path.join(REPO, "out", "bench-models"))
+    base = [sys.executable, os.path.join(REPO, "monitor_memory.py"), "--steps", "16", "--batch-size", "16",
+            "--warmup", "4", "--work-dir", os.path.join(work, "monitor"), "--", "--model", tiny,
+            "--max-new-tokens", "8", "--eval-interval", "0"]
+    clean, _ = run(base + ["--task", "toy"], 300)
+    leaking, text = run(base + ["--task", f"{task}:Leaky"], 300)
+    return {"clean exit": clean, "leaking exit": leaking, "verdicts right": clean == 0 and leaking == 1}
+
+
+def oom_section(path, s, work):
+    """An out-of-memory provoked (the card capped at 2% of its memory): the console names a snapshot file,
+    and it is there."""
+    out = os.path.join(work, "oom")
+    code = ("import runpy, sys, torch; torch.cuda.set_per_process_memory_fraction(0.02); "
+            f"sys.argv = {train_command(path, s, out)[1:]!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
+    exit_code, text = run([sys.executable, "-c", code], 300)
+    named = [w.strip(".,:;()'\"") for w in text.split() if w.strip(".,:;()'\"").endswith(".pickle")]
+    found = [p for p in named if os.path.isfile(p if os.path.isabs(p) else os.path.join(REPO, p))]
+    return {"exit": exit_code, "snapshot named": named[:1] or "-", "snapshot found": bool(found)}
+
+
+def sweep_section(path, s, work):
+    """monitor_memory.py --sweep: the largest batch that fits the budget (a 24 GB card on a GPU)."""
+    cmd = [sys.executable, os.path.join(REPO, "monitor_memory.py"), "--sweep", s["sweep"], "--steps", "2",
+           "--work-dir", os.path.join(work, "sweep"), "--summary", os.path.join(work, "sweep.json")]
+    cmd += ["--budget-gb", str(s["budget_gb"])] if s["budget_gb"] else []
+    code, text = run(cmd + ["--", "--model", path, "--task", task_flag("chess-a"), "--max-new-tokens",
+                            str(s["tokens"]), "--min-new-tokens", str(s["tokens"]), "--eval-interval", "0"], 480)
+    lines = [line for line in text.splitlines() if "fit" in line.lower()]
+    return {"exit": code, "says": lines[-1].strip() if lines else text.strip().splitlines()[-1]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (CI): the sections, not the numbers")
+    ap.add_argument("--out", default=os.path.join(REPO, "out", "gpu_check"))
+    args = ap.parse_args(argv)
+    import torch
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if not args.smoke and device != "cuda":
+        print("gpu_check.py: no CUDA device here; --smoke runs the sections on the CPU", file=sys.stderr)
+        return 2
+    s = shape(args.smoke)
+    root = os.path.join(REPO, "out", "bench-models")
+    path, big = model_dir(s["model"], root), model_dir(s["big"], root)
+    os.makedirs(args.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="gpu-check-", dir=args.out)
+    dtype = "bf16" if device == "cuda" else "fp32"
+    sections = [("ours, defaults", lambda: step_section(path, s, work, "default")),
+                ("ours, --compile off", lambda: step_section(path, s, work, "eager", ["--compile", "off"])),
+                ("TRL GRPOTrainer", lambda: peer_section("trl", path, s, work, dtype)
+                 if importlib.util.find_spec("trl") else {"skipped": "trl does not import"}),
+                ("floor", lambda: peer_section("floor", path, s, work, dtype)),
+                ("decode", lambda: decode_section(path, s, device)),
+                ("same seed, same bits", lambda: bits_section(path, s, work)),
+                ("memory monitor", lambda: monitor_section(s, work)),
+                ("out-of-memory snapshot", lambda: oom_section(path, s, work) if device == "cuda"
+                 else {"skipped": "CUDA only"}),
+                (f"ours, {s['big']}", lambda: step_section(big, s, work, "big")),
+                ("batch sweep", lambda: sweep_section(path, s, work))]
+    results, failed = {}, []
+    for name, section in sections:
+        start = time.perf_counter()
+        try:
+            results[name] = section()
+        except Exception as e:   # one section's failure is a row of the table; the others still run
+            results[name] = {"FAILED": f"{type(e).__name__}: {e}"[:200]}
+            failed.append(name)
+        results[name]["s"] = round(time.perf_counter() - start, 1)
+        print(f"[{name}] {results[name]}", flush=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "smoke": args.smoke,
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "model": s["model"]}
+    ours, trl = results["ours, defaults"].get("samples/s"), results["TRL GRPOTrainer"].get("samples/s")
+    if ours and trl:
+        results["ours, defaults"]["vs TRL"] = ours / trl
+    print(f"\n{meta}\n\n| section | results |\n|---|---|")
+    for name, r in results.items():
+        text = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if k != "out")
+        print(f"| {name} | {text} |")
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
