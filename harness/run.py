@@ -231,8 +231,9 @@ class Run:
     def steps(self):
         """The steps to train, one at a time. After each: a checkpoint when due, when a signal asked the run to stop
         (Ctrl-C or SIGTERM: the step finishes, is saved, and the run exits 0) or when too many updates in a row were
-        not finite (saved, exit 1). After the last: the trained model in OUT_DIR/model, and a line when most steps
-        learned nothing (only flat groups)."""
+        not finite (saved, exit 1). After the last: its checkpoint (--resume extends the run from it, optimizer
+        included, or finishes what a failure left out), then the trained model in OUT_DIR/model, both with signals
+        deferred; and a line when most steps learned nothing (only flat groups)."""
         cfg = self.cfg
         bar = tqdm(range(self.start_step + 1, cfg.steps + 1), desc="steps", initial=self.start_step, total=cfg.steps,
                    disable=not (self.main and sys.stderr.isatty()), file=sys.stderr)
@@ -244,20 +245,22 @@ class Run:
                 yield step
                 stopping = distributed.any_rank(stop.requested)  # every rank
                 aborting = self.guard.nonfinite_streak >= cfg.max_nonfinite
-                if stopping or aborting or (cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps)):
-                    path = self.saver.save(distributed.gather_objects(checkpoint.rng_states()))  # every rank
+                if stopping or aborting or step == cfg.steps or (cfg.save_interval and step % cfg.save_interval == 0):
+                    with stop.deferred():
+                        path = self.saver.save(distributed.gather_objects(checkpoint.rng_states()))  # every rank
                     self.info(f"saved {path}")
                 if aborting:
                     log.warn(guards.nonfinite_abort(step, self.guard.nonfinite_streak, path))
                     self.exit_code = 1
                     return
-                if stopping:
+                if stopping and step < cfg.steps:   # at the last step only the model is left: it is written
                     self.info(f"stopped after step {step}: continue with --resume")
                     return
-        if cfg.save_final and self.main:  # the run reached its last step: keep what it made
-            folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), self.lora or self.policy, self.tokenizer,
-                                           cfg.steps)
-            self.info(f"saved the trained model to {folder} (from_pretrained loads it)")
+            if cfg.save_final and self.main:  # the run reached its last step: keep what it made
+                with stop.deferred():
+                    folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), self.lora or self.policy,
+                                                   self.tokenizer, cfg.steps)
+                self.info(f"saved the trained model to {folder} (from_pretrained loads it)")
         summary = self.scorer.flat_summary()   # the same on every rank: each has the gathered frac_zero_std
         if summary:
             log.warn(summary)

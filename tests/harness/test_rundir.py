@@ -89,7 +89,7 @@ def test_a_finished_runs_folder_is_refused_and_overwrite_starts_over(tiny_model_
     # nothing of the earlier run is left to mix with this one: no record, no checkpoint a --resume could pick
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1]
     assert {r["step"] for r in read_jsonl(out / "completions.jsonl")} == {1}
-    assert not (out / "checkpoints").exists()
+    assert os.listdir(out / "checkpoints") == ["step_000001"]   # the new run's last step
 
 
 def test_eval_only_works_on_a_finished_runs_folder_and_overwrites_no_log(tiny_model_dir, tmp_path):
