@@ -28,7 +28,7 @@ from grpo import distributed, ptx
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
                         load_trainable, model_autocast)
 from grpo.rollout import encode_prompts, stream_seed, wants_bos
-from harness import checkpoint, cli, config, guards, log, memory, rundir, screen
+from harness import checkpoint, cli, config, guards, log, memory, paths, rundir, screen
 from harness import task as task_lib
 
 
@@ -44,9 +44,11 @@ class Run:
             self.loaded = cli.load(argv, builtin=builtin, default_task=default_task)
             cfg = self.cfg = self.loaded.cfg
             self.layout = config.batch_layout(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+            outs = paths.check(cfg, self.loaded.options)   # none on what it reads or another writes
             rundir.check_paths(cfg)
             rundir.check_paths(self.loaded.options)
-            lock, self.resume_from = rundir.prepare(cfg, self.loaded.options)  # OUT_DIR locked, no other run's records
+            # OUT_DIR and every path the run writes locked, no other run's records
+            lock, self.resume_from = rundir.prepare(cfg, self.loaded.options, outs)
         except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
             usage_error(str(e))
         self.evaluating = hasattr(self.loaded.task, "evaluate") and (cfg.eval_only or cfg.eval_interval > 0)
@@ -231,9 +233,9 @@ class Run:
     def steps(self):
         """The steps to train, one at a time. After each: a checkpoint when due, when a signal asked the run to stop
         (Ctrl-C or SIGTERM: the step finishes, is saved, and the run exits 0) or when too many updates in a row were
-        not finite (saved, exit 1). After the last: its checkpoint (--resume extends the run from it, optimizer
-        included, or finishes what a failure left out), then the trained model in OUT_DIR/model, both with signals
-        deferred; and a line when most steps learned nothing (only flat groups)."""
+        not finite (saved, exit 1). After the last: its checkpoint (--resume extends the run from
+        it, optimizer included, or finishes what a failure left out), then the trained model in
+        OUT_DIR/model, both with signals deferred; and a line when most steps learned nothing."""
         cfg = self.cfg
         bar = tqdm(range(self.start_step + 1, cfg.steps + 1), desc="steps", initial=self.start_step, total=cfg.steps,
                    disable=not (self.main and sys.stderr.isatty()), file=sys.stderr)
@@ -245,21 +247,22 @@ class Run:
                 yield step
                 stopping = distributed.any_rank(stop.requested)  # every rank
                 aborting = self.guard.nonfinite_streak >= cfg.max_nonfinite
-                if stopping or aborting or step == cfg.steps or (cfg.save_interval and step % cfg.save_interval == 0):
-                    with stop.deferred():
-                        path = self.saver.save(distributed.gather_objects(checkpoint.rng_states()))  # every rank
+                due = step == cfg.steps or (cfg.save_interval and step % cfg.save_interval == 0)
+                if stopping or aborting or due:
+                    with stop.deferred():   # every rank
+                        path = self.saver.save(distributed.gather_objects(checkpoint.rng_states()))
                     self.info(f"saved {path}")
                 if aborting:
                     log.warn(guards.nonfinite_abort(step, self.guard.nonfinite_streak, path))
                     self.exit_code = 1
                     return
-                if stopping and step < cfg.steps:   # at the last step only the model is left: it is written
+                if stopping and step < cfg.steps:   # after the last, the model is written still
                     self.info(f"stopped after step {step}: continue with --resume")
                     return
             if cfg.save_final and self.main:  # the run reached its last step: keep what it made
                 with stop.deferred():
-                    folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), self.lora or self.policy,
-                                                   self.tokenizer, cfg.steps)
+                    folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), self.lora
+                                                   or self.policy, self.tokenizer, cfg.steps)
                 self.info(f"saved the trained model to {folder} (from_pretrained loads it)")
         summary = self.scorer.flat_summary()   # the same on every rank: each has the gathered frac_zero_std
         if summary:

@@ -5,7 +5,8 @@ process ends, however it ends (kill -9 included), so a killed run leaves no stal
 run started in the folder meanwhile exits 2 naming the pid that holds it. After a run, its records stay
 its own: a new run into a folder that holds an earlier run's logs, checkpoints, model or reports is
 refused, unless it continues that run (--resume) or starts over on purpose (--overwrite, which deletes
-them first). --eval-only takes no lock and writes nothing but a --log-file it is given.
+them first). --eval-only takes no lock on OUT_DIR and writes nothing but a --log-file it is
+given; every path a run writes, that one too, is checked and locked by harness/paths.py.
 
 All of this happens at start-up, before a model loads: every path a setting names is checked (a folder
 that cannot be written says so at once), the lock file is created, --resume finds and checks its
@@ -20,15 +21,14 @@ import shutil
 import tempfile
 
 from grpo import distributed
-from harness import checkpoint, config, log, memory
+from harness import checkpoint, config, log, memory, paths
+from harness.paths import LOCK, SETTINGS
 
-LOCK = ".lock"
-# what a run writes into OUT_DIR besides the lock: its metrics, checkpoints, model, --report-to folders and
-# memory evidence
+# what a run writes into OUT_DIR besides the lock: its metrics, checkpoints, model, --report-to
+# folders and memory evidence. Its settings table (SETTINGS, harness/screen.py) is written at
+# start-up: alone it is what a run that stopped before its first record leaves (a bad --model,
+# say), which the next run replaces; beside records it is one of them
 OUTPUTS = (log.METRICS, checkpoint.SUBDIR, "model", "tensorboard", "wandb", memory.SUBDIR)
-# and its settings table (harness/screen.py), written at start-up: alone it is what a run that stopped before its
-# first record leaves (a bad --model, say), which the next run replaces; beside records it is one of them
-SETTINGS = "settings.txt"
 
 
 def check_paths(settings) -> None:
@@ -101,29 +101,6 @@ def earlier_run(cfg) -> list:
     found = [p for p in unique.values() if _holds_something(p)]
     settings = os.path.join(cfg.out_dir, SETTINGS)
     return found + [settings] if found and os.path.exists(settings) else found
-
-
-def inputs(cfg, options) -> list:
-    """(flag, path) of what the run reads from disk: --model when it is a local folder, and every setting of the
-    Config or the task's options marked path="in". (--resume's checkpoint is not one: --overwrite excludes it.)"""
-    found = [("--model", cfg.model)]
-    for settings in (cfg, options):
-        for f in dataclasses.fields(settings) if settings is not None else ():
-            if f.metadata.get("path") == "in" and getattr(settings, f.name) is not None:
-                found.append((config.flag(f.name), getattr(settings, f.name)))
-    return [(flag, path) for flag, path in found if os.path.exists(path)]
-
-
-def check_overwrite_keeps_inputs(cfg, options, doomed: list) -> None:
-    """--overwrite deletes the earlier run's records: refuse when one of them is, or holds, what this run reads
-    (`--model OUT/model --out-dir OUT --overwrite` would delete the model it was asked to train)."""
-    for path in doomed:
-        gone = os.path.realpath(path)
-        for flag, value in inputs(cfg, options):
-            read = os.path.realpath(value)
-            if read == gone or read.startswith(gone + os.sep):
-                raise config.ConfigError(f"--overwrite would delete {path}, which {flag} {value} reads: copy it out of "
-                                         f"{cfg.out_dir} first, or pass another --out-dir")
 
 
 def check_space(out_dir: str, model: str) -> None:
@@ -285,15 +262,19 @@ def check_resume(saved, cfg, options, checkpoint_path: str) -> list:
     return notes
 
 
-def prepare(cfg, options) -> tuple:
+def prepare(cfg, options, outs: list) -> tuple:
     """Make OUT_DIR this run's and find what it resumes: (a context that holds the lock until the run ends,
-    the intact checkpoint to resume from or None). Raises ConfigError / CheckpointError, lock released."""
+    the intact checkpoint to resume from or None). outs: the run's writes (harness/paths.py), each
+    locked too.
+    Raises ConfigError / CheckpointError, lock released."""
     check_resume_flags(cfg, options)
     main = distributed.is_main()
     lock_held = contextlib.ExitStack()
     try:
         if not cfg.eval_only and main:
             lock_held.enter_context(lock(cfg.out_dir))
+        if outs and main:
+            paths.register(outs, lock_held)
         resume_from = None
         if cfg.resume:   # only a locked run moves damaged checkpoints aside: no one else is writing them
             resume_from = checkpoint.resolve(cfg.resume, cfg.out_dir, set_aside=main and not cfg.eval_only)
@@ -321,8 +302,6 @@ def prepare(cfg, options) -> tuple:
                        "to --resume; --save-interval N keeps them)"
             raise config.ConfigError(f"--out-dir {cfg.out_dir} holds an earlier run's records ({', '.join(found)}): "
                                      f"pass {hint}")
-        if found:
-            check_overwrite_keeps_inputs(cfg, options, found)
         if found and main:
             for path in found:
                 if os.path.isdir(path):

@@ -83,8 +83,8 @@ def test_a_signal_finishes_the_step_saves_and_exits_0(tiny_model_dir, tmp_path, 
     assert "stopped after step" in stdout
 
 
-# train_lean.py with harness/checkpoint.py's argv[1] (save: a checkpoint, save_model: the final model) raising the
-# signal argv[2] at the process as it starts writing: a Ctrl-C or kill -TERM that lands in the middle of the write
+# train_lean.py with harness/checkpoint.py's argv[1] (save: a checkpoint, save_model: the final
+# model) raising the signal argv[2] as it starts writing: a Ctrl-C or kill -TERM in the write
 SIGNAL_IN_WRITE = """
 import os, signal, sys
 from harness import checkpoint
@@ -98,16 +98,18 @@ train_lean.main(sys.argv[3:])
 """
 
 
-@pytest.mark.parametrize("write,sig", [("save_model", "SIGTERM"), ("save_model", "SIGINT"), ("save", "SIGTERM")])
+@pytest.mark.parametrize("write,sig", [("save_model", "SIGTERM"), ("save_model", "SIGINT"),
+                                       ("save", "SIGTERM")])
 def test_a_signal_during_the_final_save_waits_for_it(tiny_model_dir, tmp_path, write, sig):
-    # it used to kill the run in the write (exit 143, only model.tmp left) or, for Ctrl-C, save nothing
+    # issue 46 case 1: it died in the write (exit 143, only model.tmp left); Ctrl-C saved nothing
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-c", SIGNAL_IN_WRITE, write, sig, *run_args(tiny_model_dir, "toy"),
-                             "--steps", "1", "--out-dir", str(out)], env=env(), capture_output=True, text=True,
-                            timeout=120)
+    args = [*run_args(tiny_model_dir, "toy"), "--steps", "1", "--out-dir", str(out)]
+    result = subprocess.run([sys.executable, "-c", SIGNAL_IN_WRITE, write, sig, *args], env=env(),
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert checkpoint.model_step(str(out / "model")) == 1 and not (out / "model.tmp").exists()
-    assert checkpoint.damage(str(out / "checkpoints" / "step_000001")) is None   # the step, whole, for --resume
+    # the step, whole, for --resume
+    assert checkpoint.damage(str(out / "checkpoints" / "step_000001")) is None
 
 
 def test_candidates_skip_half_written_and_incomplete_checkpoints(tmp_path):
@@ -368,16 +370,17 @@ def test_a_checkpoint_under_another_steps_name_is_damaged(two_saved_steps, tmp_p
 @pytest.mark.slow
 def test_a_resume_behind_a_finished_model_is_refused_or_branches_keeping_it(two_saved_steps, evaluated,
                                                                            tiny_model_dir, tmp_path):
-    # the run is resumed to step 3 at another learning rate, and the checkpoint at its end is lost (deleted, or set
-    # aside as damaged): its model and record of step 3 are newer than the newest checkpoint (step 2), and a later
-    # bare --resume would replace them unsaid
+    # the run is resumed to step 3 at another learning rate, and the checkpoint at its end is lost
+    # (deleted, or set aside as damaged): its model and record of step 3 are newer than the newest
+    # checkpoint (step 2), and a later bare --resume would replace them unsaid
     out = copy_of(two_saved_steps, tmp_path)
     ckpts, logs = out / "checkpoints", ["--log-completions", str(out / "completions.jsonl")]
     on = train(*run_args(tiny_model_dir, evaluated, "--steps", "3", "--out-dir", str(out), "--resume", *logs,
                          "--learning-rate", "5e-4", "--resume-allow-change", "learning_rate", "--save-interval", "0"))
     assert on.returncode == 0, on.stderr
     shutil.rmtree(ckpts / "step_000003")
-    assert checkpoint.model_step(str(out / "model")) == 3 and checkpoints_in(ckpts) == ["step_000002"]
+    assert checkpoint.model_step(str(out / "model")) == 3
+    assert checkpoints_in(ckpts) == ["step_000002"]
     finished = weights(out / "model")
     line = one_line_error(train(*run_args(tiny_model_dir, evaluated, "--steps", "4", "--out-dir", str(out),
                                           "--resume", *logs)))

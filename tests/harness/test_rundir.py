@@ -146,10 +146,11 @@ def test_overwrite_refuses_to_delete_what_the_run_reads(tiny_model_dir, tmp_path
     assert first.returncode == 0, first.stderr
     before = snapshot(out)
     line = one_line_error(train(*toy(str(out / "model")), "--steps", "1", "--out-dir", str(out), "--overwrite"))
-    assert f"--overwrite would delete {out / 'model'}, which --model {out / 'model'} reads" in line
-    assert "copy it out of" in line and "another --out-dir" in line
+    assert f"--out-dir {out}: {out / 'model'} lands on {out / 'model'}, which --model reads: " \
+           f"pass another --out-dir" in line
     # a file inside the doomed records (a path="in" setting): the same
     line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out), "--overwrite",
                                 "--ptx-coef", "1", "--ptx-file", str(out / "metrics.jsonl")))
-    assert f"which --ptx-file {out / 'metrics.jsonl'} reads" in line
+    metrics = out / "metrics.jsonl"
+    assert f"{metrics} lands on {metrics}, which --ptx-file reads" in line
     assert snapshot(out) == before   # nothing was deleted
