@@ -48,21 +48,23 @@ class Run:
             rundir.check_paths(cfg)
             rundir.check_paths(self.loaded.options)
             # OUT_DIR and every path the run writes locked, no other run's records
-            lock, self.resume_from = rundir.prepare(cfg, self.loaded.options, outs)
+            lock, self.resume_from, self.doomed = rundir.prepare(cfg, self.loaded.options, outs)
         except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
             usage_error(str(e))
         self.evaluating = hasattr(self.loaded.task, "evaluate") and (cfg.eval_only or cfg.eval_interval > 0)
         self.rank, self.world, self.device = distributed.init(cfg.device)
         self.main = distributed.is_main()   # only rank 0 prints, logs, saves and evaluates
         self.info = functools.partial(log.info, self.main and cfg.log_level != "warning")
-        screen.keep_settings(cfg, screen.describe(cfg, self.loaded.options, self.loaded.sources, self.layout), self.main)
+        self.table = screen.describe(cfg, self.loaded.options, self.loaded.sources, self.layout)
+        if not self.doomed:   # else once the earlier run's are set aside (_set_aside_doomed)
+            screen.keep_settings(cfg, self.table, self.main)
         self.autocast = model_autocast(self.device, cfg.dtype)   # bf16 matmuls over fp32 weights and AdamW state
         checkpoint.seed_all(cfg.seed)
         self.start_step = checkpoint.step_of(self.resume_from) if self.resume_from else 0
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
         self.stack.push(distributed.close)      # told whether the run ended by an exception
-        self.exit_code, self.cut_said = 0, False
+        self.exit_code, self.cut_said, self.overwritten = 0, False, None
 
     def __enter__(self):
         return self
@@ -159,8 +161,22 @@ class Run:
         are not overwritten)."""
         if self.main:
             log_file = self.cfg.log_file
+            self._set_aside_doomed()
             self._first_evaluation(self.stack.enter_context(log.open_jsonl(log_file)) if log_file else None,
                                    items_path=log.items_path(log_file) if log_file else None)
+            self._drop_overwritten()
+
+    def _set_aside_doomed(self) -> None:
+        """--overwrite, now that every check has passed and the model has loaded: the earlier
+        run's records aside until this run's first step is written (rundir.Overwritten)."""
+        if self.doomed:
+            self.overwritten = rundir.Overwritten(self.doomed)
+            self.stack.callback(self.overwritten.restore)   # a no-op once dropped
+            screen.keep_settings(self.cfg, self.table, self.main)
+
+    def _drop_overwritten(self) -> None:
+        if self.overwritten:
+            self.overwritten.drop()
 
     def _first_evaluation(self, metrics_file, reporter=None, items_path=None) -> None:
         """The evaluation before any training (step 0, or --eval-only). A TaskError there (a held-out prompt too long
@@ -208,6 +224,7 @@ class Run:
                       f"{layout.mini_batch_per_device // micro} gradient-accumulation steps")
         settings = config.settings(cfg, self.loaded.options)
         rundir.branch_off(cfg, self.resume_from)   # a resume from an older checkpoint: the later ones aside, kept
+        self._set_aside_doomed()
         self.metrics_file, self.completions_file = log.open_run_logs(
             log.metrics_path(cfg), cfg.log_completions, self.start_step if self.resume_from else None,
             self.stack) if self.main else (None, None)
@@ -300,6 +317,7 @@ class Run:
         if cfg.log_completions:
             log.write_completions(self.completions_file, step, self.step_rows)
         log.write(self.metrics_file, rec)
+        self._drop_overwritten()   # its first step on record: --overwrite's earlier run goes
         self.reporter.log(rec, step)
         if cfg.log_level != "warning":
             self.print_line(log.step_line(rec, cfg.steps))

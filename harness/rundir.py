@@ -263,9 +263,9 @@ def check_resume(saved, cfg, options, checkpoint_path: str) -> list:
 
 
 def prepare(cfg, options, outs: list) -> tuple:
-    """Make OUT_DIR this run's and find what it resumes: (a context that holds the lock until the run ends,
-    the intact checkpoint to resume from or None). outs: the run's writes (harness/paths.py), each
-    locked too.
+    """Make OUT_DIR this run's and find what it resumes: (a context that holds the lock until the
+    run ends, the intact checkpoint to resume from or None, the earlier records --overwrite
+    replaces, on rank 0: Overwritten). outs: the run's writes (harness/paths.py), each locked too.
     Raises ConfigError / CheckpointError, lock released."""
     check_resume_flags(cfg, options)
     main = distributed.is_main()
@@ -302,16 +302,45 @@ def prepare(cfg, options, outs: list) -> tuple:
                        "to --resume; --save-interval N keeps them)"
             raise config.ConfigError(f"--out-dir {cfg.out_dir} holds an earlier run's records ({', '.join(found)}): "
                                      f"pass {hint}")
-        if found and main:
-            for path in found:
-                if os.path.isdir(path):
-                    shutil.rmtree(path)
-                else:
-                    os.remove(path)
-            log.warn(f"--overwrite: deleted the earlier run's {', '.join(found)}")
         if not cfg.eval_only:
             check_space(cfg.out_dir, resume_from or cfg.model)
     except BaseException:
         lock_held.close()
         raise
-    return lock_held, resume_from
+    return lock_held, resume_from, found if main else []
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+class Overwritten:
+    """--overwrite's earlier records, set aside (PATH.overwritten) only once the run has passed
+    every check and loaded its model, deleted once it has written its first step (drop), and put
+    back as they were if it ends before (restore: its own files there go): a failing --overwrite
+    strands no one."""
+
+    def __init__(self, found: list):
+        self.moved = [(path, _free_name(path + ".overwritten")) for path in found]
+        for path, aside in self.moved:
+            os.rename(path, aside)
+
+    def drop(self) -> None:
+        for _, aside in self.moved:
+            _remove(aside)
+        if self.moved:
+            log.warn(f"--overwrite: deleted the earlier run's "
+                     f"{', '.join(p for p, _ in self.moved)}")
+        self.moved = []
+
+    def restore(self) -> None:
+        for path, aside in self.moved:
+            _remove(path)
+            os.rename(aside, path)
+        if self.moved:
+            log.warn(f"--overwrite: the run ended before its first step: the earlier run's "
+                     f"{', '.join(p for p, _ in self.moved)} are back as they were")
+        self.moved = []

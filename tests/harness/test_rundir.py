@@ -154,3 +154,27 @@ def test_overwrite_refuses_to_delete_what_the_run_reads(tiny_model_dir, tmp_path
     metrics = out / "metrics.jsonl"
     assert f"{metrics} lands on {metrics}, which --ptx-file reads" in line
     assert snapshot(out) == before   # nothing was deleted
+
+
+def test_overwrite_sets_the_earlier_run_aside_only_when_the_new_one_can_start(tiny_model_dir,
+                                                                             tmp_path):
+    # issue 46 case 6: --overwrite deleted the earlier run first, then failed (--device tpu, a
+    # typo in --model): nothing replaced it
+    (tmp_path / "evaluated.py").write_text(EVALUATED_TASK)
+    task = ["--model", tiny_model_dir, *SMALL, "--task", f"{tmp_path / 'evaluated.py'}:Evaluated"]
+    out = tmp_path / "out"
+    first = train(*task, "--steps", "1", "--out-dir", str(out))
+    assert first.returncode == 0, first.stderr
+    before = snapshot(out)
+    for bad in (["--device", "tpu"], ["--model", str(tmp_path / "typo")]):
+        one_line_error(train(*task, "--steps", "1", "--out-dir", str(out), "--overwrite", *bad))
+        assert snapshot(out) == before
+    # set aside once the model loaded, the run fails at its evaluation before step 1: put back
+    failed = train(*task, "--steps", "1", "--out-dir", str(out), "--overwrite", "--eval-interval",
+                   "1", extra_env={"RAISE_AT_EVAL": "1"})
+    assert failed.returncode == 1 and "are back as they were" in failed.stderr, failed.stderr
+    assert snapshot(out) == before
+    # the earlier run goes only once the new one has written its first step
+    fresh = train(*task, "--steps", "1", "--out-dir", str(out), "--overwrite")
+    assert fresh.returncode == 0 and "--overwrite: deleted the earlier run's" in fresh.stderr
+    assert not list(out.glob("*.overwritten"))
