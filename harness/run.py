@@ -48,10 +48,12 @@ class Run:
             rundir.check_paths(cfg)
             rundir.check_paths(self.loaded.options)
             # OUT_DIR and every path the run writes locked, no other run's records
-            lock, self.resume_from, self.doomed = rundir.prepare(cfg, self.loaded.options, outs)
+            self.evaluating = hasattr(self.loaded.task, "evaluate") and (
+                cfg.eval_only or cfg.eval_interval > 0)
+            lock, self.resume_from, self.doomed = rundir.prepare(cfg, self.loaded.options, outs,
+                                                                 self.evaluating)
         except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
             usage_error(str(e))
-        self.evaluating = hasattr(self.loaded.task, "evaluate") and (cfg.eval_only or cfg.eval_interval > 0)
         self.rank, self.world, self.device = distributed.init(cfg.device)
         self.main = distributed.is_main()   # only rank 0 prints, logs, saves and evaluates
         self.info = functools.partial(log.info, self.main and cfg.log_level != "warning")
@@ -61,6 +63,9 @@ class Run:
         self.autocast = model_autocast(self.device, cfg.dtype)   # bf16 matmuls over fp32 weights and AdamW state
         checkpoint.seed_all(cfg.seed)
         self.start_step = checkpoint.step_of(self.resume_from) if self.resume_from else 0
+        # resumed at its last step: what a failure or a kill after its checkpoint left out
+        self.owed = rundir.owed(cfg, self.resume_from, self.evaluating) \
+            if self.start_step == cfg.steps and not cfg.eval_only else []
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
         self.stack.push(distributed.close)      # told whether the run ended by an exception
@@ -276,6 +281,11 @@ class Run:
                 if stopping and step < cfg.steps:   # after the last, the model is written still
                     self.info(f"stopped after step {step}: continue with --resume")
                     return
+            if self.owed:
+                self.info(f"step {cfg.steps} is the last: writing what the run left out "
+                          f"({', '.join(self.owed)})")
+            if "eval" in self.owed and self.main:
+                self._evaluate(cfg.steps)
             if cfg.save_final and self.main:  # the run reached its last step: keep what it made
                 with stop.deferred():
                     folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), self.lora
@@ -322,5 +332,8 @@ class Run:
         if cfg.log_level != "warning":
             self.print_line(log.step_line(rec, cfg.steps))
         if self.evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):  # the last: "after"
-            task_lib.evaluate(self.task, self.complete, step, self.metrics_file, self.reporter, self.items_path,
-                              full=step == cfg.steps)   # whole where before and after are compared
+            self._evaluate(step)
+
+    def _evaluate(self, step: int) -> None:
+        task_lib.evaluate(self.task, self.complete, step, self.metrics_file, self.reporter,
+                          self.items_path, full=step == self.cfg.steps)   # whole: before vs after

@@ -16,6 +16,7 @@ clearly cannot hold a checkpoint and the trained model is refused.
 import contextlib
 import dataclasses
 import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -262,10 +263,37 @@ def check_resume(saved, cfg, options, checkpoint_path: str) -> list:
     return notes
 
 
-def prepare(cfg, options, outs: list) -> tuple:
+def _evaluated(metrics: str, step: int) -> bool:
+    """Whether the records hold an evaluation at step (a torn or foreign line is no record)."""
+    try:
+        with open(metrics, "rb") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return False
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("kind") == "eval" and record.get("step") == step:
+            return True
+    return False
+
+
+def owed(cfg, resume_from: str, evaluating: bool) -> list:
+    """What a run resumed at its last step still owes, which an error or a kill after that step's
+    checkpoint left out: "model" (OUT_DIR/model of that step), "eval" (the evaluation after it)."""
+    step = checkpoint.step_of(resume_from)
+    model = checkpoint.model_step(os.path.join(cfg.out_dir, "model")) == step or not cfg.save_final
+    evaluated = _evaluated(log.metrics_path(cfg), step) or not evaluating
+    return [name for name, done in (("model", model), ("eval", evaluated)) if not done]
+
+
+def prepare(cfg, options, outs: list, evaluating: bool) -> tuple:
     """Make OUT_DIR this run's and find what it resumes: (a context that holds the lock until the
     run ends, the intact checkpoint to resume from or None, the earlier records --overwrite
-    replaces, on rank 0: Overwritten). outs: the run's writes (harness/paths.py), each locked too.
+    replaces, on rank 0: Overwritten). outs: the run's writes (harness/paths.py), each locked too;
+    evaluating: whether the run evaluates (an evaluation after its last step is owed).
     Raises ConfigError / CheckpointError, lock released."""
     check_resume_flags(cfg, options)
     main = distributed.is_main()
@@ -282,7 +310,9 @@ def prepare(cfg, options, outs: list) -> tuple:
                                                               resume_from):
                 log.warn(note)
             done = checkpoint.step_of(resume_from)
-            if not cfg.eval_only and cfg.steps <= done:   # it would train nothing and save step `done` as final
+            # it would train nothing; at the last step it may still finish what a failure left out
+            if not cfg.eval_only and (cfg.steps < done or cfg.steps == done and
+                                      not owed(cfg, resume_from, evaluating)):
                 raise config.ConfigError(f"--steps {cfg.steps}: the checkpoint {resume_from} is at step {done} already "
                                          f"(nothing to train): pass --steps above {done}")
             if not cfg.eval_only and _continues(resume_from, cfg.out_dir):

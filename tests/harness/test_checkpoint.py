@@ -299,6 +299,32 @@ def test_a_failure_after_a_completed_step_keeps_it_for_resume(evaluated, tiny_mo
     assert all(torch.equal(a[k], b[k]) for k in a)   # the resumed run ends as the uninterrupted one
 
 
+@pytest.mark.slow
+def test_a_run_that_failed_at_its_last_step_finishes_on_resume(evaluated, tiny_model_dir, tmp_path):
+    # issue 46 case 13: "continue with --resume", which then refused: "nothing to train"; the final
+    # model and the evaluation after the last step were never written
+    out = tmp_path / "out"
+    args = run_args(tiny_model_dir, evaluated, "--steps", "2", "--eval-interval", "2", "--out-dir",
+                    str(out))
+    failed = train(*args, extra_env={"RAISE_AT_EVAL": "2"})   # the evaluation after step 2
+    assert failed.returncode == 1 and "continue with --resume" in failed.stderr, failed.stderr
+    finished = train(*args, "--resume")
+    assert finished.returncode == 0, finished.stderr
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r.get("kind")] == [0, 2]
+    a, b = weights(out / "model"), weights(out / "checkpoints" / "step_000002")
+    assert checkpoint.model_step(str(out / "model")) == 2
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert "nothing to train" in one_line_error(train(*args, "--resume"))   # nothing is owed now
+    # killed in the final save (SIGKILL waits for nothing): the step's checkpoint was written first
+    killed = subprocess.run([sys.executable, "-c", SIGNAL_IN_WRITE, "save_model", "SIGKILL", *args,
+                             "--overwrite"], env=env(), capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL and not (out / "model").exists()
+    finished = train(*args, "--resume")
+    assert finished.returncode == 0, finished.stderr
+    assert checkpoint.model_step(str(out / "model")) == 2
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r.get("kind")] == [0, 2]
+
+
 def no_bigger_files_than(limit: int):
     """preexec_fn: no file of the process may grow past `limit` bytes; a write past it fails with EFBIG
     (SIGXFSZ ignored), as on a full disk, and without root."""
