@@ -51,12 +51,13 @@ def _task_file(task: str):
 
 
 def continues_own(cfg) -> bool:
-    """Whether --resume names OUT_DIR's own checkpoints: latest, the folder, one inside."""
+    """Whether --resume names OUT_DIR's own checkpoints: latest, the folder, its checkpoints, one of
+    them in line (checkpoint.in_line: not one set aside, which is read like any other's)."""
     if cfg.resume is None:
         return False
     out, named = os.path.realpath(cfg.out_dir), os.path.realpath(cfg.resume)
-    return cfg.resume == "latest" or named == out or \
-        named.startswith(os.path.join(out, checkpoint.SUBDIR) + os.sep)
+    return cfg.resume == "latest" or named in (out, os.path.join(out, checkpoint.SUBDIR)) or \
+        checkpoint.in_line(cfg.resume, cfg.out_dir)
 
 
 def reads(cfg, options) -> list:

@@ -394,6 +394,29 @@ def test_a_checkpoint_under_another_steps_name_is_damaged(two_saved_steps, tmp_p
 
 
 @pytest.mark.slow
+def test_a_checkpoint_set_aside_resumes_as_a_new_run(two_saved_steps, evaluated, tiny_model_dir,
+                                                     tmp_path):
+    # issue 46 case 14: --resume OUT/checkpoints/abandoned-step_N called an intact checkpoint damaged
+    # (AttributeError: 'NoneType'): its name was not step_N
+    out = copy_of(two_saved_steps, tmp_path)
+    ckpts = out / "checkpoints"
+    os.rename(ckpts / "step_000001", ckpts / "abandoned-step_000001.2")   # as set_aside_later names
+    shutil.copytree(ckpts / "step_000002", tmp_path / "best")   # a copy named without its step
+    assert checkpoint.resolve(str(ckpts / "abandoned-step_000001.2"), str(out)) == \
+        str(ckpts / "abandoned-step_000001.2")
+    assert checkpoint.step_of(str(tmp_path / "best")) == 2 and not checkpoint.damage(
+        str(tmp_path / "best"))
+    args = run_args(tiny_model_dir, evaluated, "--steps", "2", "--resume",
+                    str(ckpts / "abandoned-step_000001.2"))
+    line = one_line_error(train(*args, "--out-dir", str(out)))   # not in the run's line
+    assert "which --resume reads: pass another --out-dir" in line
+    branch = train(*args, "--out-dir", str(tmp_path / "branch"))
+    assert branch.returncode == 0, branch.stderr
+    assert "after step 1" in branch.stdout
+    assert [r["step"] for r in records(tmp_path / "branch" / "metrics.jsonl")] == [2]
+
+
+@pytest.mark.slow
 def test_a_resume_behind_a_finished_model_is_refused_or_branches_keeping_it(two_saved_steps, evaluated,
                                                                            tiny_model_dir, tmp_path):
     # the run is resumed to step 3 at another learning rate, and the checkpoint at its end is lost
