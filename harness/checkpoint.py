@@ -33,8 +33,8 @@ ADAPTER = "adapter"  # OUT_DIR/model/adapter: a LoRA run's adapters beside the m
 STATE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 MODEL_STEP = "trained_step.json"   # OUT_DIR/model's: the step it was trained to
-_NAME = re.compile(r"step_(\d+)$")   # what a run writes; and what it sets aside, abandoned-step_N(.2):
-_STEP = re.compile(r"(?:^|-)step_(\d+)(?:\.\d+)?$")
+_NAME = re.compile(r"step_(\d+)$")   # what a run writes
+_STEP = re.compile(r"(?:^|-)step_(\d+)(?:\.\d+)?$")   # and what it sets aside: damaged-step_N(.2)
 
 
 class CheckpointError(ValueError):
@@ -84,7 +84,8 @@ def _named_step(path: str):
 
 
 def _recorded_step(path: str) -> int:
-    return torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True)["step"]
+    state = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True)
+    return state["step"]
 
 
 def step_of(path: str) -> int:

@@ -119,8 +119,8 @@ def check_space(out_dir: str, model: str) -> None:
 
 
 def _continues(resume_from, out_dir: str) -> bool:
-    """Whether the run continues one of OUT_DIR's own checkpoints (a checkpoint from elsewhere, or one
-    set aside, starts a new folder)."""
+    """Whether the run continues one of OUT_DIR's own checkpoints (one from elsewhere, or one set
+    aside, starts a new folder)."""
     return resume_from is not None and checkpoint.in_line(resume_from, out_dir)
 
 

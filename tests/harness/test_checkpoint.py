@@ -396,8 +396,8 @@ def test_a_checkpoint_under_another_steps_name_is_damaged(two_saved_steps, tmp_p
 @pytest.mark.slow
 def test_a_checkpoint_set_aside_resumes_as_a_new_run(two_saved_steps, evaluated, tiny_model_dir,
                                                      tmp_path):
-    # issue 46 case 14: --resume OUT/checkpoints/abandoned-step_N called an intact checkpoint damaged
-    # (AttributeError: 'NoneType'): its name was not step_N
+    # issue 46 case 14: --resume OUT/checkpoints/abandoned-step_N called an intact checkpoint
+    # damaged (AttributeError: 'NoneType'): its name was not step_N
     out = copy_of(two_saved_steps, tmp_path)
     ckpts = out / "checkpoints"
     os.rename(ckpts / "step_000001", ckpts / "abandoned-step_000001.2")   # as set_aside_later names
