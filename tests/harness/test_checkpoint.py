@@ -325,6 +325,25 @@ def test_a_run_that_failed_at_its_last_step_finishes_on_resume(evaluated, tiny_m
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r.get("kind")] == [0, 2]
 
 
+@pytest.mark.slow
+def test_a_finished_run_extends_with_its_optimizer_state(tiny_model_dir, tmp_path):
+    # issue 46 case 20: without periodic checkpoints, --resume --steps 3 after 2 steps was refused;
+    # only a fresh AdamW from OUT/model was offered. The last step's checkpoint is kept now
+    args = run_args(tiny_model_dir, "toy")
+    done = train(*args, "--steps", "2", "--out-dir", str(tmp_path / "cut"))
+    assert done.returncode == 0, done.stderr
+    more = train(*args, "--steps", "3", "--out-dir", str(tmp_path / "cut"), "--resume")
+    assert more.returncode == 0, more.stderr
+    assert "after step 2" in more.stdout
+    whole = train(*args, "--steps", "3", "--out-dir", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    # the same as the run that went on: AdamW's moments, the RNG states and the step came back
+    assert records(tmp_path / "cut" / "metrics.jsonl") == records(tmp_path / "whole" / "metrics.jsonl")
+    a, b = weights(tmp_path / "cut" / "model"), weights(tmp_path / "whole" / "model")
+    assert checkpoint.model_step(str(tmp_path / "cut" / "model")) == 3
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def no_bigger_files_than(limit: int):
     """preexec_fn: no file of the process may grow past `limit` bytes; a write past it fails with EFBIG
     (SIGXFSZ ignored), as on a full disk, and without root."""
