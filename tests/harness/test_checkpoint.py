@@ -338,7 +338,8 @@ def test_a_finished_run_extends_with_its_optimizer_state(tiny_model_dir, tmp_pat
     whole = train(*args, "--steps", "3", "--out-dir", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
     # the same as the run that went on: AdamW's moments, the RNG states and the step came back
-    assert records(tmp_path / "cut" / "metrics.jsonl") == records(tmp_path / "whole" / "metrics.jsonl")
+    cut, whole = tmp_path / "cut" / "metrics.jsonl", tmp_path / "whole" / "metrics.jsonl"
+    assert records(cut) == records(whole)
     a, b = weights(tmp_path / "cut" / "model"), weights(tmp_path / "whole" / "model")
     assert checkpoint.model_step(str(tmp_path / "cut" / "model")) == 3
     assert all(torch.equal(a[k], b[k]) for k in a)
