@@ -98,9 +98,9 @@ def step_of(path: str) -> int:
 def in_line(path: str, out_dir: str) -> bool:
     """Whether path is one of out_dir's own checkpoints, in its line: step_N in its checkpoints
     folder, not one set aside (abandoned-, damaged-), which goes on only as a new run elsewhere."""
-    return os.path.realpath(os.path.dirname(os.path.normpath(path))) == \
-        os.path.realpath(os.path.join(out_dir, SUBDIR)) and bool(_NAME.match(os.path.basename(
-            os.path.normpath(path))))
+    path, folder = os.path.normpath(path), os.path.realpath(os.path.join(out_dir, SUBDIR))
+    named = _NAME.match(os.path.basename(path))
+    return named is not None and os.path.realpath(os.path.dirname(path)) == folder
 
 
 def candidates(path: str) -> list:
@@ -143,8 +143,8 @@ def damage(path: str):
                 got = os.path.getsize(file) if check == "size" else _digest(file)["sha256"]
                 if got != expected[check]:
                     return f"{name} has {check} {got}, its manifest says {expected[check]}"
-        # intact files under another step's name (a copy, a rename): the step is where the prompt stream and the
-        # schedule go on from, so the folder's name must be the step its weights were saved after
+        # intact files under another step's name (a copy, a rename): the step is where the prompt
+        # stream and the schedule go on from, so a name that says a step must say the one saved
         recorded, named = _recorded_step(path), _named_step(path)
         if named is not None and recorded != named:
             return f"{STATE} records step {recorded}, but the folder's name says step {named}"

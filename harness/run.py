@@ -47,9 +47,9 @@ class Run:
             outs = paths.check(cfg, self.loaded.options)   # none on what it reads or another writes
             rundir.check_paths(cfg)
             rundir.check_paths(self.loaded.options)
-            # OUT_DIR and every path the run writes locked, no other run's records
             self.evaluating = hasattr(self.loaded.task, "evaluate") and (
                 cfg.eval_only or cfg.eval_interval > 0)
+            # OUT_DIR and every path the run writes locked, no other run's records
             lock, self.resume_from, self.doomed = rundir.prepare(cfg, self.loaded.options, outs,
                                                                  self.evaluating)
         except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:

@@ -4,8 +4,9 @@ While a run trains, its rank 0 holds a lock on OUT_DIR/.lock (flock). The kernel
 process ends, however it ends (kill -9 included), so a killed run leaves no stale lock behind; a second
 run started in the folder meanwhile exits 2 naming the pid that holds it. After a run, its records stay
 its own: a new run into a folder that holds an earlier run's logs, checkpoints, model or reports is
-refused, unless it continues that run (--resume) or starts over on purpose (--overwrite, which deletes
-them first). --eval-only takes no lock on OUT_DIR and writes nothing but a --log-file it is
+refused, unless it continues that run (--resume) or starts over on purpose (--overwrite, which sets
+them aside once the new run has loaded its model, and deletes them once it has written its first
+step: Overwritten). --eval-only takes no lock on OUT_DIR and writes nothing but a --log-file it is
 given; every path a run writes, that one too, is checked and locked by harness/paths.py.
 
 All of this happens at start-up, before a model loads: every path a setting names is checked (a folder
