@@ -175,8 +175,14 @@ def _live_writes(folder: str):
 def register(outs: list, stack) -> None:
     """Lock every path the run writes, wherever it lies, until stack closes; ConfigError when a
     running run writes on, inside or around one of them. Training and --eval-only alike."""
-    folder = _registry()
-    with open(os.path.join(folder, LOCK), "a") as turn:
+    try:
+        folder = _registry()
+        turn = open(os.path.join(folder, LOCK), "a")
+    except OSError as e:   # no temp folder to write in: run, but say what is not guarded
+        log.warn(f"cannot lock the paths this run writes in {tempfile.gettempdir()} "
+                 f"({e.strerror}): a second run writing them would not be stopped")
+        return
+    with turn:
         fcntl.flock(turn, fcntl.LOCK_EX)   # one run at a time checks and registers
         for pid, theirs in _live_writes(folder):
             for w in outs:

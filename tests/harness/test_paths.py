@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -105,6 +106,15 @@ def test_a_running_run_locks_every_path_it_writes(tmp_path):
             paths.register(paths.check(load("--out-dir", str(tmp_path / "c")), None), apart)
     with contextlib.ExitStack() as after:   # the first ended: its paths are free
         paths.register(paths.check(second, None), after)
+
+
+def test_a_temp_folder_that_cannot_be_written_leaves_the_paths_unlocked_and_says_so(
+        tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "file" / "tmp"))
+    with contextlib.ExitStack() as held:
+        paths.register(paths.check(load("--out-dir", str(tmp_path / "a")), None), held)
+    assert "cannot lock the paths this run writes" in capsys.readouterr().err
 
 
 @pytest.mark.slow
