@@ -33,7 +33,8 @@ ADAPTER = "adapter"  # OUT_DIR/model/adapter: a LoRA run's adapters beside the m
 STATE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 MODEL_STEP = "trained_step.json"   # OUT_DIR/model's: the step it was trained to
-_NAME = re.compile(r"step_(\d+)$")
+_NAME = re.compile(r"step_(\d+)$")   # what a run writes
+_STEP = re.compile(r"(?:^|-)step_(\d+)(?:\.\d+)?$")   # and what it sets aside: damaged-step_N(.2)
 
 
 class CheckpointError(ValueError):
@@ -76,9 +77,30 @@ def _checkpoints(folder: str) -> list:
     return sorted(found)
 
 
+def _named_step(path: str):
+    """The step a checkpoint's folder name says (step_N, or set aside: damaged-step_N), or None."""
+    m = _STEP.search(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
+
+
+def _recorded_step(path: str) -> int:
+    state = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True)
+    return state["step"]
+
+
 def step_of(path: str) -> int:
-    """The step a checkpoint folder was written after (its name says so)."""
-    return int(_NAME.match(os.path.basename(os.path.normpath(path))).group(1))
+    """The step a checkpoint folder was written after: its name says so; a folder named otherwise (a
+    copy named best), the step its trainer state records."""
+    named = _named_step(path)
+    return named if named is not None else _recorded_step(path)
+
+
+def in_line(path: str, out_dir: str) -> bool:
+    """Whether path is one of out_dir's own checkpoints, in its line: step_N in its checkpoints
+    folder, not one set aside (abandoned-, damaged-), which goes on only as a new run elsewhere."""
+    path, folder = os.path.normpath(path), os.path.realpath(os.path.join(out_dir, SUBDIR))
+    named = _NAME.match(os.path.basename(path))
+    return named is not None and os.path.realpath(os.path.dirname(path)) == folder
 
 
 def candidates(path: str) -> list:
@@ -121,11 +143,11 @@ def damage(path: str):
                 got = os.path.getsize(file) if check == "size" else _digest(file)["sha256"]
                 if got != expected[check]:
                     return f"{name} has {check} {got}, its manifest says {expected[check]}"
-        # intact files under another step's name (a copy, a rename): the step is where the prompt stream and the
-        # schedule go on from, so the folder's name must be the step its weights were saved after
-        recorded = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True)["step"]
-        if recorded != step_of(path):
-            return f"{STATE} records step {recorded}, but the folder's name says step {step_of(path)}"
+        # intact files under another step's name (a copy, a rename): the step is where the prompt
+        # stream and the schedule go on from, so a name that says a step must say the one saved
+        recorded, named = _recorded_step(path), _named_step(path)
+        if named is not None and recorded != named:
+            return f"{STATE} records step {recorded}, but the folder's name says step {named}"
     except Exception as e:  # noqa: BLE001 - whatever a damaged file makes a loader raise
         return f"{type(e).__name__}: {str(e).split('. ')[0].splitlines()[0] if str(e) else 'unreadable'}"
     return None
@@ -149,8 +171,7 @@ def resolve(resume: str, out_dir: str, set_aside: bool = False) -> str:
             return path
         if named:
             raise CheckpointError(f"--resume {resume}: the checkpoint is damaged ({problem}): pass another one")
-        own = os.path.realpath(os.path.dirname(path)) == os.path.realpath(os.path.join(out_dir, SUBDIR))
-        if set_aside and own:
+        if set_aside and in_line(path, out_dir):
             aside = os.path.join(os.path.dirname(path), "damaged-" + os.path.basename(path))
             shutil.rmtree(aside, ignore_errors=True)
             os.rename(path, aside)

@@ -173,6 +173,9 @@ def declared_settings(target, task_name: str) -> dict:
     options = tasks.options_type(target)
     out = {}
     for name, value in declared.items():
+        if name == "overwrite":   # deleting an earlier run is the user's call alone
+            raise ConfigError(f"{where} names 'overwrite': only your own --overwrite (or "
+                              f"{env_name('overwrite')}) may delete an earlier run's records")
         if not isinstance(name, str) or name not in FIELDS or name == "task":   # the task cannot choose itself
             near = did_you_mean(name, FIELDS) if isinstance(name, str) else []
             own = isinstance(name, str) and options is not None and name in fields_of(options)

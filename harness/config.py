@@ -13,6 +13,8 @@ import os
 import typing
 from dataclasses import dataclass, field
 
+import torch
+
 from grpo import algorithm, optim
 from harness import log
 
@@ -323,6 +325,14 @@ def _multiples(value: int, of: int) -> str:
     return f"use {low} or {low + of}" if low > 0 else f"use {of}"
 
 
+def _device_type(text: str):
+    """The type torch reads in a --device value (cuda for cuda:1), or None where it reads none."""
+    try:
+        return torch.device(text).type
+    except RuntimeError:
+        return None
+
+
 def batch_layout(cfg: Config, world: int = 1) -> Layout:
     """Check every field's range, then the rules between fields; return the derived sizes (per device, global)."""
     for name in FIELDS:
@@ -410,6 +420,9 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
             fix = "a mask" if name == "mismatch_low" else "a correction"
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)} with --mismatch-correction {cfg.mismatch_correction}, "
                               f"which does not use it: pass {fix}, or leave {flag(name)} out")
+    if cfg.device != "auto" and _device_type(cfg.device) not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {cfg.device} is not a device this trainer runs on: pass "
+                          f"auto, cpu, cuda or cuda:N")
     if cfg.trace_memory == 1:
         raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
     per_device = cfg.batch_size // world

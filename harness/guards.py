@@ -121,20 +121,31 @@ def nonfinite_abort(step: int, streak: int, path: str) -> str:
 
 class StopOnSignal:
     """SIGINT/SIGTERM set `requested`; the loop finishes its step, saves and exits 0. A second
-    signal stops at once, without saving. Restores the previous handlers on exit."""
+    signal stops at once, without saving, except while a checkpoint or the model is written
+    (deferred()): a kill there would leave neither. Restores the previous handlers on exit."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, info):
-        self.requested, self.info, self.previous = False, info, {}
+        self.requested, self.info, self.previous, self.writing = False, info, {}, False
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Inside, every signal only asks the run to stop: the write finishes first."""
+        self.writing = True
+        try:
+            yield
+        finally:
+            self.writing = False
 
     def _handle(self, signum, frame):
-        if self.requested:
+        if self.requested and not self.writing:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
         self.requested = True
-        self.info(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-                  f"(send it again to stop without saving)")
+        self.info(f"{signal.Signals(signum).name}: " + (
+            "the save under way finishes first" if self.writing else
+            "finishing this step, then saving a checkpoint (send it again to stop without saving)"))
 
     def __enter__(self):
         self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}

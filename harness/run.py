@@ -28,7 +28,7 @@ from grpo import decoders, distributed, ptx
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
                         load_trainable, model_autocast)
 from grpo.rollout import encode_prompts, stream_seed, wants_bos
-from harness import checkpoint, cli, config, guards, log, memory, rundir, screen
+from harness import checkpoint, cli, config, guards, log, memory, paths, rundir, screen
 from harness import task as task_lib
 
 
@@ -44,23 +44,32 @@ class Run:
             self.loaded = cli.load(argv, builtin=builtin, default_task=default_task)
             cfg = self.cfg = self.loaded.cfg
             self.layout = config.batch_layout(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+            outs = paths.check(cfg, self.loaded.options)   # none on what it reads or another writes
             rundir.check_paths(cfg)
             rundir.check_paths(self.loaded.options)
-            lock, self.resume_from = rundir.prepare(cfg, self.loaded.options)  # OUT_DIR locked, no other run's records
+            self.evaluating = hasattr(self.loaded.task, "evaluate") and (
+                cfg.eval_only or cfg.eval_interval > 0)
+            # OUT_DIR and every path the run writes locked, no other run's records
+            lock, self.resume_from, self.doomed = rundir.prepare(cfg, self.loaded.options, outs,
+                                                                 self.evaluating)
         except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
             usage_error(str(e))
-        self.evaluating = hasattr(self.loaded.task, "evaluate") and (cfg.eval_only or cfg.eval_interval > 0)
         self.rank, self.world, self.device = distributed.init(cfg.device)
         self.main = distributed.is_main()   # only rank 0 prints, logs, saves and evaluates
         self.info = functools.partial(log.info, self.main and cfg.log_level != "warning")
-        screen.keep_settings(cfg, screen.describe(cfg, self.loaded.options, self.loaded.sources, self.layout), self.main)
+        self.table = screen.describe(cfg, self.loaded.options, self.loaded.sources, self.layout)
+        if not self.doomed:   # else once the earlier run's are set aside (_set_aside_doomed)
+            screen.keep_settings(cfg, self.table, self.main)
         self.autocast = model_autocast(self.device, cfg.dtype)   # bf16 matmuls over fp32 weights and AdamW state
         checkpoint.seed_all(cfg.seed)
         self.start_step = checkpoint.step_of(self.resume_from) if self.resume_from else 0
+        # resumed at its last step: what a failure or a kill after its checkpoint left out
+        self.owed = rundir.owed(cfg, self.resume_from, self.evaluating) \
+            if self.start_step == cfg.steps and not cfg.eval_only else []
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
         self.stack.push(distributed.close)      # told whether the run ended by an exception
-        self.exit_code, self.cut_said = 0, False
+        self.exit_code, self.cut_said, self.overwritten = 0, False, None
 
     def __enter__(self):
         return self
@@ -157,8 +166,22 @@ class Run:
         are not overwritten)."""
         if self.main:
             log_file = self.cfg.log_file
+            self._set_aside_doomed()
             self._first_evaluation(self.stack.enter_context(log.open_jsonl(log_file)) if log_file else None,
                                    items_path=log.items_path(log_file) if log_file else None)
+            self._drop_overwritten()
+
+    def _set_aside_doomed(self) -> None:
+        """--overwrite, now that every check has passed and the model has loaded: the earlier
+        run's records aside until this run's first step is written (rundir.Overwritten)."""
+        if self.doomed:
+            self.overwritten = rundir.Overwritten(self.doomed)
+            self.stack.callback(self.overwritten.restore)   # a no-op once dropped
+            screen.keep_settings(self.cfg, self.table, self.main)
+
+    def _drop_overwritten(self) -> None:
+        if self.overwritten:
+            self.overwritten.drop()
 
     def _first_evaluation(self, metrics_file, reporter=None, items_path=None) -> None:
         """The evaluation before any training (step 0, or --eval-only). A TaskError there (a held-out prompt too long
@@ -207,6 +230,7 @@ class Run:
                       f"{layout.mini_batch_per_device // micro} gradient-accumulation steps")
         settings = config.settings(cfg, self.loaded.options)
         rundir.branch_off(cfg, self.resume_from)   # a resume from an older checkpoint: the later ones aside, kept
+        self._set_aside_doomed()
         self.metrics_file, self.completions_file = log.open_run_logs(
             log.metrics_path(cfg), cfg.log_completions, self.start_step if self.resume_from else None,
             self.stack) if self.main else (None, None)
@@ -232,8 +256,9 @@ class Run:
     def steps(self):
         """The steps to train, one at a time. After each: a checkpoint when due, when a signal asked the run to stop
         (Ctrl-C or SIGTERM: the step finishes, is saved, and the run exits 0) or when too many updates in a row were
-        not finite (saved, exit 1). After the last: the trained model in OUT_DIR/model, and a line when most steps
-        learned nothing (only flat groups)."""
+        not finite (saved, exit 1). After the last: its checkpoint (--resume extends the run from
+        it, optimizer included, or finishes what a failure left out), then the trained model in
+        OUT_DIR/model, both with signals deferred; and a line when most steps learned nothing."""
         cfg = self.cfg
         bar = tqdm(range(self.start_step + 1, cfg.steps + 1), desc="steps", initial=self.start_step, total=cfg.steps,
                    disable=not (self.main and sys.stderr.isatty()), file=sys.stderr)
@@ -245,20 +270,28 @@ class Run:
                 yield step
                 stopping = distributed.any_rank(stop.requested)  # every rank
                 aborting = self.guard.nonfinite_streak >= cfg.max_nonfinite
-                if stopping or aborting or (cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps)):
-                    path = self.saver.save(distributed.gather_objects(checkpoint.rng_states()))  # every rank
+                due = step == cfg.steps or (cfg.save_interval and step % cfg.save_interval == 0)
+                if stopping or aborting or due:
+                    with stop.deferred():   # every rank
+                        path = self.saver.save(distributed.gather_objects(checkpoint.rng_states()))
                     self.info(f"saved {path}")
                 if aborting:
                     log.warn(guards.nonfinite_abort(step, self.guard.nonfinite_streak, path))
                     self.exit_code = 1
                     return
-                if stopping:
+                if stopping and step < cfg.steps:   # after the last, the model is written still
                     self.info(f"stopped after step {step}: continue with --resume")
                     return
-        if cfg.save_final and self.main:  # the run reached its last step: keep what it made
-            folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), self.lora or self.policy, self.tokenizer,
-                                           cfg.steps)
-            self.info(f"saved the trained model to {folder} (from_pretrained loads it)")
+            if self.owed:
+                self.info(f"step {cfg.steps} is the last: writing what the run left out "
+                          f"({', '.join(self.owed)})")
+            if "eval" in self.owed and self.main:
+                self._evaluate(cfg.steps)
+            if cfg.save_final and self.main:  # the run reached its last step: keep what it made
+                with stop.deferred():
+                    folder = checkpoint.save_model(os.path.join(cfg.out_dir, "model"), self.lora
+                                                   or self.policy, self.tokenizer, cfg.steps)
+                self.info(f"saved the trained model to {folder} (from_pretrained loads it)")
         summary = self.scorer.flat_summary()   # the same on every rank: each has the gathered frac_zero_std
         if summary:
             log.warn(summary)
@@ -298,9 +331,13 @@ class Run:
         if cfg.log_completions:
             log.write_completions(self.completions_file, step, self.step_rows)
         log.write(self.metrics_file, rec)
+        self._drop_overwritten()   # its first step on record: --overwrite's earlier run goes
         self.reporter.log(rec, step)
         if cfg.log_level != "warning":
             self.print_line(log.step_line(rec, cfg.steps))
         if self.evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):  # the last: "after"
-            task_lib.evaluate(self.task, self.complete, step, self.metrics_file, self.reporter, self.items_path,
-                              full=step == cfg.steps)   # whole where before and after are compared
+            self._evaluate(step)
+
+    def _evaluate(self, step: int) -> None:
+        task_lib.evaluate(self.task, self.complete, step, self.metrics_file, self.reporter,
+                          self.items_path, full=step == self.cfg.steps)   # whole: before vs after

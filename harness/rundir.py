@@ -4,8 +4,10 @@ While a run trains, its rank 0 holds a lock on OUT_DIR/.lock (flock). The kernel
 process ends, however it ends (kill -9 included), so a killed run leaves no stale lock behind; a second
 run started in the folder meanwhile exits 2 naming the pid that holds it. After a run, its records stay
 its own: a new run into a folder that holds an earlier run's logs, checkpoints, model or reports is
-refused, unless it continues that run (--resume) or starts over on purpose (--overwrite, which deletes
-them first). --eval-only takes no lock and writes nothing but a --log-file it is given.
+refused, unless it continues that run (--resume) or starts over on purpose (--overwrite, which sets
+them aside once the new run has loaded its model, and deletes them once it has written its first
+step: Overwritten). --eval-only takes no lock on OUT_DIR and writes nothing but a --log-file it is
+given; every path a run writes, that one too, is checked and locked by harness/paths.py.
 
 All of this happens at start-up, before a model loads: every path a setting names is checked (a folder
 that cannot be written says so at once), the lock file is created, --resume finds and checks its
@@ -15,20 +17,20 @@ clearly cannot hold a checkpoint and the trained model is refused.
 import contextlib
 import dataclasses
 import fcntl
+import json
 import os
 import shutil
 import tempfile
 
 from grpo import distributed
-from harness import checkpoint, config, log, memory
+from harness import checkpoint, config, log, memory, paths
+from harness.paths import LOCK, SETTINGS
 
-LOCK = ".lock"
-# what a run writes into OUT_DIR besides the lock: its metrics, checkpoints, model, --report-to folders and
-# memory evidence
+# what a run writes into OUT_DIR besides the lock: its metrics, checkpoints, model, --report-to
+# folders and memory evidence. Its settings table (SETTINGS, harness/screen.py) is written at
+# start-up: alone it is what a run that stopped before its first record leaves (a bad --model,
+# say), which the next run replaces; beside records it is one of them
 OUTPUTS = (log.METRICS, checkpoint.SUBDIR, "model", "tensorboard", "wandb", memory.SUBDIR)
-# and its settings table (harness/screen.py), written at start-up: alone it is what a run that stopped before its
-# first record leaves (a bad --model, say), which the next run replaces; beside records it is one of them
-SETTINGS = "settings.txt"
 
 
 def check_paths(settings) -> None:
@@ -103,29 +105,6 @@ def earlier_run(cfg) -> list:
     return found + [settings] if found and os.path.exists(settings) else found
 
 
-def inputs(cfg, options) -> list:
-    """(flag, path) of what the run reads from disk: --model when it is a local folder, and every setting of the
-    Config or the task's options marked path="in". (--resume's checkpoint is not one: --overwrite excludes it.)"""
-    found = [("--model", cfg.model)]
-    for settings in (cfg, options):
-        for f in dataclasses.fields(settings) if settings is not None else ():
-            if f.metadata.get("path") == "in" and getattr(settings, f.name) is not None:
-                found.append((config.flag(f.name), getattr(settings, f.name)))
-    return [(flag, path) for flag, path in found if os.path.exists(path)]
-
-
-def check_overwrite_keeps_inputs(cfg, options, doomed: list) -> None:
-    """--overwrite deletes the earlier run's records: refuse when one of them is, or holds, what this run reads
-    (`--model OUT/model --out-dir OUT --overwrite` would delete the model it was asked to train)."""
-    for path in doomed:
-        gone = os.path.realpath(path)
-        for flag, value in inputs(cfg, options):
-            read = os.path.realpath(value)
-            if read == gone or read.startswith(gone + os.sep):
-                raise config.ConfigError(f"--overwrite would delete {path}, which {flag} {value} reads: copy it out of "
-                                         f"{cfg.out_dir} first, or pass another --out-dir")
-
-
 def check_space(out_dir: str, model: str) -> None:
     """Refuse a disk that clearly cannot hold the trained model and one checkpoint: about 4 x the weights'
     files (the model; a checkpoint's weights and AdamW's two moments). A hub id's size is not known here."""
@@ -141,9 +120,9 @@ def check_space(out_dir: str, model: str) -> None:
 
 
 def _continues(resume_from, out_dir: str) -> bool:
-    """Whether the run continues one of OUT_DIR's own checkpoints (a checkpoint from elsewhere starts a new folder)."""
-    return resume_from is not None and \
-        os.path.realpath(os.path.dirname(resume_from)) == os.path.realpath(os.path.join(out_dir, checkpoint.SUBDIR))
+    """Whether the run continues one of OUT_DIR's own checkpoints (one from elsewhere, or one set
+    aside, starts a new folder)."""
+    return resume_from is not None and checkpoint.in_line(resume_from, out_dir)
 
 
 def _free_name(path: str) -> str:
@@ -285,15 +264,46 @@ def check_resume(saved, cfg, options, checkpoint_path: str) -> list:
     return notes
 
 
-def prepare(cfg, options) -> tuple:
-    """Make OUT_DIR this run's and find what it resumes: (a context that holds the lock until the run ends,
-    the intact checkpoint to resume from or None). Raises ConfigError / CheckpointError, lock released."""
+def _evaluated(metrics: str, step: int) -> bool:
+    """Whether the records hold an evaluation at step (a torn or foreign line is no record)."""
+    try:
+        with open(metrics, "rb") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return False
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("kind") == "eval" and record.get("step") == step:
+            return True
+    return False
+
+
+def owed(cfg, resume_from: str, evaluating: bool) -> list:
+    """What a run resumed at its last step still owes, which an error or a kill after that step's
+    checkpoint left out: "model" (OUT_DIR/model of that step), "eval" (the evaluation after it)."""
+    step = checkpoint.step_of(resume_from)
+    model = checkpoint.model_step(os.path.join(cfg.out_dir, "model")) == step or not cfg.save_final
+    evaluated = _evaluated(log.metrics_path(cfg), step) or not evaluating
+    return [name for name, done in (("model", model), ("eval", evaluated)) if not done]
+
+
+def prepare(cfg, options, outs: list, evaluating: bool) -> tuple:
+    """Make OUT_DIR this run's and find what it resumes: (a context that holds the lock until the
+    run ends, the intact checkpoint to resume from or None, the earlier records --overwrite
+    replaces, on rank 0: Overwritten). outs: the run's writes (harness/paths.py), each locked too;
+    evaluating: whether the run evaluates (an evaluation after its last step is owed).
+    Raises ConfigError / CheckpointError, lock released."""
     check_resume_flags(cfg, options)
     main = distributed.is_main()
     lock_held = contextlib.ExitStack()
     try:
         if not cfg.eval_only and main:
             lock_held.enter_context(lock(cfg.out_dir))
+        if outs and main:
+            paths.register(outs, lock_held)
         resume_from = None
         if cfg.resume:   # only a locked run moves damaged checkpoints aside: no one else is writing them
             resume_from = checkpoint.resolve(cfg.resume, cfg.out_dir, set_aside=main and not cfg.eval_only)
@@ -301,7 +311,9 @@ def prepare(cfg, options) -> tuple:
                                                               resume_from):
                 log.warn(note)
             done = checkpoint.step_of(resume_from)
-            if not cfg.eval_only and cfg.steps <= done:   # it would train nothing and save step `done` as final
+            # it would train nothing; at the last step it may still finish what a failure left out
+            if not cfg.eval_only and (cfg.steps < done or cfg.steps == done and
+                                      not owed(cfg, resume_from, evaluating)):
                 raise config.ConfigError(f"--steps {cfg.steps}: the checkpoint {resume_from} is at step {done} already "
                                          f"(nothing to train): pass --steps above {done}")
             if not cfg.eval_only and _continues(resume_from, cfg.out_dir):
@@ -321,18 +333,45 @@ def prepare(cfg, options) -> tuple:
                        "to --resume; --save-interval N keeps them)"
             raise config.ConfigError(f"--out-dir {cfg.out_dir} holds an earlier run's records ({', '.join(found)}): "
                                      f"pass {hint}")
-        if found:
-            check_overwrite_keeps_inputs(cfg, options, found)
-        if found and main:
-            for path in found:
-                if os.path.isdir(path):
-                    shutil.rmtree(path)
-                else:
-                    os.remove(path)
-            log.warn(f"--overwrite: deleted the earlier run's {', '.join(found)}")
         if not cfg.eval_only:
             check_space(cfg.out_dir, resume_from or cfg.model)
     except BaseException:
         lock_held.close()
         raise
-    return lock_held, resume_from
+    return lock_held, resume_from, found if main else []
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+class Overwritten:
+    """--overwrite's earlier records, set aside (PATH.overwritten) only once the run has passed
+    every check and loaded its model, deleted once it has written its first step (drop), and put
+    back as they were if it ends before (restore: its own files there go): a failing --overwrite
+    strands no one."""
+
+    def __init__(self, found: list):
+        self.moved = [(path, _free_name(path + ".overwritten")) for path in found]
+        for path, aside in self.moved:
+            os.rename(path, aside)
+
+    def drop(self) -> None:
+        for _, aside in self.moved:
+            _remove(aside)
+        if self.moved:
+            log.warn(f"--overwrite: deleted the earlier run's "
+                     f"{', '.join(p for p, _ in self.moved)}")
+        self.moved = []
+
+    def restore(self) -> None:
+        for path, aside in self.moved:
+            _remove(path)
+            os.rename(aside, path)
+        if self.moved:
+            log.warn(f"--overwrite: the run ended before its first step: the earlier run's "
+                     f"{', '.join(p for p, _ in self.moved)} are back as they were")
+        self.moved = []

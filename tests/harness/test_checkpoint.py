@@ -83,6 +83,35 @@ def test_a_signal_finishes_the_step_saves_and_exits_0(tiny_model_dir, tmp_path, 
     assert "stopped after step" in stdout
 
 
+# train_lean.py with harness/checkpoint.py's argv[1] (save: a checkpoint, save_model: the final
+# model) raising the signal argv[2] as it starts writing: a Ctrl-C or kill -TERM in the write
+SIGNAL_IN_WRITE = """
+import os, signal, sys
+from harness import checkpoint
+import train_lean
+write = getattr(checkpoint, sys.argv[1])
+def signalled(*args, **kwargs):
+    signal.raise_signal(getattr(signal, sys.argv[2]))
+    return write(*args, **kwargs)
+setattr(checkpoint, sys.argv[1], signalled)
+train_lean.main(sys.argv[3:])
+"""
+
+
+@pytest.mark.parametrize("write,sig", [("save_model", "SIGTERM"), ("save_model", "SIGINT"),
+                                       ("save", "SIGTERM")])
+def test_a_signal_during_the_final_save_waits_for_it(tiny_model_dir, tmp_path, write, sig):
+    # issue 46 case 1: it died in the write (exit 143, only model.tmp left); Ctrl-C saved nothing
+    out = tmp_path / "out"
+    args = [*run_args(tiny_model_dir, "toy"), "--steps", "1", "--out-dir", str(out)]
+    result = subprocess.run([sys.executable, "-c", SIGNAL_IN_WRITE, write, sig, *args], env=env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert checkpoint.model_step(str(out / "model")) == 1 and not (out / "model.tmp").exists()
+    # the step, whole, for --resume
+    assert checkpoint.damage(str(out / "checkpoints" / "step_000001")) is None
+
+
 def test_candidates_skip_half_written_and_incomplete_checkpoints(tmp_path):
     folder = tmp_path / "checkpoints"
     for name, complete in (("step_000002", True), ("step_000010", False), (".tmp-step_000012", True),
@@ -140,8 +169,9 @@ def test_a_scheduled_run_with_a_moving_reference_resumes_exactly(tiny_model_dir,
     # the KL term dropped on purpose: the moved reference is not needed, and said so (it was an AttributeError)
     train_lean.main([*args, "--steps", "5", "--resume", "--kl-coef", "0", "--ref-sync-steps", "0", "--resume-allow-change",
                      "kl_coef,ref_sync_steps", "--out-dir", str(tmp_path / "resumed")])
-    assert "step_000002 holds the reference --ref-sync-steps moved; --kl-coef 0 has no KL term, so it is not used" \
-        in capsys.readouterr().err
+    # from step 4, the last step's checkpoint every run keeps
+    assert "step_000004 holds the reference --ref-sync-steps moved; --kl-coef 0 has no KL term, so it is " \
+           "not used" in capsys.readouterr().err
     assert records(tmp_path / "resumed" / "metrics.jsonl")[-1]["kl"] == 0
 
 def run_args(model, task, *extra):
@@ -270,6 +300,52 @@ def test_a_failure_after_a_completed_step_keeps_it_for_resume(evaluated, tiny_mo
     assert all(torch.equal(a[k], b[k]) for k in a)   # the resumed run ends as the uninterrupted one
 
 
+@pytest.mark.slow
+def test_a_run_that_failed_at_its_last_step_finishes_on_resume(evaluated, tiny_model_dir, tmp_path):
+    # issue 46 case 13: "continue with --resume", which then refused: "nothing to train"; the final
+    # model and the evaluation after the last step were never written
+    out = tmp_path / "out"
+    args = run_args(tiny_model_dir, evaluated, "--steps", "2", "--eval-interval", "2", "--out-dir",
+                    str(out))
+    failed = train(*args, extra_env={"RAISE_AT_EVAL": "2"})   # the evaluation after step 2
+    assert failed.returncode == 1 and "continue with --resume" in failed.stderr, failed.stderr
+    finished = train(*args, "--resume")
+    assert finished.returncode == 0, finished.stderr
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r.get("kind")] == [0, 2]
+    a, b = weights(out / "model"), weights(out / "checkpoints" / "step_000002")
+    assert checkpoint.model_step(str(out / "model")) == 2
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert "nothing to train" in one_line_error(train(*args, "--resume"))   # nothing is owed now
+    # killed in the final save (SIGKILL waits for nothing): the step's checkpoint was written first
+    killed = subprocess.run([sys.executable, "-c", SIGNAL_IN_WRITE, "save_model", "SIGKILL", *args,
+                             "--overwrite"], env=env(), capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL and not (out / "model").exists()
+    finished = train(*args, "--resume")
+    assert finished.returncode == 0, finished.stderr
+    assert checkpoint.model_step(str(out / "model")) == 2
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r.get("kind")] == [0, 2]
+
+
+@pytest.mark.slow
+def test_a_finished_run_extends_with_its_optimizer_state(tiny_model_dir, tmp_path):
+    # issue 46 case 20: without periodic checkpoints, --resume --steps 3 after 2 steps was refused;
+    # only a fresh AdamW from OUT/model was offered. The last step's checkpoint is kept now
+    args = run_args(tiny_model_dir, "toy")
+    done = train(*args, "--steps", "2", "--out-dir", str(tmp_path / "cut"))
+    assert done.returncode == 0, done.stderr
+    more = train(*args, "--steps", "3", "--out-dir", str(tmp_path / "cut"), "--resume")
+    assert more.returncode == 0, more.stderr
+    assert "after step 2" in more.stdout
+    whole = train(*args, "--steps", "3", "--out-dir", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    # the same as the run that went on: AdamW's moments, the RNG states and the step came back
+    cut, whole = tmp_path / "cut" / "metrics.jsonl", tmp_path / "whole" / "metrics.jsonl"
+    assert records(cut) == records(whole)
+    a, b = weights(tmp_path / "cut" / "model"), weights(tmp_path / "whole" / "model")
+    assert checkpoint.model_step(str(tmp_path / "cut" / "model")) == 3
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def no_bigger_files_than(limit: int):
     """preexec_fn: no file of the process may grow past `limit` bytes; a write past it fails with EFBIG
     (SIGXFSZ ignored), as on a full disk, and without root."""
@@ -339,16 +415,42 @@ def test_a_checkpoint_under_another_steps_name_is_damaged(two_saved_steps, tmp_p
 
 
 @pytest.mark.slow
+def test_a_checkpoint_set_aside_resumes_as_a_new_run(two_saved_steps, evaluated, tiny_model_dir,
+                                                     tmp_path):
+    # issue 46 case 14: --resume OUT/checkpoints/abandoned-step_N called an intact checkpoint
+    # damaged (AttributeError: 'NoneType'): its name was not step_N
+    out = copy_of(two_saved_steps, tmp_path)
+    ckpts = out / "checkpoints"
+    os.rename(ckpts / "step_000001", ckpts / "abandoned-step_000001.2")   # as set_aside_later names
+    shutil.copytree(ckpts / "step_000002", tmp_path / "best")   # a copy named without its step
+    assert checkpoint.resolve(str(ckpts / "abandoned-step_000001.2"), str(out)) == \
+        str(ckpts / "abandoned-step_000001.2")
+    assert checkpoint.step_of(str(tmp_path / "best")) == 2 and not checkpoint.damage(
+        str(tmp_path / "best"))
+    args = run_args(tiny_model_dir, evaluated, "--steps", "2", "--resume",
+                    str(ckpts / "abandoned-step_000001.2"))
+    line = one_line_error(train(*args, "--out-dir", str(out)))   # not in the run's line
+    assert "which --resume reads: pass another --out-dir" in line
+    branch = train(*args, "--out-dir", str(tmp_path / "branch"))
+    assert branch.returncode == 0, branch.stderr
+    assert "after step 1" in branch.stdout
+    assert [r["step"] for r in records(tmp_path / "branch" / "metrics.jsonl")] == [2]
+
+
+@pytest.mark.slow
 def test_a_resume_behind_a_finished_model_is_refused_or_branches_keeping_it(two_saved_steps, evaluated,
                                                                            tiny_model_dir, tmp_path):
-    # the run is resumed to step 3 at another learning rate without a checkpoint at its end: its model and record
-    # of step 3 are newer than the newest checkpoint (step 2), and a later bare --resume would replace them unsaid
+    # the run is resumed to step 3 at another learning rate, and the checkpoint at its end is lost
+    # (deleted, or set aside as damaged): its model and record of step 3 are newer than the newest
+    # checkpoint (step 2), and a later bare --resume would replace them unsaid
     out = copy_of(two_saved_steps, tmp_path)
     ckpts, logs = out / "checkpoints", ["--log-completions", str(out / "completions.jsonl")]
     on = train(*run_args(tiny_model_dir, evaluated, "--steps", "3", "--out-dir", str(out), "--resume", *logs,
                          "--learning-rate", "5e-4", "--resume-allow-change", "learning_rate", "--save-interval", "0"))
     assert on.returncode == 0, on.stderr
-    assert checkpoint.model_step(str(out / "model")) == 3 and checkpoints_in(ckpts) == ["step_000001", "step_000002"]
+    shutil.rmtree(ckpts / "step_000003")
+    assert checkpoint.model_step(str(out / "model")) == 3
+    assert checkpoints_in(ckpts) == ["step_000002"]
     finished = weights(out / "model")
     line = one_line_error(train(*run_args(tiny_model_dir, evaluated, "--steps", "4", "--out-dir", str(out),
                                           "--resume", *logs)))

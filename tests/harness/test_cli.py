@@ -213,6 +213,8 @@ def test_the_chess_main_job_gets_its_pretraining_mix_with_no_flag():
     ({"letter": "b"}, "names 'letter', which is not a trainer setting"),
     ({"eval_k": 2}, "names 'eval_k', which is not a trainer setting (it is the task's own option"),
     ({"task": "toy"}, "names 'task', which is not a trainer setting"),
+    # issue 46 case 6: a task deleted earlier runs without the user asking
+    ({"overwrite": True}, "names 'overwrite': only your own --overwrite (or GRPO_OVERWRITE) may"),
     ({"seed": [1]}, "trainer_settings: --seed [1] is not a value a flag takes"),
     (["ptx_coef"], "trainer_settings must be a dict"),
 ])

@@ -60,6 +60,9 @@ def test_derived_sizes():
                                                      "rise over the whole run"),
     (["--lr-warmup-steps", "2", "--steps", "2"], 1, "give a warmup below 2 steps, or more --steps"),
     (["--lr-warmup-ratio", "0.95", "--steps", "10"], 1, "--lr-warmup-ratio 0.95 (10 steps) with --steps 10"),
+    # issue 46 case 6: a traceback from torch (after --overwrite had deleted the earlier run)
+    (["--device", "tpu"], 1, "--device tpu is not a device this trainer runs on: pass auto"),
+    (["--device", "cuda:x"], 1, "--device cuda:x is not a device this trainer runs on"),
 ])
 def test_batch_rule_violations_name_the_values_and_a_fix(argv, world, message):
     with pytest.raises(ConfigError) as e:

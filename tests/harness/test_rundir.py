@@ -89,7 +89,7 @@ def test_a_finished_runs_folder_is_refused_and_overwrite_starts_over(tiny_model_
     # nothing of the earlier run is left to mix with this one: no record, no checkpoint a --resume could pick
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1]
     assert {r["step"] for r in read_jsonl(out / "completions.jsonl")} == {1}
-    assert not (out / "checkpoints").exists()
+    assert os.listdir(out / "checkpoints") == ["step_000001"]   # the new run's last step
 
 
 def test_eval_only_works_on_a_finished_runs_folder_and_overwrites_no_log(tiny_model_dir, tmp_path):
@@ -146,10 +146,35 @@ def test_overwrite_refuses_to_delete_what_the_run_reads(tiny_model_dir, tmp_path
     assert first.returncode == 0, first.stderr
     before = snapshot(out)
     line = one_line_error(train(*toy(str(out / "model")), "--steps", "1", "--out-dir", str(out), "--overwrite"))
-    assert f"--overwrite would delete {out / 'model'}, which --model {out / 'model'} reads" in line
-    assert "copy it out of" in line and "another --out-dir" in line
+    assert f"--out-dir {out}: {out / 'model'} lands on {out / 'model'}, which --model reads: " \
+           f"pass another --out-dir" in line
     # a file inside the doomed records (a path="in" setting): the same
     line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out), "--overwrite",
                                 "--ptx-coef", "1", "--ptx-file", str(out / "metrics.jsonl")))
-    assert f"which --ptx-file {out / 'metrics.jsonl'} reads" in line
+    metrics = out / "metrics.jsonl"
+    assert f"{metrics} lands on {metrics}, which --ptx-file reads" in line
     assert snapshot(out) == before   # nothing was deleted
+
+
+def test_overwrite_sets_the_earlier_run_aside_only_when_the_new_one_can_start(tiny_model_dir,
+                                                                             tmp_path):
+    # issue 46 case 6: --overwrite deleted the earlier run first, then failed (--device tpu, a
+    # typo in --model): nothing replaced it
+    (tmp_path / "evaluated.py").write_text(EVALUATED_TASK)
+    task = ["--model", tiny_model_dir, *SMALL, "--task", f"{tmp_path / 'evaluated.py'}:Evaluated"]
+    out = tmp_path / "out"
+    first = train(*task, "--steps", "1", "--out-dir", str(out))
+    assert first.returncode == 0, first.stderr
+    before = snapshot(out)
+    for bad in (["--device", "tpu"], ["--model", str(tmp_path / "typo")]):
+        one_line_error(train(*task, "--steps", "1", "--out-dir", str(out), "--overwrite", *bad))
+        assert snapshot(out) == before
+    # set aside once the model loaded, the run fails at its evaluation before step 1: put back
+    failed = train(*task, "--steps", "1", "--out-dir", str(out), "--overwrite", "--eval-interval",
+                   "1", extra_env={"RAISE_AT_EVAL": "1"})
+    assert failed.returncode == 1 and "are back as they were" in failed.stderr, failed.stderr
+    assert snapshot(out) == before
+    # the earlier run goes only once the new one has written its first step
+    fresh = train(*task, "--steps", "1", "--out-dir", str(out), "--overwrite")
+    assert fresh.returncode == 0 and "--overwrite: deleted the earlier run's" in fresh.stderr
+    assert not list(out.glob("*.overwritten"))
