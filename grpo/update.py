@@ -9,6 +9,7 @@ guard.fit(run) calls run(micro) and retries it with a smaller one after an out-o
 and guard.finite(loss, grad_norm) says whether an update may step the optimizer.
 """
 import functools
+import math
 from collections import Counter
 
 import torch
@@ -155,7 +156,9 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
             peaks.append(max(distributed.gather_objects(sums.pop("mismatch_max"))))  # every rank
             names = sorted(sums)
             sums = dict(zip(names, distributed.all_sum([sums[k] for k in names])))  # every rank
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+            # --max-grad-norm 0 is no clipping (a bound of 0 would zero every gradient): an infinite bound
+            # scales by exactly 1
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf).item()
             if guard.finite(sums["loss"], grad_norm):
                 optimizer.step()
             else:  # one bad batch must not poison the weights or AdamW's moments

@@ -135,7 +135,8 @@ class Config:
                          resume_fixed="the checkpoint holds that optimizer's state (its moments and steps), which no "
                                       "other optimizer reads; start a new run from OUT_DIR/model to change it")
     weight_decay: float = opt(0.0, "decoupled weight decay (AdamW's, and Muon's)", must=">= 0")
-    max_grad_norm: float = opt(1.0, "gradient-norm clipping", must=">= 0")
+    max_grad_norm: float = opt(1.0, "gradient-norm clipping (0: off, as in transformers' Trainer; the norm is "
+                               "still measured)", must=">= 0")
     clip_range: float = opt(0.2, "PPO clip range (low side, and high side unless --clip-range-high)", must="> 0")
     clip_range_high: typing.Optional[float] = opt(None, "PPO clip range on the high side (default: --clip-range)",
                                                   must="> 0")
