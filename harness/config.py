@@ -370,6 +370,12 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if cfg.kl_horizon != FIELDS["kl_horizon"].default and not cfg.kl_target:
         raise ConfigError(f"--kl-horizon {cfg.kl_horizon} without --kl-target (a fixed --kl-coef): give a --kl-target, "
                           f"or leave --kl-horizon out")
+    if cfg.kl_target and 5 * cfg.kl_horizon <= cfg.batch_size:   # the controller's error is clipped to +-0.2
+        raise ConfigError(f"--kl-horizon {cfg.kl_horizon} with --batch-size {cfg.batch_size}: a step below --kl-target "
+                          f"would multiply the KL coefficient by 1 - 0.2 x {cfg.batch_size} / {cfg.kl_horizon} = "
+                          f"{1 - 0.2 * cfg.batch_size / cfg.kl_horizon:.3g}, to 0 or past it; give --kl-horizon "
+                          f"{cfg.batch_size // 5 + 1} or more (from {cfg.batch_size}, a step moves it by at most 20 "
+                          f"percent)")
     if cfg.ref_sync_steps and not cfg.kl_coef:
         raise ConfigError(f"--ref-sync-steps {cfg.ref_sync_steps} moves the reference, and --kl-coef 0 has none: "
                           f"pass a --kl-coef above 0, or leave --ref-sync-steps out")
