@@ -135,8 +135,8 @@ class Config:
                          resume_fixed="the checkpoint holds that optimizer's state (its moments and steps), which no "
                                       "other optimizer reads; start a new run from OUT_DIR/model to change it")
     weight_decay: float = opt(0.0, "decoupled weight decay (AdamW's, and Muon's)", must=">= 0")
-    max_grad_norm: float = opt(1.0, "gradient-norm clipping (0: off, as in transformers' Trainer; the norm is "
-                               "still measured)", must=">= 0")
+    max_grad_norm: float = opt(1.0, "gradient-norm clipping (0: off, as in transformers' "
+                               "Trainer; the norm is still measured)", must=">= 0")
     clip_range: float = opt(0.2, "PPO clip range (low side, and high side unless --clip-range-high)", must="> 0")
     clip_range_high: typing.Optional[float] = opt(None, "PPO clip range on the high side (default: --clip-range)",
                                                   must="> 0")
@@ -370,12 +370,13 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if cfg.kl_horizon != FIELDS["kl_horizon"].default and not cfg.kl_target:
         raise ConfigError(f"--kl-horizon {cfg.kl_horizon} without --kl-target (a fixed --kl-coef): give a --kl-target, "
                           f"or leave --kl-horizon out")
-    if cfg.kl_target and 5 * cfg.kl_horizon <= cfg.batch_size:   # the controller's error is clipped to +-0.2
-        raise ConfigError(f"--kl-horizon {cfg.kl_horizon} with --batch-size {cfg.batch_size}: a step below --kl-target "
-                          f"would multiply the KL coefficient by 1 - 0.2 x {cfg.batch_size} / {cfg.kl_horizon} = "
-                          f"{1 - 0.2 * cfg.batch_size / cfg.kl_horizon:.3g}, to 0 or past it; give --kl-horizon "
-                          f"{cfg.batch_size // 5 + 1} or more (from {cfg.batch_size}, a step moves it by at most 20 "
-                          f"percent)")
+    # the controller's error is clipped to +-0.2, its step (x batch / horizon) is not
+    if cfg.kl_target and 5 * cfg.kl_horizon <= cfg.batch_size:
+        n, h = cfg.batch_size, cfg.kl_horizon
+        raise ConfigError(f"--kl-horizon {h} with --batch-size {n}: a step below --kl-target "
+                          f"would multiply the KL coefficient by 1 - 0.2 x {n} / {h} = "
+                          f"{1 - 0.2 * n / h:.3g}, to 0 or past it; give --kl-horizon {n // 5 + 1} "
+                          f"or more (from {n}, a step moves it by at most 20 percent)")
     if cfg.ref_sync_steps and not cfg.kl_coef:
         raise ConfigError(f"--ref-sync-steps {cfg.ref_sync_steps} moves the reference, and --kl-coef 0 has none: "
                           f"pass a --kl-coef above 0, or leave --ref-sync-steps out")

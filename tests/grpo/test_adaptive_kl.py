@@ -24,7 +24,8 @@ def test_the_coefficient_follows_the_controllers_formula(kl):
 
 def test_the_shortest_horizon_allowed_keeps_the_coefficient_above_0():
     batch_layout(Config(kl_target=100.0, kl_horizon=4, batch_size=16))
-    assert adaptive_kl_coef(0.02, 0.0, 16, Config(kl_target=100.0, kl_horizon=4)) == pytest.approx(0.004)
+    cfg = Config(kl_target=100.0, kl_horizon=4)
+    assert adaptive_kl_coef(0.02, 0.0, 16, cfg) == pytest.approx(0.004)
 
 
 def test_the_coefficient_rises_above_the_target_and_falls_below_it_by_at_most_20_percent_per_horizon():
@@ -39,9 +40,11 @@ def test_the_coefficient_rises_above_the_target_and_falls_below_it_by_at_most_20
     ({"kl_horizon": 100}, "--kl-horizon 100 without --kl-target"),
     ({"kl_target": -1.0}, "--kl-target -1.0 must be > 0"),
     # 1 - 0.2 x 16 / 1 < 0: the coefficient's sign flipped every step (0.02, -0.044, 0.097, ...)
-    ({"kl_target": 100.0, "kl_horizon": 1, "batch_size": 16}, r"--kl-horizon 1 with --batch-size 16: .* by 1 - 0.2 "
-     r"x 16 / 1 = -2.2, to 0 or past it; give --kl-horizon 4 or more"),
-    ({"kl_target": 0.1, "kl_horizon": 8, "batch_size": 40}, "--kl-horizon 8 with --batch-size 40: .* = 0, "),
+    ({"kl_target": 100.0, "kl_horizon": 1, "batch_size": 16},
+     r"--kl-horizon 1 with --batch-size 16: .* by 1 - 0.2 x 16 / 1 = -2.2, to 0 or past it; "
+     r"give --kl-horizon 4 or more"),
+    ({"kl_target": 0.1, "kl_horizon": 8, "batch_size": 40},
+     "--kl-horizon 8 with --batch-size 40: .* = 0, "),
 ])
 def test_bad_adaptive_kl_settings_are_refused(knobs, message):
     with pytest.raises(ConfigError, match=message):

@@ -3,6 +3,7 @@
 Run in-process through train_lean.main(argv) so that the test can stand in for the CUDA allocator
 (raising torch.OutOfMemoryError above a batch size) or make one loss non-finite.
 """
+import math
 import os
 
 import pytest
@@ -100,6 +101,28 @@ def test_too_many_non_finite_updates_in_a_row_abort_with_a_checkpoint(tiny_model
     assert "aborting at step 2: the last 2 optimizer updates had a non-finite" in capsys.readouterr().err
     start, saved = weights(tiny_model_dir), weights(tmp_path / "checkpoints" / "step_000002")
     assert all(torch.equal(start[k], saved[k]) for k in saved)
+
+
+def test_an_update_that_makes_the_weights_non_finite_is_skipped_and_never_saved(
+        tiny_model_dir, tmp_path, capsys):
+    """--learning-rate 1e308: the loss and gradients are finite, the weights after AdamW's step
+    are not. Such an update is skipped like a non-finite loss (it saved a NaN model, exit 0)."""
+    recs = run(tiny_model_dir, tmp_path / "one", "--learning-rate", "1e308", "--steps", "2")
+    assert [r["skipped_nonfinite"] for r in recs] == [1, 1]
+    assert math.isfinite(recs[0]["loss"]) and math.isfinite(recs[0]["grad_norm"])
+    start, saved = weights(tiny_model_dir), weights(tmp_path / "one" / "model")
+    assert all(torch.equal(start[k], saved[k]) for k in saved)
+    said = "made weights non-finite from a finite loss and gradient norm"
+    assert capsys.readouterr().err.count(said) == 1
+    with pytest.raises(SystemExit) as e:   # in a row, as many as --max-nonfinite: the run gives up
+        run(tiny_model_dir, tmp_path / "two", "--learning-rate", "1e308", "--steps", "5",
+            "--max-nonfinite", "2")
+    assert e.value.code == 1
+    assert "gradient norm or weights and were skipped" in capsys.readouterr().err
+    assert not (tmp_path / "two" / "model").exists()
+    state = tmp_path / "two" / "checkpoints" / "step_000002" / "trainer_state.pt"
+    opt = torch.load(state)["optimizer"]
+    assert opt["state"] == {}   # no AdamW step was kept
 
 
 def test_a_reward_that_raises_gets_the_minimum_and_is_reported_once_per_kind(tiny_model_dir, tmp_path, capsys):
