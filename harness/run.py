@@ -60,7 +60,7 @@ class Run:
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
         self.stack.push(distributed.close)      # told whether the run ended by an exception
-        self.exit_code, self.cut_said = 0, False
+        self.exit_code, self.cut_said, self.no_tokens_said = 0, False, False
 
     def __enter__(self):
         return self
@@ -291,6 +291,14 @@ class Run:
             log.warn(f"step {step}: {rec['ptx_cut']} --ptx-coef text(s) longer than the model's {self.context} "
                      f"positions: each is learned cut to its first {self.context} tokens, without its end and EOS "
                      f"(said once; ptx_cut in each record counts them)")
+        # the loss and its gradient are then 0 in silence: the flat-groups note does not cover it
+        if cfg.mask_truncated and bool(self.step_rows["truncated"].all()) and not self.no_tokens_said:
+            self.no_tokens_said = True
+            log.warn(f"step {step}: the policy loss saw no tokens: every completion reached "
+                     f"--max-new-tokens {cfg.max_new_tokens} without ending, and --mask-truncated "
+                     f"leaves such completions out of the loss, so the step learned nothing from its "
+                     f"rewards (said once; truncated_frac 1.0 in a record says it again). Raise "
+                     f"--max-new-tokens, or leave --mask-truncated out")
         if cfg.log_completions:
             log.write_completions(self.completions_file, step, self.step_rows)
         log.write(self.metrics_file, rec)
