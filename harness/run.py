@@ -292,13 +292,14 @@ class Run:
                      f"positions: each is learned cut to its first {self.context} tokens, without its end and EOS "
                      f"(said once; ptx_cut in each record counts them)")
         # the loss and its gradient are then 0 in silence: the flat-groups note does not cover it
-        if cfg.mask_truncated and bool(self.step_rows["truncated"].all()) and not self.no_tokens_said:
+        all_cut = bool(self.step_rows["truncated"].all())
+        if cfg.mask_truncated and all_cut and not self.no_tokens_said:
             self.no_tokens_said = True
             log.warn(f"step {step}: the policy loss saw no tokens: every completion reached "
                      f"--max-new-tokens {cfg.max_new_tokens} without ending, and --mask-truncated "
-                     f"leaves such completions out of the loss, so the step learned nothing from its "
-                     f"rewards (said once; truncated_frac 1.0 in a record says it again). Raise "
-                     f"--max-new-tokens, or leave --mask-truncated out")
+                     f"leaves such completions out of the loss, so the step learned nothing from "
+                     f"its rewards (said once; truncated_frac 1.0 in a record says it again). "
+                     f"Raise --max-new-tokens, or leave --mask-truncated out")
         if cfg.log_completions:
             log.write_completions(self.completions_file, step, self.step_rows)
         log.write(self.metrics_file, rec)
