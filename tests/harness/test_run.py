@@ -1,4 +1,4 @@
-"""harness/run.py: what the run says around the algorithm's steps, run in-process on the tiny model."""
+"""harness/run.py: what the run says around the algorithm's steps, in-process on the tiny model."""
 
 import train_lean
 from helpers import SMALL, records
