@@ -183,6 +183,14 @@ class CheckedTask:
         return draw_prompts(self.task, n, rng)
 
 
+def identity(task) -> str:
+    """The task an evaluation scored, as compare_runs.py tells tasks apart: its name and class,
+    "toy (tasks.toy.ToyTask)" (two tasks may ask the same held-out prompts and score them
+    otherwise)."""
+    task = task.task if isinstance(task, CheckedTask) else task
+    return f"{getattr(task, 'name', '')} ({type(task).__module__}.{type(task).__qualname__})"
+
+
 def mix_source(task, path: str | None):
     """The function (n, rng) -> n texts that --ptx-coef learns: the lines of `path`, else the task's demonstrations.
     A TaskError (one line, exit 2) when there is none."""
@@ -250,6 +258,8 @@ def _number(value, limit: float = FLOAT32_MAX) -> float:
         if isinstance(value, (str, bytes)):   # float("0.5") would parse it: a str reward is a bug, not a number
             raise TypeError
         number = float(value)
+    except OverflowError:   # an int such as 10**400: inf as a float
+        number = math.inf if value > 0 else -math.inf
     except (TypeError, ValueError):
         raise NotANumber(f"returned {name}", f"returned a {name} ({_short(value)}), not a number") from None
     if math.isnan(number):
@@ -427,7 +437,9 @@ def check_metrics(result) -> dict:
             out[k] = _items(k, v)
             continue
         try:
-            out[k] = int(v) if isinstance(v, numbers.Integral) else _number(v, sys.float_info.max)
+            # an int beyond a float (10**400) is inf
+            exact = isinstance(v, numbers.Integral) and abs(v) <= sys.float_info.max
+            out[k] = int(v) if exact else _number(v, sys.float_info.max)
         except NotANumber:
             raise TaskError(f"the task's evaluate() returned {{{k!r}: {_short(v)}}}: {k!r} must be a finite "
                             f"number") from None
@@ -454,6 +466,10 @@ def _items(name: str, values) -> list:
         except NotANumber:
             raise TaskError(f"the task's evaluate() returned {_short(v)} as item {i} of {name!r}: each per-item "
                             f"score must be a finite number") from None
+    if intervals.overflows(out, sides=2):   # the mean, its interval, compare_runs.py's differences
+        raise TaskError(f"the task's evaluate() returned items of {name!r} as large as "
+                        f"{max(map(abs, out)):g}: sums of {len(out)} of them overflow a float (the "
+                        f"mean would be inf); scale the scores down")
     return out
 
 
@@ -576,8 +592,9 @@ def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_
     record with "kind": "eval" (to the JSONL file and the --report-to reporter); a per-item metric is logged as its
     mean with its interval and item count (summarise_metrics), and its scores as a line of items_path
     (harness/log.py items_path: what compare_runs.py pairs), with a hash of the prompts the evaluation asked for,
-    which says whether two evaluations scored the same items. full (the run's first and last evaluation, --eval-only)
-    is passed on to a task whose evaluate() takes it (takes_full). Rank 0 alone calls it: nothing here waits on
+    which says whether two evaluations scored the same items, and the task's identity
+    (identity). full (the run's first and last evaluation, --eval-only) is passed on to a task whose
+    evaluate() takes it (takes_full). Rank 0 alone calls it: nothing here waits on
     another rank."""
     t0 = time.perf_counter()
     with contextlib.closing(log.EvalProgress(complete, f"eval at step {step}")) as counted:   # said, not silent
@@ -589,7 +606,9 @@ def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_
         log.write(metrics_file, record)
     if items_path is not None and items:
         with log.open_jsonl(items_path, append=True) as f:
-            log.write(f, {"step": step, "prompts": counted.asked, "prompts_sha256": counted.digest(), "items": items})
+            log.write(f, {"step": step, "prompts": counted.asked,
+                          "prompts_sha256": counted.digest(), "task": identity(task),
+                          "items": items})
     if reporter is not None:
         reporter.log(record, step)
     return record
