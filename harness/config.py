@@ -10,8 +10,11 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
+
+import torch
 
 from grpo import algorithm, optim
 from harness import log
@@ -317,6 +320,18 @@ def range_error(name: str, value) -> str | None:
     return None
 
 
+def _device_error(choice: str) -> str | None:
+    """Why --device cannot be used here (it failed later, in a traceback), or None."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", choice):
+        return "is not one of auto, cpu, cuda or cuda:N"
+    count = torch.cuda.device_count() if choice.startswith("cuda") else 1
+    if not count:
+        return "this machine has no CUDA device that torch can use: pass --device cpu (or auto)"
+    if ":" in choice and int(choice.split(":")[1]) >= count:
+        return f"this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    return None
+
+
 def _multiples(value: int, of: int) -> str:
     low = value // of * of
     return f"use {low} or {low + of}" if low > 0 else f"use {of}"
@@ -416,6 +431,9 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
             fix = "a mask" if name == "mismatch_low" else "a correction"
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)} with --mismatch-correction {cfg.mismatch_correction}, "
                               f"which does not use it: pass {fix}, or leave {flag(name)} out")
+    device_error = _device_error(cfg.device)
+    if device_error:
+        raise ConfigError(f"--device {cfg.device}: {device_error}")
     if cfg.trace_memory == 1:
         raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
     per_device = cfg.batch_size // world

@@ -161,12 +161,17 @@ class Run:
                                    items_path=log.items_path(log_file) if log_file else None)
 
     def _first_evaluation(self, metrics_file, reporter=None, items_path=None) -> None:
-        """The evaluation before any training (step 0, or --eval-only). A TaskError there (a held-out prompt too long
-        for the model, a metric that is no number) loses nothing yet: one line, exit 2, as at start-up."""
+        """The evaluation before any training (step 0, or --eval-only). A TaskError there (a
+        held-out prompt too long for the model, a metric that is no number) loses nothing yet: one
+        line, exit 2, as at start-up. Nor does Ctrl-C: one line, exit 0."""
         try:
             task_lib.evaluate(self.task, self.complete, self.start_step, metrics_file, reporter, items_path)
         except task_lib.TaskError as e:
             usage_error(f"the task's evaluation at step {self.start_step}: {e}")
+        except KeyboardInterrupt:   # nothing trained yet: the clean stop is at once, not after it
+            log.warn(f"stopped (Ctrl-C) during the evaluation at step {self.start_step}, before "
+                     f"any training: nothing to save")
+            sys.exit(0)
 
     def start_training(self, optimizer) -> guards.Guard:
         """Before the first step: --resume's optimizer, reference and RNG states; the guard of the update (its

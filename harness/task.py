@@ -164,10 +164,22 @@ def draw_prompts(task, n: int, rng) -> list:
         raise TaskError(f"the task's prompts({n}, rng) returned {len(got)} prompts, not {n}: it must return "
                         f"exactly n (the batch is n groups)")
     for i, p in enumerate(got):
-        if not isinstance(p, str) or not p:
-            raise TaskError(f"the task's prompts({n}, rng) returned {_short(p)} as prompt {i}: each prompt "
-                            f"must be a non-empty str")
+        if prompt_problem(p):
+            raise TaskError(f"the task's prompts({n}, rng) returned {_short(p)} as prompt {i}: "
+                            f"{prompt_problem(p)}")
     return list(got)
+
+
+def prompt_problem(p) -> str | None:
+    """Why p cannot be a prompt (the tokenizer's TypeError was a traceback), or None."""
+    if not isinstance(p, str) or not p:
+        return "each prompt must be a non-empty str"
+    try:
+        p.encode("utf-8")
+    except UnicodeEncodeError as e:   # what a decode with errors="surrogateescape" leaves
+        return (f"it holds {p[e.start]!r}, a lone surrogate, which no tokenizer encodes (decode "
+                f"the text with errors='replace')")
+    return None
 
 
 class CheckedTask:
@@ -555,6 +567,10 @@ def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature
     if n is not None and not (isinstance(n, int) and n >= 1 and (temperature is None or temperature > 0)):
         raise TaskError(f"complete(prompts, n={n!r}, temperature={temperature!r}): n must be an int >= 1 and the "
                         f"temperature > 0 (greedy: complete(prompts))")
+    bad = next((i for i, p in enumerate(prompts) if prompt_problem(p)), None)
+    if bad is not None:
+        raise TaskError(f"complete() was given {_short(prompts[bad])} as prompt {bad}: "
+                        f"{prompt_problem(prompts[bad])}")
     sample_at = 0.0 if n is None else 1.0 if temperature is None else temperature
     eos = tokenizer.eos_token_id
     try:

@@ -277,10 +277,21 @@ class Counted(Flaky):
     (lambda n: ["p", "p", 3, "p"], "returned 3 as prompt 2: each prompt must be a non-empty str"),
     (lambda n: ["p", "", "p", "p"], "returned '' as prompt 1"),
     (lambda n: ["p", None, "p", "p"], "returned None as prompt 1"),
+    # the tokenizer's TypeError was a traceback
+    (lambda n: ["p", "a\udc80b", "p", "p"],
+     "returned 'a\\udc80b' as prompt 1: it holds '\\udc80', a lone surrogate, which no tokenizer "
+     "encodes"),
 ])
 def test_prompts_are_exactly_n_non_empty_strings(result, message):
     with pytest.raises(TaskError, match=re.escape(f"the task's prompts(4, rng) {message}")):
         draw_prompts(Counted(result), 4, random.Random(0))
+
+
+def test_a_held_out_prompt_with_a_lone_surrogate_is_named():
+    said = "complete() was given 'x\\ud800' as prompt 1: it holds '\\ud800', a lone surrogate"
+    with pytest.raises(TaskError, match=re.escape(said)):
+        eval_completions(None, None, ["fine", "x\ud800"], prepend_bos=True, max_new_tokens=2,
+                         batch=1)
 
 
 def test_prompts_as_a_tuple_are_fine():
