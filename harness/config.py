@@ -419,6 +419,9 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
         raise ConfigError(f"--dual-clip {cfg.dual_clip} bounds PPO's clipped term, and --policy-loss {cfg.policy_loss} "
                           f"has none: leave one out")
     weights = reward_weights(cfg)
+    if weights and not any(weights.values()):   # every advantage 0: not the temperature's fault
+        raise ConfigError(f"--reward-weights {cfg.reward_weights}: every weight is 0, so every "
+                          f"completion's reward (and advantage) would be 0: give a part a weight")
     if cfg.scale_rewards == "gdpo" and not weights:
         raise ConfigError("--scale-rewards gdpo normalises each part of the reward: name them with --reward-weights "
                           "(e.g. correct=1,format=1)")
@@ -434,6 +437,8 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     device_error = _device_error(cfg.device)
     if device_error:
         raise ConfigError(f"--device {cfg.device}: {device_error}")
+    if log.missing_reporter(cfg.report_to):   # at start-up, not once the model has loaded
+        raise ConfigError(log.missing_reporter(cfg.report_to))
     if cfg.trace_memory == 1:
         raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
     per_device = cfg.batch_size // world

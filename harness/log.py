@@ -6,6 +6,7 @@ once per step (device_part -> distributed.gather_objects -> whole_step, harness/
 `if main_rank:` without leaving another rank waiting.
 """
 import hashlib
+import importlib.util
 import json
 import math
 import numbers
@@ -231,6 +232,18 @@ class ReportError(RuntimeError):
     """A --report-to backend that cannot be used (exit code 2, one line, no traceback)."""
 
 
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def missing_reporter(kind: str) -> str | None:
+    """The line that says --report-to's package is not installed (config.batch_layout checks it at
+    start-up), else None."""
+    if kind in ("tensorboard", "wandb") and not installed(kind):
+        return f"--report-to {kind} needs the {kind} package: pip install {kind}"
+    return None
+
+
 def scalars(record: dict, prefix: str = "") -> dict:
     """The numbers of a JSONL record by name, nested dicts as "outer/inner"; "step", text and bools left out."""
     out = {}
@@ -256,8 +269,9 @@ class _TensorBoard:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ReportError("--report-to tensorboard needs the tensorboard package: "
-                              "pip install tensorboard") from None
+            raise ReportError(missing_reporter("tensorboard") or "--report-to tensorboard: its "
+                              "package is installed, but torch.utils.tensorboard cannot import "
+                              "it") from None
         self.writer = SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"))
 
     def log(self, record: dict, step: int) -> None:
@@ -274,7 +288,8 @@ class _WandB:
         try:
             import wandb
         except ImportError:
-            raise ReportError("--report-to wandb needs the wandb package: pip install wandb") from None
+            raise ReportError(missing_reporter("wandb") or "--report-to wandb: the wandb package "
+                              "is installed, but cannot be imported") from None
         self.wandb = wandb
         os.makedirs(out_dir, exist_ok=True)
         # console "off": wandb leaves the trainer's stdout and stderr alone

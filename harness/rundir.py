@@ -311,6 +311,10 @@ def prepare(cfg, options) -> tuple:
                 if cfg.log_file else []
         else:
             found = [] if _continues(resume_from, cfg.out_dir) else earlier_run(cfg)
+        if found and not cfg.overwrite and cfg.eval_only:   # it writes nothing in --out-dir
+            raise config.ConfigError(f"--log-file {cfg.log_file} holds earlier records "
+                                     f"({', '.join(found)}): --eval-only would overwrite them; "
+                                     f"pass another --log-file, or --overwrite to replace them")
         if found and not cfg.overwrite:
             if cfg.resume:
                 hint = "another --out-dir for this run, which resumes a checkpoint from elsewhere"

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from harness.config import Config, ConfigError, batch_layout
 from harness.log import ReportError, batch_stats, open_reporter, scalars, whole_step
 from helpers import SMALL, read_jsonl, train
 
@@ -104,6 +105,14 @@ def test_a_missing_package_names_what_to_install(kind, tmp_path, monkeypatch):
         open_reporter(kind, str(tmp_path), {})
     assert str(e.value) == f"--report-to {kind} needs the {PACKAGES[kind]} package: pip install {PACKAGES[kind]}"
     assert not (tmp_path / kind).exists()
+
+
+@pytest.mark.parametrize("kind", ["tensorboard", "wandb"])
+def test_a_missing_package_is_refused_at_start_up(kind, monkeypatch):
+    """Before anything loads (it was refused once the model had loaded)."""
+    monkeypatch.setitem(sys.modules, PACKAGES[kind], None)
+    with pytest.raises(ConfigError, match=f"--report-to {kind} needs the {kind} package"):
+        batch_layout(Config(report_to=kind))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard is not installed")

@@ -107,6 +107,10 @@ def test_eval_only_works_on_a_finished_runs_folder_and_overwrites_no_log(tiny_mo
     # asked to log into the run's own metrics: that would overwrite them
     line = one_line_error(train(*task, "--eval-only", "--out-dir", str(out), "--log-file", str(out / "metrics.jsonl")))
     assert "metrics.jsonl" in line and "--overwrite" in line
+    # the log is to blame, not --out-dir, which --eval-only does not write
+    log = out / "metrics.jsonl"
+    assert line.startswith(f"train_lean.py: error: --log-file {log} holds earlier records (")
+    assert "another --log-file" in line and "--out-dir" not in line
     assert snapshot(out) == before
 
 
