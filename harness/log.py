@@ -216,6 +216,8 @@ def throughput(times: dict, step_rows: dict) -> dict:
 def step_line(rec: dict, steps: int) -> str:
     parts = [f"step {rec['step']}/{steps}"]
     parts += [fmt.format(rec[k]) for k, fmt in STEP_FIELDS if rec.get(k) is not None]
+    if rec.get("reward_errors"):   # beside the reward: failed rewards are scored, not skipped
+        parts.insert(2, f"failed {sum(rec['reward_errors'].values())}")
     return " | ".join(parts)
 
 

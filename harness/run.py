@@ -229,7 +229,8 @@ class Run:
             log.keep_until(self.items_path, self.start_step)
         if self.evaluating and self.start_step == 0 and self.main:  # where the run starts from
             self._first_evaluation(self.metrics_file, self.reporter, self.items_path)
-        self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate", config.reward_weights(cfg))
+        self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate",
+                                      config.reward_weights(cfg), cfg.group_size)
         self.phases = self.stack.enter_context(memory.Phases(self.device, self.rank, cfg, self.info))
         return self.guard
 

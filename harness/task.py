@@ -11,7 +11,8 @@ and optionally
                                           name is checked against the first step's parts, which a mixture of
                                           kinds may draw without some)
     min_reward: float                     given to a completion whose reward failed: raised, or returned no
-                                          number finite in float32 (default 0.0)
+                                          number finite in float32 (default: 1 below the lowest
+                                          valid reward of its group: a failure never outscores one)
     options                               a dataclass type: its fields become flags (--field-name) and
                                           GRPO_FIELD_NAME overrides when this task is chosen, validated and
                                           shown like the trainer's own; the task is built as Task(**options)
@@ -292,18 +293,22 @@ def _short(value, width: int = 40) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def score(task, prompts, completions, failures: dict = None, weights: dict = None, rows: list = None):
+def score(task, prompts, completions, failures: dict = None, weights: dict = None,
+          rows: list = None, group_size: int = None):
     """Score completions. Returns (rewards [n] float32, component means, error counts by kind).
 
-    A reward that fails gets the task's min_reward and is counted by kind: the exception's type when it
-    raised, "returned str" / "returned nan" / "returned inf" ... when it returned no finite number.
+    A reward that fails gets the task's min_reward, or where the task declares none, 1 below the
+    lowest valid reward of its group (group_size rows in a row; default: all of them; 0 when none is
+    valid), and is counted by kind: the exception's type when it raised, "returned str" /
+    "returned nan" / "returned inf" ... when it returned no finite number.
     failures, when given, keeps the first failure of each kind: kind -> (exception, prompt, completion).
     weights ({part: weight}, --reward-weights): the reward is the weighted sum of those reward_breakdown parts, a
     part a completion does not report counting 0 (a task mixture's kinds report different parts); rows, when
-    given, gets each completion's parts in the weights' order (a failed reward's are each min_reward).
+    given, gets each completion's parts in the weights' order (a failed reward's as its reward's).
     """
-    floor = float(getattr(task, "min_reward", 0.0))
-    errors = Counter()
+    declared = getattr(task, "min_reward", None)
+    floor = 0.0 if declared is None else float(declared)
+    errors, failed = Counter(), []
     breakdown = getattr(task, "reward_breakdown", None)
     components, reported = Counter(), Counter()
     rewards = []
@@ -327,13 +332,32 @@ def score(task, prompts, completions, failures: dict = None, weights: dict = Non
             if failures is not None and kind not in failures:
                 failures[kind] = (e, p, c)
             r, values = floor, [floor] * len(weights or ())
+            failed.append(len(rewards))
         rewards.append(r)
         if rows is not None:
             rows.append(values)
     # Each component is averaged over the completions that report it: in a task mixture the
     # components of one kind are means over that kind's completions, not diluted by the others.
     means = {k: v / reported[k] for k, v in components.items() if k != "reward"}
-    return np.asarray(rewards, dtype=np.float32), means, dict(errors)
+    rewards = np.asarray(rewards, dtype=np.float32)
+    if failed and declared is None:   # a default of 0 gave a crash a positive advantage beside
+        mask = np.zeros(len(rewards), dtype=bool)   # rewards below 0
+        mask[failed] = True
+        rewards = below_valid(rewards, mask, group_size or len(rewards))
+        if rows:
+            parts = below_valid(np.asarray(rows, dtype=np.float64), mask, group_size or len(rows))
+            rows[:] = parts.tolist()
+    return rewards, means, dict(errors)
+
+
+def below_valid(values: np.ndarray, failed: np.ndarray, group_size: int) -> np.ndarray:
+    """values [n] (or [n, parts]) with each failed row 1 below the lowest valid value of its group
+    (each part's own; 0 where no row of the group is valid): a failure ranks below every valid
+    completion it is compared with."""
+    out = values.reshape(-1, group_size, *values.shape[1:]).copy()
+    for group, bad in zip(out, failed.reshape(-1, group_size)):
+        group[bad] = group[~bad].min(0) - 1 if (~bad).any() else 0.0
+    return out.reshape(values.shape)
 
 
 class Scorer:
@@ -343,8 +367,9 @@ class Scorer:
     reward failed stops the run (unless tolerate), and the first step whose groups all got equal rewards is
     named, with what to try."""
 
-    def __init__(self, task, tolerate: bool, weights: dict = None):
+    def __init__(self, task, tolerate: bool, weights: dict = None, group_size: int = None):
         self.task, self.tolerate, self.weights = task, tolerate, weights or {}
+        self.group_size = group_size   # a failed reward ranks below its group's valid ones (score)
         self.shown, self.flat_named = set(), False
         self.steps, self.flat_steps = 0, 0   # this process's steps, and those whose groups were all flat
         self.scored, self.failures = 0, {}
@@ -353,7 +378,8 @@ class Scorer:
         """(rewards, component means, errors by kind, and with --reward-weights each row's parts, else None)."""
         self.scored += len(completions)
         rows = [] if self.weights else None
-        return (*score(self.task, prompts, completions, self.failures, self.weights, rows), rows)
+        return (*score(self.task, prompts, completions, self.failures, self.weights, rows,
+                       self.group_size), rows)
 
     def to_gather(self) -> dict:
         """This device's rows scored this step, and a report of its first failure of each kind not yet shown."""
@@ -370,8 +396,8 @@ class Scorer:
             counts = ", ".join(f"{k} {n}" for k, n in sorted(errors.items()))
             error = RewardError(f"step {step}: every reward failed ({counts}; the first "
                                 f"{self._what(e)}): a step like this trains on nothing. Fix the task's "
-                                f"reward, or pass --reward-errors tolerate to give such completions the task's "
-                                f"min_reward and go on")
+                                f"reward, or pass --reward-errors tolerate to score such "
+                                f"completions as failures and go on")
             raise error from (None if isinstance(e, NotANumber) else e.with_traceback(_from_task(e)))
         declared = getattr(self.task, "reward_parts", None)
         undeclared = [k for k in step_rows["components"] if declared is not None and k not in declared]
@@ -409,9 +435,11 @@ class Scorer:
         return f"raised {type(e).__name__}: {_first_line(e)}"
 
     def _report(self, e, prompt, completion) -> str:
-        floor = float(getattr(self.task, "min_reward", 0.0))
+        floor = getattr(self.task, "min_reward", None)
+        given = (f"min_reward {float(floor):g}" if floor is not None else
+                 "1 below the lowest valid reward of their group (the task declares no min_reward)")
         text = (f"{self._what(e)}, for the prompt {_short(prompt)} and completion {_short(completion)}; such "
-                f"completions get min_reward {floor:g} and are counted in reward_errors (each kind shown once)")
+                f"completions get {given} and are counted in reward_errors (each kind shown once)")
         if not isinstance(e, NotANumber):
             text += "\n" + "".join(traceback.format_exception(type(e), e, _from_task(e))).rstrip()
         return text
