@@ -14,6 +14,7 @@ clearly cannot hold a checkpoint and the trained model is refused.
 """
 import contextlib
 import dataclasses
+import difflib
 import fcntl
 import os
 import shutil
@@ -61,6 +62,28 @@ def check_paths(settings) -> None:
             except OSError as e:
                 raise config.ConfigError(f"{config.flag(name)} {value}: cannot write to {folder} "
                                          f"({e.strerror or e}): pass a writable folder") from None
+
+
+def check_model(model: str) -> None:
+    """A --model that looks like a local folder must be one: a typo of a path is said at once (it went to
+    the hub, retried for most of a minute and blamed the network). Looks local: absolute, ./, ../ or ~,
+    more than one /, or a first part that is a folder here (out/tniy when out/ exists); a hub id is
+    NAME or OWNER/NAME."""
+    first = model.split("/")[0]
+    local = (os.path.isabs(model) or model.startswith(("./", "../", "~")) or model.count("/") > 1
+             or ("/" in model and os.path.isdir(first)))
+    path = os.path.expanduser(model)
+    if not local or os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise config.ConfigError(f"--model {model} is a file: pass the folder that holds the model's "
+                                 f"config.json and weights, or a hub id")
+    parent = os.path.dirname(path.rstrip("/")) or "."
+    near = difflib.get_close_matches(os.path.basename(path.rstrip("/")),
+                                     os.listdir(parent) if os.path.isdir(parent) else [], n=1)
+    raise config.ConfigError(f"--model {model}: no such folder" + (
+        f" (did you mean {os.path.join(os.path.dirname(model.rstrip('/')), near[0])}?)" if near else
+        "") + ": pass a local model folder, or a hub id (NAME or OWNER/NAME)")
 
 
 def lock(out_dir: str):

@@ -157,3 +157,15 @@ def test_overwrite_refuses_to_delete_what_the_run_reads(tiny_model_dir, tmp_path
                                 "--ptx-coef", "1", "--ptx-file", str(out / "metrics.jsonl")))
     assert f"which --ptx-file {out / 'metrics.jsonl'} reads" in line
     assert snapshot(out) == before   # nothing was deleted
+
+
+def test_a_local_looking_model_that_is_not_there_is_refused_at_once(tmp_path):
+    """A typo of a local folder went to the hub: 48 s of retries, then the network was blamed."""
+    (tmp_path / "out" / "tiny").mkdir(parents=True)
+    line = one_line_error(train("--model", "out/tniy", "--task", "toy", "--out-dir", "run", cwd=tmp_path))
+    assert line == ("train_lean.py: error: --model out/tniy: no such folder (did you mean out/tiny?): "
+                    "pass a local model folder, or a hub id (NAME or OWNER/NAME)")
+    (tmp_path / "weights.bin").write_text("")
+    line = one_line_error(train("--model", "./weights.bin", "--task", "toy", "--out-dir", "run",
+                                cwd=tmp_path))
+    assert "--model ./weights.bin is a file: pass the folder that holds the model's" in line
