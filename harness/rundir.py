@@ -76,14 +76,15 @@ def check_model(model: str) -> None:
     if not local or os.path.isdir(path):
         return
     if os.path.exists(path):
-        raise config.ConfigError(f"--model {model} is a file: pass the folder that holds the model's "
-                                 f"config.json and weights, or a hub id")
+        raise config.ConfigError(f"--model {model} is a file: pass the folder that holds the "
+                                 f"model's config.json and weights, or a hub id")
     parent = os.path.dirname(path.rstrip("/")) or "."
     near = difflib.get_close_matches(os.path.basename(path.rstrip("/")),
                                      os.listdir(parent) if os.path.isdir(parent) else [], n=1)
-    raise config.ConfigError(f"--model {model}: no such folder" + (
-        f" (did you mean {os.path.join(os.path.dirname(model.rstrip('/')), near[0])}?)" if near else
-        "") + ": pass a local model folder, or a hub id (NAME or OWNER/NAME)")
+    guess = f" (did you mean {os.path.join(os.path.dirname(model.rstrip('/')), near[0])}?)" \
+        if near else ""
+    raise config.ConfigError(f"--model {model}: no such folder{guess}: pass a local model folder, or "
+                             f"a hub id (NAME or OWNER/NAME)")
 
 
 def lock(out_dir: str):

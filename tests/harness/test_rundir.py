@@ -162,9 +162,10 @@ def test_overwrite_refuses_to_delete_what_the_run_reads(tiny_model_dir, tmp_path
 def test_a_local_looking_model_that_is_not_there_is_refused_at_once(tmp_path):
     """A typo of a local folder went to the hub: 48 s of retries, then the network was blamed."""
     (tmp_path / "out" / "tiny").mkdir(parents=True)
-    line = one_line_error(train("--model", "out/tniy", "--task", "toy", "--out-dir", "run", cwd=tmp_path))
-    assert line == ("train_lean.py: error: --model out/tniy: no such folder (did you mean out/tiny?): "
-                    "pass a local model folder, or a hub id (NAME or OWNER/NAME)")
+    line = one_line_error(train("--model", "out/tniy", "--task", "toy", "--out-dir", "run",
+                                cwd=tmp_path))
+    assert line == ("train_lean.py: error: --model out/tniy: no such folder (did you mean "
+                    "out/tiny?): pass a local model folder, or a hub id (NAME or OWNER/NAME)")
     (tmp_path / "weights.bin").write_text("")
     line = one_line_error(train("--model", "./weights.bin", "--task", "toy", "--out-dir", "run",
                                 cwd=tmp_path))
