@@ -65,10 +65,10 @@ def check_paths(settings) -> None:
 
 
 def check_model(model: str) -> None:
-    """A --model that looks like a local folder must be one: a typo of a path is said at once (it went to
-    the hub, retried for most of a minute and blamed the network). Looks local: absolute, ./, ../ or ~,
-    more than one /, or a first part that is a folder here (out/tniy when out/ exists); a hub id is
-    NAME or OWNER/NAME."""
+    """A --model that looks like a local folder must be one: a typo of a path is said at once (it
+    went to the hub, retried for most of a minute and blamed the network). Looks local: absolute,
+    ./, ../ or ~, more than one /, or a first part that is a folder here (out/tniy when out/
+    exists); a hub id is NAME or OWNER/NAME."""
     first = model.split("/")[0]
     local = (os.path.isabs(model) or model.startswith(("./", "../", "~")) or model.count("/") > 1
              or ("/" in model and os.path.isdir(first)))
@@ -83,8 +83,8 @@ def check_model(model: str) -> None:
                                      os.listdir(parent) if os.path.isdir(parent) else [], n=1)
     guess = f" (did you mean {os.path.join(os.path.dirname(model.rstrip('/')), near[0])}?)" \
         if near else ""
-    raise config.ConfigError(f"--model {model}: no such folder{guess}: pass a local model folder, or "
-                             f"a hub id (NAME or OWNER/NAME)")
+    raise config.ConfigError(f"--model {model}: no such folder{guess}: pass a local model folder, "
+                             f"or a hub id (NAME or OWNER/NAME)")
 
 
 def lock(out_dir: str):
