@@ -112,6 +112,9 @@ def resolve(name: str, builtin: dict):
 def _load_file(path: str, name: str):
     if not os.path.isfile(path):
         raise TaskError(f"--task {name}: file {path} not found")
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:   # its modules importable beside it, as for `python file.py`
+        sys.path.insert(0, folder)
     module_name = "grpo_user_task_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)

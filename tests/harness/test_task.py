@@ -17,7 +17,7 @@ from grpo.decoders import generate
 from grpo.model import load_policy, load_tokenizer
 from grpo.rollout import decode_completions, encode_prompts, left_pad
 from harness.task import (RewardError, Scorer, TaskError, build, check_metrics, draw_prompts, eval_completions,
-                          evaluate, pass_at_k, sampled_metrics, score, takes_full)
+                          evaluate, pass_at_k, resolve, sampled_metrics, score, takes_full)
 from tasks import get_task
 from tasks.toy import ToyTask
 
@@ -795,3 +795,13 @@ def test_a_run_ranks_failures_in_their_groups_and_counts_them_on_the_console(
         for r in group:
             if len(r["completion"]) % 2:
                 assert r["reward"] == pytest.approx(min(valid) - 1 if valid else 0.0)
+
+
+def test_a_task_file_imports_a_module_beside_it(tmp_path):
+    """It was "No module named 'rev'" unless PYTHONPATH named the folder."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "rev46.py").write_text("def rev(text):\n    return text[::-1]\n")
+    (folder / "leaky.py").write_text("import rev46\n\nclass Leaky:\n    name = 'leaky'\n"
+                                     "    flip = staticmethod(rev46.rev)\n")
+    assert resolve(f"{folder / 'leaky.py'}:Leaky", {}).flip("ab") == "ba"
