@@ -21,6 +21,7 @@ import functools
 import os
 import random
 import sys
+import time
 
 from tqdm import tqdm
 
@@ -62,6 +63,7 @@ class Run:
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
         self.stack.push(distributed.close)      # told whether the run ended by an exception
         self.exit_code, self.cut_said, self.no_tokens_said = 0, False, False
+        self.first_done = None   # (step, time) at the end of this process's first step: the ETA's start
 
     def __enter__(self):
         return self
@@ -269,6 +271,17 @@ class Run:
         if summary:
             log.warn(summary)
 
+    def _eta(self, step: int):
+        """Seconds left at this process's pace since its first step (the first is slower: warm-up,
+        compiling), evaluations between included; None until a second step is timed, and at the last."""
+        now = time.perf_counter()
+        if self.first_done is None:
+            self.first_done = (step, now)
+        if self.first_done[0] == step or step == self.cfg.steps:
+            return None
+        first, then = self.first_done
+        return (now - then) / (step - first) * (self.cfg.steps - step)
+
     def phase_done(self, name: str) -> None:
         """The step's phase `name` ended: its time and the memory at its end (harness/memory.py)."""
         self.phases.end(name)
@@ -312,7 +325,7 @@ class Run:
         log.write(self.metrics_file, rec)
         self.reporter.log(rec, step)
         if cfg.log_level != "warning":
-            self.print_line(log.step_line(rec, cfg.steps))
+            self.print_line(log.step_line(rec, cfg.steps, self._eta(step)))
         if self.evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):  # the last: "after"
             task_lib.evaluate(self.task, self.complete, step, self.metrics_file, self.reporter, self.items_path,
                               full=step == cfg.steps)   # whole where before and after are compared

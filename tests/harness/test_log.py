@@ -2,6 +2,7 @@
 full disk mid-write) is dropped with a note; a damaged line before it is dropped loudly, the file as it was kept
 beside it. --report-to: the missing-package errors for real; the real writers only where their package is installed."""
 import importlib.util
+import re
 import sys
 
 import pytest
@@ -143,3 +144,18 @@ def test_wandb_writes_an_offline_run(tmp_path, monkeypatch):
     assert len(runs) == 1
     written = runs[0].read_bytes()  # the run's log holds each history item's name and value as text
     assert b"reward_errors/ValueError" in written and b"0.25" in written
+
+
+def test_a_long_evaluation_off_a_terminal_says_it_is_still_going(monkeypatch, capsys):
+    """Off a terminal, "evaluating ..." was the last line for 7.7 minutes."""
+    import time
+    from harness import log
+    monkeypatch.setattr(log.EvalProgress, "EVERY_S", 0.1)
+    progress = log.EvalProgress(lambda prompts: time.sleep(0.35) or list(prompts), "eval at step 0")
+    progress(["a", "b"])
+    progress.close()
+    time.sleep(0.15)   # closed: no line after it
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "eval at step 0: evaluating ..." and len(lines) >= 3
+    assert all(re.fullmatch(r"eval at step 0: still evaluating, \ds so far, [02] prompts completed", line)
+               for line in lines[1:]), lines

@@ -1,5 +1,7 @@
 """harness/run.py: what the run says around the algorithm's steps, in-process on the tiny model."""
 
+import re
+
 import train_lean
 from helpers import SMALL, records, train
 
@@ -37,3 +39,12 @@ def test_ctrl_c_during_the_evaluation_before_training_is_a_clean_stop(tiny_model
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.strip() == ("train_lean.py: stopped (Ctrl-C) during the evaluation at "
                                        "step 0, before any training: nothing to save")
+
+
+def test_the_console_says_how_long_the_run_has_left(tiny_model_dir, tmp_path, capsys, clean_env):
+    """Nothing said how long a job would take."""
+    train_lean.main(["--model", tiny_model_dir, "--task", "toy", *SMALL, "--steps", "3",
+                     "--out-dir", str(tmp_path)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [re.search(r" \| eta (\d+s|\d+m\d\ds)$", line) is not None for line in lines] == \
+        [False, True, False]   # from the second step on, none at the last
