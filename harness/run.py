@@ -63,7 +63,7 @@ class Run:
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
         self.stack.push(distributed.close)      # told whether the run ended by an exception
         self.exit_code, self.cut_said, self.no_tokens_said = 0, False, False
-        self.first_done = None   # (step, time) at the end of this process's first step: the ETA's start
+        self.first_done = None   # (step, time) at the end of this process's first step: ETA's start
 
     def __enter__(self):
         return self
@@ -273,7 +273,8 @@ class Run:
 
     def _eta(self, step: int):
         """Seconds left at this process's pace since its first step (the first is slower: warm-up,
-        compiling), evaluations between included; None until a second step is timed, and at the last."""
+        compiling), evaluations between included; None until a second step is timed, and at the
+        last."""
         now = time.perf_counter()
         if self.first_done is None:
             self.first_done = (step, now)

@@ -157,5 +157,5 @@ def test_a_long_evaluation_off_a_terminal_says_it_is_still_going(monkeypatch, ca
     time.sleep(0.15)   # closed: no line after it
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "eval at step 0: evaluating ..." and len(lines) >= 3
-    assert all(re.fullmatch(r"eval at step 0: still evaluating, \ds so far, [02] prompts completed", line)
-               for line in lines[1:]), lines
+    said = r"eval at step 0: still evaluating, \ds so far, [02] prompts completed"
+    assert all(re.fullmatch(said, line) for line in lines[1:]), lines

@@ -37,7 +37,8 @@ def test_it_labels_what_ran_and_draws_every_metric_with_its_interval(tmp_path, m
     evals = [{"kind": "eval", "step": s, "acc": 0.1 * s, "acc_lo": 0.0, "acc_hi": 0.3 * s + 0.1,
               "acc_n": 100, "margin": -2.0 + s, "eval_time_s": 1.0} for s in (0, 2)]
     with open(tmp_path / "run" / "metrics.jsonl", "w") as f:
-        for r in [evals[0], {"step": 1, "reward_mean": 0.2}, {"step": 2, "reward_mean": 0.3}, evals[1]]:
+        steps = [{"step": 1, "reward_mean": 0.2}, {"step": 2, "reward_mean": 0.3}]
+        for r in [evals[0], *steps, evals[1]]:
             f.write(json.dumps(r) + "\n")
     drawn = {}
     monkeypatch.setattr(script, "save", lambda fig, title, png: drawn.update(fig=fig, title=title))
@@ -46,4 +47,5 @@ def test_it_labels_what_ran_and_draws_every_metric_with_its_interval(tmp_path, m
     right = drawn["fig"].axes[1]
     assert right.get_legend_handles_labels()[1] == ["acc (95% interval)", "margin"]
     bars = [c for c in right.containers if c.has_yerr]
-    assert len(bars) == 1 and bars[0].lines[2][0].get_segments()[1].tolist() == [[2.0, 0.0], [2.0, 0.7]]
+    assert len(bars) == 1   # acc's, from acc_lo to acc_hi: at step 2, 0.0 to 0.7
+    assert bars[0].lines[2][0].get_segments()[1].tolist() == [[2.0, 0.0], [2.0, 0.7]]
