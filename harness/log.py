@@ -60,12 +60,12 @@ def info(enabled: bool, message: str) -> None:
 
 
 class EvalProgress:
-    """complete(prompts, ...) of an evaluation, said: a line when it starts, and on a terminal a running
-    count of the prompts completed (how many the task asks for is not known in advance); off a terminal
-    (a log file, make) a line every EVERY_S seconds, so a long evaluation is not silence. close() ends
-    the count. What was asked is kept too: `asked` prompts, in order, whose digest() names the held-out
-    items (two evaluations of the same items can be compared item by item; compare_runs.py refuses
-    others)."""
+    """complete(prompts, ...) of an evaluation, said: a line when it starts, and on a terminal a
+    running count of the prompts completed (how many the task asks for is not known in advance); off
+    a terminal (a log file, make) a line every EVERY_S seconds, so a long evaluation is not silence.
+    close() ends the count. What was asked is kept too: `asked` prompts, in order, whose digest()
+    names the held-out items (two evaluations of the same items can be compared item by item;
+    compare_runs.py refuses others)."""
 
     EVERY_S = 60.0
 
