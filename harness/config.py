@@ -106,10 +106,11 @@ class Config:
         None, "completions per forward/backward on one device (default: mini / devices, no accumulation; "
         "auto: the largest that fits in memory, probed before training)", auto=True, must="at least 1",
         resume_free=True)
-    update_threads: int = opt(1, "CPU threads of the update's forward and backward passes: 1 gives the same bits "
-                              "for the same seed on any machine's thread count; 0: every thread, faster, but the last "
-                              "bits of the gradients then vary from run to run, and runs drift apart", must=">= 0",
-                              resume_free=True)
+    update_threads: int = opt(
+        1, "CPU threads of the update's forward and backward passes: 1 gives a seed the same bits "
+        "run after run on one thread count (sampling uses every thread: its last bits follow "
+        "OMP_NUM_THREADS); 0: every thread, faster, but the last bits of the gradients then vary "
+        "from run to run, and runs drift apart", must=">= 0", resume_free=True)
     generation_batch_size: typing.Optional[int] = opt(None, "completions sampled at once on one device "
                                                       "(default: all of the device's share)", must="at least 1",
                                                       resume_free=True)

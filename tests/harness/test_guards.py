@@ -174,3 +174,20 @@ def test_the_update_runs_on_update_threads_and_the_rest_on_every_thread(threads,
     with pytest.raises(ValueError):   # given back on a failure too
         guard.fit(lambda micro: (_ for _ in ()).throw(ValueError("boom")))
     assert torch.get_num_threads() == 2
+
+
+def test_the_updates_passes_give_the_same_bits_on_any_thread_count(tiny_model_dir):
+    """What the README says of --update-threads 1 (it said runs were bit-identical on every thread
+    count, but sampling uses every thread: its last bits, and a run's, follow OMP_NUM_THREADS)."""
+    from grpo.model import completion_logprobs, load_policy
+    model = load_policy(tiny_model_dir, "cpu")
+    seeded = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (8, 48), generator=seeded)
+    grads = []
+    for outside in (1, 2):
+        torch.set_num_threads(outside)
+        model.zero_grad(set_to_none=True)
+        harness.guards.Guard(8, 8, print, threads=1).fit(lambda micro: completion_logprobs(
+            model, ids, torch.ones_like(ids), 24, 1.0, 2048, None).sum().backward())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
