@@ -46,7 +46,8 @@ class Run:
             cfg = self.cfg = self.loaded.cfg
             self.layout = config.batch_layout(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
             rundir.check_paths(cfg)
-            rundir.check_model(cfg.model)
+            if not cfg.resume:   # a resumed run reads --model only for a KL reference or LoRA base
+                rundir.check_model(cfg.model)
             rundir.check_paths(self.loaded.options)
             lock, self.resume_from = rundir.prepare(cfg, self.loaded.options)  # OUT_DIR locked, no other run's records
         except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
