@@ -12,11 +12,13 @@ side got right are shown: on few items the bootstrap alone is too sure (harness/
 
 Exit codes: 0 compared (whatever the verdicts); 1 with --fail-if-lower when some metric is detectably lower in B
 (a CI gate: every metric is read as higher-is-better, --metrics picks those that are); 2 bad input, one line: a
-missing run or evaluation, or two evaluations of different held-out items (the prompts the evaluations asked for
-differ, or a metric's item count does), which cannot be paired.
+missing run or evaluation, a line of the items file that is no record, or two evaluations that
+cannot be paired: of different held-out items (the prompts the evaluations asked for differ, or a
+metric's item count does), of different tasks, or one evaluation with itself.
 """
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -52,20 +54,51 @@ def items_file(run: str) -> str:
                      f"evaluated")
 
 
+def _finite(x) -> bool:
+    try:
+        return isinstance(x, (int, float)) and math.isfinite(x)
+    except OverflowError:   # an int such as 10**400
+        return False
+
+
+def problem(record) -> str | None:
+    """What makes a line no record of per-item scores (a hand-edited or damaged file), else None."""
+    if not isinstance(record, dict):
+        return f"it is a {type(record).__name__}, not a record"
+    kinds = {"step": (int, "an int"), "prompts": (int, "an int"), "prompts_sha256": (str, "a str"),
+             "items": (dict, "a dict")}
+    for key, (kind, name) in kinds.items():
+        if not isinstance(record.get(key), kind):
+            return f"its {key!r} is not {name}"
+    if not isinstance(record.get("task", ""), str):
+        return "its 'task' is not a str"
+    for name, scores in record["items"].items():
+        if not isinstance(scores, list) or not scores:
+            return f"its scores of {name!r} are not a list of items"
+        bad = next((i for i, x in enumerate(scores) if not _finite(x)), None)
+        if bad is not None:
+            return f"item {bad} of {name!r}, {str(scores[bad])[:40]}, is not a finite number"
+    return None
+
+
 def evaluations(run: str) -> dict:
-    """step -> the evaluation's per-item record ({"prompts", "prompts_sha256", "items"}), in step order."""
+    """step -> the evaluation's per-item record ({"prompts", "prompts_sha256", "task", "items"}), in
+    step order; each record checked (problem)."""
     path = items_file(run)
     found = {}
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-                found[int(record["step"])] = record
-                assert isinstance(record["items"], dict) and "prompts_sha256" in record
-            except (ValueError, KeyError, TypeError, AssertionError):
-                raise UsageError(f"{path} line {number} is not a record of per-item scores") from None
+            except ValueError:
+                record = line
+            wrong = "it is not JSON" if record is line else problem(record)
+            if wrong:
+                raise UsageError(f"{path} line {number} is not a record of per-item scores: "
+                                 f"{wrong}")
+            found[record["step"]] = record
     if not found:
         raise UsageError(f"{path} holds no evaluation")
     return dict(sorted(found.items()))
@@ -80,6 +113,13 @@ def pick(evals: dict, step, default: str, run: str) -> tuple:
 
 
 def check_same_items(a: dict, b: dict, where_a: str, where_b: str) -> None:
+    """The same held-out items of the same task, scored on as many items, with differences a float
+    holds."""
+    # a record written before the task was recorded matches any
+    if a.get("task", b.get("task")) != b.get("task", a.get("task")):
+        raise UsageError(f"{where_a} and {where_b} evaluated different tasks ({a['task']} and "
+                         f"{b['task']}) on the same prompts: a paired comparison needs the same "
+                         f"task")
     if a["prompts_sha256"] != b["prompts_sha256"]:
         raise UsageError(f"{where_a} and {where_b} evaluated different held-out items ({a['prompts']} and "
                          f"{b['prompts']} prompts asked, sha256 {a['prompts_sha256'][:12]} and "
@@ -88,6 +128,9 @@ def check_same_items(a: dict, b: dict, where_a: str, where_b: str) -> None:
         if len(a["items"][name]) != len(b["items"][name]):
             raise UsageError(f"{where_a} and {where_b} scored {name!r} on {len(a['items'][name])} and "
                              f"{len(b['items'][name])} items: a paired comparison needs the same items")
+        if intervals.overflows(a["items"][name] + b["items"][name]):
+            raise UsageError(f"{where_a} and {where_b} scored {name!r} with items too large to "
+                             f"compare: sums of their differences overflow a float")
 
 
 def signed(x: float, d: int) -> str:
@@ -120,12 +163,13 @@ def main(argv=None) -> int:
         if len(args.runs) > 2:
             raise UsageError(f"give one run or two, not {len(args.runs)}")
         run_a, run_b = args.runs[0], args.runs[-1]
+        same = os.path.realpath(items_file(run_a)) == os.path.realpath(items_file(run_b))
         evals_a = evaluations(run_a)
-        evals_b = evals_a if run_b == run_a else evaluations(run_b)
+        evals_b = evals_a if same else evaluations(run_b)
         step_a, a = pick(evals_a, args.step_a, "first" if len(args.runs) == 1 else "last", run_a)
         step_b, b = pick(evals_b, args.step_b, "last", run_b)
         where_a, where_b = f"A ({run_a} step {step_a})", f"B ({run_b} step {step_b})"
-        if run_a == run_b and step_a == step_b:
+        if same and step_a == step_b:   # one file, however named: the folder, or its .jsonl
             raise UsageError(f"{run_a} has one evaluation (step {step_a}): nothing to compare it with; give two runs"
                              if len(evals_a) == 1 else f"A and B are the same evaluation ({run_a} step {step_a})")
         check_same_items(a, b, where_a, where_b)

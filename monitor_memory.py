@@ -140,6 +140,9 @@ def parse_args(argv):
         if flagged is None:
             setattr(args, name, given)
 
+    for flag, path in (("--summary", args.summary), ("--plot", args.plot)):
+        if path is not None:   # written after the whole run: a bad path is said now, not then
+            writable(flag, path)
     if args.trace_steps is not None and not args.trace:
         raise UsageError("--trace-steps applies with --trace")
     args.trace_steps = args.trace_steps or TRACE_STEPS
@@ -164,6 +167,37 @@ def parse_args(argv):
     if args.sweep and args.batch_size:
         raise UsageError("--sweep sets the batch size; leave out --batch-size")
     return args, train
+
+
+def writable(flag, path):
+    """UsageError unless the file `path` can be written (its folder exists and takes a file)."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a folder: pass the path of a file to write")
+    folder = os.path.dirname(path) or "."
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write to {folder} ({e.strerror or e}): pass a "
+                         f"writable path") from None
+
+
+def group_size(args, train) -> int:
+    """The group size the trainer runs with: train_lean.py's as it reads its settings (its flags,
+    GRPO_ variables, the task's declared value, the default); another --trainer's from --group-size
+    or GRPO_GROUP_SIZE, else 8."""
+    if os.path.realpath(args.trainer) == os.path.realpath(os.path.join(HERE, "train_lean.py")):
+        import tasks   # the trainer's own reading (it imports torch: only for a sweep)
+        from harness import cli, config, task
+        try:
+            return cli.load(train, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT).cfg.group_size
+        except (config.ConfigError, task.TaskError) as e:
+            raise UsageError(f"the trainer's flags: {e}") from None
+    try:
+        return int(trainer_setting(train, "--group-size", 8))
+    except ValueError:
+        raise UsageError(f"--group-size must be an integer, got "
+                         f"{trainer_setting(train, '--group-size', 8)!r}") from None
 
 
 def flag_value(argv, flag):
@@ -586,10 +620,7 @@ def run_size(args, train, batch, device, budget_mb):
 
 def sweep(args, train):
     """Run each batch size; returns the sweep summary (rows, fit, budget, largest batch)."""
-    try:
-        group = int(trainer_setting(train, "--group-size", 8))
-    except ValueError:
-        raise UsageError(f"--group-size must be an integer, got {trainer_setting(train, '--group-size', 8)!r}") from None
+    group = group_size(args, train)
     if any(b % group for b in args.sweep):
         raise UsageError(f"every batch size must be a multiple of the group size {group} "
                          f"(completions per step = prompts x group size)")

@@ -6,9 +6,11 @@ here, marked `# every rank`, and every rank makes them in the same order: the mi
 denominator, top-entropy threshold and covariance tokens (before its micro-batches run), the gradient sum and
 the statistics' sum. `guard` (harness/guards.py Guard) keeps the run alive: guard.micro is the micro-batch size,
 guard.fit(run) calls run(micro) and retries it with a smaller one after an out-of-memory (every rank agrees),
-and guard.finite(loss, grad_norm) says whether an update may step the optimizer.
+and guard.step(optimizer, params, loss, grad_norm) steps the optimizer unless the update is not
+finite.
 """
 import functools
+import math
 from collections import Counter
 
 import torch
@@ -155,11 +157,11 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
             peaks.append(max(distributed.gather_objects(sums.pop("mismatch_max"))))  # every rank
             names = sorted(sums)
             sums = dict(zip(names, distributed.all_sum([sums[k] for k in names])))  # every rank
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
-            if guard.finite(sums["loss"], grad_norm):
-                optimizer.step()
-            else:  # one bad batch must not poison the weights or AdamW's moments
-                optimizer.zero_grad(set_to_none=True)
+            # --max-grad-norm 0 is no clipping (a bound of 0 would zero every gradient): an
+            # infinite bound scales by exactly 1
+            bound = cfg.max_grad_norm or math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, bound).item()
+            if not guard.step(optimizer, params, sums["loss"], grad_norm):   # not finite: skipped
                 skipped += 1
             totals.update(sums)
             grad_norms.append(grad_norm)

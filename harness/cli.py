@@ -160,6 +160,23 @@ def _spelt(value) -> str:
     return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def check_option_types(task_name: str, fields: dict) -> None:
+    """A task's options become flags that each read one value, as the trainer's do: a str, int,
+    float or bool, or Optional of one (a Literal or list was a traceback, or a str split into
+    characters), and none named help (argparse's --help)."""
+    where = f"--task {task_name}: its option"
+    for name, f in fields.items():
+        if name == "help":
+            raise tasks.TaskError(f"{where} 'help' would be the flag --help, which lists the "
+                                  f"flags: rename it")
+        if _base_type(f)[0] not in (str, int, float, bool):
+            spelt = (f.type.__name__ if isinstance(f.type, type) else
+                     str(f.type).replace("typing.", ""))
+            raise tasks.TaskError(f"{where} {name!r} is typed {spelt}: a task option is a str, "
+                                  f"int, float or bool (or Optional of one), read from one flag; "
+                                  f"take a str and check it in __post_init__")
+
+
 def declared_settings(target, task_name: str) -> dict:
     """The trainer settings the task declares (its optional trainer_settings: {field name: value}), each checked as
     the same value given as a flag would be, its type, choices and range included: a bad one is a ConfigError that
@@ -231,6 +248,7 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
     target = tasks.resolve(task_name, builtin or {})
     options_cls = tasks.options_type(target)
     task_fields = fields_of(options_cls) if options_cls else {}
+    check_option_types(task_name, task_fields)
     clash = sorted(FIELDS.keys() & task_fields.keys())
     if clash:
         raise tasks.TaskError(f"--task {task_name}: its option {clash[0]!r} has the name of a trainer setting "

@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 
@@ -105,10 +106,11 @@ class Config:
         None, "completions per forward/backward on one device (default: mini / devices, no accumulation; "
         "auto: the largest that fits in memory, probed before training)", auto=True, must="at least 1",
         resume_free=True)
-    update_threads: int = opt(1, "CPU threads of the update's forward and backward passes: 1 gives the same bits "
-                              "for the same seed on any machine's thread count; 0: every thread, faster, but the last "
-                              "bits of the gradients then vary from run to run, and runs drift apart", must=">= 0",
-                              resume_free=True)
+    update_threads: int = opt(
+        1, "CPU threads of the update's forward and backward passes: 1 gives a seed the same bits "
+        "run after run on one thread count (sampling uses every thread: its last bits follow "
+        "OMP_NUM_THREADS); 0: every thread, faster, but the last bits of the gradients then vary "
+        "from run to run, and runs drift apart", must=">= 0", resume_free=True)
     generation_batch_size: typing.Optional[int] = opt(None, "completions sampled at once on one device "
                                                       "(default: all of the device's share)", must="at least 1",
                                                       resume_free=True)
@@ -138,7 +140,8 @@ class Config:
                          resume_fixed="the checkpoint holds that optimizer's state (its moments and steps), which no "
                                       "other optimizer reads; start a new run from OUT_DIR/model to change it")
     weight_decay: float = opt(0.0, "decoupled weight decay (AdamW's, and Muon's)", must=">= 0")
-    max_grad_norm: float = opt(1.0, "gradient-norm clipping", must=">= 0")
+    max_grad_norm: float = opt(1.0, "gradient-norm clipping (0: off, as in transformers' "
+                               "Trainer; the norm is still measured)", must=">= 0")
     clip_range: float = opt(0.2, "PPO clip range (low side, and high side unless --clip-range-high)", must="> 0")
     clip_range_high: typing.Optional[float] = opt(None, "PPO clip range on the high side (default: --clip-range)",
                                                   must="> 0")
@@ -320,17 +323,21 @@ def range_error(name: str, value) -> str | None:
     return None
 
 
+def _device_error(choice: str) -> str | None:
+    """Why --device cannot be used here (it failed later, in a traceback), or None."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", choice):
+        return "is not one of auto, cpu, cuda or cuda:N"
+    count = torch.cuda.device_count() if choice.startswith("cuda") else 1
+    if not count:
+        return "this machine has no CUDA device that torch can use: pass --device cpu (or auto)"
+    if ":" in choice and int(choice.split(":")[1]) >= count:
+        return f"this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    return None
+
+
 def _multiples(value: int, of: int) -> str:
     low = value // of * of
     return f"use {low} or {low + of}" if low > 0 else f"use {of}"
-
-
-def _device_type(text: str):
-    """The type torch reads in a --device value (cuda for cuda:1), or None where it reads none."""
-    try:
-        return torch.device(text).type
-    except RuntimeError:
-        return None
 
 
 def batch_layout(cfg: Config, world: int = 1) -> Layout:
@@ -381,6 +388,13 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if cfg.kl_horizon != FIELDS["kl_horizon"].default and not cfg.kl_target:
         raise ConfigError(f"--kl-horizon {cfg.kl_horizon} without --kl-target (a fixed --kl-coef): give a --kl-target, "
                           f"or leave --kl-horizon out")
+    # the controller's error is clipped to +-0.2, its step (x batch / horizon) is not
+    if cfg.kl_target and 5 * cfg.kl_horizon <= cfg.batch_size:
+        n, h = cfg.batch_size, cfg.kl_horizon
+        raise ConfigError(f"--kl-horizon {h} with --batch-size {n}: a step below --kl-target "
+                          f"would multiply the KL coefficient by 1 - 0.2 x {n} / {h} = "
+                          f"{1 - 0.2 * n / h:.3g}, to 0 or past it; give --kl-horizon {n // 5 + 1} "
+                          f"or more (from {n}, a step moves it by at most 20 percent)")
     if cfg.ref_sync_steps and not cfg.kl_coef:
         raise ConfigError(f"--ref-sync-steps {cfg.ref_sync_steps} moves the reference, and --kl-coef 0 has none: "
                           f"pass a --kl-coef above 0, or leave --ref-sync-steps out")
@@ -408,6 +422,9 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
         raise ConfigError(f"--dual-clip {cfg.dual_clip} bounds PPO's clipped term, and --policy-loss {cfg.policy_loss} "
                           f"has none: leave one out")
     weights = reward_weights(cfg)
+    if weights and not any(weights.values()):   # every advantage 0: not the temperature's fault
+        raise ConfigError(f"--reward-weights {cfg.reward_weights}: every weight is 0, so every "
+                          f"completion's reward (and advantage) would be 0: give a part a weight")
     if cfg.scale_rewards == "gdpo" and not weights:
         raise ConfigError("--scale-rewards gdpo normalises each part of the reward: name them with --reward-weights "
                           "(e.g. correct=1,format=1)")
@@ -420,9 +437,11 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
             fix = "a mask" if name == "mismatch_low" else "a correction"
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)} with --mismatch-correction {cfg.mismatch_correction}, "
                               f"which does not use it: pass {fix}, or leave {flag(name)} out")
-    if cfg.device != "auto" and _device_type(cfg.device) not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {cfg.device} is not a device this trainer runs on: pass "
-                          f"auto, cpu, cuda or cuda:N")
+    device_error = _device_error(cfg.device)
+    if device_error:
+        raise ConfigError(f"--device {cfg.device}: {device_error}")
+    if log.missing_reporter(cfg.report_to):   # at start-up, not once the model has loaded
+        raise ConfigError(log.missing_reporter(cfg.report_to))
     if cfg.trace_memory == 1:
         raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
     per_device = cfg.batch_size // world

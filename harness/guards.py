@@ -1,5 +1,6 @@
 """What keeps a long run alive: out-of-memory retries, non-finite updates, and a clean stop on a signal."""
 import contextlib
+import copy
 import functools
 import gc
 import math
@@ -9,6 +10,7 @@ import torch
 
 from grpo import distributed
 from grpo.model import completion_logprobs, logprob_temperature, trainable_parameters
+from harness import log
 
 
 def is_oom(e: BaseException) -> bool:
@@ -47,13 +49,14 @@ def cpu_threads(n: int):
 
 class Guard:
     """What keeps the update alive, handed to grpo/update.py: the micro-batch size and its out-of-memory retry
-    (fit), and the count of non-finite updates in a row (finite). notes: this step's retries, said as they happen
-    and counted in the step's record."""
+    (fit), and the optimizer's step, skipped when not finite, with the count of such updates in a
+    row (step). notes: this step's retries, said as they happen and counted in the step's record."""
 
     def __init__(self, micro: int, mini: int, info, nonfinite_streak: int = 0, threads: int = 0):
         self.micro, self.mini, self.info = micro, mini, info
         self.nonfinite_streak, self.notes = nonfinite_streak, []
         self.threads = threads   # --update-threads: the CPU threads fit's passes run on (0: all)
+        self.weights_said = False
 
     def fit(self, run):
         """run(micro), with micro halved (to a divisor of the mini-batch) until it fits in memory; self.micro keeps
@@ -84,9 +87,31 @@ class Guard:
             self.info(self.notes[-1])
             self.micro = smaller
 
-    def finite(self, loss: float, grad_norm: float) -> bool:
-        """Whether an update may step the optimizer: its summed loss and gradient norm are finite."""
+    def step(self, optimizer, params, loss: float, grad_norm: float) -> bool:
+        """Step the optimizer unless the update is not finite: its summed loss or gradient norm, or
+        the weights it gives (a --learning-rate of 1e308 overflows them from finite gradients). A
+        skipped update leaves the weights and the optimizer's state as they were, for which they are
+        copied before each step. Returns whether it stepped; counts the skipped updates in a row."""
         ok = math.isfinite(loss) and math.isfinite(grad_norm)
+        if ok:
+            weights = [p.detach().clone() for p in params]
+            state = copy.deepcopy(optimizer.state_dict())
+            optimizer.step()
+            with torch.no_grad():   # one device sync for the whole check
+                ok = bool(torch.stack([p.isfinite().all() for p in params]).all())
+                if not ok:
+                    for p, w in zip(params, weights):
+                        p.copy_(w)
+                    optimizer.load_state_dict(state)
+                    if not self.weights_said:
+                        self.weights_said = True
+                        lr = optimizer.param_groups[0]["lr"]
+                        log.warn(f"an optimizer update at learning rate {lr:g} made weights "
+                                 f"non-finite from a finite loss and gradient norm: it is skipped, "
+                                 f"the weights and optimizer state kept (said once; "
+                                 f"skipped_nonfinite counts them). Lower --learning-rate")
+        if not ok:   # one bad batch must not poison the weights or the optimizer's moments
+            optimizer.zero_grad(set_to_none=True)
         self.nonfinite_streak = 0 if ok else self.nonfinite_streak + 1
         return ok
 
@@ -114,9 +139,9 @@ def probe_micro_batch(guard: Guard, policy, optimizer, longest: int, eos: int, c
 
 def nonfinite_abort(step: int, streak: int, path: str) -> str:
     """What the run says when it gives up after --max-nonfinite skipped updates in a row."""
-    return (f"aborting at step {step}: the last {streak} optimizer updates had a non-finite loss or gradient norm "
-            f"and were skipped; checkpoint {path} holds the weights from before them. Lower --learning-rate or check "
-            f"the task's rewards, then --resume")
+    return (f"aborting at step {step}: the last {streak} optimizer updates had a non-finite loss, "
+            f"gradient norm or weights and were skipped; checkpoint {path} holds the weights from "
+            f"before them. Lower --learning-rate or check the task's rewards, then --resume")
 
 
 class StopOnSignal:

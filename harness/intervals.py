@@ -12,6 +12,7 @@ the items share, such as their difficulty, cancels). Pure numpy: no global RNG i
 intervals leaves training bit-identical.
 """
 import math
+import sys
 
 import numpy as np
 
@@ -20,6 +21,12 @@ Z = 1.959963984540054      # the standard normal's 97.5% quantile: a two-sided 9
 RESAMPLES = 2000           # enough that the 2.5% and 97.5% percentiles move by well under the interval's width
 SEED = 0                   # fixed: the same scores give the same interval in every run and on every machine
 CHUNK = 2 ** 22            # resampled scores held at once (32 MiB of float64), whatever the number of items
+
+
+def overflows(values, sides: int = 1) -> bool:
+    """Whether a sum of `sides` x len(values) items as large as the largest of values overflows a
+    float: then a mean, a resample's mean or (sides 2) a paired difference's would be inf."""
+    return sides * len(values) * max(abs(float(v)) for v in values) > sys.float_info.max
 
 
 def is_rate(values) -> bool:

@@ -6,12 +6,15 @@ once per step (device_part -> distributed.gather_objects -> whole_step, harness/
 `if main_rank:` without leaving another rank waiting.
 """
 import hashlib
+import importlib.util
 import json
 import math
 import numbers
 import os
 import shutil
 import sys
+import threading
+import time
 from collections import Counter
 
 import torch
@@ -57,18 +60,30 @@ def info(enabled: bool, message: str) -> None:
 
 
 class EvalProgress:
-    """complete(prompts, ...) of an evaluation, said: a line when it starts, and on a terminal a running count of
-    the prompts completed (how many the task asks for is not known in advance). close() ends the count. What was
-    asked is kept too: `asked` prompts, in order, whose digest() names the held-out items (two evaluations of
-    the same items can be compared item by item; compare_runs.py refuses others)."""
+    """complete(prompts, ...) of an evaluation, said: a line when it starts, and on a terminal a
+    running count of the prompts completed (how many the task asks for is not known in advance); off
+    a terminal (a log file, make) a line every EVERY_S seconds, so a long evaluation is not silence.
+    close() ends the count. What was asked is kept too: `asked` prompts, in order, whose digest()
+    names the held-out items (two evaluations of the same items can be compared item by item;
+    compare_runs.py refuses others)."""
+
+    EVERY_S = 60.0
 
     def __init__(self, complete, what: str):
         print(f"{what}: evaluating ...", flush=True)
-        self.complete = complete
-        self.asked, self.hash = 0, hashlib.sha256()
+        self.complete, self.what = complete, what
+        self.asked, self.done, self.hash = 0, 0, hashlib.sha256()
         # redrawn at every call: one call decodes a whole batch of prompts, never too often to show
         self.bar = tqdm(desc=what, unit=" prompts", disable=not sys.stderr.isatty(), file=sys.stderr, leave=False,
                         mininterval=0, miniters=1)
+        self.stopped = threading.Event()
+        if self.bar.disable:   # a thread: one complete() call may decode every prompt at once
+            threading.Thread(target=self._tick, args=(time.perf_counter(),), daemon=True).start()
+
+    def _tick(self, start: float) -> None:
+        while not self.stopped.wait(self.EVERY_S):
+            print(f"{self.what}: still evaluating, {duration(time.perf_counter() - start)} so far, "
+                  f"{self.done} prompts completed", flush=True)
 
     def __call__(self, prompts, *args, **kwargs):
         for prompt in prompts:   # each prompt's length first: no two lists of prompts hash alike
@@ -77,12 +92,14 @@ class EvalProgress:
         self.asked += len(prompts)
         texts = self.complete(prompts, *args, **kwargs)
         self.bar.update(len(prompts))
+        self.done += len(prompts)
         return texts
 
     def digest(self) -> str:
         return self.hash.hexdigest()
 
     def close(self) -> None:
+        self.stopped.set()
         self.bar.close()
 
 
@@ -212,10 +229,22 @@ def throughput(times: dict, step_rows: dict) -> dict:
             "samples_per_s": rows / seconds, "tokens_per_s": step_rows["lengths"].float().sum().item() / seconds}
 
 
-def step_line(rec: dict, steps: int) -> str:
+def step_line(rec: dict, steps: int, eta_s: float = None) -> str:
+    """The console line of a step; eta_s: the seconds the run is expected to go on, when known."""
     parts = [f"step {rec['step']}/{steps}"]
     parts += [fmt.format(rec[k]) for k, fmt in STEP_FIELDS if rec.get(k) is not None]
+    if rec.get("reward_errors"):   # beside the reward: failed rewards are scored, not skipped
+        parts.insert(2, f"failed {sum(rec['reward_errors'].values())}")
+    if eta_s is not None:
+        parts.append(f"eta {duration(eta_s)}")
     return " | ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    """A duration as a person reads it: 45s, 7m12s, 2h05m."""
+    s = round(seconds)
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else \
+        f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 # ---- --report-to: TensorBoard or Weights & Biases as well as the JSONL file -------------------------------
@@ -229,6 +258,18 @@ REPORTERS = {"none": "the JSONL file only", "tensorboard": "also TensorBoard, in
 
 class ReportError(RuntimeError):
     """A --report-to backend that cannot be used (exit code 2, one line, no traceback)."""
+
+
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def missing_reporter(kind: str) -> str | None:
+    """The line that says --report-to's package is not installed (config.batch_layout checks it at
+    start-up), else None."""
+    if kind in ("tensorboard", "wandb") and not installed(kind):
+        return f"--report-to {kind} needs the {kind} package: pip install {kind}"
+    return None
 
 
 def scalars(record: dict, prefix: str = "") -> dict:
@@ -256,8 +297,9 @@ class _TensorBoard:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ReportError("--report-to tensorboard needs the tensorboard package: "
-                              "pip install tensorboard") from None
+            raise ReportError(missing_reporter("tensorboard") or "--report-to tensorboard: its "
+                              "package is installed, but torch.utils.tensorboard cannot import "
+                              "it") from None
         self.writer = SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"))
 
     def log(self, record: dict, step: int) -> None:
@@ -274,7 +316,8 @@ class _WandB:
         try:
             import wandb
         except ImportError:
-            raise ReportError("--report-to wandb needs the wandb package: pip install wandb") from None
+            raise ReportError(missing_reporter("wandb") or "--report-to wandb: the wandb package "
+                              "is installed, but cannot be imported") from None
         self.wandb = wandb
         os.makedirs(out_dir, exist_ok=True)
         # console "off": wandb leaves the trainer's stdout and stderr alone

@@ -21,6 +21,7 @@ import functools
 import os
 import random
 import sys
+import time
 
 from tqdm import tqdm
 
@@ -46,6 +47,8 @@ class Run:
             self.layout = config.batch_layout(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
             outs = paths.check(cfg, self.loaded.options)   # none on what it reads or another writes
             rundir.check_paths(cfg)
+            if not cfg.resume:   # a resumed run reads --model only for a KL reference or LoRA base
+                rundir.check_model(cfg.model)
             rundir.check_paths(self.loaded.options)
             self.evaluating = hasattr(self.loaded.task, "evaluate") and (
                 cfg.eval_only or cfg.eval_interval > 0)
@@ -69,7 +72,8 @@ class Run:
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
         self.stack.push(distributed.close)      # told whether the run ended by an exception
-        self.exit_code, self.cut_said, self.overwritten = 0, False, None
+        self.exit_code, self.cut_said, self.no_tokens_said, self.overwritten = 0, False, False, None
+        self.first_done = None   # (step, time) at the end of this process's first step: ETA's start
 
     def __enter__(self):
         return self
@@ -184,12 +188,17 @@ class Run:
             self.overwritten.drop()
 
     def _first_evaluation(self, metrics_file, reporter=None, items_path=None) -> None:
-        """The evaluation before any training (step 0, or --eval-only). A TaskError there (a held-out prompt too long
-        for the model, a metric that is no number) loses nothing yet: one line, exit 2, as at start-up."""
+        """The evaluation before any training (step 0, or --eval-only). A TaskError there (a
+        held-out prompt too long for the model, a metric that is no number) loses nothing yet: one
+        line, exit 2, as at start-up. Nor does Ctrl-C: one line, exit 0."""
         try:
             task_lib.evaluate(self.task, self.complete, self.start_step, metrics_file, reporter, items_path)
         except task_lib.TaskError as e:
             usage_error(f"the task's evaluation at step {self.start_step}: {e}")
+        except KeyboardInterrupt:   # nothing trained yet: the clean stop is at once, not after it
+            log.warn(f"stopped (Ctrl-C) during the evaluation at step {self.start_step}, before "
+                     f"any training: nothing to save")
+            sys.exit(0)
 
     def start_training(self, optimizer) -> guards.Guard:
         """Before the first step: --resume's optimizer, reference and RNG states; the guard of the update (its
@@ -249,7 +258,8 @@ class Run:
             log.keep_until(self.items_path, self.start_step)
         if self.evaluating and self.start_step == 0 and self.main:  # where the run starts from
             self._first_evaluation(self.metrics_file, self.reporter, self.items_path)
-        self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate", config.reward_weights(cfg))
+        self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate",
+                                      config.reward_weights(cfg), cfg.group_size)
         self.phases = self.stack.enter_context(memory.Phases(self.device, self.rank, cfg, self.info))
         return self.guard
 
@@ -296,6 +306,18 @@ class Run:
         if summary:
             log.warn(summary)
 
+    def _eta(self, step: int):
+        """Seconds left at this process's pace since its first step (the first is slower: warm-up,
+        compiling), evaluations between included; None until a second step is timed, and at the
+        last."""
+        now = time.perf_counter()
+        if self.first_done is None:
+            self.first_done = (step, now)
+        if self.first_done[0] == step or step == self.cfg.steps:
+            return None
+        first, then = self.first_done
+        return (now - then) / (step - first) * (self.cfg.steps - step)
+
     def phase_done(self, name: str) -> None:
         """The step's phase `name` ended: its time and the memory at its end (harness/memory.py)."""
         self.phases.end(name)
@@ -328,13 +350,22 @@ class Run:
             log.warn(f"step {step}: {rec['ptx_cut']} --ptx-coef text(s) longer than the model's {self.context} "
                      f"positions: each is learned cut to its first {self.context} tokens, without its end and EOS "
                      f"(said once; ptx_cut in each record counts them)")
+        # the loss and its gradient are then 0 in silence: the flat-groups note does not cover it
+        all_cut = bool(self.step_rows["truncated"].all())
+        if cfg.mask_truncated and all_cut and not self.no_tokens_said:
+            self.no_tokens_said = True
+            log.warn(f"step {step}: the policy loss saw no tokens: every completion reached "
+                     f"--max-new-tokens {cfg.max_new_tokens} without ending, and --mask-truncated "
+                     f"leaves such completions out of the loss, so the step learned nothing from "
+                     f"its rewards (said once; truncated_frac 1.0 in a record says it again). "
+                     f"Raise --max-new-tokens, or leave --mask-truncated out")
         if cfg.log_completions:
             log.write_completions(self.completions_file, step, self.step_rows)
         log.write(self.metrics_file, rec)
         self._drop_overwritten()   # its first step on record: --overwrite's earlier run goes
         self.reporter.log(rec, step)
         if cfg.log_level != "warning":
-            self.print_line(log.step_line(rec, cfg.steps))
+            self.print_line(log.step_line(rec, cfg.steps, self._eta(step)))
         if self.evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):  # the last: "after"
             self._evaluate(step)
 

@@ -16,6 +16,7 @@ clearly cannot hold a checkpoint and the trained model is refused.
 """
 import contextlib
 import dataclasses
+import difflib
 import fcntl
 import json
 import os
@@ -63,6 +64,29 @@ def check_paths(settings) -> None:
             except OSError as e:
                 raise config.ConfigError(f"{config.flag(name)} {value}: cannot write to {folder} "
                                          f"({e.strerror or e}): pass a writable folder") from None
+
+
+def check_model(model: str) -> None:
+    """A --model that looks like a local folder must be one: a typo of a path is said at once (it
+    went to the hub, retried for most of a minute and blamed the network). Looks local: absolute,
+    ./, ../ or ~, more than one /, or a first part that is a folder here (out/tniy when out/
+    exists); a hub id is NAME or OWNER/NAME."""
+    first = model.split("/")[0]
+    local = (os.path.isabs(model) or model.startswith(("./", "../", "~")) or model.count("/") > 1
+             or ("/" in model and os.path.isdir(first)))
+    path = os.path.expanduser(model)
+    if not local or os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise config.ConfigError(f"--model {model} is a file: pass the folder that holds the "
+                                 f"model's config.json and weights, or a hub id")
+    parent = os.path.dirname(path.rstrip("/")) or "."
+    near = difflib.get_close_matches(os.path.basename(path.rstrip("/")),
+                                     os.listdir(parent) if os.path.isdir(parent) else [], n=1)
+    guess = f" (did you mean {os.path.join(os.path.dirname(model.rstrip('/')), near[0])}?)" \
+        if near else ""
+    raise config.ConfigError(f"--model {model}: no such folder{guess}: pass a local model folder, "
+                             f"or a hub id (NAME or OWNER/NAME)")
 
 
 def lock(out_dir: str):
@@ -323,6 +347,10 @@ def prepare(cfg, options, outs: list, evaluating: bool) -> tuple:
                 if cfg.log_file else []
         else:
             found = [] if _continues(resume_from, cfg.out_dir) else earlier_run(cfg)
+        if found and not cfg.overwrite and cfg.eval_only:   # it writes nothing in --out-dir
+            raise config.ConfigError(f"--log-file {cfg.log_file} holds earlier records "
+                                     f"({', '.join(found)}): --eval-only would overwrite them; "
+                                     f"pass another --log-file, or --overwrite to replace them")
         if found and not cfg.overwrite:
             if cfg.resume:
                 hint = "another --out-dir for this run, which resumes a checkpoint from elsewhere"

@@ -11,7 +11,8 @@ and optionally
                                           name is checked against the first step's parts, which a mixture of
                                           kinds may draw without some)
     min_reward: float                     given to a completion whose reward failed: raised, or returned no
-                                          number finite in float32 (default 0.0)
+                                          number finite in float32 (default: 1 below the lowest
+                                          valid reward of its group: a failure never outscores one)
     options                               a dataclass type: its fields become flags (--field-name) and
                                           GRPO_FIELD_NAME overrides when this task is chosen, validated and
                                           shown like the trainer's own; the task is built as Task(**options)
@@ -111,6 +112,9 @@ def resolve(name: str, builtin: dict):
 def _load_file(path: str, name: str):
     if not os.path.isfile(path):
         raise TaskError(f"--task {name}: file {path} not found")
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:   # its modules importable beside it, as for `python file.py`
+        sys.path.insert(0, folder)
     module_name = "grpo_user_task_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
@@ -164,10 +168,22 @@ def draw_prompts(task, n: int, rng) -> list:
         raise TaskError(f"the task's prompts({n}, rng) returned {len(got)} prompts, not {n}: it must return "
                         f"exactly n (the batch is n groups)")
     for i, p in enumerate(got):
-        if not isinstance(p, str) or not p:
-            raise TaskError(f"the task's prompts({n}, rng) returned {_short(p)} as prompt {i}: each prompt "
-                            f"must be a non-empty str")
+        if prompt_problem(p):
+            raise TaskError(f"the task's prompts({n}, rng) returned {_short(p)} as prompt {i}: "
+                            f"{prompt_problem(p)}")
     return list(got)
+
+
+def prompt_problem(p) -> str | None:
+    """Why p cannot be a prompt (the tokenizer's TypeError was a traceback), or None."""
+    if not isinstance(p, str) or not p:
+        return "each prompt must be a non-empty str"
+    try:
+        p.encode("utf-8")
+    except UnicodeEncodeError as e:   # what a decode with errors="surrogateescape" leaves
+        return (f"it holds {p[e.start]!r}, a lone surrogate, which no tokenizer encodes (decode "
+                f"the text with errors='replace')")
+    return None
 
 
 class CheckedTask:
@@ -181,6 +197,14 @@ class CheckedTask:
 
     def prompts(self, n: int, rng) -> list:
         return draw_prompts(self.task, n, rng)
+
+
+def identity(task) -> str:
+    """The task an evaluation scored, as compare_runs.py tells tasks apart: its name and class,
+    "toy (tasks.toy.ToyTask)" (two tasks may ask the same held-out prompts and score them
+    otherwise)."""
+    task = task.task if isinstance(task, CheckedTask) else task
+    return f"{getattr(task, 'name', '')} ({type(task).__module__}.{type(task).__qualname__})"
 
 
 def mix_source(task, path: str | None):
@@ -250,6 +274,8 @@ def _number(value, limit: float = FLOAT32_MAX) -> float:
         if isinstance(value, (str, bytes)):   # float("0.5") would parse it: a str reward is a bug, not a number
             raise TypeError
         number = float(value)
+    except OverflowError:   # an int such as 10**400: inf as a float
+        number = math.inf if value > 0 else -math.inf
     except (TypeError, ValueError):
         raise NotANumber(f"returned {name}", f"returned a {name} ({_short(value)}), not a number") from None
     if math.isnan(number):
@@ -270,18 +296,22 @@ def _short(value, width: int = 40) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def score(task, prompts, completions, failures: dict = None, weights: dict = None, rows: list = None):
+def score(task, prompts, completions, failures: dict = None, weights: dict = None,
+          rows: list = None, group_size: int = None):
     """Score completions. Returns (rewards [n] float32, component means, error counts by kind).
 
-    A reward that fails gets the task's min_reward and is counted by kind: the exception's type when it
-    raised, "returned str" / "returned nan" / "returned inf" ... when it returned no finite number.
+    A reward that fails gets the task's min_reward, or where the task declares none, 1 below the
+    lowest valid reward of its group (group_size rows in a row; default: all of them; 0 when none is
+    valid), and is counted by kind: the exception's type when it raised, "returned str" /
+    "returned nan" / "returned inf" ... when it returned no finite number.
     failures, when given, keeps the first failure of each kind: kind -> (exception, prompt, completion).
     weights ({part: weight}, --reward-weights): the reward is the weighted sum of those reward_breakdown parts, a
     part a completion does not report counting 0 (a task mixture's kinds report different parts); rows, when
-    given, gets each completion's parts in the weights' order (a failed reward's are each min_reward).
+    given, gets each completion's parts in the weights' order (a failed reward's as its reward's).
     """
-    floor = float(getattr(task, "min_reward", 0.0))
-    errors = Counter()
+    declared = getattr(task, "min_reward", None)
+    floor = 0.0 if declared is None else float(declared)
+    errors, failed = Counter(), []
     breakdown = getattr(task, "reward_breakdown", None)
     components, reported = Counter(), Counter()
     rewards = []
@@ -305,13 +335,32 @@ def score(task, prompts, completions, failures: dict = None, weights: dict = Non
             if failures is not None and kind not in failures:
                 failures[kind] = (e, p, c)
             r, values = floor, [floor] * len(weights or ())
+            failed.append(len(rewards))
         rewards.append(r)
         if rows is not None:
             rows.append(values)
     # Each component is averaged over the completions that report it: in a task mixture the
     # components of one kind are means over that kind's completions, not diluted by the others.
     means = {k: v / reported[k] for k, v in components.items() if k != "reward"}
-    return np.asarray(rewards, dtype=np.float32), means, dict(errors)
+    rewards = np.asarray(rewards, dtype=np.float32)
+    if failed and declared is None:   # a default of 0 gave a crash a positive advantage beside
+        mask = np.zeros(len(rewards), dtype=bool)   # rewards below 0
+        mask[failed] = True
+        rewards = below_valid(rewards, mask, group_size or len(rewards))
+        if rows:
+            parts = below_valid(np.asarray(rows, dtype=np.float64), mask, group_size or len(rows))
+            rows[:] = parts.tolist()
+    return rewards, means, dict(errors)
+
+
+def below_valid(values: np.ndarray, failed: np.ndarray, group_size: int) -> np.ndarray:
+    """values [n] (or [n, parts]) with each failed row 1 below the lowest valid value of its group
+    (each part's own; 0 where no row of the group is valid): a failure ranks below every valid
+    completion it is compared with."""
+    out = values.reshape(-1, group_size, *values.shape[1:]).copy()
+    for group, bad in zip(out, failed.reshape(-1, group_size)):
+        group[bad] = group[~bad].min(0) - 1 if (~bad).any() else 0.0
+    return out.reshape(values.shape)
 
 
 class Scorer:
@@ -321,8 +370,9 @@ class Scorer:
     reward failed stops the run (unless tolerate), and the first step whose groups all got equal rewards is
     named, with what to try."""
 
-    def __init__(self, task, tolerate: bool, weights: dict = None):
+    def __init__(self, task, tolerate: bool, weights: dict = None, group_size: int = None):
         self.task, self.tolerate, self.weights = task, tolerate, weights or {}
+        self.group_size = group_size   # a failed reward ranks below its group's valid ones (score)
         self.shown, self.flat_named = set(), False
         self.steps, self.flat_steps = 0, 0   # this process's steps, and those whose groups were all flat
         self.scored, self.failures = 0, {}
@@ -331,7 +381,8 @@ class Scorer:
         """(rewards, component means, errors by kind, and with --reward-weights each row's parts, else None)."""
         self.scored += len(completions)
         rows = [] if self.weights else None
-        return (*score(self.task, prompts, completions, self.failures, self.weights, rows), rows)
+        return (*score(self.task, prompts, completions, self.failures, self.weights, rows,
+                       self.group_size), rows)
 
     def to_gather(self) -> dict:
         """This device's rows scored this step, and a report of its first failure of each kind not yet shown."""
@@ -348,8 +399,8 @@ class Scorer:
             counts = ", ".join(f"{k} {n}" for k, n in sorted(errors.items()))
             error = RewardError(f"step {step}: every reward failed ({counts}; the first "
                                 f"{self._what(e)}): a step like this trains on nothing. Fix the task's "
-                                f"reward, or pass --reward-errors tolerate to give such completions the task's "
-                                f"min_reward and go on")
+                                f"reward, or pass --reward-errors tolerate to score such "
+                                f"completions as failures and go on")
             raise error from (None if isinstance(e, NotANumber) else e.with_traceback(_from_task(e)))
         declared = getattr(self.task, "reward_parts", None)
         undeclared = [k for k in step_rows["components"] if declared is not None and k not in declared]
@@ -387,9 +438,11 @@ class Scorer:
         return f"raised {type(e).__name__}: {_first_line(e)}"
 
     def _report(self, e, prompt, completion) -> str:
-        floor = float(getattr(self.task, "min_reward", 0.0))
+        floor = getattr(self.task, "min_reward", None)
+        given = (f"min_reward {float(floor):g}" if floor is not None else
+                 "1 below the lowest valid reward of their group (the task declares no min_reward)")
         text = (f"{self._what(e)}, for the prompt {_short(prompt)} and completion {_short(completion)}; such "
-                f"completions get min_reward {floor:g} and are counted in reward_errors (each kind shown once)")
+                f"completions get {given} and are counted in reward_errors (each kind shown once)")
         if not isinstance(e, NotANumber):
             text += "\n" + "".join(traceback.format_exception(type(e), e, _from_task(e))).rstrip()
         return text
@@ -427,7 +480,9 @@ def check_metrics(result) -> dict:
             out[k] = _items(k, v)
             continue
         try:
-            out[k] = int(v) if isinstance(v, numbers.Integral) else _number(v, sys.float_info.max)
+            # an int beyond a float (10**400) is inf
+            exact = isinstance(v, numbers.Integral) and abs(v) <= sys.float_info.max
+            out[k] = int(v) if exact else _number(v, sys.float_info.max)
         except NotANumber:
             raise TaskError(f"the task's evaluate() returned {{{k!r}: {_short(v)}}}: {k!r} must be a finite "
                             f"number") from None
@@ -454,6 +509,10 @@ def _items(name: str, values) -> list:
         except NotANumber:
             raise TaskError(f"the task's evaluate() returned {_short(v)} as item {i} of {name!r}: each per-item "
                             f"score must be a finite number") from None
+    if intervals.overflows(out, sides=2):   # the mean, its interval, compare_runs.py's differences
+        raise TaskError(f"the task's evaluate() returned items of {name!r} as large as "
+                        f"{max(map(abs, out)):g}: sums of {len(out)} of them overflow a float (the "
+                        f"mean would be inf); scale the scores down")
     return out
 
 
@@ -539,6 +598,10 @@ def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature
     if n is not None and not (isinstance(n, int) and n >= 1 and (temperature is None or temperature > 0)):
         raise TaskError(f"complete(prompts, n={n!r}, temperature={temperature!r}): n must be an int >= 1 and the "
                         f"temperature > 0 (greedy: complete(prompts))")
+    bad = next((i for i, p in enumerate(prompts) if prompt_problem(p)), None)
+    if bad is not None:
+        raise TaskError(f"complete() was given {_short(prompts[bad])} as prompt {bad}: "
+                        f"{prompt_problem(prompts[bad])}")
     sample_at = 0.0 if n is None else 1.0 if temperature is None else temperature
     eos = tokenizer.eos_token_id
     try:
@@ -576,8 +639,9 @@ def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_
     record with "kind": "eval" (to the JSONL file and the --report-to reporter); a per-item metric is logged as its
     mean with its interval and item count (summarise_metrics), and its scores as a line of items_path
     (harness/log.py items_path: what compare_runs.py pairs), with a hash of the prompts the evaluation asked for,
-    which says whether two evaluations scored the same items. full (the run's first and last evaluation, --eval-only)
-    is passed on to a task whose evaluate() takes it (takes_full). Rank 0 alone calls it: nothing here waits on
+    which says whether two evaluations scored the same items, and the task's identity
+    (identity). full (the run's first and last evaluation, --eval-only) is passed on to a task whose
+    evaluate() takes it (takes_full). Rank 0 alone calls it: nothing here waits on
     another rank."""
     t0 = time.perf_counter()
     with contextlib.closing(log.EvalProgress(complete, f"eval at step {step}")) as counted:   # said, not silent
@@ -589,7 +653,9 @@ def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_
         log.write(metrics_file, record)
     if items_path is not None and items:
         with log.open_jsonl(items_path, append=True) as f:
-            log.write(f, {"step": step, "prompts": counted.asked, "prompts_sha256": counted.digest(), "items": items})
+            log.write(f, {"step": step, "prompts": counted.asked,
+                          "prompts_sha256": counted.digest(), "task": identity(task),
+                          "items": items})
     if reporter is not None:
         reporter.log(record, step)
     return record

@@ -73,7 +73,7 @@ def main(argv=None):
             parser.error(f"{item!r} is not LABEL=PATH[,PATH...]")
         settings.append((label, [load(p, args.first, parser.error) for p in paths.split(",")]))
     first = next(iter(settings[0][1][0].values()))
-    metrics = eval_metrics([first])
+    metrics = eval_metrics([first], rates_only=True)
     cols = 3
     fig, axes = plt.subplots(math.ceil(len(metrics) / cols), cols, figsize=(4.2 * cols, 3.2 * math.ceil(len(metrics) / cols)),
                              squeeze=False)

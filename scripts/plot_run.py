@@ -4,8 +4,9 @@
     python scripts/plot_run.py out/run-s0/metrics.jsonl out/run-s1/metrics.jsonl docs/two_seeds.png
 
 Step records give the mean reward (and its P:/A: components where logged); records with
-"kind": "eval" (from --eval-interval) give the task's held-out metrics (every fractional one), drawn as
-points with lines.
+"kind": "eval" (from --eval-interval) give the task's held-out metrics, every one, drawn as points
+with lines and, for a metric given per item, its 95% interval. The title says what ran (--task and
+--model, from the settings.txt beside a metrics file) unless --title names it.
 """
 import argparse
 import json
@@ -25,19 +26,35 @@ def smooth(values: list[float], window: int) -> list[float]:
     return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
 
 
-def eval_metrics(evals: list[dict]) -> list[str]:
-    """The eval records' rates: float values in [0, 1] (counts, timings and a metric's interval NAME_lo / NAME_hi
-    are not drawn as metrics of their own)."""
+def eval_metrics(evals: list[dict], rates_only: bool = False) -> list[str]:
+    """The eval records' metrics: every number but the record's own (step, timings) and a metric's
+    interval and count (NAME_lo, NAME_hi, NAME_n); rates_only: the float ones in [0, 1]."""
     first = evals[0] if evals else {}
-    return [k for k, v in first.items() if isinstance(v, float) and 0 <= v <= 1 and not k.endswith("_time_s")
-            and not (k.endswith(("_lo", "_hi")) and k[:-3] in first)]
+    return [k for k, v in first.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and k != "step" and not k.endswith("_time_s")
+            and not (k.endswith(("_lo", "_hi", "_n")) and k.rsplit("_", 1)[0] in first)
+            and (not rates_only or isinstance(v, float) and 0 <= v <= 1)]
+
+
+def what_ran(path: str) -> str:
+    """--task and --model of the run that wrote a metrics file, from the settings.txt beside it (the
+    trainer writes one), else the run's folder name."""
+    settings = os.path.join(os.path.dirname(os.path.abspath(path)), "settings.txt")
+    if os.path.isfile(settings):
+        with open(settings, encoding="utf-8") as f:
+            found = [" ".join(line.split()[:2]) for line in f
+                     if line.startswith(("  --task ", "  --model "))]
+        if found:
+            return ", ".join(sorted(found, reverse=True))   # --task first
+    return os.path.basename(os.path.dirname(os.path.abspath(path)))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("metrics", nargs="+", help="metrics.jsonl of one run, or of several (seeds) to compare")
     parser.add_argument("png")
-    parser.add_argument("--title", default="GRPO on the default model (python train_lean.py --batch-size 64)")
+    parser.add_argument("--title", help="the figure's title (default: GRPO, and what ran: --task "
+                                        "and --model)")
     parser.add_argument("--window", type=int, default=10, help="steps in the reward's trailing mean")
     args = parser.parse_args(argv)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -59,19 +76,25 @@ def main(argv=None):
                           label=f"{label} ({args.window}-step mean)" if run == 0 else None)
         ex = [r["step"] for r in evals]
         for colour, key in enumerate(eval_metrics(evals)):
-            right.plot(ex, [r[key] for r in evals], marker="o", markersize=3, color=f"C{colour}",
-                       linestyle=style, label=key if run == 0 else None)
+            values = [r[key] for r in evals]
+            spread = [[v - r.get(f"{key}_lo", v) for v, r in zip(values, evals)],
+                      [r.get(f"{key}_hi", v) - v for v, r in zip(values, evals)]]
+            right.errorbar(ex, values, yerr=spread if f"{key}_lo" in evals[0] else None, marker="o",
+                           markersize=3, capsize=3, color=f"C{colour}", linestyle=style,
+                           label=(key + (" (95% interval)" if f"{key}_lo" in evals[0] else ""))
+                           if run == 0 else None)
     runs = ", ".join(f"{s} {os.path.basename(os.path.dirname(os.path.abspath(p)))}"
                      for s, p in zip(styles, args.metrics)) if len(args.metrics) > 1 else ""
     left.set(xlabel="step", ylabel="train reward",
              title="train reward (sampled, T=1)" + (f"\nline styles: {runs}" if runs else ""))
     left.grid(alpha=0.3)
     left.legend(fontsize=7)
-    right.set(xlabel="step", ylabel="share of held-out items", ylim=(0, 1),
-              title="held-out eval (greedy)" + (f"\nline styles: {runs}" if runs else ""))
+    right.set(xlabel="step", ylabel="held-out metric (the task's evaluate())",
+              title="held-out eval" + (f"\nline styles: {runs}" if runs else ""))
     right.grid(alpha=0.3)
     right.legend(fontsize=7)
-    save(fig, args.title, args.png)
+    title = args.title or "GRPO, " + " / ".join(dict.fromkeys(map(what_ran, args.metrics)))
+    save(fig, title, args.png)
 
 
 def save(fig, title: str, png: str, dpi: int = 110) -> None:

@@ -22,6 +22,12 @@ def test_the_coefficient_follows_the_controllers_formula(kl):
     assert adaptive_kl_coef(0.02, kl, 64, cfg) == pytest.approx(controller(0.02, kl, 0.1, 64, 640), rel=1e-12)
 
 
+def test_the_shortest_horizon_allowed_keeps_the_coefficient_above_0():
+    batch_layout(Config(kl_target=100.0, kl_horizon=4, batch_size=16))
+    cfg = Config(kl_target=100.0, kl_horizon=4)
+    assert adaptive_kl_coef(0.02, 0.0, 16, cfg) == pytest.approx(0.004)
+
+
 def test_the_coefficient_rises_above_the_target_and_falls_below_it_by_at_most_20_percent_per_horizon():
     cfg = Config(kl_target=0.1, kl_horizon=64)
     assert adaptive_kl_coef(1.0, 100.0, 64, cfg) == pytest.approx(1.2)
@@ -33,6 +39,12 @@ def test_the_coefficient_rises_above_the_target_and_falls_below_it_by_at_most_20
     ({"kl_target": 0.1, "kl_coef": 0.0}, "--kl-target 0.1 steers the KL coefficient, and --kl-coef 0 has no KL term"),
     ({"kl_horizon": 100}, "--kl-horizon 100 without --kl-target"),
     ({"kl_target": -1.0}, "--kl-target -1.0 must be > 0"),
+    # 1 - 0.2 x 16 / 1 < 0: the coefficient's sign flipped every step (0.02, -0.044, 0.097, ...)
+    ({"kl_target": 100.0, "kl_horizon": 1, "batch_size": 16},
+     r"--kl-horizon 1 with --batch-size 16: .* by 1 - 0.2 x 16 / 1 = -2.2, to 0 or past it; "
+     r"give --kl-horizon 4 or more"),
+    ({"kl_target": 0.1, "kl_horizon": 8, "batch_size": 40},
+     "--kl-horizon 8 with --batch-size 40: .* = 0, "),
 ])
 def test_bad_adaptive_kl_settings_are_refused(knobs, message):
     with pytest.raises(ConfigError, match=message):

@@ -126,3 +126,18 @@ def test_every_choice_the_algorithm_owns_is_a_knob():
     assert {n for n, _ in owned} >= {"scale_rewards", "loss_agg", "importance_level", "kl_estimator", "kl_in"}
     expected = {f"{n} {c}" for n, f in owned if n not in NOT_LOSS for c in f.metadata["choices"] if c != f.default}
     assert set(CHOICES) == expected
+
+
+def test_max_grad_norm_0_is_no_clipping(tiny_model_dir, tmp_path, clean_env):
+    """--max-grad-norm 0 trains unclipped: the weights of a run with a bound that never binds (it
+    zeroed every gradient, and the weights stayed those of the start)."""
+    import train_lean
+    from helpers import SMALL, weights
+    for bound in ("0", "1e30"):
+        train_lean.main(["--model", tiny_model_dir, "--task", "toy", *SMALL, "--steps", "1",
+                         "--log-level", "warning", "--max-grad-norm", bound,
+                         "--out-dir", str(tmp_path / bound)])
+    start, off, loose = (weights(p) for p in
+                         (tiny_model_dir, tmp_path / "0" / "model", tmp_path / "1e30" / "model"))
+    assert all(torch.equal(off[k], loose[k]) for k in off)
+    assert not all(torch.equal(off[k], start[k]) for k in off)

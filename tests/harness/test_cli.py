@@ -156,6 +156,26 @@ def test_a_tasks_bool_option_may_be_given_bare_like_the_trainers(tmp_path):
         cli.tasks.options_type(cli.tasks.resolve(task, {})))).format_help()
 
 
+@pytest.mark.parametrize("declared, message", [
+    ("mode: typing.Literal['a', 'b'] = 'a'",
+     "its option 'mode' is typed Literal['a', 'b']: a task option is a str, int, float or bool "
+     "(or Optional of one)"),
+    ("mode: typing.List[int] = None", "its option 'mode' is typed List[int]"),
+    ("mode: list = None", "its option 'mode' is typed list"),
+    ("help: str = 'x'",
+     "its option 'help' would be the flag --help, which lists the flags: rename it"),
+])
+def test_a_task_option_no_flag_can_read_is_refused(tmp_path, declared, message):
+    """Tracebacks before (Literal, List), a str split into a list of characters (list), argparse's
+    conflict (help)."""
+    (tmp_path / "typed.py").write_text(
+        f"import dataclasses, typing\nfrom tasks.toy import ToyTask\n\n@dataclasses.dataclass\n"
+        f"class Options:\n    {declared}\n\nclass Typed(ToyTask):\n    options = Options\n")
+    task = f"{tmp_path / 'typed.py'}:Typed"
+    with pytest.raises(cli.tasks.TaskError, match=re.escape(f"--task {task}: {message}")):
+        cli.load(["--task", task], environ={})
+
+
 def test_trl_loss_type_names_are_our_aggregations():
     # resolved where the value enters: the loss (grpo/algorithm.py) knows only its own names
     for trl, ours in {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean", "dr_grpo": "dr-grpo",

@@ -1,6 +1,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 import tasks
 from harness import cli, config
@@ -60,15 +61,30 @@ def test_derived_sizes():
                                                      "rise over the whole run"),
     (["--lr-warmup-steps", "2", "--steps", "2"], 1, "give a warmup below 2 steps, or more --steps"),
     (["--lr-warmup-ratio", "0.95", "--steps", "10"], 1, "--lr-warmup-ratio 0.95 (10 steps) with --steps 10"),
-    # issue 46 case 6: a traceback from torch (after --overwrite had deleted the earlier run)
-    (["--device", "tpu"], 1, "--device tpu is not a device this trainer runs on: pass auto"),
-    (["--device", "cuda:x"], 1, "--device cuda:x is not a device this trainer runs on"),
+    # a device torch does not have here, or another kind: refused before anything loads
+    # (they were tracebacks)
+    (["--device", "mps"], 1, "--device mps: is not one of auto, cpu, cuda or cuda:N"),
+    (["--device", "tpu"], 1, "--device tpu: is not one of auto, cpu, cuda or cuda:N"),
+    (["--device", "cuda:99"], 1, "--device cuda:99: this machine has "),
+    # every advantage 0 at every step, blamed on the temperature by the flat-groups note
+    (["--reward-weights", "a=0,b=0", "--scale-rewards", "gdpo"], 1,
+     "--reward-weights a=0,b=0: every weight is 0, so every completion's reward (and advantage) "
+     "would be 0: give a part a weight"),
 ])
 def test_batch_rule_violations_name_the_values_and_a_fix(argv, world, message):
     with pytest.raises(ConfigError) as e:
         layout(argv, world)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA has it")
+def test_cuda_on_a_machine_without_it_is_refused():
+    with pytest.raises(ConfigError, match=r"--device cuda: this machine has no CUDA device that "
+                                          r"torch can use: pass --device cpu \(or auto\)"):
+        layout(["--device", "cuda"], 1)
+    with pytest.raises(ConfigError, match="--device cuda:5: this machine has no CUDA device"):
+        layout(["--device", "cuda:5"], 1)
 
 
 # for each range opt(..., must=...) may declare: a value just outside it, and its edge (inside)

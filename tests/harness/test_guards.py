@@ -3,6 +3,7 @@
 Run in-process through train_lean.main(argv) so that the test can stand in for the CUDA allocator
 (raising torch.OutOfMemoryError above a batch size) or make one loss non-finite.
 """
+import math
 import os
 
 import pytest
@@ -102,6 +103,28 @@ def test_too_many_non_finite_updates_in_a_row_abort_with_a_checkpoint(tiny_model
     assert all(torch.equal(start[k], saved[k]) for k in saved)
 
 
+def test_an_update_that_makes_the_weights_non_finite_is_skipped_and_never_saved(
+        tiny_model_dir, tmp_path, capsys):
+    """--learning-rate 1e308: the loss and gradients are finite, the weights after AdamW's step
+    are not. Such an update is skipped like a non-finite loss (it saved a NaN model, exit 0)."""
+    recs = run(tiny_model_dir, tmp_path / "one", "--learning-rate", "1e308", "--steps", "2")
+    assert [r["skipped_nonfinite"] for r in recs] == [1, 1]
+    assert math.isfinite(recs[0]["loss"]) and math.isfinite(recs[0]["grad_norm"])
+    start, saved = weights(tiny_model_dir), weights(tmp_path / "one" / "model")
+    assert all(torch.equal(start[k], saved[k]) for k in saved)
+    said = "made weights non-finite from a finite loss and gradient norm"
+    assert capsys.readouterr().err.count(said) == 1
+    with pytest.raises(SystemExit) as e:   # in a row, as many as --max-nonfinite: the run gives up
+        run(tiny_model_dir, tmp_path / "two", "--learning-rate", "1e308", "--steps", "5",
+            "--max-nonfinite", "2")
+    assert e.value.code == 1
+    assert "gradient norm or weights and were skipped" in capsys.readouterr().err
+    assert not (tmp_path / "two" / "model").exists()
+    state = tmp_path / "two" / "checkpoints" / "step_000002" / "trainer_state.pt"
+    opt = torch.load(state)["optimizer"]
+    assert opt["state"] == {}   # no AdamW step was kept
+
+
 def test_a_reward_that_raises_gets_the_minimum_and_is_reported_once_per_kind(tiny_model_dir, tmp_path, capsys):
     # every reward raises: only --reward-errors tolerate trains on (tests/harness/test_task.py: the default stops)
     task = tmp_path / "flaky.py"
@@ -151,3 +174,20 @@ def test_the_update_runs_on_update_threads_and_the_rest_on_every_thread(threads,
     with pytest.raises(ValueError):   # given back on a failure too
         guard.fit(lambda micro: (_ for _ in ()).throw(ValueError("boom")))
     assert torch.get_num_threads() == 2
+
+
+def test_the_updates_passes_give_the_same_bits_on_any_thread_count(tiny_model_dir):
+    """What the README says of --update-threads 1 (it said runs were bit-identical on every thread
+    count, but sampling uses every thread: its last bits, and a run's, follow OMP_NUM_THREADS)."""
+    from grpo.model import completion_logprobs, load_policy
+    model = load_policy(tiny_model_dir, "cpu")
+    seeded = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (8, 48), generator=seeded)
+    grads = []
+    for outside in (1, 2):
+        torch.set_num_threads(outside)
+        model.zero_grad(set_to_none=True)
+        harness.guards.Guard(8, 8, print, threads=1).fit(lambda micro: completion_logprobs(
+            model, ids, torch.ones_like(ids), 24, 1.0, 2048, None).sum().backward())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

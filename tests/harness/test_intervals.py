@@ -169,6 +169,8 @@ def test_a_user_task_with_per_item_scores_gets_intervals_with_no_code_of_its_own
         assert re.search(rf"^  starts_right  {re.escape(shown)}$", out, re.M)
         assert re.search(r"^  n_prompts     10$", out, re.M)
     assert items[0]["prompts_sha256"] == items[1]["prompts_sha256"]   # the same items at every evaluation
+    # and the task that scored them: another task may ask the same prompts (compare_runs.py refuses)
+    assert items[0]["task"] == "letters (grpo_user_task_letters.Letters)"
 
 
 def test_a_task_with_plain_numbers_is_logged_as_before_and_writes_no_items(echo_task, tiny_model_dir, tmp_path,
@@ -194,6 +196,13 @@ def echo_task(tmp_path):
     ({"acc": [1, "0"]}, "returned '0' as item 1 of 'acc'"),
     ({"acc": np.zeros((2, 2))}, "returned 'acc' as an array of shape (2, 2)"),
     ({"acc": [1, 0], "acc_lo": 0.1}, "returned the key 'acc_lo' beside the per-item scores of 'acc'"),
+    # each finite, their mean inf (it showed inf [nan, nan] and wrote null)
+    ({"acc": [1e308, 1e308]},
+     "returned items of 'acc' as large as 1e+308: sums of 2 of them overflow"),
+    ({"acc": [10 ** 400]},
+     "returned 1000000000000000000000000000000000000... as item 0 of 'acc'"),
+    ({"acc": 10 ** 400},
+     "returned {'acc': 1000000000000000000000000000000000000...}: 'acc' must be a finite number"),
 ])
 def test_per_item_scores_are_checked(result, message):
     with pytest.raises(TaskError, match=re.escape(f"the task's evaluate() {message}")):

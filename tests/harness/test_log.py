@@ -2,11 +2,13 @@
 full disk mid-write) is dropped with a note; a damaged line before it is dropped loudly, the file as it was kept
 beside it. --report-to: the missing-package errors for real; the real writers only where their package is installed."""
 import importlib.util
+import re
 import sys
 
 import pytest
 import torch
 
+from harness.config import Config, ConfigError, batch_layout
 from harness.log import ReportError, batch_stats, open_reporter, scalars, whole_step
 from helpers import SMALL, read_jsonl, train
 
@@ -106,6 +108,14 @@ def test_a_missing_package_names_what_to_install(kind, tmp_path, monkeypatch):
     assert not (tmp_path / kind).exists()
 
 
+@pytest.mark.parametrize("kind", ["tensorboard", "wandb"])
+def test_a_missing_package_is_refused_at_start_up(kind, monkeypatch):
+    """Before anything loads (it was refused once the model had loaded)."""
+    monkeypatch.setitem(sys.modules, PACKAGES[kind], None)
+    with pytest.raises(ConfigError, match=f"--report-to {kind} needs the {kind} package"):
+        batch_layout(Config(report_to=kind))
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard is not installed")
 def test_tensorboard_writes_the_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -134,3 +144,18 @@ def test_wandb_writes_an_offline_run(tmp_path, monkeypatch):
     assert len(runs) == 1
     written = runs[0].read_bytes()  # the run's log holds each history item's name and value as text
     assert b"reward_errors/ValueError" in written and b"0.25" in written
+
+
+def test_a_long_evaluation_off_a_terminal_says_it_is_still_going(monkeypatch, capsys):
+    """Off a terminal, "evaluating ..." was the last line for 7.7 minutes."""
+    import time
+    from harness import log
+    monkeypatch.setattr(log.EvalProgress, "EVERY_S", 0.1)
+    progress = log.EvalProgress(lambda prompts: time.sleep(0.35) or list(prompts), "eval at step 0")
+    progress(["a", "b"])
+    progress.close()
+    time.sleep(0.15)   # closed: no line after it
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "eval at step 0: evaluating ..." and len(lines) >= 3
+    said = r"eval at step 0: still evaluating, \ds so far, [02] prompts completed"
+    assert all(re.fullmatch(said, line) for line in lines[1:]), lines

@@ -107,6 +107,10 @@ def test_eval_only_works_on_a_finished_runs_folder_and_overwrites_no_log(tiny_mo
     # asked to log into the run's own metrics: that would overwrite them
     line = one_line_error(train(*task, "--eval-only", "--out-dir", str(out), "--log-file", str(out / "metrics.jsonl")))
     assert "metrics.jsonl" in line and "--overwrite" in line
+    # the log is to blame, not --out-dir, which --eval-only does not write
+    log = out / "metrics.jsonl"
+    assert line.startswith(f"train_lean.py: error: --log-file {log} holds earlier records (")
+    assert "another --log-file" in line and "--out-dir" not in line
     assert snapshot(out) == before
 
 
@@ -178,3 +182,16 @@ def test_overwrite_sets_the_earlier_run_aside_only_when_the_new_one_can_start(ti
     fresh = train(*task, "--steps", "1", "--out-dir", str(out), "--overwrite")
     assert fresh.returncode == 0 and "--overwrite: deleted the earlier run's" in fresh.stderr
     assert not list(out.glob("*.overwritten"))
+
+
+def test_a_local_looking_model_that_is_not_there_is_refused_at_once(tmp_path):
+    """A typo of a local folder went to the hub: 48 s of retries, then the network was blamed."""
+    (tmp_path / "out" / "tiny").mkdir(parents=True)
+    line = one_line_error(train("--model", "out/tniy", "--task", "toy", "--out-dir", "run",
+                                cwd=tmp_path))
+    assert line == ("train_lean.py: error: --model out/tniy: no such folder (did you mean "
+                    "out/tiny?): pass a local model folder, or a hub id (NAME or OWNER/NAME)")
+    (tmp_path / "weights.bin").write_text("")
+    line = one_line_error(train("--model", "./weights.bin", "--task", "toy", "--out-dir", "run",
+                                cwd=tmp_path))
+    assert "--model ./weights.bin is a file: pass the folder that holds the model's" in line

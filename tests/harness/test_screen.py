@@ -10,7 +10,7 @@ import train_lean
 from harness import cli, screen
 from harness.config import batch_layout
 from grpo.model import load_policy
-from helpers import EVALUATED_TASK, SMALL, read_jsonl
+from helpers import EVALUATED_TASK, SMALL, read_jsonl, without_tokenizer
 
 
 def toy(model, out, *extra):
@@ -56,10 +56,12 @@ def test_the_settings_file_is_one_of_the_runs_records(tiny_model_dir, tmp_path, 
     assert "settings.txt" in err.splitlines()[0] and "--overwrite: deleted" in err
     assert re.search(r"--seed\s+5\s+cli", (out / "settings.txt").read_text())
     assert re.search(r"--seed\s+5\s+cli", stdout) and "batch layout (per device | global)" in stdout   # debug: shown
-    # a run that stopped before its first record (a bad --model) leaves its settings alone: the next run replaces them
+    # a run that stopped before its first record (a --model without a tokenizer; one that is not
+    # there is refused before settings are written) leaves its settings alone: the next run
+    # replaces them
     failed = tmp_path / "failed"
     with pytest.raises(SystemExit):
-        train_lean.main(toy(str(tmp_path / "no-such-model"), failed))
+        train_lean.main(toy(without_tokenizer(tiny_model_dir, tmp_path / "no-tokenizer"), failed))
     assert (failed / "settings.txt").exists() and not (failed / "metrics.jsonl").exists()
     train_lean.main(toy(tiny_model_dir, failed))
     assert tiny_model_dir in (failed / "settings.txt").read_text() and read_jsonl(failed / "metrics.jsonl")

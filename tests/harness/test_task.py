@@ -17,7 +17,7 @@ from grpo.decoders import generate
 from grpo.model import load_policy, load_tokenizer
 from grpo.rollout import decode_completions, encode_prompts, left_pad
 from harness.task import (RewardError, Scorer, TaskError, build, check_metrics, draw_prompts, eval_completions,
-                          evaluate, pass_at_k, sampled_metrics, score, takes_full)
+                          evaluate, pass_at_k, resolve, sampled_metrics, score, takes_full)
 from tasks import get_task
 from tasks.toy import ToyTask
 
@@ -98,8 +98,9 @@ def test_component_means_are_returned():
 def test_reward_weights_sum_the_parts_and_keep_each_rows():
     rows = []
     rewards, _, _ = score(Parts(), ["p"] * 3, ["ab", "abcd", None], weights={"length": 0.5, "format": 2.0}, rows=rows)
-    # 0.5 x length + 2 x format; the third completion's reward fails (len(None)): min_reward, its parts too
-    assert np.allclose(rewards, [3.0, 4.0, 0.0]) and rows == [[2.0, 1.0], [4.0, 1.0], [0.0, 0.0]]
+    # 0.5 x length + 2 x format; the third completion's reward fails (len(None)): the task declares
+    # no min_reward, so it gets 1 below the lowest valid reward, each part 1 below the lowest
+    assert np.allclose(rewards, [3.0, 4.0, 2.0]) and rows == [[2.0, 1.0], [4.0, 1.0], [1.0, 0.0]]
     rows = []
     assert np.allclose(score(Parts(), ["p"], ["ab"], weights={"missing": 1.0, "length": 1.0}, rows=rows)[0], [2.0])
     assert rows == [[0.0, 2.0]]   # a part a completion does not report counts 0 (a mixture's other kind)
@@ -277,10 +278,21 @@ class Counted(Flaky):
     (lambda n: ["p", "p", 3, "p"], "returned 3 as prompt 2: each prompt must be a non-empty str"),
     (lambda n: ["p", "", "p", "p"], "returned '' as prompt 1"),
     (lambda n: ["p", None, "p", "p"], "returned None as prompt 1"),
+    # the tokenizer's TypeError was a traceback
+    (lambda n: ["p", "a\udc80b", "p", "p"],
+     "returned 'a\\udc80b' as prompt 1: it holds '\\udc80', a lone surrogate, which no tokenizer "
+     "encodes"),
 ])
 def test_prompts_are_exactly_n_non_empty_strings(result, message):
     with pytest.raises(TaskError, match=re.escape(f"the task's prompts(4, rng) {message}")):
         draw_prompts(Counted(result), 4, random.Random(0))
+
+
+def test_a_held_out_prompt_with_a_lone_surrogate_is_named():
+    said = "complete() was given 'x\\ud800' as prompt 1: it holds '\\ud800', a lone surrogate"
+    with pytest.raises(TaskError, match=re.escape(said)):
+        eval_completions(None, None, ["fine", "x\ud800"], prepend_bos=True, max_new_tokens=2,
+                         batch=1)
 
 
 def test_prompts_as_a_tuple_are_fine():
@@ -725,3 +737,71 @@ def test_eval_completions_are_seeded_and_leave_torchs_rng_alone(complete_7_rows)
 def test_eval_completions_refuse_a_sampling_they_cannot_do(complete_7_rows, kw, message):
     with pytest.raises(TaskError, match=re.escape(message)):
         complete_7_rows(EVAL_PROMPTS, **kw)
+
+
+class Crashy:
+    """A user's task without min_reward: valid rewards below 0, and a reward that raises on "x"."""
+    name = "crashy"
+
+    def prompts(self, n, rng):
+        return ["p"] * n
+
+    def reward(self, prompt, completion):
+        if completion == "x":
+            raise KeyError(completion)
+        return -len(completion) / 10
+
+
+def test_a_failed_reward_ranks_below_every_valid_reward_of_its_group():
+    """The default min_reward 0 gave a crash a positive advantage beside rewards below 0."""
+    completions = ["ab", "x", "abcd", "x", "x", "x"]
+    rewards, _, errors = score(Crashy(), ["p"] * 6, completions, group_size=2)
+    assert rewards.tolist() == pytest.approx([-0.2, -1.2, -0.4, -1.4, 0.0, 0.0])
+    assert errors == {"KeyError": 4}
+    declared = type("Declared", (Crashy,), {"min_reward": -5.0})()   # a declared minimum is kept
+    rewards = score(declared, ["p"] * 2, ["ab", "x"], group_size=2)[0]
+    assert rewards.tolist() == [pytest.approx(-0.2), -5]
+    # with --reward-weights, each part ranks below its group's valid parts the same way
+    rows = []
+    parts = type("Parted", (Crashy,), {"reward_breakdown": lambda self, p, c: {
+        "a": Crashy.reward(self, p, c), "b": 1.0}})()
+    rewards, _, _ = score(parts, ["p"] * 2, ["ab", "x"], weights={"a": 1.0, "b": 1.0}, rows=rows,
+                          group_size=2)
+    assert rows == [pytest.approx([-0.2, 1.0]), pytest.approx([-1.2, 0.0])]
+    assert rewards.tolist() == pytest.approx([0.8, -0.2])
+
+
+def test_a_run_ranks_failures_in_their_groups_and_counts_them_on_the_console(
+        tiny_model_dir, tmp_path, capsys, clean_env):
+    """The count was only in metrics.jsonl."""
+    import train_lean
+    (tmp_path / "flaky.py").write_text(   # the toy task's prompts and reward, not its min_reward
+        "from tasks.toy import ToyTask\n\nclass Flaky:\n    name = 'flaky'\n"
+        "    toy = ToyTask()\n\n"
+        "    def prompts(self, n, rng):\n        return self.toy.prompts(n, rng)\n\n"
+        "    def reward(self, prompt, completion):\n"
+        "        if len(completion) % 2:\n            raise ValueError('odd')\n"
+        "        return self.toy.reward(prompt, completion)\n")
+    out = tmp_path / "out"
+    train_lean.main(["--model", tiny_model_dir, "--task", f"{tmp_path / 'flaky.py'}:Flaky", *SMALL,
+                     "--steps", "2", "--out-dir", str(out),
+                     "--log-completions", str(out / "c.jsonl")])
+    failed = [r["reward_errors"]["ValueError"] for r in read_jsonl(out / "metrics.jsonl")]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[2] for line in lines] == [f"failed {n}" for n in failed]
+    rows = read_jsonl(out / "c.jsonl")
+    for group in (rows[i:i + 2] for i in range(0, len(rows), 2)):   # --group-size 2
+        valid = [r["reward"] for r in group if len(r["completion"]) % 2 == 0]
+        for r in group:
+            if len(r["completion"]) % 2:
+                assert r["reward"] == pytest.approx(min(valid) - 1 if valid else 0.0)
+
+
+def test_a_task_file_imports_a_module_beside_it(tmp_path):
+    """It was "No module named 'rev'" unless PYTHONPATH named the folder."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "rev46.py").write_text("def rev(text):\n    return text[::-1]\n")
+    (folder / "leaky.py").write_text("import rev46\n\nclass Leaky:\n    name = 'leaky'\n"
+                                     "    flip = staticmethod(rev46.rev)\n")
+    assert resolve(f"{folder / 'leaky.py'}:Leaky", {}).flip("ab") == "ba"

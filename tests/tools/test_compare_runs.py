@@ -16,13 +16,16 @@ SCRIPT = os.path.join(REPO, "compare_runs.py")
 SHA = "ab" * 32
 
 
-def write_items(folder, evaluations: dict, sha: str = SHA, prompts: int = 200) -> str:
-    """A run folder whose metrics.items.jsonl holds step -> {metric: per-item scores}, as the trainer writes it."""
+def write_items(folder, evaluations: dict, sha: str = SHA, prompts: int = 200,
+                task: str = "toy (tasks.toy.ToyTask)") -> str:
+    """A run folder whose metrics.items.jsonl holds step -> {metric: per-item scores}, as the
+    trainer writes it."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "metrics.items.jsonl"), "w") as f:
         for step, items in evaluations.items():
+            items = {k: [float(x) for x in v] for k, v in items.items()}
             f.write(json.dumps({"step": step, "prompts": prompts, "prompts_sha256": sha,
-                                "items": {k: [float(x) for x in v] for k, v in items.items()}}) + "\n")
+                                "task": task, "items": items}) + "\n")
     return str(folder)
 
 
@@ -89,6 +92,16 @@ def test_fail_if_lower_exits_1_when_b_is_detectably_lower(runs):
     (lambda t, a: write_items(t / "x", {10: {"acc": [1, 0, 1]}}),
      "scored 'acc' on 200 and 3 items: a paired comparison needs the same items"),
     (lambda t, a: str(t / "nowhere"), "does not exist"),
+    # another task that asks the same prompts (it was paired, and its verdicts given)
+    (lambda t, a: write_items(t / "x", {10: {"acc": [0] * 200}},
+                              task="add (grpo_user_task_add.Add)"),
+     "evaluated different tasks (toy (tasks.toy.ToyTask) and add (grpo_user_task_add.Add)) on the "
+     "same prompts"),
+    # one evaluation under two names (it was "no detectable difference")
+    (lambda t, a: os.path.join(a, "metrics.jsonl"), "A and B are the same evaluation"),
+    # scores whose differences overflow (1e308: a NaN interval and "no detectable difference")
+    (lambda t, a: write_items(t / "x", {10: {"acc": [1e308] * 200}}),
+     "scored 'acc' with items too large to compare"),
     (lambda t, a: str(t), "holds no per-item scores"),
 ])
 def test_what_cannot_be_paired_is_refused_in_one_line(runs, tmp_path, make, message):
@@ -96,6 +109,32 @@ def test_what_cannot_be_paired_is_refused_in_one_line(runs, tmp_path, make, mess
     out = compare(a, make(tmp_path, a))
     assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith("compare_runs.py: error: ") and message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{", "line 3 is not a record of per-item scores: it is not JSON"),
+    ('{"step": 3, "prompts": 2, "prompts_sha256": "ab", "items": {"acc": [1, "x"]}}',
+     "item 1 of 'acc', x, is not a finite number"),
+    ('{"step": 3, "prompts": 2, "prompts_sha256": "ab", "items": {"acc": [1, 1e400]}}',
+     "item 1 of 'acc', inf, is not a finite number"),
+    ('{"step": 3, "prompts": 2, "prompts_sha256": "ab", "items": {"acc": [1, 1' + "0" * 400 + ']}}',
+     "item 1 of 'acc', 1000000000000000000000000000000000000000, is not a finite number"),
+    ('{"step": 3, "prompts": 2, "prompts_sha256": "ab", "items": {"acc": 1}}',
+     "its scores of 'acc' are not a list of items"),
+    ('{"step": "3", "prompts": 2, "prompts_sha256": "ab", "items": {}}',
+     "its 'step' is not an int"),
+    ('{"step": 3, "prompts_sha256": "ab", "items": {}}', "its 'prompts' is not an int"),
+    ("[1, 2]", "it is a list, not a record"),
+])
+def test_a_damaged_items_file_is_refused_in_one_line(runs, line, message, capsys):
+    """A hand-damaged metrics.items.jsonl (it was a KeyError, TypeError or OverflowError
+    traceback)."""
+    a = runs[0]
+    with open(os.path.join(a, "metrics.items.jsonl"), "a") as f:
+        f.write(line + "\n")
+    code = compare_runs.main([a])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
 @pytest.mark.parametrize("args, message", [

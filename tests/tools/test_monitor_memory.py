@@ -54,6 +54,9 @@ def write_log(path, rss):
     ["--trainer", FAKE, "10", "--trace-steps", "5"],                         # without --trace
     ["--trainer", FAKE, "10", "--trace", "--trace-steps", "1"],              # nothing to compare
     ["--trainer", FAKE, "10", "--trace", "--", "--trace-memory", "5"],       # --trace sets it
+    # written after the whole run: it was a traceback then, and exit 1 (the LEAK code)
+    ["--trainer", FAKE, "10", "--summary", "no/such/folder/s.json"],
+    ["--trainer", FAKE, "10", "--plot", "."],
 ])
 def test_usage_errors_exit_2_with_one_line(tmp_path, args):
     (tmp_path / "a.jsonl").write_text("")
@@ -61,6 +64,17 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, args):
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "error:" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_sweep_takes_the_group_size_the_task_declares(tmp_path, capsys):
+    """It assumed 8 unless --group-size was given."""
+    (tmp_path / "four.py").write_text("from tasks.toy import ToyTask\n\nclass Four(ToyTask):\n"
+                                      "    trainer_settings = {'group_size': 4}\n")
+    task = f"{tmp_path / 'four.py'}:Four"
+    assert monitor_memory.main(["--sweep", "4,6", "--", "--task", task]) == 2
+    assert "every batch size must be a multiple of the group size 4 " in capsys.readouterr().err
+    assert monitor_memory.main(["--sweep", "8", "--", "--task", task, "--bogus", "1"]) == 2
+    assert "the trainer's flags: unrecognized arguments: --bogus 1" in capsys.readouterr().err
 
 
 def test_from_log_clean_leaking_and_short(tmp_path):

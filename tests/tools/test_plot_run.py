@@ -23,3 +23,29 @@ def test_one_run_and_two_seeds_make_pngs(tmp_path, capsys):
     for png in (one, two):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert capsys.readouterr().out.split() == [str(one), str(two)]
+
+
+def test_it_labels_what_ran_and_draws_every_metric_with_its_interval(tmp_path, monkeypatch):
+    """It titled any task "GRPO on the default model", dropped a metric with values below 0 and drew
+    no intervals."""
+    import json
+    script = plot_run()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "settings.txt").write_text("settings (source: cli > env > task > default)\n"
+                                                   "  --model  out/tiny    cli\n"
+                                                   "  --task   add.py:Add  cli\n")
+    evals = [{"kind": "eval", "step": s, "acc": 0.1 * s, "acc_lo": 0.0, "acc_hi": 0.3 * s + 0.1,
+              "acc_n": 100, "margin": -2.0 + s, "eval_time_s": 1.0} for s in (0, 2)]
+    with open(tmp_path / "run" / "metrics.jsonl", "w") as f:
+        steps = [{"step": 1, "reward_mean": 0.2}, {"step": 2, "reward_mean": 0.3}]
+        for r in [evals[0], *steps, evals[1]]:
+            f.write(json.dumps(r) + "\n")
+    drawn = {}
+    monkeypatch.setattr(script, "save", lambda fig, title, png: drawn.update(fig=fig, title=title))
+    script.main([str(tmp_path / "run" / "metrics.jsonl"), str(tmp_path / "p.png")])
+    assert drawn["title"] == "GRPO, --task add.py:Add, --model out/tiny"
+    right = drawn["fig"].axes[1]
+    assert right.get_legend_handles_labels()[1] == ["acc (95% interval)", "margin"]
+    bars = [c for c in right.containers if c.has_yerr]
+    assert len(bars) == 1   # acc's, from acc_lo to acc_hi: at step 2, 0.0 to 0.7
+    assert bars[0].lines[2][0].get_segments()[1].tolist() == [[2.0, 0.0], [2.0, 0.7]]
