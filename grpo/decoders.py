@@ -142,6 +142,8 @@ class PreallocatedDecoder:
             scores = scores, _merged(scores, width), scores[..., width:]  # all, over the prompt, over the new
         for i, (layer, scale) in enumerate(zip(self.layers, self.scales)):
             q, k, v = self._qkv(layer, x, rotary)
+            if self.y.dtype != v[0].dtype or self.y.dtype != q[0].dtype:   # bf16 autocast on a CPU: attention
+                q, k, v = [(t.to(self.y.dtype), offset) for t, offset in (q, k, v)]   # in the cache's fp32
             with torch.autocast(self.device_type, enabled=False):
                 y = attend(q, k, v, step, self.prompt_ks[i], self.prompt_vs[i], new_k[i], new_v[i], bias, scores,
                            scale)
@@ -154,18 +156,28 @@ class PreallocatedDecoder:
 
     def _padded_head(self, model, device, keep: bool):
         """The output head padded as in training (grpo/model.py padded_head: on a GPU only), in the dtype the
-        steps compute in; compiled, kept from call to call and refreshed in place (a replayed graph reads it
-        where it was recorded)."""
+        step's matmuls read (_matmul_tensors)."""
         head = model.get_output_embeddings()
         self.vocab = head.weight.shape[0]
+        weight, bias = padded_head(head, head_multiple(device))
+        return self._matmul_tensors(model, "head", [weight, bias], device, keep)
+
+    @staticmethod
+    def _matmul_tensors(model, name, tensors, device, keep: bool) -> list:
+        """tensors (a matmul's weights and biases, None for none) as the decode step reads them: under bf16
+        autocast on a GPU, bf16 copies made once per generate(), where autocast would cast them again at every
+        compiled step; compiled, kept from call to call and refreshed in place (a replayed graph reads them where
+        it was recorded). Elsewhere the tensors themselves."""
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-        padded = padded_head(head, head_multiple(device))
-        if padded[0] is head.weight and dtype in (None, head.weight.dtype):
-            return padded
-        if not keep:
-            return tuple(t if t is None else t.to(dtype or t.dtype) for t in padded)
-        return tuple(t if t is None else _zeros(model, f"head{i}", t.shape, dtype or t.dtype, device, True).copy_(t)
-                     for i, t in enumerate(padded))
+        if dtype is None or not decode_copies(device):
+            return tensors
+        real = [t for t in tensors if t is not None]
+        if keep:
+            copies = [_zeros(model, f"{name}{i}", t.shape, dtype, device, True) for i, t in enumerate(real)]
+            torch._foreach_copy_(copies, real)
+        else:
+            copies = [t.to(dtype) for t in real]
+        return [None if t is None else copies.pop(0) for t in tensors]
 
     def _attend(self, q, k, v, step, kp, vp, kn, vn, bias, scores, scale: float):
         """Softmax attention of q (rows x heads x D, in `_heads` form) over its group's prompt (kp, vp) and its
@@ -203,6 +215,12 @@ def _merged(t, width: int):
     """t [groups, H_kv, group, rep, columns] as [groups, H_kv, group x rep, width]: its first width columns."""
     s = t.stride()
     return t.as_strided((*t.shape[:2], t.shape[2] * t.shape[3], width), s[:2] + s[3:])
+
+
+def decode_copies(device) -> bool:
+    """Whether decoding reads bf16 copies of the matmul weights under bf16 autocast: on a GPU (on a CPU,
+    eager autocast's own cache of casts does the same)."""
+    return device.type == "cuda"
 
 
 def compilations() -> int:
@@ -243,20 +261,25 @@ class GPT2Decoder(PreallocatedDecoder):
         self.t, self.heads = t, model.config.n_head
         self.layers, self.scales = list(t.h), [b.attn.scaling for b in t.h]
         super().__init__(model, *args, **kwargs)
+        # each layer's matmul operands: c_attn, c_proj, c_fc, mlp.c_proj (weight, bias), in the decode dtype
+        mats = [m for b in t.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
+        flat = self._matmul_tensors(model, "gpt2", [p for m in mats for p in (m.weight, m.bias)],
+                                    self.prompt_k.device, self.compiled is not None)
+        self.mats = [flat[i:i + 8] for i in range(0, len(flat), 8)]
 
     def _embed(self, token, position):
         return self.t.wte(token) + self.t.wpe(position), None
 
     def _qkv(self, block, x, _):
-        h = block.ln_1(x)
-        qkv, width = torch.addmm(block.attn.c_attn.bias, h, block.attn.c_attn.weight), x.shape[-1]
+        w, b = self.mats[block.attn.layer_idx][:2]
+        qkv, width = torch.addmm(b, block.ln_1(x), w), x.shape[-1]
         return (qkv, 0), (qkv, width), (qkv, 2 * width)
 
     def _rest(self, block, x, y):
-        proj, mlp = block.attn.c_proj, block.mlp
-        x = x + torch.addmm(proj.bias, y, proj.weight)
-        h = mlp.act(torch.addmm(mlp.c_fc.bias, block.ln_2(x), mlp.c_fc.weight))
-        return x + torch.addmm(mlp.c_proj.bias, h, mlp.c_proj.weight)
+        _, _, proj_w, proj_b, fc_w, fc_b, out_w, out_b = self.mats[block.attn.layer_idx]
+        x = x + torch.addmm(proj_b, y, proj_w)
+        h = block.mlp.act(torch.addmm(fc_b, block.ln_2(x), fc_w))
+        return x + torch.addmm(out_b, h, out_w)
 
     def _final_norm(self, x):
         return self.t.ln_f(x)

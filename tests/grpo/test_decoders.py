@@ -334,3 +334,23 @@ def test_a_padded_decode_head_samples_what_the_plain_one_does(tiny_model_dir, tm
     (plain_ids, _, plain_logp), (padded_ids, _, padded_logp) = runs
     assert torch.equal(plain_ids, padded_ids) and int(padded_ids.max()) < 300
     assert (plain_logp - padded_logp).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_bf16_copies_of_the_weights_decode_what_autocast_does(tiny_model_dir, monkeypatch, compile):
+    """Under bf16 autocast the decode step reads bf16 copies of the matmul weights (a GPU's default, forced
+    here on the CPU): the same bits as autocast casting the fp32 weights itself, also after an update has
+    changed the weights (compiled, the copies are kept and refreshed in place)."""
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    ids, mask = _group_batch(tok)
+    for _ in range(2):
+        runs = []
+        for copies in (False, True):
+            monkeypatch.setattr(decoders, "decode_copies", lambda device: copies)
+            torch.manual_seed(0)
+            runs.append(generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=12, compile=compile,
+                                 autocast=torch.autocast("cpu", dtype=torch.bfloat16)))
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+        with torch.no_grad():   # an update
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=0.05)
