@@ -11,6 +11,7 @@ import sys
 import weakref
 
 import torch
+from transformers.pytorch_utils import Conv1D
 
 from grpo.model import head_multiple, logprob_temperature, padded_head, position_ids_from_mask
 
@@ -30,6 +31,11 @@ def _zeros(model, name, shape, dtype, device, keep: bool):
         if device.type == "cuda":  # read in place by the replayed graphs
             torch._dynamo.mark_static_address(kept[key])
     return kept[key].zero_()
+
+
+# compilations of the decode step a process may make (model x shape bucket; torch's own default is 8)
+RECOMPILE_LIMIT = 64
+_LIMIT_HIT = []   # not empty once it was reached
 
 
 class PreallocatedDecoder:
@@ -119,8 +125,13 @@ class PreallocatedDecoder:
         self.head = self._padded_head(model, device, compile)
         # the compiled step is the class's function, called with self: a bound method stored on self would
         # be a reference cycle, and the K/V buffers it holds would wait for the cycle collector
-        self.compiled = torch.compile(type(self)._forward, fullgraph=True, dynamic=False,
-                                      mode="reduce-overhead" if device.type == "cuda" else None) if compile else None
+        self.compiled = None
+        if compile and not _LIMIT_HIT:
+            # every decoder's step is one code object to torch.compile: each model and shape bucket the process
+            # compiles counts against one limit (8 by default), past which a fullgraph compile fails
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            self.compiled = torch.compile(type(self)._forward, fullgraph=True, dynamic=False,
+                                          mode="reduce-overhead" if device.type == "cuda" else None)
 
     def __call__(self, token, step: int):
         new = len(self.columns)
@@ -129,7 +140,16 @@ class PreallocatedDecoder:
         elif self.device_type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's logits have been consumed
         args = (token, self.columns[step:step + 1], self.positions[step], self.bias[step, ..., :self.width + new])
-        return self._forward(*args) if self.compiled is None else self.compiled(self, *args)
+        if self.compiled is None:
+            return self._forward(*args)
+        try:
+            return self.compiled(self, *args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:   # said, then eager: the same values, slower
+            print(f"note: the decode step reached torch.compile's limit of {RECOMPILE_LIMIT} compilations; "
+                  f"decoding goes on eagerly in this process", file=sys.stderr, flush=True)
+            _LIMIT_HIT.append(True)
+            self.compiled = None
+            return self(token, step)
 
     def _forward(self, token, step, position, bias):
         x, rotary = self._embed(token, position)
@@ -246,6 +266,11 @@ def _heads(t, offset: int, shape, group: int, kind: str):
     return t.as_strided(shape, strides, offset)
 
 
+def _project(projection, x):
+    """A GPT-2 projection of x [rows, in]: Conv1D's own addmm on (weight, bias), or the module's forward."""
+    return torch.addmm(projection[1], x, projection[0]) if type(projection) is tuple else projection(x)
+
+
 class GPT2Decoder(PreallocatedDecoder):
     """Plain GPT-2: learned absolute positions, one fused q/k/v projection, LayerNorm, GELU MLP. Its
     projections are Conv1D's own addmm, called directly (Conv1D reshapes around it; dropout is off in eval)."""
@@ -261,25 +286,26 @@ class GPT2Decoder(PreallocatedDecoder):
         self.t, self.heads = t, model.config.n_head
         self.layers, self.scales = list(t.h), [b.attn.scaling for b in t.h]
         super().__init__(model, *args, **kwargs)
-        # each layer's matmul operands: c_attn, c_proj, c_fc, mlp.c_proj (weight, bias), in the decode dtype
+        # each layer's projections c_attn, c_proj, mlp.c_fc, mlp.c_proj: (weight, bias) in the decode dtype, or
+        # the module itself where adapters (LoRA) wrap it and its own forward adds them
         mats = [m for b in t.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
-        flat = self._matmul_tensors(model, "gpt2", [p for m in mats for p in (m.weight, m.bias)],
-                                    self.prompt_k.device, self.compiled is not None)
-        self.mats = [flat[i:i + 8] for i in range(0, len(flat), 8)]
+        if all(type(m) is Conv1D for m in mats):
+            flat = self._matmul_tensors(model, "gpt2", [p for m in mats for p in (m.weight, m.bias)],
+                                        self.prompt_k.device, self.compiled is not None)
+            mats = list(zip(flat[::2], flat[1::2]))
+        self.mats = [mats[i:i + 4] for i in range(0, len(mats), 4)]
 
     def _embed(self, token, position):
         return self.t.wte(token) + self.t.wpe(position), None
 
     def _qkv(self, block, x, _):
-        w, b = self.mats[block.attn.layer_idx][:2]
-        qkv, width = torch.addmm(b, block.ln_1(x), w), x.shape[-1]
+        qkv, width = _project(self.mats[block.attn.layer_idx][0], block.ln_1(x)), x.shape[-1]
         return (qkv, 0), (qkv, width), (qkv, 2 * width)
 
     def _rest(self, block, x, y):
-        _, _, proj_w, proj_b, fc_w, fc_b, out_w, out_b = self.mats[block.attn.layer_idx]
-        x = x + torch.addmm(proj_b, y, proj_w)
-        h = block.mlp.act(torch.addmm(fc_b, block.ln_2(x), fc_w))
-        return x + torch.addmm(out_b, h, out_w)
+        _, proj, fc, out = self.mats[block.attn.layer_idx]
+        x = x + _project(proj, y)
+        return x + _project(out, block.mlp.act(_project(fc, block.ln_2(x))))
 
     def _final_norm(self, x):
         return self.t.ln_f(x)

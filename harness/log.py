@@ -76,9 +76,10 @@ class EvalProgress:
         # redrawn at every call: one call decodes a whole batch of prompts, never too often to show
         self.bar = tqdm(desc=what, unit=" prompts", disable=not sys.stderr.isatty(), file=sys.stderr, leave=False,
                         mininterval=0, miniters=1)
-        self.stopped = threading.Event()
+        self.stopped, self.ticker = threading.Event(), None
         if self.bar.disable:   # a thread: one complete() call may decode every prompt at once
-            threading.Thread(target=self._tick, args=(time.perf_counter(),), daemon=True).start()
+            self.ticker = threading.Thread(target=self._tick, args=(time.perf_counter(),), daemon=True)
+            self.ticker.start()
 
     def _tick(self, start: float) -> None:
         while not self.stopped.wait(self.EVERY_S):
@@ -100,6 +101,8 @@ class EvalProgress:
 
     def close(self) -> None:
         self.stopped.set()
+        if self.ticker is not None:   # gone before the process ends: a thread left running at exit can
+            self.ticker.join()        # abort it in C++ ("terminate called without an active exception")
         self.bar.close()
 
 

@@ -105,15 +105,21 @@ class Phases:
             self.trace.finish(self.step, early=True)
 
     def start(self, step: int) -> None:
-        self.count, self.step, self.marks, self.mem = self.count + 1, step, [], {}
+        self.count, self.step, self.marks, self.mem, self.spent = self.count + 1, step, [], {}, 0.0
         if self.trace is not None:
             self.trace.step_started(self.count, step)
         self.end("start")
 
     def end(self, phase: str) -> None:
-        """Close `phase`: the time, and the memory at its end (after glibc's free pages go back to the OS)."""
+        """Close `phase`: the time, and the memory at its end (after glibc's free pages go back to the OS).
+        On CUDA the phase's kernels finish first: otherwise what a phase queued (the reference pass) is
+        timed in the next one (training)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
         release_free_heap()
         self.marks.append((phase, time.perf_counter()))
+        self.spent += self.marks[-1][1] - start
         self.mem[f"{phase}_rss_mb"] = round(rss_mb(), 1)
         if self.cuda:
             self.mem[f"{phase}_cuda_allocated_mb"] = round(torch.cuda.memory_allocated(self.device) / MB, 1)
@@ -122,9 +128,10 @@ class Phases:
             torch.cuda.reset_peak_memory_stats(self.device)   # the next phase's peak is its own
 
     def times(self) -> dict:
-        """Seconds per phase, and the whole step's as "step"."""
+        """Seconds per phase, the whole step's as "step", and as "heap_trim" the part of them spent giving
+        free heap pages back before each reading (release_free_heap: glibc walks every arena)."""
         out = {b: tb - ta for (_, ta), (b, tb) in zip(self.marks, self.marks[1:])}
-        return {**out, "step": self.marks[-1][1] - self.marks[0][1]}
+        return {**out, "step": self.marks[-1][1] - self.marks[0][1], "heap_trim": self.spent}
 
     def record(self) -> dict:
         """The step's memory keys: the step's readings first (its last phase's), then the phases'."""

@@ -354,3 +354,22 @@ def test_bf16_copies_of_the_weights_decode_what_autocast_does(tiny_model_dir, mo
         with torch.no_grad():   # an update
             for p in model.parameters():
                 p.add_(torch.randn_like(p), alpha=0.05)
+
+
+def test_past_the_compile_limit_decoding_says_so_and_goes_on_eagerly(tiny_model_dir, monkeypatch, capsys):
+    """A process that compiles the decode step for more models and shapes than RECOMPILE_LIMIT: a note,
+    then the eager step's tokens (a fullgraph compile past torch's limit raised before)."""
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    torch._dynamo.reset()
+    monkeypatch.setattr(decoders, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(decoders, "_LIMIT_HIT", [])
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    ids, mask = _group_batch(tok)
+    for rows in (8, 4):   # the second shape would be the second compilation
+        (eager_ids, _, eager_logp), (ids_c, _, logp_c) = [
+            generate(model, ids[:rows], mask[:rows], eos_id=tok.eos_token_id, max_new_tokens=6, temperature=0.0,
+                     compile=compile) for compile in (False, True)]
+        assert torch.equal(eager_ids, ids_c) and (eager_logp - logp_c).abs().max().item() <= 1e-5
+    assert "limit of 1 compilations; decoding goes on eagerly" in capsys.readouterr().err
+    assert decoders._LIMIT_HIT
+    torch._dynamo.reset()

@@ -54,8 +54,9 @@ def test_each_phase_gets_its_time_and_the_memory_at_its_end(tmp_path):
     assert rec["score_rss_mb"] - rec["gen_rss_mb"] == pytest.approx(50, abs=3)
     assert rec["train_rss_mb"] - rec["score_rss_mb"] == pytest.approx(-50, abs=3)
     assert rec["rss_mb"] == rec["train_rss_mb"] and 0 < rec["rss_mb"] <= rec["rss_peak_mb"] + 1
-    assert set(times) == {"gen", "score", "train", "step"}
+    assert set(times) == {"gen", "score", "train", "step", "heap_trim"}
     assert 0.05 <= times["score"] < times["step"] == pytest.approx(times["gen"] + times["score"] + times["train"])
+    assert 0 < times["heap_trim"] < times["step"]   # the trims before each reading: part of the phases
     assert not any(k.startswith("cuda") or "_cuda_" in k for k in rec)   # CPU: no CUDA keys
 
 
