@@ -209,8 +209,9 @@ class PreallocatedDecoder:
         # a group's rows and a K/V head's query heads all read the same prompt keys: one matmul for them
         torch.mul(_heads(*q, self.shape, group, "q"), scale, out=self.q5)
         scores, prompt, new = scores
-        torch.matmul(self.q, kp, out=prompt)
-        torch.matmul(self.q5, kn, out=new)  # [groups, H_kv, group, rep, new]
+        # each matmul into a fresh tensor, then one copy into place: a matmul's out= on a strided view
+        # takes a slow path on CPU (a small matmul per batch item)
+        torch.cat([(self.q @ kp).view(*self.shape[:-1], self.width), self.q5 @ kn], -1, out=scores)
         # the weights overwrite the scores (softmax reads each row before it writes it); softmax
         # accumulates in fp32 whatever the dtype
         torch.softmax(scores.add_(bias), -1, out=scores)

@@ -264,7 +264,10 @@ def head_multiple(device) -> int:
 def _chosen_logprobs(hidden, targets, weight, bias, temperature, with_entropy=False, vocab=None):
     """(logprob of each row's target,) or with_entropy (logprob, entropy of the row's distribution); vocab:
     the head's real rows, when weight has padding rows after them."""
-    logits = torch.nn.functional.linear(hidden, weight, bias)[:, :vocab].float() / temperature
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    if vocab is not None and logits.shape[-1] != vocab:   # only a padded head's: a slice's backward zero-fills
+        logits = logits[:, :vocab]
+    logits = logits.float() / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
     if not with_entropy:
