@@ -363,13 +363,13 @@ def test_past_the_compile_limit_decoding_says_so_and_goes_on_eagerly(tiny_model_
     torch._dynamo.reset()
     monkeypatch.setattr(decoders, "RECOMPILE_LIMIT", 1)
     monkeypatch.setattr(decoders, "_LIMIT_HIT", [])
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     ids, mask = _group_batch(tok)
-    for rows in (8, 4):   # the second shape would be the second compilation
-        (eager_ids, _, eager_logp), (ids_c, _, logp_c) = [
-            generate(model, ids[:rows], mask[:rows], eos_id=tok.eos_token_id, max_new_tokens=6, temperature=0.0,
-                     compile=compile) for compile in (False, True)]
-        assert torch.equal(eager_ids, ids_c) and (eager_logp - logp_c).abs().max().item() <= 1e-5
+    with torch._dynamo.config.patch(recompile_limit=1):   # (monkeypatch would delete it from torch's config)
+        for rows in (8, 4):   # the second shape would be the second compilation
+            (eager_ids, _, eager_logp), (ids_c, _, logp_c) = [
+                generate(model, ids[:rows], mask[:rows], eos_id=tok.eos_token_id, max_new_tokens=6,
+                         temperature=0.0, compile=compile) for compile in (False, True)]
+            assert torch.equal(eager_ids, ids_c) and (eager_logp - logp_c).abs().max().item() <= 1e-5
     assert "limit of 1 compilations; decoding goes on eagerly" in capsys.readouterr().err
     assert decoders._LIMIT_HIT
     torch._dynamo.reset()
