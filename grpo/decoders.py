@@ -38,7 +38,16 @@ RECOMPILE_LIMIT = 64
 _LIMIT_HIT = []   # not empty once it was reached
 
 
-class PreallocatedDecoder:
+class Decoder:
+    """What generate() asks of a decoder: advance(), one decode step and the draw that follows it."""
+    compiled = None
+
+    def advance(self, draws, step: int, banned):
+        """Feed the token drawn at column `step`; draw column step + 1 from the logits it gives."""
+        draws.draw(self(draws.tokens[:, step], step), draws.columns[step + 1:step + 2], banned)
+
+
+class PreallocatedDecoder(Decoder):
     """One-token decode steps on preallocated K/V buffers, for pre-norm decoder-only transformers.
 
     The same modules and math as the model's forward (so the logprobs match the training forward),
@@ -55,8 +64,9 @@ class PreallocatedDecoder:
     computed by the same kernels on the same operands as a plain forward, so nothing changes but the
     number of calls.
 
-    Compiled (compile=True), every step has the same shapes: the new keys and values go into their
-    column of the full-length buffer, attention reads the whole buffer under a mask of the columns
+    Compiled (compile=True), a step is the model's step and the draw of the next token after it
+    (_advance_traced: sampling and its bookkeeping too, one graph on CUDA), and every step has the
+    same shapes: the new keys and values go into their column of the full-length buffer, attention reads the whole buffer under a mask of the columns
     written so far, the step index is a tensor, and prompt columns are padded up to a power of two
     times WIDTH_MULTIPLE (padded_width): a run compiles once per width bucket its prompts reach, and on
     CUDA replays a graph. Eager, attention reads the written columns rounded up to a multiple of
@@ -130,26 +140,34 @@ class PreallocatedDecoder:
             # every decoder's step is one code object to torch.compile: each model and shape bucket the process
             # compiles counts against one limit (8 by default), past which a fullgraph compile fails
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            self.compiled = torch.compile(type(self)._forward, fullgraph=True, dynamic=False,
+            self.compiled = torch.compile(type(self)._advance_traced, fullgraph=True, dynamic=False,
                                           mode="reduce-overhead" if device.type == "cuda" else None)
 
     def __call__(self, token, step: int):
-        new = len(self.columns)
+        """The eager step: the logits after `token`, written at column `step`."""
+        new = min(len(self.columns), -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
+        return self._forward(token, self.columns[step:step + 1], self.positions[step],
+                             self.bias[step, ..., :self.width + new])
+
+    def advance(self, draws, step: int, banned):
         if self.compiled is None:
-            new = min(new, -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
-        elif self.device_type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits have been consumed
-        args = (token, self.columns[step:step + 1], self.positions[step], self.bias[step, ..., :self.width + new])
-        if self.compiled is None:
-            return self._forward(*args)
+            return super().advance(draws, step, banned)
+        if self.device_type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
         try:
-            return self.compiled(self, *args)
+            self.compiled(self, draws, self.columns[step:step + 1], self.positions[step], self.bias[step], banned)
         except torch._dynamo.exc.FailOnRecompileLimitHit:   # said, then eager: the same values, slower
             print(f"note: the decode step reached torch.compile's limit of {RECOMPILE_LIMIT} compilations; "
                   f"decoding goes on eagerly in this process", file=sys.stderr, flush=True)
             _LIMIT_HIT.append(True)
             self.compiled = None
-            return self(token, step)
+            super().advance(draws, step, banned)
+
+    def _advance_traced(self, draws, column, position, bias, banned):
+        """advance() as one compiled step: the model's step, the sampling and the bookkeeping of the draw
+        (on CUDA one graph, replayed). It reads the last token from draws and writes the next there."""
+        token = draws.tokens.index_select(1, column).squeeze(1)
+        draws.draw(self._forward(token, column, position, bias), column + 1, banned)
 
     def _forward(self, token, step, position, bias):
         x, rotary = self._embed(token, position)
@@ -272,6 +290,11 @@ def _project(projection, x):
     return torch.addmm(projection[1], x, projection[0]) if type(projection) is tuple else projection(x)
 
 
+def _linear(projection, x):
+    """A Linear projection of x: F.linear on (weight, bias), as nn.Linear computes it, or the module's forward."""
+    return torch.nn.functional.linear(x, *projection) if type(projection) is tuple else projection(x)
+
+
 class GPT2Decoder(PreallocatedDecoder):
     """Plain GPT-2: learned absolute positions, one fused q/k/v projection, LayerNorm, GELU MLP. Its
     projections are Conv1D's own addmm, called directly (Conv1D reshapes around it; dropout is off in eval)."""
@@ -338,27 +361,39 @@ class LlamaDecoder(PreallocatedDecoder):
         self.apply_rotary = sys.modules[type(m.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.layers, self.scales = list(m.layers), [l.self_attn.scaling for l in m.layers]
         super().__init__(model, *args, **kwargs)
+        # each layer's q, k, v, o, gate, up, down projections: (weight, bias) in the decode dtype, or the
+        # module itself where adapters (LoRA) wrap it and its own forward adds them
+        mats = [p for l in m.layers for p in (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj,
+                                               l.self_attn.o_proj, l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj)]
+        if all(type(p) is torch.nn.Linear for p in mats):
+            flat = self._matmul_tensors(model, "llama", [t for p in mats for t in (p.weight, p.bias)],
+                                        self.prompt_k.device, self.compiled is not None)
+            mats = list(zip(flat[::2], flat[1::2]))
+        self.mats = [mats[i:i + 7] for i in range(0, len(mats), 7)]
 
     def _embed(self, token, position):
         x = self.m.embed_tokens(token)
         return x, self.m.rotary_emb(x, position[:, None])
 
     def _qkv(self, layer, x, rotary):
-        attn, h = layer.self_attn, layer.input_layernorm(x)
-        q = attn.q_proj(h).view(h.shape[0], 1, -1, attn.head_dim)
-        k = attn.k_proj(h).view(h.shape[0], 1, -1, attn.head_dim)
+        (q, k, v), dim = self.mats[layer.self_attn.layer_idx][:3], layer.self_attn.head_dim
+        h = layer.input_layernorm(x)
+        q = _linear(q, h).view(h.shape[0], 1, -1, dim)
+        k = _linear(k, h).view(h.shape[0], 1, -1, dim)
         q, k = self.apply_rotary(q, k, *rotary, unsqueeze_dim=2)  # [B, 1, heads, D]: cos, sin [B, 1, D]
-        return (q, 0), (k, 0), (attn.v_proj(h), 0)
+        return (q, 0), (k, 0), (_linear(v, h), 0)
 
     def _rest(self, layer, x, y):
-        x = x + layer.self_attn.o_proj(y)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        o, gate, up, down = self.mats[layer.self_attn.layer_idx][3:]
+        x = x + _linear(o, y)
+        h = layer.post_attention_layernorm(x)   # the MLP as the family's own forward computes it
+        return x + _linear(down, layer.mlp.act_fn(_linear(gate, h)) * _linear(up, h))
 
     def _final_norm(self, x):
         return self.m.norm(x)
 
 
-class HFDecoder:
+class HFDecoder(Decoder):
     """One-token decode steps through the model's own forward and its DynamicCache (any architecture).
     Its cache grows every step, so it runs eagerly whatever `compile` says."""
 
@@ -483,6 +518,34 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
 DONE_CHECK_EVERY = 8
 
 
+class Draws:
+    """What generate() records of each row, one column per step, in place: the tokens drawn (EOS from a
+    row's first on), their logprobs, the sampler's logprobs (with_sampler) and which rows have finished.
+    Compiled, the buffers are kept from call to call (a replayed graph writes where it was recorded)."""
+
+    def __init__(self, model, batch: int, max_new_tokens: int, eos_id: int, sampling: tuple, with_sampler: bool,
+                 device, keep: bool):
+        self.eos_id, self.with_sampler = eos_id, with_sampler
+        self.temperature, self.top_k, self.top_p = sampling
+        shape = (batch, max_new_tokens)
+        self.tokens = _zeros(model, "tokens", shape, torch.long, device, keep).fill_(eos_id)
+        self.logprobs = _zeros(model, "logprobs", shape, torch.float32, device, keep)
+        self.sampled = _zeros(model, "sampled", shape, torch.float32, device, keep) if with_sampler else None
+        self.done = _zeros(model, "done", (batch,), torch.bool, device, keep)
+        self.columns = torch.arange(max_new_tokens, device=device)
+
+    def draw(self, logits, column, banned):
+        """Sample each row's token at `column` (a one-element index) from logits; a finished row gets EOS."""
+        token, logprob, *sampler = sample_token(logits, self.temperature, self.top_k, self.top_p, banned=banned,
+                                                with_sampler=self.with_sampler)
+        token = token.masked_fill(self.done, self.eos_id)
+        self.tokens.index_copy_(1, column, token[:, None])
+        self.logprobs.index_copy_(1, column, logprob[:, None])
+        if self.with_sampler:
+            self.sampled.index_copy_(1, column, sampler[0][:, None])
+        self.done |= token == self.eos_id
+
+
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, *, eos_id: int, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0, autocast=None, compile: bool = False,
@@ -514,26 +577,18 @@ def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperatur
                 position_ids=position_ids_from_mask(prompts[:, width:]), use_cache=True, logits_to_keep=1)
     decoder = decoder_for(model, out.past_key_values, inverse, prompt_mask, max_new_tokens, compile=compile,
                           group_size=group_size)
-    logits = out.logits[inverse, -1]
-    done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
-    tokens = torch.full((batch, max_new_tokens), eos_id, dtype=torch.long, device=prompt_ids.device)
-    logprobs = torch.zeros((batch, max_new_tokens), device=prompt_ids.device)
-    sampled = torch.zeros_like(logprobs) if with_sampler else None
-    for step in range(max_new_tokens):
-        token, logprob, *sampler = sample_token(logits, temperature, top_k, top_p, with_sampler=with_sampler,
-                                                banned=eos_id if step < min_new_tokens else None)
-        token = token.masked_fill(done, eos_id)
-        tokens[:, step], logprobs[:, step] = token, logprob
-        if with_sampler:
-            sampled[:, step] = sampler[0]
-        done |= token == eos_id
-        if step + 1 == max_new_tokens or ((step + 1) % DONE_CHECK_EVERY == 0 and bool(done.all())):
+    draws = Draws(model, batch, max_new_tokens, eos_id, (temperature, top_k, top_p), with_sampler,
+                  prompt_ids.device, keep=decoder.compiled is not None)
+    draws.draw(out.logits[inverse, -1], draws.columns[:1], eos_id if min_new_tokens > 0 else None)
+    last = 0  # the last column drawn
+    for step in range(max_new_tokens - 1):
+        if (step + 1) % DONE_CHECK_EVERY == 0 and bool(draws.done.all()):
             break
-        logits = decoder(token, step)
-    mask = completion_mask(tokens[:, :step + 1], eos_id)
-    if bool(done.all()):  # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
-        step = int(mask.sum(1).max()) - 1
-    completion_ids, logprobs = tokens[:, :step + 1], logprobs[:, :step + 1]
-    if with_sampler:
-        return completion_ids, mask[:, :step + 1], logprobs, sampled[:, :step + 1]
-    return completion_ids, mask[:, :step + 1], logprobs
+        decoder.advance(draws, step, eos_id if step + 1 < min_new_tokens else None)
+        last = step + 1
+    mask = completion_mask(draws.tokens[:, :last + 1], eos_id)
+    if bool(draws.done.all()):  # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
+        last = int(mask.sum(1).max()) - 1
+    # copies: a compiled decoder's buffers are the next call's too
+    outputs = [draws.tokens, mask, draws.logprobs] + ([draws.sampled] if with_sampler else [])
+    return tuple(t[:, :last + 1].clone() for t in outputs)

@@ -112,7 +112,9 @@ def test_greedy_decoding_equals_hf_generate(family):
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_compiled_decode_step_equals_the_eager_one(arch, tiny_model_dir, tiny_rotary_dir):
     """Batches of two prompt widths, the first one again last: the compiled step recompiles for the second
-    width and reuses the first's K/V buffers for the third batch; always the eager step's tokens and logprobs."""
+    width and reuses the first's K/V buffers for the third batch; always the eager step's tokens and logprobs.
+    The compiled step samples too: inductor draws its random numbers from the eager generator here
+    (fallback_random), so that the same seed draws the same tokens."""
     path = tiny_model_dir if arch == "gpt2" else tiny_rotary_dir
     tok, model = load_tokenizer(path), load_policy(path, "cpu")
     first = _group_batch(tok)
@@ -124,10 +126,44 @@ def test_compiled_decode_step_equals_the_eager_one(arch, tiny_model_dir, tiny_ro
         runs = []
         for compile in (False, True):
             torch.manual_seed(0)
-            runs.append(generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=20, compile=compile))
+            with torch._inductor.config.patch(fallback_random=True):
+                runs.append(generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=20, compile=compile))
         (eager_ids, eager_mask, eager_logp), (ids_c, mask_c, logp_c) = runs
         assert torch.equal(eager_ids, ids_c) and torch.equal(eager_mask, mask_c)
         assert (eager_logp - logp_c).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_the_compiled_step_samples_inside_itself_what_the_eager_loop_samples(tiny_model_dir):
+    """Compiled, the decode step draws the next token itself (sampling, EOS bookkeeping, the records): the
+    Python of sample_token runs once per generate() (the first token, from the prefill), not once a token;
+    top-k, top-p, min_new_tokens and the sampler's logprobs give what the eager loop gives."""
+    import sys
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    ids, mask = _group_batch(tok)
+    settings = dict(eos_id=tok.eos_token_id, max_new_tokens=16, top_k=20, top_p=0.9, temperature=0.8,
+                    min_new_tokens=3, with_sampler=True, group_size=4)
+    runs, calls = [], []
+    for compile in (False, True, True):   # the second compiled call replays what the first compiled
+        torch.manual_seed(0)
+        count = [0]
+
+        def profile(frame, event, _):
+            if event == "call" and frame.f_code is sample_token.__code__:
+                count[0] += 1
+        sys.setprofile(profile)
+        try:
+            with torch._inductor.config.patch(fallback_random=True):
+                runs.append(generate(model, ids, mask, compile=compile, **settings))
+        finally:
+            sys.setprofile(None)
+        calls.append(count[0])
+    steps = runs[0][0].shape[1]
+    assert steps > 3 and calls[0] == steps and calls[2] == 1, (steps, calls)
+    for compiled in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][:2], compiled[:2]))
+        assert all((a - b).abs().max() <= 1e-5 for a, b in zip(runs[0][2:], compiled[2:]))
+    assert (runs[0][0][:, :3] != tok.eos_token_id).all()
 
 
 def test_checking_for_the_end_every_few_steps_returns_what_checking_every_step_does(tiny_model_dir, monkeypatch):
@@ -337,12 +373,23 @@ def test_a_padded_decode_head_samples_what_the_plain_one_does(tiny_model_dir, tm
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_bf16_copies_of_the_weights_decode_what_autocast_does(tiny_model_dir, monkeypatch, compile):
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_bf16_copies_of_the_weights_decode_what_autocast_does(arch, tiny_model_dir, tiny_rotary_dir, monkeypatch,
+                                                              compile):
     """Under bf16 autocast the decode step reads bf16 copies of the matmul weights (a GPU's default, forced
     here on the CPU): the same bits as autocast casting the fp32 weights itself, also after an update has
     changed the weights (compiled, the copies are kept and refreshed in place)."""
-    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    path = tiny_model_dir if arch == "gpt2" else tiny_rotary_dir
+    tok, model = load_tokenizer(path), load_policy(path, "cpu")
     ids, mask = _group_batch(tok)
+    read, make = [], decoders.decoder_for
+
+    def recording(*args, **kwargs):   # the dtypes the step's projections and head read
+        decoder = make(*args, **kwargs)
+        read.append({t.dtype for mats in decoder.mats for pair in mats for t in pair if t is not None}
+                    | {t.dtype for t in decoder.head if t is not None})
+        return decoder
+    monkeypatch.setattr(decoders, "decoder_for", recording)
     for _ in range(2):
         runs = []
         for copies in (False, True):
@@ -351,6 +398,7 @@ def test_bf16_copies_of_the_weights_decode_what_autocast_does(tiny_model_dir, mo
             runs.append(generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=12, compile=compile,
                                  autocast=torch.autocast("cpu", dtype=torch.bfloat16)))
         assert all(torch.equal(a, b) for a, b in zip(*runs))
+        assert read[-2:] == [{torch.float32}, {torch.bfloat16}]
         with torch.no_grad():   # an update
             for p in model.parameters():
                 p.add_(torch.randn_like(p), alpha=0.05)
