@@ -20,7 +20,7 @@ import torch
 
 import tasks
 from grpo import distributed, ptx
-from grpo.algorithm import adaptive_kl_coef, group_advantages, kl_penalised_rewards, learning_rate, overlong_penalty
+from grpo.algorithm import adaptive_kl_coef, group_advantages, kl_reward_penalty, learning_rate, overlong_penalty
 from grpo.model import sync_reference
 from grpo.optim import make_optimizer
 from grpo.rollout import merge, missing_groups, sample_groups, stream_seed
@@ -71,8 +71,7 @@ def main(argv=None):
                 batch, counts = merge(rounds, G, P, tokenizer.eos_token_id)
                 rec.update(counts)
             if cfg.overlong_buffer:   # DAPO's soft penalty on completions near the length limit
-                batch.rewards = batch.rewards + overlong_penalty(batch.completion_mask.sum(1).cpu(), cfg)
-            batch.train_rewards = batch.rewards
+                batch.penalties["overlong_penalty"] = overlong_penalty(batch.completion_mask.sum(1).cpu(), cfg)
             run.phase_done("score")
 
             # ---- reference logprobs, once per row: the KL penalty in the loss or in the reward --------------
@@ -81,13 +80,13 @@ def main(argv=None):
             if reference is not None:
                 batch.ref_logp = reference_logprobs(reference, batch, cfg, run.autocast, guard)
                 if cfg.kl_in == "reward":
-                    batch.train_rewards = kl_penalised_rewards(batch.rewards.to(device), batch.old_logp, batch.ref_logp,
-                                                               batch.completion_mask, step_cfg.kl_coef,
-                                                               cfg.kl_estimator).cpu()
+                    batch.penalties["kl_reward_penalty"] = kl_reward_penalty(
+                        batch.old_logp, batch.ref_logp, batch.completion_mask, step_cfg.kl_coef, cfg.kl_estimator).cpu()
+            batch.shape()   # shaped_rewards: the rewards less the penalties above (none by default)
             run.phase_done("ref")
 
             # ---- advantages: each completion against its group, every rank's groups (--scale-rewards batch) --
-            rewards = torch.cat(distributed.gather_objects(batch.train_rewards))  # every rank
+            rewards = torch.cat(distributed.gather_objects(batch.shaped_rewards))  # every rank
             parts = None if cfg.scale_rewards != "gdpo" else torch.cat(  # GDPO: each part, weighted, every rank
                 distributed.gather_objects(torch.tensor(batch.reward_parts)))
             advantages, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.scale_rewards, parts=parts,

@@ -109,16 +109,16 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
 # ---- reward shaping: DAPO's overlong penalty, and the KL penalty taken out of the reward ---------------
 
 def overlong_penalty(lengths: torch.Tensor, cfg) -> torch.Tensor:
-    """[B] rewards to add (<= 0): 0 up to max_new_tokens - overlong_buffer tokens, then linear down to
-    -overlong_penalty at max_new_tokens.
+    """[B] rewards to take off (>= 0): 0 up to max_new_tokens - overlong_buffer tokens, then linear up to
+    overlong_penalty at max_new_tokens.
 
     DAPO's soft overlong punishment, so the policy learns to finish before the limit. lengths are
     completion tokens, the EOS included (completion_mask.sum(1)); 0 < buffer <= max_new_tokens
-    (harness/config.py checks it). Added to the task reward before the advantages.
+    (harness/config.py checks it). Taken off the task reward before the advantages.
     """
     buffer = cfg.overlong_buffer
     over = (lengths.float() - (cfg.max_new_tokens - buffer)).clamp(0, buffer)
-    return -cfg.overlong_penalty * over / buffer
+    return cfg.overlong_penalty * over / buffer
 
 
 # KL(policy || reference) per token. Each estimator is a function of d = ref_logp - logp at a token the
@@ -127,7 +127,7 @@ def overlong_penalty(lengths: torch.Tensor, cfg) -> torch.Tensor:
 #     k2 = d^2 / 2            biased for the KL, low variance, >= 0
 #     k3 = exp(d) - d - 1     unbiased for the KL, low variance, >= 0
 # What matters for training is the gradient the penalty gives, and that depends on where it is placed:
-# - k1 in the reward (--kl-in reward, kl_penalised_rewards): the sequence's summed k1, detached, is
+# - k1 in the reward (--kl-in reward, kl_reward_penalty): the sequence's summed k1, detached, is
 #   subtracted from its reward before the advantages, so it reaches the policy through the score
 #   function like the reward does. E[grad log pi(y) * log(pi(y) / ref(y))] is exactly the gradient of
 #   the sequence-level KL(pi || ref): an unbiased gradient of the regularised objective (as PPO-style
@@ -178,20 +178,20 @@ def adaptive_kl_coef(coef: float, kl: float, completions: int, cfg) -> float:
     return coef * (1 + error * completions / cfg.kl_horizon)
 
 
-def kl_penalised_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
-                         kl_coef: float, estimator: str = "k1") -> torch.Tensor:
-    """rewards [B] minus kl_coef x each sequence's summed per-token KL estimate (detached), for --kl-in reward.
+def kl_reward_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kl_coef: float,
+                      estimator: str = "k1") -> torch.Tensor:
+    """[B] kl_coef x each sequence's summed per-token KL estimate (detached), taken off its reward with --kl-in reward.
 
     logp are the policy's logprobs of the sampled tokens when they were sampled (the rollout's
     old_logp), ref_logp the reference's, mask the completion mask: the penalty is a fixed part of
-    the reward, computed once per rollout. k1 gives the unbiased gradient (above). Subtract it
+    the reward, computed once per rollout. k1 gives the unbiased gradient (above). Take it off
     before group_advantages, so the group baseline and scaling see the penalised reward. With
     scale_rewards "group", a group whose task rewards are all equal has advantages made of its KL
     penalties divided by their own spread: of unit size, however small kl_coef, once that spread is
     well above group_advantages' eps.
     """
     kl = kl_estimate(logp.detach().float(), ref_logp.detach().float(), estimator)
-    return rewards.float() - kl_coef * (kl * mask.float()).sum(1)
+    return kl_coef * (kl * mask.float()).sum(1)
 
 
 # ---- the loss ---------------------------------------------------------------------------------------------

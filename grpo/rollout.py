@@ -68,8 +68,8 @@ def left_pad(rows, pad_id: int, device=None):
 @dataclasses.dataclass
 class Rollout:
     """One step's batch on this device, the record its stages fill in turn: sampled (prompts, completions,
-    their ids and logprobs), then scored (rewards), then shaped (train_rewards), then the reference's logprobs,
-    then the advantages. The rows of a group are contiguous.
+    their ids and logprobs), then scored (rewards), then shaped (penalties, shaped_rewards), then the reference's
+    logprobs, then the advantages. The rows of a group are contiguous.
 
     input_ids = prompt_ids + completion_ids and attention = prompt_mask + completion_mask, side by side:
     the prompts left-padded to a common width, the completions right-padded with EOS after each row's
@@ -82,8 +82,10 @@ class Rollout:
     completion_mask: torch.Tensor    # [B, T]
     old_logp: torch.Tensor           # [B, T] the sampling logprobs, the policy's own (PPO's pi_old)
     truncated: torch.Tensor          # [B] bool: stopped by max_new_tokens before an EOS
-    rewards: torch.Tensor = None     # [B] float32 on the host: what the task gave (with --overlong-buffer's penalty)
-    train_rewards: torch.Tensor = None   # [B] what the advantages are made of: rewards, less a KL penalty
+    rewards: torch.Tensor = None     # [B] float32 on the host: what the task gave, never changed after
+    # [B] each, by name: what reward shaping takes off the task's rewards (--overlong-buffer, --kl-in reward)
+    penalties: dict = dataclasses.field(default_factory=dict)
+    shaped_rewards: torch.Tensor = None  # [B] what the advantages are made of: rewards less every penalty
     components: dict = dataclasses.field(default_factory=dict)   # the reward's parts (reward_breakdown), means
     reward_parts: list = None        # per row, its --reward-weights parts in their order (for --scale-rewards gdpo)
     errors: dict = dataclasses.field(default_factory=dict)       # failed rewards by kind
@@ -92,6 +94,13 @@ class Rollout:
     # [B, T] under the distribution sampled from, which --top-k, --top-p and --min-new-tokens truncate and renormalise
     # (None: nothing truncated, old_logp): the sampler side of the mismatch (grpo/algorithm.py mismatch_weight)
     sampler_logp: torch.Tensor = None
+
+    def shape(self) -> "Rollout":
+        """shaped_rewards: the task's rewards less each penalty, in the order they were added."""
+        self.shaped_rewards = self.rewards
+        for penalty in self.penalties.values():
+            self.shaped_rewards = self.shaped_rewards - penalty
+        return self
 
     @property
     def completion_len(self) -> int:

@@ -177,8 +177,7 @@ def device_part(batch, scorer, with_rows: bool) -> dict:
     lengths = batch.completion_mask.sum(1).cpu()
     out = {"rewards": batch.rewards, "lengths": lengths, "truncated": batch.truncated.cpu(),
            "components": batch.components, "errors": batch.errors, **scorer.to_gather(),
-           # a KL penalty taken out of the rewards (--kl-in reward): what the advantages were made of
-           "train_rewards": None if batch.train_rewards is batch.rewards else batch.train_rewards}
+           "penalties": batch.penalties}   # what reward shaping took off the rewards, by name
     if with_rows:
         out["rows"] = list(zip(batch.prompts, batch.texts, lengths.tolist(),
                                (batch.old_logp * batch.completion_mask).sum(1).tolist()))
@@ -186,12 +185,11 @@ def device_part(batch, scorer, with_rows: bool) -> dict:
 
 
 def whole_step(parts: list) -> dict:
-    """The step over every device, from device_part() of each in rank order: rows concatenated (train_rewards are
-    the rewards unless a KL penalty was taken out of them), reward components averaged over the devices,
+    """The step over every device, from device_part() of each in rank order: rows concatenated (the rewards and
+    each penalty reward shaping took off them), reward components averaged over the devices,
     errors and scored rows summed, and of each reward failure's report the lowest rank's."""
     out = {k: torch.cat([s[k] for s in parts]) for k in ("rewards", "lengths", "truncated")}
-    penalised = parts[0]["train_rewards"] is not None
-    out["train_rewards"] = torch.cat([s["train_rewards"] for s in parts]) if penalised else out["rewards"]
+    out["penalties"] = {k: torch.cat([s["penalties"][k] for s in parts]) for k in parts[0]["penalties"]}
     out["components"] = mean_components([s["components"] for s in parts])
     out["errors"] = dict(sum((Counter(s["errors"]) for s in parts), Counter()))
     out["scored"] = sum(s["scored"] for s in parts)
@@ -211,7 +209,8 @@ def batch_stats(step_rows: dict, group_size: int) -> dict:
     """What a step's record says about its batch (every device's rows, whole_step()'s): the reward over the batch
     and its spread within groups (the spread the advantages are made of; the unbiased std, as the advantages
     divide by), completion lengths (EOS included) and the share cut off at max_new_tokens, the reward's
-    components, reward errors, and the KL penalty taken out of the rewards (--kl-in reward)."""
+    components, reward errors, and each penalty reward shaping took off the rewards (overlong_penalty,
+    kl_reward_penalty: the task's reward_mean is before them)."""
     rewards, lengths = step_rows["rewards"].float(), step_rows["lengths"].float()
     out = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
            "reward_std_group": rewards.view(-1, group_size).std(1).mean().item(),
@@ -220,8 +219,7 @@ def batch_stats(step_rows: dict, group_size: int) -> dict:
            **{f"reward_{k}": v for k, v in step_rows["components"].items()}}
     if step_rows["errors"]:
         out["reward_errors"] = step_rows["errors"]
-    if step_rows["train_rewards"] is not step_rows["rewards"]:
-        out["kl_reward_penalty"] = (rewards - step_rows["train_rewards"]).mean().item()
+    out.update({name: values.float().mean().item() for name, values in step_rows["penalties"].items()})
     return out
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo.algorithm import (covariance_tokens, group_advantages, grpo_loss, importance_ratio, informative_groups, k3_kl, kl_estimate,
-                            kl_penalised_rewards, learning_rate, loss_denominator, overlong_penalty,
+                            kl_reward_penalty, learning_rate, loss_denominator, overlong_penalty,
                             top_entropy_threshold)
 from harness.config import Config
 from grpo.model import completion_logprobs, frozen_copy, load_policy, load_tokenizer, position_ids_from_mask
@@ -112,12 +112,12 @@ def test_masked_truncated_rows_carry_no_loss():
 
 def test_overlong_penalty_ramps_linearly_over_the_buffer():
     lengths = torch.tensor([1, 12, 13, 14, 15, 16])
-    # max_new_tokens 16, buffer 4: 0 up to 12 tokens, then -0.5 per token of the 4 to -2 at 16
+    # max_new_tokens 16, buffer 4: 0 up to 12 tokens, then 0.5 more per token of the 4, to 2 at 16 (taken off)
     ramp = loss_config(max_new_tokens=16, overlong_buffer=4, overlong_penalty=2.0)
-    assert overlong_penalty(lengths, ramp).tolist() == [0.0, 0.0, -0.5, -1.0, -1.5, -2.0]
+    assert overlong_penalty(lengths, ramp).tolist() == [0.0, 0.0, 0.5, 1.0, 1.5, 2.0]
     whole = loss_config(max_new_tokens=16, overlong_buffer=16, overlong_penalty=1.0)
-    assert overlong_penalty(lengths, whole).tolist() == pytest.approx([-1 / 16, -12 / 16, -13 / 16, -14 / 16,
-                                                                       -15 / 16, -1.0])
+    assert overlong_penalty(lengths, whole).tolist() == pytest.approx([1 / 16, 12 / 16, 13 / 16, 14 / 16,
+                                                                       15 / 16, 1.0])
 
 
 # two sequences of 3 and 2 tokens (the last position of the second is padding)
@@ -287,11 +287,11 @@ def test_kl_in_the_reward_is_subtracted_per_sequence_and_detached():
     rewards = torch.tensor([1.0, 0.5])
     logp = leaf(torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -9.0]]))
     ref = torch.tensor([[-1.5, -1.0, -3.0], [-1.0, -0.5, 0.0]])
-    out = kl_penalised_rewards(rewards, logp, ref, MASK, 0.1)
+    out = rewards - kl_reward_penalty(logp, ref, MASK, 0.1)
     # k1 sums: row 0: 0.5 - 1 + 0 = -0.5; row 1: 0.5 + 0 (the third token is masked)
     assert out.tolist() == pytest.approx([1.0 + 0.05, 0.5 - 0.05])
     assert not out.requires_grad
-    k3 = kl_penalised_rewards(rewards, logp, ref, MASK, 0.1, "k3")
+    k3 = rewards - kl_reward_penalty(logp, ref, MASK, 0.1, "k3")
     sums = [math.exp(-0.5) + 0.5 - 1 + math.exp(1) - 2, math.exp(-0.5) + 0.5 - 1]
     assert k3.tolist() == pytest.approx([1.0 - 0.1 * sums[0], 0.5 - 0.1 * sums[1]])
 

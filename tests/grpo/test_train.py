@@ -149,7 +149,7 @@ KNOBS.update({
     "entropy-bonus": (["--entropy-coef", "0.01"], "entropy"),
     "top-entropy": (["--top-entropy-quantile", "0.2"], "entropy"),
     "mask-truncated": (["--mask-truncated"], "truncated_frac"),
-    "overlong": (["--overlong-buffer", "4", "--overlong-penalty", "0.5"], "reward_mean"),
+    "overlong": (["--overlong-buffer", "4", "--overlong-penalty", "0.5"], "overlong_penalty"),
     "sapo-temperatures": (["--policy-loss", "sapo", "--sapo-tau-pos", "0.5", "--sapo-tau-neg", "2"], "loss"),
     "clip-cov-band": (["--policy-loss", "clip-cov", "--cov-ratio", "0.1", "--clip-cov-lb", "-100", "--clip-cov-ub",
                        "100"], "cov_frac"),
@@ -201,8 +201,9 @@ def test_each_algorithm_knob_runs_end_to_end_and_logs(knob, tiny_model_dir, tmp_
     if knob == "reward-weights":   # the reward is the weighted sum of the parts, their means in the record
         assert all(r["reward_mean"] == pytest.approx(r["reward_letter"] + 0.5 * r["reward_short"], rel=1e-5)
                    for r in recs)
-    if knob == "overlong":   # every toy completion runs to the limit: each loses the whole penalty
-        assert all(r["truncated_frac"] < 1 or r["reward_mean"] <= 1 - 0.5 for r in recs)
+    if knob == "overlong":   # a completion that runs to the limit loses the whole penalty, the task's reward kept
+        assert all(r["truncated_frac"] < 1 or r["overlong_penalty"] == 0.5 for r in recs)
+        assert all(0 <= r["overlong_penalty"] <= 0.5 for r in recs)
 
 
 @pytest.mark.slow

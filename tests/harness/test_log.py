@@ -13,9 +13,9 @@ from harness.log import ReportError, batch_stats, open_reporter, scalars, whole_
 from helpers import SMALL, read_jsonl, train
 
 
-def part(rewards, lengths, truncated, components, errors, reports, train_rewards=None):
+def part(rewards, lengths, truncated, components, errors, reports, penalties=None):
     """One device's log.device_part(), as the gather hands it to whole_step()."""
-    return {"rewards": torch.tensor(rewards), "train_rewards": train_rewards, "lengths": torch.tensor(lengths),
+    return {"rewards": torch.tensor(rewards), "penalties": penalties or {}, "lengths": torch.tensor(lengths),
             "truncated": torch.tensor(truncated), "components": components, "errors": errors,
             "scored": len(rewards), "reports": reports}
 
@@ -37,13 +37,17 @@ def test_the_step_over_two_devices():
     assert stats["reward_errors"] == {"ValueError": 3, "returned None": 1}
     assert "kl_reward_penalty" not in stats                # no KL penalty was taken out of the rewards
     assert step_rows["scored"] == 6 and step_rows["reports"] == {"ValueError": "rank 0's", "returned None": "r1"}
-    assert step_rows["train_rewards"] is step_rows["rewards"]
+    assert step_rows["penalties"] == {}
 
 
-def test_a_kl_penalty_in_the_reward_is_its_own_statistic():
-    step_rows = whole_step([part([1.0, 0.0], [2, 2], [False, False], {}, {}, {}, torch.tensor([0.5, -0.5]))])
-    assert batch_stats(step_rows, 2)["kl_reward_penalty"] == pytest.approx(0.5)
-    assert step_rows["train_rewards"].tolist() == [0.5, -0.5]
+def test_each_penalty_taken_off_the_reward_is_its_own_statistic_and_the_reward_is_the_tasks():
+    step_rows = whole_step([part([1.0, 0.0], [2, 2], [False, False], {}, {}, {},
+                                 {"kl_reward_penalty": torch.tensor([0.5, 0.5]), "overlong_penalty": torch.tensor([0.0, 1.0])}),
+                            part([2.0, 1.0], [2, 2], [False, False], {}, {}, {},
+                                 {"kl_reward_penalty": torch.tensor([1.5, 0.5]), "overlong_penalty": torch.tensor([0.0, 0.0])})])
+    stats = batch_stats(step_rows, 2)
+    assert stats["kl_reward_penalty"] == pytest.approx(0.75) and stats["overlong_penalty"] == pytest.approx(0.25)
+    assert stats["reward_mean"] == pytest.approx(1.0)   # the task's, before the penalties
 
 
 @pytest.mark.slow
