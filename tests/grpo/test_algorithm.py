@@ -707,3 +707,71 @@ def test_clip_cov_detaches_its_tokens_and_kl_cov_penalises_them():
     assert loss.item() == pytest.approx(expected / 5, rel=1e-5)
     loss.backward()
     assert torch.allclose(logp.grad, grads, rtol=1e-5)
+
+
+# ---- every policy loss and advantage has a formula test -------------------------------------
+
+# The tests (in tests/grpo/) that check each --policy-loss and --scale-rewards choice against its
+# formula, written out in the test: the value, and for a loss the gradient. A choice added to
+# POLICY_LOSSES or ADVANTAGES without an entry fails the test below.
+POLICY_LOSS_FORMULA_TESTS = {
+    "ppo": ["test_the_low_bound_clips_negative_advantages_below_one_minus_eps_low",
+            "test_the_high_bound_clips_positive_advantages_above_one_plus_eps_high",
+            "test_inside_both_bounds_every_token_has_the_gradient_minus_a_r"],
+    "cispo": ["test_cispo_caps_a_stop_gradient_weight_and_keeps_every_tokens_gradient"],
+    "sapo": ["test_sapo_is_a_soft_gate_with_a_temperature_per_sign"],
+    "gmpo": ["test_gmpo_is_the_geometric_mean_of_the_ratios_clipped_in_log_space"],
+    "clip-cov": ["test_clip_cov_draws_in_the_band_outside_the_clip_the_same_for_any_order",
+                 "test_clip_cov_detaches_its_tokens_and_kl_cov_penalises_them"],
+    "kl-cov": ["test_kl_cov_chooses_the_highest_covariance_tokens",
+               "test_clip_cov_detaches_its_tokens_and_kl_cov_penalises_them"],
+}
+ADVANTAGE_FORMULA_TESTS = {
+    "group": ["test_group_advantages_are_standardised_within_each_group"],
+    "batch": ["test_batch_and_none_scaling"],
+    "none": ["test_batch_and_none_scaling"],
+    "rloo": ["test_rloo_baseline_leaves_each_completion_out"],
+    "reinforce++": ["test_reinforce_plus_plus_uses_the_batch_mean_and_std"],
+    "reinforce++-baseline": [
+        "test_reinforce_plus_plus_baseline_divides_the_group_centred_rewards_by_their_batch_std"],
+    "maxrl": ["test_maxrl_divides_by_the_group_mean"],
+    "gdpo": ["test_gdpo_normalises_each_part_in_its_group_then_the_weighted_sum_by_the_batch"],
+}
+
+
+def _test_functions():
+    """{name: [(file, its ast node)]} of the test functions in tests/grpo/, read, not imported."""
+    import ast
+    import glob
+    import os
+    found, here = {}, os.path.dirname(os.path.abspath(__file__))
+    for path in sorted(glob.glob(os.path.join(here, "test_*.py"))):
+        with open(path) as f:
+            for node in ast.parse(f.read()).body:
+                if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                    found.setdefault(node.name, []).append((os.path.basename(path), node))
+    return found
+
+
+def test_every_policy_loss_and_advantage_has_a_formula_test():
+    """Each listed test exists once and names its choice as a string (or the choice is the default,
+    which the default Config runs). That it checks the formula is for a reader to see: this keeps a
+    new choice from going without a test."""
+    import ast
+    from grpo.algorithm import ADVANTAGES, POLICY_LOSSES
+    tests = _test_functions()
+    for field, choices, listed, what in (
+            ("policy_loss", POLICY_LOSSES, POLICY_LOSS_FORMULA_TESTS, "value and gradient"),
+            ("scale_rewards", ADVANTAGES, ADVANTAGE_FORMULA_TESTS, "values")):
+        flag = "--" + field.replace("_", "-")
+        for choice in choices:
+            assert listed.get(choice), (
+                f"add a formula test for {flag} {choice} in tests/grpo/test_algorithm.py (its "
+                f"{what} against the formula written in the test) and list it in its FORMULA_TESTS")
+        assert set(listed) <= set(choices), f"tests listed for {flag} choices that are gone"
+        for choice, names in listed.items():
+            for name in names:
+                assert len(tests.get(name, [])) == 1, f"{name} ({flag} {choice}): not one such test"
+                _, node = tests[name][0]
+                strings = {n.value for n in ast.walk(node) if isinstance(n, ast.Constant)}
+                assert choice in strings or choice == getattr(Config(), field), (name, choice)
