@@ -12,6 +12,7 @@ import sys
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from grpo import distributed
 
 
 class ModelLoadError(RuntimeError):
@@ -123,8 +124,10 @@ def load_policy(name_or_path: str, device: str):
 def model_autocast(device: torch.device, dtype: str):
     """The autocast the run computes under: bf16 matmuls over fp32 weights (--dtype bf16), or none.
 
-    Warns where bf16 is emulated: a CPU without AVX512-BF16 or AMX runs bf16 matmuls many times slower."""
-    if dtype == "bf16" and device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    Warns where bf16 is emulated: a CPU without AVX512-BF16 or AMX runs bf16 matmuls many times
+    slower; rank 0 alone, as it alone prints (under torchrun every process would say it)."""
+    if dtype == "bf16" and device.type == "cpu" and distributed.is_main() and \
+            not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         print("train_lean.py: warning: this CPU has no native bf16 (AVX512-BF16 or AMX): bf16 matmuls are "
               "emulated, many times slower than fp32; prefer --dtype fp32", file=sys.stderr, flush=True)
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")

@@ -28,17 +28,25 @@ def token_logprobs(model, batch, rows, cfg, autocast, with_entropy: bool = False
                                with_entropy=with_entropy)
 
 
-def _all_logprobs(model, batch, micro: int, cfg, autocast) -> torch.Tensor:
+def _no_grad_pass(model, batch, micro: int, cfg, autocast, rows=None,
+                  entropy: bool = False) -> torch.Tensor:
+    """Without gradient, micro rows per forward: the logprobs of the completion tokens of batch's
+    `rows` (None: every row), or with entropy each position's entropy. guard.fit runs it, retried
+    with fewer rows after an out-of-memory: so no collective call in it (a rank out of memory would
+    leave the others waiting in it)."""
+    parts = rows.split(micro) if rows is not None else \
+        [slice(s, s + micro) for s in range(0, batch.input_ids.shape[0], micro)]
     with torch.no_grad():
-        return torch.cat([token_logprobs(model, batch, slice(s, s + micro), cfg, autocast)
-                          for s in range(0, batch.input_ids.shape[0], micro)])
+        out = [token_logprobs(model, batch, part, cfg, autocast, with_entropy=entropy)
+               for part in parts]
+    return torch.cat([o[1] for o in out] if entropy else out)
 
 
 def reference_logprobs(reference, batch, cfg, autocast, guard) -> torch.Tensor:
     """The reference's logprobs of every completion token, micro rows at a time. reference: a frozen copy, or
     with LoRA the PeftModel (its adapters switched off)."""
     with reference_weights(reference) as model:  # with LoRA: the policy, adapters off
-        return guard.fit(functools.partial(_all_logprobs, model, batch, cfg=cfg, autocast=autocast))
+        return guard.fit(functools.partial(_no_grad_pass, model, batch, cfg=cfg, autocast=autocast))
 
 
 def sampler_logprobs(batch) -> torch.Tensor:
@@ -53,12 +61,18 @@ def loss_mask(batch, cfg) -> torch.Tensor:
     return batch.completion_mask * ~batch.truncated[:, None]
 
 
-def high_entropy_tokens(policy, batch, rows, mask, micro: int, cfg, autocast) -> torch.Tensor:
+def _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, entropy: bool) -> torch.Tensor:
+    """The mini-batch's logprobs (entropy: entropies) [rows, T] before its micro-batches run,
+    retried with fewer rows after an out-of-memory; the gather over ranks that follows stays
+    outside the retry."""
+    return guard.fit(functools.partial(_no_grad_pass, policy, batch, cfg=cfg, autocast=autocast,
+                                       rows=rows, entropy=entropy))
+
+
+def high_entropy_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> torch.Tensor:
     """[B, T] bool: the tokens of the mini-batch `rows` among its top --top-entropy-quantile by entropy, the
     threshold taken over the mini-batch of every device before any micro-batch runs."""
-    with torch.no_grad():
-        entropy = torch.cat([token_logprobs(policy, batch, part, cfg, autocast, with_entropy=True)[1]
-                             for part in rows.split(micro)])
+    entropy = _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, entropy=True)
     carried = mask[rows].bool()
     every = distributed.gather_objects(entropy[carried].cpu())  # every rank
     threshold = top_entropy_threshold(torch.cat(every), cfg.top_entropy_quantile)
@@ -67,11 +81,10 @@ def high_entropy_tokens(policy, batch, rows, mask, micro: int, cfg, autocast) ->
     return chosen
 
 
-def high_covariance_tokens(policy, batch, rows, mask, micro: int, cfg, autocast) -> torch.Tensor:
+def high_covariance_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> torch.Tensor:
     """[B, T] bool: the tokens of the mini-batch `rows` that --policy-loss clip-cov or kl-cov acts on, chosen over the
     mini-batch of every device (covariance_tokens) before any micro-batch runs."""
-    with torch.no_grad():
-        logp = torch.cat([token_logprobs(policy, batch, part, cfg, autocast) for part in rows.split(micro)])
+    logp = _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, entropy=False)
     carried = mask[rows].bool()
     adv = batch.advantages[rows][:, None].expand_as(logp)
     tokens = torch.stack([logp[carried], batch.old_logp[rows][carried], adv[carried]]).cpu()
@@ -133,7 +146,8 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
     # correction on a step of several updates needs them for every row before it (one more forward, no gradient)
     behaviour = None
     if cfg.mismatch_correction != "none" and layout.updates_per_step > 1:
-        behaviour = guard.fit(functools.partial(_all_logprobs, policy, batch, cfg=cfg, autocast=autocast))
+        behaviour = guard.fit(functools.partial(_no_grad_pass, policy, batch, cfg=cfg,
+                                                autocast=autocast))
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B) if mini < B else torch.arange(B)
         for rows in order.split(mini):
@@ -145,10 +159,10 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
             denominator = max(distributed.all_sum([loss_denominator(mask[rows], cfg)])[0], 1)  # every rank
             pg_mask = None
             if cfg.top_entropy_quantile < 1:
-                pg_mask = high_entropy_tokens(policy, batch, rows, mask, guard.micro, cfg, autocast)
+                pg_mask = high_entropy_tokens(policy, batch, rows, mask, guard, cfg, autocast)
             cov_mask = None
             if cfg.policy_loss in ("clip-cov", "kl-cov"):
-                cov_mask = high_covariance_tokens(policy, batch, rows, mask, guard.micro, cfg, autocast)
+                cov_mask = high_covariance_tokens(policy, batch, rows, mask, guard, cfg, autocast)
             sums = guard.fit(functools.partial(accumulate, policy, optimizer, batch, rows, mask=mask, pg_mask=pg_mask,
                                                denominator=denominator, cfg=cfg, autocast=autocast,
                                                mix=None if mix is None else mix[len(grad_norms)], cov_mask=cov_mask,

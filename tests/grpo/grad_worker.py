@@ -16,6 +16,7 @@ import torch
 from grpo import algorithm, distributed, update
 from grpo.algorithm import group_advantages, loss_denominator, top_entropy_threshold
 from harness.config import FIELDS, Config
+from harness.guards import Guard
 from grpo.model import completion_logprobs
 from grpo.ptx import PtxBatch
 from grpo.rollout import Rollout
@@ -100,14 +101,15 @@ def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold
     rows = torch.arange(rollout.input_ids.shape[0])
     mask = update.loss_mask(rollout, cfg)
     denominator = distributed.all_sum([loss_denominator(mask, cfg)])[0]
+    guard = Guard(micro, rows.shape[0], print)   # the token selections' out-of-memory retry
     pg_mask = None
     if threshold_per_micro_batch:
         pg_mask = per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg)
     elif cfg.top_entropy_quantile < 1:
-        pg_mask = update.high_entropy_tokens(model, rollout, rows, mask, micro, cfg, None)
+        pg_mask = update.high_entropy_tokens(model, rollout, rows, mask, guard, cfg, None)
     cov_mask = None
     if cfg.policy_loss in ("clip-cov", "kl-cov"):
-        cov_mask = update.high_covariance_tokens(model, rollout, rows, mask, micro, cfg, None)
+        cov_mask = update.high_covariance_tokens(model, rollout, rows, mask, guard, cfg, None)
     # the pretraining mix: every rank holds the update's texts and takes its share (grpo/ptx.py)
     texts = PtxBatch(**batch["ptx"]).for_device(rank, world) if cfg.ptx_coef else None
     params = [p for p in model.parameters() if p.requires_grad]

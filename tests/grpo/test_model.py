@@ -1,9 +1,12 @@
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
                         sync_reference)
-from helpers import small_vocab_model, without_tokenizer
+from helpers import env, small_vocab_model, without_tokenizer
 
 
 def test_tokenizer_pads_left_with_eos_when_it_has_no_pad(tiny_model_dir):
@@ -109,3 +112,34 @@ def test_a_padded_head_gives_the_logprobs_entropies_and_gradients_of_the_plain_o
     (logp, entropy, grad), (logp64, entropy64, grad64) = results
     assert torch.allclose(logp, logp64, atol=1e-5, rtol=0) and torch.allclose(entropy, entropy64, atol=1e-5, rtol=0)
     assert grad64.shape == grad.shape and torch.allclose(grad, grad64, atol=1e-5, rtol=1e-4)
+
+
+# one rank of a 2-process gloo group (as under torchrun, after the trainer joins it) asking for
+# bf16 on a CPU taken to have no native bf16, whatever this machine's
+BF16_RANK = """
+import sys
+import torch
+from grpo import distributed
+from grpo.model import model_autocast
+torch.distributed.init_process_group("gloo", init_method="file://" + sys.argv[1],
+                                     rank=int(sys.argv[2]), world_size=2)
+torch.ops.mkldnn._is_mkldnn_bf16_supported = lambda: False
+model_autocast(torch.device("cpu"), "bf16")
+distributed.close()
+"""
+
+
+@pytest.mark.slow
+def test_the_emulated_bf16_warning_is_printed_by_rank_0_alone(tmp_path):
+    """Every rank printed it: under torchrun, once per process."""
+    rendezvous = str(tmp_path / "rendezvous")
+    ranks = [subprocess.Popen([sys.executable, "-c", BF16_RANK, rendezvous, str(rank)], env=env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    errs = []
+    for p in ranks:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        errs.append(err)
+    said = "warning: this CPU has no native bf16"
+    assert [err.count(said) for err in errs] == [1, 0]

@@ -4,6 +4,7 @@
 The batch is real: 64 completions sampled from the tiny GPT-2 (rollout64), with sampling logprobs moved
 off-policy so that ratios spread out and every clip (low, high, sequence, dual) binds somewhere.
 """
+import copy
 import os
 import subprocess
 import sys
@@ -11,10 +12,14 @@ import sys
 import pytest
 import torch
 
-from grad_worker import GROUP, KNOBS, MAX_NEW_TOKENS, TEMPERATURE, minibatch_gradient
+from grad_worker import (GROUP, KNOBS, MAX_NEW_TOKENS, TEMPERATURE, as_rollout, config_for,
+                         minibatch_gradient)
+from grpo import update
 from grpo.algorithm import group_advantages, grpo_loss, importance_ratio, loss_denominator
-from grpo.model import completion_logprobs, load_tokenizer
+from grpo.model import completion_logprobs, load_tokenizer, trainable_parameters
 from grpo.ptx import encode
+from harness.config import batch_layout
+from harness.guards import Guard
 from helpers import env, loss_config
 
 
@@ -79,6 +84,46 @@ def test_a_threshold_per_micro_batch_is_a_different_gradient(rollout64, batch):
     whole = minibatch_gradient(model, batch, knobs, micro=64)
     wrong = minibatch_gradient(model, batch, knobs, micro=8, threshold_per_micro_batch=True)
     assert relative(whole, wrong) > 1e-3
+
+
+def one_update(model, batch, knobs, micro):
+    """update() on a copy of model over the batch in 2 mini-batches of 32, micro rows per forward
+    to start with: its record, the weights it left and its guard."""
+    cfg = config_for({**knobs, "mini_batch_size": 32})
+    policy = copy.deepcopy(model)
+    params = trainable_parameters(policy)
+    guard = Guard(micro, 32, print)
+    torch.manual_seed(0)   # the mini-batches' shuffle
+    record = update.update(policy, torch.optim.AdamW(params, lr=1e-3), as_rollout(batch, cfg, 0, 1),
+                           cfg, batch_layout(cfg), None, guard)
+    return record, [p.detach() for p in params], guard
+
+
+@pytest.mark.parametrize("name, entropy", [("top entropy token-mean", True),
+                                           ("clip-cov wide band", False)])
+def test_an_out_of_memory_in_a_token_selection_pass_retries_it_with_fewer_rows(
+        rollout64, batch, monkeypatch, name, entropy):
+    """The top-entropy and clip-cov / kl-cov tokens come from a no-gradient pass over the mini-batch
+    before its micro-batches: an out-of-memory there shrinks the micro-batch (it crashed the run),
+    and the update is that of the smaller micro-batch, bit for bit."""
+    plain = one_update(rollout64[0], batch, KNOBS[name], micro=8)
+    real, raised = update.completion_logprobs, []
+
+    def completion_logprobs(model, input_ids, *args, with_entropy=False, **kwargs):
+        # the test's allocator: no room for a no-gradient forward of more than 8 rows (the pass
+        # under test is the update's only one with these knobs)
+        if not torch.is_grad_enabled() and input_ids.shape[0] > 8:
+            raised.append(with_entropy)
+            raise torch.OutOfMemoryError("CUDA out of memory (the test's allocator)")
+        return real(model, input_ids, *args, with_entropy=with_entropy, **kwargs)
+
+    monkeypatch.setattr(update, "completion_logprobs", completion_logprobs)
+    hit = one_update(rollout64[0], batch, KNOBS[name], micro=16)
+    assert raised == [entropy]   # the pass under test ran out of memory, once
+    assert hit[2].micro == 8
+    assert hit[2].notes == ["out of memory at micro-batch 16: freed memory, retrying with 8"]
+    assert hit[0] == plain[0]
+    assert all(torch.equal(a, b) for a, b in zip(hit[1], plain[1]))
 
 
 def test_dr_grpo_denominator_is_the_same_whatever_the_lengths(batch):
