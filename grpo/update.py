@@ -38,7 +38,8 @@ def reference_logprobs(reference, batch, cfg, autocast, guard) -> torch.Tensor:
     """The reference's logprobs of every completion token, micro rows at a time. reference: a frozen copy, or
     with LoRA the PeftModel (its adapters switched off)."""
     with reference_weights(reference) as model:  # with LoRA: the policy, adapters off
-        return guard.fit(functools.partial(_all_logprobs, model, batch, cfg=cfg, autocast=autocast))
+        return guard.fit(  # every rank
+            functools.partial(_all_logprobs, model, batch, cfg=cfg, autocast=autocast))
 
 
 def sampler_logprobs(batch) -> torch.Tensor:
@@ -133,7 +134,8 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
     # correction on a step of several updates needs them for every row before it (one more forward, no gradient)
     behaviour = None
     if cfg.mismatch_correction != "none" and layout.updates_per_step > 1:
-        behaviour = guard.fit(functools.partial(_all_logprobs, policy, batch, cfg=cfg, autocast=autocast))
+        behaviour = guard.fit(  # every rank
+            functools.partial(_all_logprobs, policy, batch, cfg=cfg, autocast=autocast))
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B) if mini < B else torch.arange(B)
         for rows in order.split(mini):
@@ -145,14 +147,16 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
             denominator = max(distributed.all_sum([loss_denominator(mask[rows], cfg)])[0], 1)  # every rank
             pg_mask = None
             if cfg.top_entropy_quantile < 1:
-                pg_mask = high_entropy_tokens(policy, batch, rows, mask, guard.micro, cfg, autocast)
+                pg_mask = high_entropy_tokens(  # every rank
+                    policy, batch, rows, mask, guard.micro, cfg, autocast)
             cov_mask = None
             if cfg.policy_loss in ("clip-cov", "kl-cov"):
-                cov_mask = high_covariance_tokens(policy, batch, rows, mask, guard.micro, cfg, autocast)
+                cov_mask = high_covariance_tokens(  # every rank
+                    policy, batch, rows, mask, guard.micro, cfg, autocast)
             sums = guard.fit(functools.partial(accumulate, policy, optimizer, batch, rows, mask=mask, pg_mask=pg_mask,
                                                denominator=denominator, cfg=cfg, autocast=autocast,
                                                mix=None if mix is None else mix[len(grad_norms)], cov_mask=cov_mask,
-                                               sampler=sampler, behaviour=behaviour))
+                                               sampler=sampler, behaviour=behaviour))  # every rank
             distributed.sum_gradients(params)  # every rank
             peaks.append(max(distributed.gather_objects(sums.pop("mismatch_max"))))  # every rank
             names = sorted(sums)
