@@ -9,8 +9,9 @@ advantages, update the policy with a clipped PPO loss plus a KL penalty against 
 The algorithm is this file and three beside it: grpo/algorithm.py (the math), grpo/rollout.py (the step's
 record and its sampling) and grpo/update.py (mini-batches, micro-batches, devices). What keeps the run safe
 and recorded (settings, the run folder, checkpoints, logs, memory, guards, the checks of what a task returns)
-is the harness/ package, called below by name as `run.<something>`; grpo/ never imports it. The calls every
-rank makes together under torchrun are marked `# every rank`: here and in grpo/update.py only.
+is the harness/ package, called below by name as `run.<something>`; grpo/ never imports it. A call
+that every rank makes together under torchrun (a collective, or a function that makes one) is
+marked `# every rank` on its line, here, in grpo/ and in harness/: tests/test_repository.py checks.
 """
 import dataclasses
 import functools
@@ -30,7 +31,7 @@ from harness.run import Run
 
 def main(argv=None):
     # every setting checked (a bad one exits 2 with one line), OUT_DIR locked, the devices joined
-    run = Run(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
+    run = Run(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)  # every rank
     cfg, layout, device, rank, world = run.cfg, run.layout, run.device, run.rank, run.world
     G, P, B = cfg.group_size, layout.prompts_per_device, layout.completions_per_device
     with run:   # every way out closes what the run opened; a failure after a completed step saves that step
@@ -40,14 +41,15 @@ def main(argv=None):
         if cfg.eval_only:
             return run.evaluate_only()
         optimizer = make_optimizer(policy, cfg)   # AdamW, or --optimizer muon (grpo/optim.py)
-        guard = run.start_training(optimizer)   # the micro-batch and its out-of-memory retry, non-finite updates
+        # the micro-batch and its out-of-memory retry, non-finite updates
+        guard = run.start_training(optimizer)   # every rank
         sample = functools.partial(sample_groups, policy, tokenizer, group_size=G, prepend_bos=run.prepend_bos,
                                    generation_batch=layout.generation_batch, max_new_tokens=cfg.max_new_tokens,
                                    temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                    min_new_tokens=cfg.min_new_tokens, autocast=run.autocast, device=device,
                                    compile=cfg.compile == "on")
 
-        for step in run.steps():   # checkpoints, a stop on Ctrl-C, the final model: harness/run.py
+        for step in run.steps():   # every rank: checkpoints, a stop on Ctrl-C, the final model
             rec = {"step": step}   # the step's JSON record: the stages below add to it
 
             # ---- prompts: the step's groups, this rank's share of them -------------------------------------
@@ -78,7 +80,8 @@ def main(argv=None):
             # (its coefficient --kl-coef, or with --kl-target the controller's, kept in checkpoints by the harness)
             step_cfg = dataclasses.replace(cfg, kl_coef=run.kl_coef) if cfg.kl_target else cfg
             if reference is not None:
-                batch.ref_logp = reference_logprobs(reference, batch, cfg, run.autocast, guard)
+                batch.ref_logp = reference_logprobs(  # every rank
+                    reference, batch, cfg, run.autocast, guard)
                 if cfg.kl_in == "reward":
                     batch.penalties["kl_reward_penalty"] = kl_reward_penalty(
                         batch.old_logp, batch.ref_logp, batch.completion_mask, step_cfg.kl_coef, cfg.kl_estimator).cpu()
@@ -87,8 +90,8 @@ def main(argv=None):
 
             # ---- advantages: each completion against its group, every rank's groups (--scale-rewards batch) --
             rewards = torch.cat(distributed.gather_objects(batch.shaped_rewards))  # every rank
-            parts = None if cfg.scale_rewards != "gdpo" else torch.cat(  # GDPO: each part, weighted, every rank
-                distributed.gather_objects(torch.tensor(batch.reward_parts)))
+            parts = None if cfg.scale_rewards != "gdpo" else torch.cat(  # GDPO: each part, weighted
+                distributed.gather_objects(torch.tensor(batch.reward_parts)))  # every rank
             advantages, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.scale_rewards, parts=parts,
                                                                 weights=list(run.scorer.weights.values()))
             batch.advantages = advantages[rank * B:(rank + 1) * B].to(device)
@@ -102,7 +105,8 @@ def main(argv=None):
             mix = None if mix_source is None else [b.for_device(rank, world) for b in ptx.step_batches(
                 mix_source, stream_seed(cfg.seed, step), layout.updates_per_step, cfg.ptx_batch_size, tokenizer,
                 run.prepend_bos, run.context, device)]
-            rec.update(update(policy, optimizer, batch, step_cfg, layout, run.autocast, guard, mix))
+            rec.update(update(  # every rank
+                policy, optimizer, batch, step_cfg, layout, run.autocast, guard, mix))
             if cfg.kl_target:   # the next step's coefficient, from this step's KL (the same on every rank)
                 rec["kl_coef"], run.kl_coef = run.kl_coef, adaptive_kl_coef(run.kl_coef, rec["kl"], cfg.batch_size, cfg)
             if cfg.ref_sync_steps and step % cfg.ref_sync_steps == 0:   # TR-DPO: the reference follows

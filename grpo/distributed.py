@@ -9,9 +9,11 @@ a DDP wrapper's forward would never see; and a single reduction point lets every
 out-of-memory retry or a skipped update before any of them waits on a collective. (DDP's bucketed
 reduction overlaps with backward; at the model sizes this trainer targets that overlap is small.)
 
-Every helper is a no-op in a single process, so train_lean.py reads the same either way. The calls
-that every rank must make together are marked `# every rank` where they are made: in train_lean.py
-and grpo/update.py only.
+Every helper is a no-op in a single process, so train_lean.py reads the same either way. Each one
+but world_size(), rank() and is_main() waits for the other ranks; a call of one, or of a function
+that makes one (harness/guards.py Guard.fit, grpo/update.py update, ...), is marked `# every rank`
+on its line wherever it is made, in train_lean.py, grpo/ and harness/: tests/test_repository.py
+checks.
 """
 import datetime
 import os

@@ -46,7 +46,8 @@ def reference_logprobs(reference, batch, cfg, autocast, guard) -> torch.Tensor:
     """The reference's logprobs of every completion token, micro rows at a time. reference: a frozen copy, or
     with LoRA the PeftModel (its adapters switched off)."""
     with reference_weights(reference) as model:  # with LoRA: the policy, adapters off
-        return guard.fit(functools.partial(_no_grad_pass, model, batch, cfg=cfg, autocast=autocast))
+        return guard.fit(  # every rank
+            functools.partial(_no_grad_pass, model, batch, cfg=cfg, autocast=autocast))
 
 
 def sampler_logprobs(batch) -> torch.Tensor:
@@ -65,14 +66,14 @@ def _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, entropy: bool) -
     """The mini-batch's logprobs (entropy: entropies) [rows, T] before its micro-batches run,
     retried with fewer rows after an out-of-memory; the gather over ranks that follows stays
     outside the retry."""
-    return guard.fit(functools.partial(_no_grad_pass, policy, batch, cfg=cfg, autocast=autocast,
-                                       rows=rows, entropy=entropy))
+    return guard.fit(functools.partial(  # every rank
+        _no_grad_pass, policy, batch, cfg=cfg, autocast=autocast, rows=rows, entropy=entropy))
 
 
 def high_entropy_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> torch.Tensor:
     """[B, T] bool: the tokens of the mini-batch `rows` among its top --top-entropy-quantile by entropy, the
     threshold taken over the mini-batch of every device before any micro-batch runs."""
-    entropy = _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, entropy=True)
+    entropy = _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, True)  # every rank
     carried = mask[rows].bool()
     every = distributed.gather_objects(entropy[carried].cpu())  # every rank
     threshold = top_entropy_threshold(torch.cat(every), cfg.top_entropy_quantile)
@@ -84,7 +85,7 @@ def high_entropy_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> torc
 def high_covariance_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> torch.Tensor:
     """[B, T] bool: the tokens of the mini-batch `rows` that --policy-loss clip-cov or kl-cov acts on, chosen over the
     mini-batch of every device (covariance_tokens) before any micro-batch runs."""
-    logp = _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, entropy=False)
+    logp = _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, False)  # every rank
     carried = mask[rows].bool()
     adv = batch.advantages[rows][:, None].expand_as(logp)
     tokens = torch.stack([logp[carried], batch.old_logp[rows][carried], adv[carried]]).cpu()
@@ -146,8 +147,8 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
     # correction on a step of several updates needs them for every row before it (one more forward, no gradient)
     behaviour = None
     if cfg.mismatch_correction != "none" and layout.updates_per_step > 1:
-        behaviour = guard.fit(functools.partial(_no_grad_pass, policy, batch, cfg=cfg,
-                                                autocast=autocast))
+        behaviour = guard.fit(  # every rank
+            functools.partial(_no_grad_pass, policy, batch, cfg=cfg, autocast=autocast))
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B) if mini < B else torch.arange(B)
         for rows in order.split(mini):
@@ -159,14 +160,16 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, mix=None) -> 
             denominator = max(distributed.all_sum([loss_denominator(mask[rows], cfg)])[0], 1)  # every rank
             pg_mask = None
             if cfg.top_entropy_quantile < 1:
-                pg_mask = high_entropy_tokens(policy, batch, rows, mask, guard, cfg, autocast)
+                pg_mask = high_entropy_tokens(  # every rank
+                    policy, batch, rows, mask, guard, cfg, autocast)
             cov_mask = None
             if cfg.policy_loss in ("clip-cov", "kl-cov"):
-                cov_mask = high_covariance_tokens(policy, batch, rows, mask, guard, cfg, autocast)
+                cov_mask = high_covariance_tokens(  # every rank
+                    policy, batch, rows, mask, guard, cfg, autocast)
             sums = guard.fit(functools.partial(accumulate, policy, optimizer, batch, rows, mask=mask, pg_mask=pg_mask,
                                                denominator=denominator, cfg=cfg, autocast=autocast,
                                                mix=None if mix is None else mix[len(grad_norms)], cov_mask=cov_mask,
-                                               sampler=sampler, behaviour=behaviour))
+                                               sampler=sampler, behaviour=behaviour))  # every rank
             distributed.sum_gradients(params)  # every rank
             peaks.append(max(distributed.gather_objects(sums.pop("mismatch_max"))))  # every rank
             names = sorted(sums)

@@ -1,10 +1,11 @@
 """Configuration: one dataclass whose fields are the settings, each with its default, help, choices, range
 and whether --resume may change it.
 
-harness/cli.py makes every field (and every field of a task's options dataclass) a flag and a GRPO_<FLAG>
-override; `batch_layout(cfg, world)` checks every range and size rule before anything heavy is loaded and
-returns the derived sizes; harness/rundir.py compares the settings on --resume. User errors raise ConfigError
-with one line that names the bad value and a fix; train_lean.py prints it and exits with code 2.
+harness/cli.py makes every field (and every field of a task's options dataclass) a flag and a
+GRPO_<FLAG> override; `batch_layout(cfg, world)` checks every range and size rule before anything
+heavy is loaded and returns the derived sizes; harness/rundir.py compares the settings on --resume.
+User errors raise ConfigError with one line that names the bad value and a fix; harness/run.py (Run)
+prints it and exits with code 2.
 """
 import dataclasses
 import importlib.util
@@ -362,7 +363,7 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if mini % world:
         raise ConfigError(f"--mini-batch-size {mini} does not split over {world} devices: {_multiples(mini, world)}")
     mini_per_device = mini // world
-    # auto: start from the whole per-device mini-batch; train_lean probes it down before training
+    # auto: the whole per-device mini-batch to start; harness/run.py probes it down before training
     micro_auto = cfg.micro_batch_size == "auto"
     micro = (None if micro_auto else cfg.micro_batch_size) or mini_per_device
     if mini_per_device % micro:

@@ -132,7 +132,8 @@ def probe_micro_batch(guard: Guard, policy, optimizer, longest: int, eos: int, c
     backward fit at the longest sequence; AdamW's two moments do not exist before the first update, so a stand-in
     holds their place."""
     moments = 0 if optimizer.state else sum(2 * p.numel() for p in trainable_parameters(policy))
-    guard.fit(functools.partial(_fit_test, policy, optimizer, moments, longest, eos, cfg=cfg, autocast=autocast))
+    guard.fit(functools.partial(_fit_test, policy, optimizer, moments, longest, eos,  # every rank
+                                cfg=cfg, autocast=autocast))
     guard.notes.clear()
     return guard.micro
 

@@ -57,7 +57,7 @@ class Run:
                                                                  self.evaluating)
         except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
             usage_error(str(e))
-        self.rank, self.world, self.device = distributed.init(cfg.device)
+        self.rank, self.world, self.device = distributed.init(cfg.device)  # every rank
         self.main = distributed.is_main()   # only rank 0 prints, logs, saves and evaluates
         self.info = functools.partial(log.info, self.main and cfg.log_level != "warning")
         self.table = screen.describe(cfg, self.loaded.options, self.loaded.sources, self.layout)
@@ -71,7 +71,7 @@ class Run:
             if self.start_step == cfg.steps and not cfg.eval_only else []
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
-        self.stack.push(distributed.close)      # told whether the run ended by an exception
+        self.stack.push(distributed.close)   # every rank, on the way out (told of an exception)
         self.exit_code, self.cut_said, self.no_tokens_said, self.overwritten = 0, False, False, None
         self.first_done = None   # (step, time) at the end of this process's first step: ETA's start
 
@@ -233,8 +233,9 @@ class Run:
                                   cfg.update_threads if self.device.type == "cpu" else 0)
         if layout.micro_batch_auto:
             longest = max(map(len, self.first_ids)) + cfg.max_new_tokens
-            micro = guards.probe_micro_batch(self.guard, self.policy, optimizer, longest, self.tokenizer.eos_token_id,
-                                             cfg, self.autocast)
+            micro = guards.probe_micro_batch(  # every rank
+                self.guard, self.policy, optimizer, longest, self.tokenizer.eos_token_id, cfg,
+                self.autocast)
             self.info(f"micro-batch auto: {micro} per device ({micro * self.world} global) fits at {longest} tokens, "
                       f"{layout.mini_batch_per_device // micro} gradient-accumulation steps")
         settings = config.settings(cfg, self.loaded.options)
@@ -282,8 +283,9 @@ class Run:
                 aborting = self.guard.nonfinite_streak >= cfg.max_nonfinite
                 due = step == cfg.steps or (cfg.save_interval and step % cfg.save_interval == 0)
                 if stopping or aborting or due:
-                    with stop.deferred():   # every rank
-                        path = self.saver.save(distributed.gather_objects(checkpoint.rng_states()))
+                    with stop.deferred():
+                        rngs = distributed.gather_objects(checkpoint.rng_states())  # every rank
+                        path = self.saver.save(rngs)
                     self.info(f"saved {path}")
                 if aborting:
                     log.warn(guards.nonfinite_abort(step, self.guard.nonfinite_streak, path))
@@ -326,7 +328,8 @@ class Run:
         """Every rank's rows of the step gathered once (every rank) for its record; the first failure of each kind
         of reward is shown, a step in which every reward failed stops the run (--reward-errors), and the first step
         whose groups were all flat is named (harness/task.py Scorer)."""
-        parts = distributed.gather_objects(log.device_part(batch, self.scorer, self.cfg.log_completions))
+        parts = distributed.gather_objects(  # every rank
+            log.device_part(batch, self.scorer, self.cfg.log_completions))
         self.step_rows = log.whole_step(parts)
         self.scorer.after_step(step, self.step_rows, rec["frac_zero_std"])
 

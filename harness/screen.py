@@ -1,8 +1,9 @@
 """The first screen: what is running and where its results go, in a dozen lines (header), and the full settings
 table (describe) in the run folder, OUT_DIR/settings.txt, and on the console with --log-level debug.
 
-train_lean.py keeps the table at start-up, before anything heavy, and prints the header once the model is
-loaded: the header names the decoder generation will use, which depends on the model's modules.
+harness/run.py (Run) keeps the table at start-up, before anything heavy (with --overwrite once the
+earlier run's records are set aside), and prints the header once the model is loaded (load_models):
+the header names the decoder generation will use, which depends on the model's modules.
 """
 import os
 import textwrap

@@ -1,7 +1,10 @@
-"""The README's promises that code can check: its task example runs as printed, and it stays short."""
+"""The README's promises that code can check: its task example runs as printed, it stays short, and
+the size of the algorithm it quotes is measured."""
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import train_lean
 from helpers import REPO, SMALL, read_jsonl, train
@@ -114,3 +117,15 @@ def test_the_readme_promises_same_bits_on_one_thread_count_only():
     assert "on every thread count" not in text
     said = "end bit-identical on one thread count (sampling's last bits follow `OMP_NUM_THREADS`"
     assert said in text
+
+
+def test_the_size_of_the_algorithm_in_the_readme_is_what_count_step_prints():
+    """README's "Where things are" quotes scripts/count_step.py's total line ("9 files  1813  2155":
+    files, non-blank lines, all lines), so that a count there is never typed by hand: a file added
+    to grpo/, or lines to train_lean.py, fail this until the README says the new size."""
+    script = os.path.join(REPO, "scripts", "count_step.py")
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, check=True).stdout
+    files, code, total = re.fullmatch(r"(\d+) files +(\d+) +(\d+)", out.splitlines()[-1]).groups()
+    said = " ".join(section("Where things are").split())
+    quoted = r"(\d+) files, (\d+) lines, (\d+) not blank \(`python scripts/count_step\.py`\)"
+    assert re.findall(quoted, said) == [(files, total, code)]
