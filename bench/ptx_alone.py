@@ -18,7 +18,8 @@ import torch  # noqa: E402
 
 import tasks  # noqa: E402
 from grpo import distributed, ptx  # noqa: E402
-from grpo.algorithm import learning_rate, ptx_loss  # noqa: E402
+from grpo.optim import learning_rate  # noqa: E402
+from grpo.ptx import ptx_loss  # noqa: E402
 from grpo.model import (completion_logprobs, context_length, load_config, load_policy, load_tokenizer,  # noqa: E402
                         trainable_parameters)
 from grpo.rollout import stream_seed, wants_bos  # noqa: E402

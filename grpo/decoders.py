@@ -480,7 +480,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     not be drawn now): it is the policy's own logprob, the same quantity the training forward
     computes, so the first update is exactly on-policy. with_sampler: also the token's logprob under
     the distribution it was drawn from (truncated and renormalised), which the mismatch metric and its
-    corrections compare with the trainer's (grpo/algorithm.py mismatch_weight).
+    corrections compare with the trainer's (grpo/variants.py mismatch_weight).
     """
     if logits.dtype != torch.float32:
         logits = logits.float()

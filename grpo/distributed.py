@@ -11,7 +11,7 @@ reduction overlaps with backward; at the model sizes this trainer targets that o
 
 Every helper is a no-op in a single process, so train_lean.py reads the same either way. Each one
 but world_size(), rank() and is_main() waits for the other ranks; a call of one, or of a function
-that makes one (harness/guards.py Guard.fit, grpo/update.py update, ...), is marked `# every rank`
+that makes one (harness/guards.py Guard.fit, train_lean.py update, ...), is marked `# every rank`
 on its line wherever it is made, in train_lean.py, grpo/ and harness/: tests/test_repository.py
 checks.
 """

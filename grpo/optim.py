@@ -5,6 +5,8 @@ network. The embeddings and the output head (rows that are tokens, a lookup and 
 with AdamW, as nanochat, prime-rl and Muon's authors split them. Muon's updates are scaled to AdamW's size
 (adjust_lr_fn "match_rms_adamw", Moonshot's), so --learning-rate and --weight-decay serve both.
 """
+import math
+
 import torch
 
 from grpo.model import trainable_parameters
@@ -74,3 +76,34 @@ def make_optimizer(model, cfg):
                               adjust_lr_fn="match_rms_adamw")] if hidden else []
     parts += [torch.optim.AdamW(rest, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)] if rest else []
     return Optimizers(parts)
+
+
+# ---- the learning rate of each step ----------------------------------------------------------------------
+
+LR_SCHEDULES = {  # --lr-scheduler
+    "constant": "--learning-rate throughout",
+    "linear": "down in a straight line towards --min-lr-ratio x --learning-rate",
+    "cosine": "down along half a cosine towards --min-lr-ratio x --learning-rate",
+}
+
+
+def learning_rate(step: int, cfg) -> float:
+    """The learning rate of training step `step` (1, 2, ... cfg.steps): a function of the step alone, so a
+    resumed run continues the schedule exactly.
+
+    Warmup W steps (--lr-warmup-steps, or --lr-warmup-ratio x --steps rounded): step s <= W trains at
+    s / W x the rate, the last of them at the full rate. Then the schedule runs over the remaining steps
+    with progress p = (s - W - 1) / (steps - W): the first step after the warmup trains at the full rate,
+    and the last one still above the floor (min_lr_ratio x the rate), none at zero.
+    """
+    base = cfg.learning_rate
+    warmup = cfg.lr_warmup_steps or round(cfg.lr_warmup_ratio * cfg.steps)
+    if step <= warmup:
+        return base * step / warmup
+    progress = (step - warmup - 1) / max(1, cfg.steps - warmup)
+    floor = cfg.min_lr_ratio * base
+    if cfg.lr_scheduler == "linear":
+        return floor + (base - floor) * (1 - progress)
+    if cfg.lr_scheduler == "cosine":
+        return floor + (base - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return base

@@ -5,14 +5,15 @@ The text comes from --ptx-file (each non-empty line a text) or from the task's o
 texts, each a string or a (context, target) pair, such as a prompt and its answer. A string is learned whole; a
 pair's context is read, not learned. Each is encoded as a prompt is (the BOS first when prompts get one), followed
 by EOS, which is learned too. A step's texts are drawn with an rng seeded by (seed, step), so a resumed run learns
-the same text; every device encodes all of them and takes its share, so the loss denominator (algorithm.ptx_loss)
-needs no collective.
+the same text; every device encodes all of them and takes its share, so the loss denominator 
+needs no collective (ptx_loss).
 """
 import random
 from dataclasses import dataclass
 
 import torch
 
+from grpo.model import completion_logprobs
 from grpo.rollout import left_pad, start_ids
 
 
@@ -64,3 +65,35 @@ def step_batches(source, step_seed: int, updates: int, per_update: int, tokenize
     texts = source(updates * per_update, random.Random(f"ptx {step_seed}"))   # apart from the prompts' stream
     return [encode(texts[u * per_update:(u + 1) * per_update], tokenizer, prepend_bos, context, device)
             for u in range(updates)]
+
+
+def step_mix(source, step_seed: int, updates: int, per_update: int, tokenizer, prepend_bos: bool, context,
+             device, rank: int, world: int):
+    """This device's share of each update's texts (step_batches), or None without a mix (source None)."""
+    if source is None:
+        return None
+    return [b.for_device(rank, world) for b in step_batches(source, step_seed, updates, per_update, tokenizer,
+                                                            prepend_bos, context, device)]
+
+
+def ptx_loss(logp: torch.Tensor, target: torch.Tensor, denominator: float, coef: float):
+    """One micro-batch's term: coef x the next-token loss of its target tokens (logp, target [N, L]), divided
+    by the update's target tokens over every device, so micro-batches and devices sum to coef x the mean
+    loss per target token. Returns (loss, the summed negative log-likelihood, detached)."""
+    nll = -(logp * target).sum()
+    return coef * nll / denominator, nll.detach()
+
+
+def backward(policy, mix, micro: int, cfg, autocast, sums) -> None:
+    """Forward and backward of this device's share of an update's texts (mix, a PtxBatch, or None: nothing),
+    micro rows at a time; adds loss, ptx_nll and ptx_tokens to sums (every device reports them, zero too)."""
+    if mix is None:
+        return
+    sums.update(ptx_nll=0.0, ptx_tokens=0)
+    for s in range(0, mix.input_ids.shape[0], micro):
+        part = slice(s, s + micro)
+        logp = completion_logprobs(policy, mix.input_ids[part], mix.attention[part], mix.target.shape[1], 1.0,
+                                   cfg.logprob_chunk_size, autocast, share_prompts=False)
+        loss, nll = ptx_loss(logp, mix.target[part], mix.tokens, cfg.ptx_coef)
+        loss.backward()
+        sums.update(loss=loss.item(), ptx_nll=nll.item(), ptx_tokens=mix.target[part].sum().item())

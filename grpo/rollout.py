@@ -11,9 +11,18 @@ from collections import Counter
 
 import torch
 
-from grpo.algorithm import informative_groups
 from grpo.decoders import generate
 from grpo.model import context_length
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[groups] bool: whether a group's rewards are not all equal (only such a group has advantages).
+
+    Rows of one group are contiguous. Exact equality, not a tolerance: a group is uninformative
+    exactly when the advantages set its advantages to 0 (grpo/variants.py zero_equal_groups).
+    """
+    r = rewards.float().view(-1, group_size)
+    return r.max(1).values != r.min(1).values
 
 
 def stream_seed(seed: int, index: int) -> int:
@@ -92,7 +101,7 @@ class Rollout:
     ref_logp: torch.Tensor = None    # [B, T] the frozen reference's, when the run has a KL penalty
     advantages: torch.Tensor = None  # [B] on the device
     # [B, T] under the distribution sampled from, which --top-k, --top-p and --min-new-tokens truncate and renormalise
-    # (None: nothing truncated, old_logp): the sampler side of the mismatch (grpo/algorithm.py mismatch_weight)
+    # (old_logp itself when nothing truncates): the sampler side of the mismatch (grpo/variants.py mismatch_weight)
     sampler_logp: torch.Tensor = None
 
     def shape(self) -> "Rollout":
@@ -161,6 +170,7 @@ def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_
     completion_mask = torch.cat([pad(c[1], (0, width - c[1].shape[1])) for c in chunks])
     old_logp, sampler_logp = (torch.cat([pad(c[i], (0, width - c[i].shape[1])) for c in chunks]) if i < len(chunks[0])
                               else None for i in (2, 3))
+    sampler_logp = old_logp if sampler_logp is None else sampler_logp   # nothing truncated: the policy's own
     return Rollout(prompts=[p for p in prompts for _ in range(group_size)],
                    texts=decode_completions(tokenizer, completion_ids, completion_mask, eos),
                    input_ids=torch.cat([prompt_ids, completion_ids], 1),

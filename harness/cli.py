@@ -286,7 +286,7 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
         if values[name] == "auto":   # fast where researchers train; on a CPU the bits of runs before auto
             values[name] = fast if cuda else plain
     if values["kl_in"] == "reward" and sources["kl_estimator"] == "default":
-        values["kl_estimator"] = "k1"   # the estimator that belongs in the reward (grpo/algorithm.py); others if named
+        values["kl_estimator"] = "k1"   # the estimator that belongs in the reward (docs/algorithm.md); others if named
     asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")
     if asked and not hasattr(target, "evaluate"):
         raise ConfigError(f"{'--eval-only' if values['eval_only'] else '--eval-interval'}: --task {task_name} "

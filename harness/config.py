@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo import algorithm, optim
+from grpo import optim, variants
 from harness import log
 
 
@@ -133,7 +133,7 @@ class Config:
     # algorithm
     learning_rate: float = opt(1e-4, "learning rate (1e-4 suits the shipped 5M-parameter default model; "
                                "use about 1e-5 for a 124M model such as RookWorld-LM)", must="> 0")
-    lr_scheduler: str = opt("constant", "the learning rate over the run, after its warmup", algorithm.LR_SCHEDULES)
+    lr_scheduler: str = opt("constant", "the learning rate over the run, after its warmup", optim.LR_SCHEDULES)
     lr_warmup_steps: int = opt(0, "steps whose learning rate rises linearly to --learning-rate (0: none)", must=">= 0")
     lr_warmup_ratio: float = opt(0.0, "the warmup as a share of --steps, instead of --lr-warmup-steps", must="in [0, 1)")
     min_lr_ratio: float = opt(0.0, "the floor linear and cosine decay to, a share of --learning-rate", must="in [0, 1)")
@@ -164,13 +164,17 @@ class Config:
                               "starting model)", must=">= 0")
     ref_sync_alpha: float = opt(1.0, "with --ref-sync-steps: reference = alpha x policy + (1 - alpha) x reference "
                                 "(1: a copy of the policy)", must="in (0, 1]")
-    scale_rewards: str = opt("group", "each completion's advantage", algorithm.ADVANTAGES)
-    loss_agg: str = opt("token-mean", "the loss normaliser", algorithm.LOSS_AGGS, aliases=TRL_LOSS_TYPES)
-    importance_level: str = opt("token", "the importance ratio", algorithm.IMPORTANCE_LEVELS)
+    scale_rewards: str = opt("group", "each completion's advantage",
+                             variants.choices("scale_rewards", variants.ADVANTAGES))
+    loss_agg: str = opt("token-mean", "the loss normaliser",
+                         variants.choices("loss_agg", variants.AGGREGATIONS), aliases=TRL_LOSS_TYPES)
+    importance_level: str = opt("token", "the importance ratio",
+                                 variants.choices("importance_level", variants.RATIOS))
     dual_clip: typing.Optional[float] = opt(None, "dual-clip PPO: for negative advantages the loss is at most "
                                             "C x |A| (C > 1, e.g. 3; default off)", must="> 1",
                                             note="the bound is C x |A|")
-    policy_loss: str = opt("ppo", "the policy-gradient term", algorithm.POLICY_LOSSES)
+    policy_loss: str = opt("ppo", "the policy-gradient term",
+                             variants.choices("policy_loss", variants.POLICY_LOSSES))
     sapo_tau_pos: float = opt(1.0, "--policy-loss sapo: the gate's temperature where A > 0", must="> 0")
     sapo_tau_neg: float = opt(1.05, "--policy-loss sapo: the gate's temperature where A < 0 (above the positive one: "
                               "off-policy negative updates fade sooner)", must="> 0")
@@ -182,12 +186,12 @@ class Config:
     reward_weights: typing.Optional[str] = opt(None, "the reward as a weighted sum of the task's reward_breakdown "
                                                "parts, name=weight,... (e.g. correct=1,format=0.2); with "
                                                "--scale-rewards gdpo each part is normalised in its group first")
-    kl_estimator: str = opt("k3", "the KL estimator (grpo/algorithm.py says which belongs where; with --kl-in "
-                            "reward the default is k1)", algorithm.KL_ESTIMATORS)
-    kl_in: str = opt("loss", "where the KL penalty goes", algorithm.KL_PLACES)
+    kl_estimator: str = opt("k3", "the KL estimator (docs/algorithm.md says which belongs where; with --kl-in "
+                            "reward the default is k1)", variants.choices("kl_estimator", variants.KL_ESTIMATORS))
+    kl_in: str = opt("loss", "where the KL penalty goes", variants.choices("kl_in", variants.KL_PLACES))
     mismatch_correction: str = opt("none", "the correction of the gap between the sampler's logprobs and the trainer's "
                                    "(their ratio w, detached, weighs each token's policy-gradient term)",
-                                   algorithm.MISMATCH_CORRECTIONS)
+                                   variants.choices("mismatch_correction", variants.MISMATCH_CORRECTIONS))
     mismatch_cap: float = opt(2.0, "--mismatch-correction: the largest weight w kept (tis: the cap; the masks: the "
                               "band's top)", must="at least 1")
     mismatch_low: float = opt(0.5, "--mismatch-correction token-mask or sequence-mask: the band's bottom",
@@ -376,7 +380,7 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if cfg.lr_warmup_steps and cfg.lr_warmup_ratio:
         raise ConfigError(f"--lr-warmup-steps {cfg.lr_warmup_steps} and --lr-warmup-ratio {cfg.lr_warmup_ratio}: "
                           f"give the warmup one way")
-    warmup = cfg.lr_warmup_steps or round(cfg.lr_warmup_ratio * cfg.steps)   # as grpo/algorithm.py learning_rate
+    warmup = cfg.lr_warmup_steps or round(cfg.lr_warmup_ratio * cfg.steps)   # as grpo/optim.py learning_rate
     if warmup >= cfg.steps:
         given = (f"--lr-warmup-steps {warmup}" if cfg.lr_warmup_steps else
                  f"--lr-warmup-ratio {cfg.lr_warmup_ratio} ({warmup} steps)")

@@ -48,7 +48,7 @@ def cpu_threads(n: int):
 
 
 class Guard:
-    """What keeps the update alive, handed to grpo/update.py: the micro-batch size and its out-of-memory retry
+    """What keeps the update alive, handed to the update (train_lean.py) and grpo/passes.py: the micro-batch size and its out-of-memory retry
     (fit), and the optimizer's step, skipped when not finite, with the count of such updates in a
     row (step). notes: this step's retries, said as they happen and counted in the step's record."""
 

@@ -7,7 +7,8 @@
                                                 completed step saves that step (harness/checkpoint.py Saver)
         task, mix_source = run.open_task()      the task, its answers checked; --ptx-coef's texts
         policy, reference, tokenizer = run.load_models()    and the start-up header
-        guard = run.start_training(optimizer)   --resume's state, the micro-batch, logs, checkpoints, step 0's eval
+        guard = run.start_training(optimizer, kl)   --resume's state (the optimizer's, the KL controller's),
+                                                the micro-batch, logs, checkpoints, step 0's eval
         for step in run.steps():                the progress bar; after a step a checkpoint when due or asked
                                                 for (a signal), after the last the trained model
             run.phase_done("gen")               a phase's time and memory
@@ -200,12 +201,12 @@ class Run:
                      f"any training: nothing to save")
             sys.exit(0)
 
-    def start_training(self, optimizer) -> guards.Guard:
+    def start_training(self, optimizer, kl) -> guards.Guard:
         """Before the first step: --resume's optimizer, reference and RNG states; the guard of the update (its
         micro-batch probed with --micro-batch-size auto); the logs, reporter and checkpoints; the step-0 evaluation."""
         cfg, layout, streak = self.cfg, self.layout, 0
         self.compiles_before = decoders.compilations()   # a step's record counts its own (--compile)
-        self.kl_coef = cfg.kl_coef   # --kl-target steers it from here (train_lean.py); a checkpoint holds where it was
+        self.kl = kl   # --kl-target steers it (grpo/variants.py AdaptiveKL); a checkpoint holds where it was
         if self.resume_from:
             state = checkpoint.load_state(self.resume_from)
             # the moments and step counts as saved, the hyperparameters (--weight-decay, ...) as set now: a change
@@ -217,7 +218,7 @@ class Run:
             streak = state["nonfinite_streak"]
             if cfg.kl_target and "kl_coef" in state:   # where --kl-target had steered it; a new --kl-coef starts over
                 if state["config"].get("kl_coef") == cfg.kl_coef:
-                    self.kl_coef = state["kl_coef"]
+                    kl.load_state_dict({"kl_coef": state["kl_coef"]})
                 else:
                     log.warn(f"--kl-target: the coefficient starts again from --kl-coef {cfg.kl_coef} (it had reached "
                              f"{state['kl_coef']:.4g})")
@@ -337,7 +338,7 @@ class Run:
         """The step's update has returned: it is what a failure from here on saves; its record, console line and, when
         due, the held-out evaluation."""
         cfg, step = self.cfg, rec["step"]
-        self.saver.completed(step, self.guard.nonfinite_streak, self.kl_coef if cfg.kl_target else None)
+        self.saver.completed(step, self.guard.nonfinite_streak, self.kl.coef if cfg.kl_target else None)
         self.phases.end("train")
         rec.update(log.batch_stats(self.step_rows, cfg.group_size))
         if self.guard.notes:

@@ -10,7 +10,7 @@ import textwrap
 
 import torch
 
-from grpo import algorithm, decoders
+from grpo import decoders, variants
 from grpo import model as model_lib
 from harness import checkpoint, config, log, rundir
 
@@ -110,7 +110,8 @@ def _kl(cfg, sources) -> str:
     chosen = " (the default in the reward; --kl-estimator names another)" if (
         cfg.kl_in == "reward" and sources["kl_estimator"] == "default") else ""
     adaptive = f", steered toward KL {cfg.kl_target:g} (--kl-target)" if cfg.kl_target else ""
-    return f"{cfg.kl_coef:g} x {cfg.kl_estimator}{chosen} {algorithm.KL_PLACES[cfg.kl_in]}{adaptive}"
+    place = variants.choices("kl_in", variants.KL_PLACES)[cfg.kl_in]
+    return f"{cfg.kl_coef:g} x {cfg.kl_estimator}{chosen} {place}{adaptive}"
 
 
 def header(loaded, layout, device, model, resume_from, lora=None) -> str:

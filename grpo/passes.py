@@ -1,0 +1,108 @@
+"""The forward passes without gradient that a step makes besides its update (train_lean.py): the reference's
+logprobs of every completion token, and what a variant needs over a whole mini-batch before its
+micro-batches run (the top-entropy and Clip-Cov / KL-Cov tokens, the trainer's logprobs at the sampling
+weights). Each runs under guard.fit (harness/guards.py: retried with fewer rows after an out-of-memory,
+every rank agreeing), so none holds a collective inside it; the gathers that follow are marked `# every rank`.
+"""
+import functools
+
+import torch
+
+from grpo import distributed
+from grpo.variants import covariance_tokens, top_entropy_threshold
+from grpo.model import completion_logprobs, logprob_temperature, reference_weights
+
+
+def token_logprobs(model, batch, rows, cfg, autocast, with_entropy: bool = False):
+    """The logprobs of the completion tokens of batch's `rows` under model, at the sampling temperature [rows, T];
+    with_entropy also the entropy of each position's distribution."""
+    return completion_logprobs(model, batch.input_ids[rows], batch.attention[rows], batch.completion_len,
+                               logprob_temperature(cfg.temperature), cfg.logprob_chunk_size, autocast,
+                               with_entropy=with_entropy)
+
+
+def _no_grad_pass(model, batch, micro: int, cfg, autocast, rows=None,
+                  entropy: bool = False) -> torch.Tensor:
+    """Without gradient, micro rows per forward: the logprobs of the completion tokens of batch's
+    `rows` (None: every row), or with entropy each position's entropy. guard.fit runs it, retried
+    with fewer rows after an out-of-memory: so no collective call in it (a rank out of memory would
+    leave the others waiting in it)."""
+    parts = rows.split(micro) if rows is not None else \
+        [slice(s, s + micro) for s in range(0, batch.input_ids.shape[0], micro)]
+    with torch.no_grad():
+        out = [token_logprobs(model, batch, part, cfg, autocast, with_entropy=entropy)
+               for part in parts]
+    return torch.cat([o[1] for o in out] if entropy else out)
+
+
+def reference_logprobs(reference, batch, cfg, autocast, guard) -> torch.Tensor:
+    """The reference's logprobs of every completion token, micro rows at a time. reference: a frozen copy, or
+    with LoRA the PeftModel (its adapters switched off)."""
+    with reference_weights(reference) as model:  # with LoRA: the policy, adapters off
+        return guard.fit(  # every rank
+            functools.partial(_no_grad_pass, model, batch, cfg=cfg, autocast=autocast))
+
+
+def loss_mask(batch, cfg) -> torch.Tensor:
+    """The completion tokens that carry loss: all of them, or with --mask-truncated none of a cut-off row's."""
+    if not cfg.mask_truncated:
+        return batch.completion_mask
+    return batch.completion_mask * ~batch.truncated[:, None]
+
+
+def _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, entropy: bool) -> torch.Tensor:
+    """The mini-batch's logprobs (entropy: entropies) [rows, T] before its micro-batches run,
+    retried with fewer rows after an out-of-memory; the gather over ranks that follows stays
+    outside the retry."""
+    return guard.fit(functools.partial(  # every rank
+        _no_grad_pass, policy, batch, cfg=cfg, autocast=autocast, rows=rows, entropy=entropy))
+
+
+def high_entropy_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> torch.Tensor:
+    """[B, T] bool: the tokens of the mini-batch `rows` among its top --top-entropy-quantile by entropy, the
+    threshold taken over the mini-batch of every device before any micro-batch runs."""
+    entropy = _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, True)  # every rank
+    carried = mask[rows].bool()
+    every = distributed.gather_objects(entropy[carried].cpu())  # every rank
+    threshold = top_entropy_threshold(torch.cat(every), cfg.top_entropy_quantile)
+    chosen = torch.zeros_like(mask, dtype=torch.bool)
+    chosen[rows] = entropy >= threshold
+    return chosen
+
+
+def high_covariance_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> torch.Tensor:
+    """[B, T] bool: the tokens of the mini-batch `rows` that --policy-loss clip-cov or kl-cov acts on, chosen over the
+    mini-batch of every device (covariance_tokens) before any micro-batch runs."""
+    logp = _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, False)  # every rank
+    carried = mask[rows].bool()
+    adv = batch.advantages[rows][:, None].expand_as(logp)
+    tokens = torch.stack([logp[carried], batch.old_logp[rows][carried], adv[carried]]).cpu()
+    every = distributed.gather_objects(tokens)  # every rank
+    start = sum(t.shape[1] for t in every[:distributed.rank()])
+    chosen, mine = torch.zeros_like(mask, dtype=torch.bool), torch.zeros_like(carried)
+    mine[carried] = covariance_tokens(*torch.cat(every, 1), cfg)[start:start + int(carried.sum())].to(mine.device)
+    chosen[rows] = mine
+    return chosen
+
+
+def token_masks(policy, batch, rows, mask, guard, cfg, autocast) -> dict:
+    """The tokens of the mini-batch `rows` a variant's term acts on, chosen over every device's rows before
+    its micro-batches run: pg_mask (--top-entropy-quantile) and cov_mask (--policy-loss clip-cov, kl-cov),
+    each None when off."""
+    masks = {"pg_mask": None, "cov_mask": None}
+    if cfg.top_entropy_quantile < 1:
+        masks["pg_mask"] = high_entropy_tokens(  # every rank
+            policy, batch, rows, mask, guard, cfg, autocast)
+    if cfg.policy_loss in ("clip-cov", "kl-cov"):
+        masks["cov_mask"] = high_covariance_tokens(  # every rank
+            policy, batch, rows, mask, guard, cfg, autocast)
+    return masks
+
+
+def trainer_logprobs(policy, batch, cfg, layout, autocast, guard):
+    """The trainer's logprobs at the weights that sampled, for --mismatch-correction on a step of several
+    updates (each forward gives them itself until the first optimizer step); else None."""
+    if cfg.mismatch_correction == "none" or layout.updates_per_step == 1:
+        return None
+    return guard.fit(  # every rank
+        functools.partial(_no_grad_pass, policy, batch, cfg=cfg, autocast=autocast))
