@@ -32,16 +32,16 @@ from harness.run import Run
 
 # ---- advantages: each completion against the other completions of its prompt --------------------------------
 
-def group_advantages(r, eps, **_):
+def group_normalised(r, eps, **_):
     """r [groups, G]: (r - the group's mean) / (the group's std + eps); 0 for a group whose rewards are all
     equal (set, not computed: float rounding in the mean cannot leak a gradient)."""
     return variants.zero_equal_groups((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps), r)
 
 
-ADVANTAGES = {"group": group_advantages, **variants.ADVANTAGES}   # --scale-rewards
+ADVANTAGES = variants.Table("scale_rewards", {"group": group_normalised, **variants.ADVANTAGES})
 
 
-def advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4, parts=None, weights=None):
+def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4, parts=None, weights=None):
     """[N] advantages of the batch's rewards (groups contiguous), and the share of groups whose rewards are
     all equal. parts [N, K], weights: the reward's parts and their weights, for --scale-rewards gdpo."""
     r = rewards.float().view(-1, group_size)
@@ -69,22 +69,31 @@ def k3(logp, ref_logp):
 
 
 def token_count(mask, cfg):
-    """This device's share of the denominator: its loss tokens (the caller sums it over devices)."""
+    """over the mini-batch's loss tokens"""
     return float(mask.sum().item())
 
 
-RATIOS = {"token": token_ratio, **variants.RATIOS}   # --importance-level
-POLICY_LOSSES = {"ppo": clipped_surrogate, **variants.POLICY_LOSSES}   # --policy-loss
-KL_ESTIMATORS = {"k3": k3, **variants.KL_ESTIMATORS}   # --kl-estimator
-AGGREGATIONS = {"token-mean": (token_count, variants.token_sum), **variants.AGGREGATIONS}   # --loss-agg
+# the default and the variants of each choice, by the flag's value (a name a table lacks: a ValueError)
+RATIOS = variants.Table("importance_level", {"token": token_ratio, **variants.RATIOS})
+POLICY_LOSSES = variants.Table("policy_loss", {"ppo": clipped_surrogate, **variants.POLICY_LOSSES})
+KL_ESTIMATORS = variants.Table("kl_estimator", {"k3": k3, **variants.KL_ESTIMATORS})
+AGGREGATIONS = variants.Table("loss_agg", {"token-mean": (token_count, variants.token_sum),
+                                           **variants.AGGREGATIONS})
+
+
+def loss_denominator(mask, cfg) -> float:
+    """This device's share of a mini-batch's denominator (its loss tokens by default); the caller sums it
+    over devices and passes the total to every micro-batch's grpo_loss."""
+    return AGGREGATIONS[cfg.loss_agg][0](mask, cfg)
 
 
 def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef: float = None, *,
               ref_logp=None, entropy=None, pg_mask=None, cov_mask=None, sampler_logp=None, train_logp=None):
     """One micro-batch's loss, divided by its whole mini-batch's denominator over every device (so summed
     micro-batch gradients are one large batch's), and its statistics (sums over its loss tokens).
-    kl_coef: the step's (default --kl-coef); the keywords: what a variant's term reads (grpo/variants.py)."""
-    kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
+    kl_coef: the step's (default --kl-coef; none in the loss with --kl-in reward); the keywords: what a
+    variant's term reads (grpo/variants.py)."""
+    kl_coef = variants.loss_kl_coef(cfg, cfg.kl_coef if kl_coef is None else kl_coef)
     t = variants.tokens(logp=logp, old_logp=old_logp, adv=advantages[:, None].to(logp.dtype),
                         mask=mask.to(logp.dtype), entropy=entropy, pg_mask=pg_mask, cov_mask=cov_mask,
                         sampler_logp=sampler_logp, train_logp=logp.detach() if train_logp is None else train_logp)
@@ -169,8 +178,7 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
             # micro-batches of similar length waste less compute on padding
             rows = rows[torch.argsort(lengths[rows], stable=True)].to(batch.input_ids.device)
             # the denominator is global, so summing gradients over ranks gives the one-process gradient
-            count = AGGREGATIONS[cfg.loss_agg][0](mask[rows], cfg)
-            denominator = max(distributed.all_sum([count])[0], 1)  # every rank
+            denominator = max(distributed.all_sum([loss_denominator(mask[rows], cfg)])[0], 1)  # every rank
             masks = token_masks(policy, batch, rows, mask, guard, cfg, autocast)  # every rank
             sums = guard.fit(functools.partial(  # every rank
                 accumulate, policy, optimizer, batch, rows, mask=mask, denominator=denominator, cfg=cfg,
@@ -253,8 +261,8 @@ def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer
     rewards = torch.cat(distributed.gather_objects(batch.shaped_rewards))  # every rank
     parts = None if cfg.scale_rewards != "gdpo" else torch.cat(  # GDPO: each part, weighted
         distributed.gather_objects(torch.tensor(batch.reward_parts)))  # every rank
-    adv, rec["frac_zero_std"] = advantages(rewards, G, cfg.scale_rewards, parts=parts,
-                                           weights=list(run.scorer.weights.values()))
+    adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.scale_rewards, parts=parts,
+                                                 weights=list(run.scorer.weights.values()))
     batch.advantages = adv[rank * B:(rank + 1) * B].to(run.device)
     run.check_rewards(step, batch, rec)  # every rank   (failures shown; every reward failed: the run stops)
     # ---- update: clipped PPO surrogate + KL, mini-batches of micro-batches -------------------------------
@@ -263,8 +271,7 @@ def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer
         group["lr"] = rec["lr"]
     mix = ptx.step_mix(mix_source, stream_seed(cfg.seed, step), layout.updates_per_step,  # --ptx-coef's
                        cfg.ptx_batch_size, tokenizer, run.prepend_bos, run.context, run.device, rank, world)
-    rec.update(update(policy, optimizer, batch, cfg, layout, run.autocast, guard,  # every rank
-                      variants.loss_kl_coef(cfg, kl.coef), mix))
+    rec.update(update(policy, optimizer, batch, cfg, layout, run.autocast, guard, kl.coef, mix))  # every rank
     rec.update(kl.after_step(rec["kl"], cfg.batch_size))   # --kl-target moves the coefficient
     variants.follow_policy(reference, policy, step, cfg)   # --ref-sync-steps: the reference follows
     return rec, batch

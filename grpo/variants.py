@@ -29,6 +29,17 @@ DEFAULTS = {
 }
 
 
+class Table(dict):
+    """A flag's choices, name -> function (the default's first): a name it lacks is a ValueError naming it."""
+
+    def __init__(self, flag: str, entries: dict):
+        super().__init__(entries)
+        self.flag = flag
+
+    def __missing__(self, name):
+        raise ValueError(f"--{self.flag.replace('_', '-')} {name!r} is not one of {', '.join(self)}")
+
+
 def choices(flag: str, table: dict) -> dict:
     """flag's choices for the CLI: name -> what it does, the default's first, then each variant's (its
     docstring, or the table's words)."""

@@ -13,8 +13,10 @@ import sys
 
 import torch
 
-from grpo import algorithm, distributed, update
-from grpo.algorithm import group_advantages, loss_denominator, top_entropy_threshold
+import train_lean as update
+from grpo import distributed, passes, variants
+from grpo.variants import top_entropy_threshold
+from train_lean import group_advantages, loss_denominator
 from harness.config import FIELDS, Config
 from harness.guards import Guard
 from grpo.model import completion_logprobs
@@ -26,13 +28,11 @@ TEMPERATURE = 1.5
 GROUP = 8            # the rollout64 fixture's: 8 prompts x 8 completions
 CHUNK_ROWS = 50      # token rows per output-head chunk: the chunked (checkpointed) path, entropies included
 GSPO = {"importance_level": "sequence", "clip_low": 0.02, "clip_high": 0.03}
-# Every choice grpo/algorithm.py offers a flag (--scale-rewards, --loss-agg, --importance-level, --kl-estimator,
-# --kl-in, and any such flag to come) is a knob of its own, so a new choice is tested here without a line for it;
-# TRL's names for our aggregations are the same loss. The knobs with a number, and combinations, by hand.
-NOT_LOSS = {"lr_scheduler"}   # the optimizer's choice, not the loss's: the same gradient
-CHOICES = {f"{name} {choice}": {name: choice} for name, f in FIELDS.items()
-           if any(f.metadata["choices"] is d for d in vars(algorithm).values()) and name not in NOT_LOSS
-           for choice in f.metadata["choices"] if choice != f.default}
+# Every choice of a variant's flag (grpo/variants.py DEFAULTS: --scale-rewards, --loss-agg, --importance-level,
+# --kl-estimator, --kl-in, and any such flag to come) is a knob of its own, so a new choice is tested here without
+# a line for it; TRL's names for our aggregations are the same loss. The knobs with a number, and combinations, by hand.
+CHOICES = {f"{name} {choice}": {name: choice} for name in variants.DEFAULTS
+           for choice in FIELDS[name].metadata["choices"] if choice != FIELDS[name].default}
 # Clip-Cov's default band (1, 5) holds no token of this batch (a tiny random model's logprobs barely spread), which
 # would make it the defaults' gradient: its generated knob takes a band that binds, and a share of 1%
 CHOICES["policy_loss clip-cov"].update(clip_cov_lb=0.1, cov_ratio=0.01)
@@ -94,27 +94,28 @@ def per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg):
 
 def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold_per_micro_batch=False):
     """The flat gradient of this rank's rows of the mini-batch `batch`, micro rows per forward/backward,
-    through the trainer's own update functions (grpo/update.py): the denominator summed over ranks, the
+    through the trainer's own update functions (train_lean.py, grpo/passes.py): the denominator summed over ranks, the
     top-entropy threshold over every rank's tokens, the micro-batches accumulated, the ranks summed."""
     cfg = config_for(knobs)
     rollout = as_rollout(batch, cfg, rank, world)
     rows = torch.arange(rollout.input_ids.shape[0])
-    mask = update.loss_mask(rollout, cfg)
+    mask = passes.loss_mask(rollout, cfg)
     denominator = distributed.all_sum([loss_denominator(mask, cfg)])[0]
     guard = Guard(micro, rows.shape[0], print)   # the token selections' out-of-memory retry
     pg_mask = None
     if threshold_per_micro_batch:
         pg_mask = per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg)
     elif cfg.top_entropy_quantile < 1:
-        pg_mask = update.high_entropy_tokens(model, rollout, rows, mask, guard, cfg, None)
+        pg_mask = passes.high_entropy_tokens(model, rollout, rows, mask, guard, cfg, None)
     cov_mask = None
     if cfg.policy_loss in ("clip-cov", "kl-cov"):
-        cov_mask = update.high_covariance_tokens(model, rollout, rows, mask, guard, cfg, None)
+        cov_mask = passes.high_covariance_tokens(model, rollout, rows, mask, guard, cfg, None)
     # the pretraining mix: every rank holds the update's texts and takes its share (grpo/ptx.py)
     texts = PtxBatch(**batch["ptx"]).for_device(rank, world) if cfg.ptx_coef else None
     params = [p for p in model.parameters() if p.requires_grad]
-    update.accumulate(model, torch.optim.SGD(params, lr=0.0), rollout, rows, micro, mask, pg_mask, denominator, cfg,
-                      None, mix=texts, cov_mask=cov_mask, sampler=update.sampler_logprobs(rollout))
+    sampler = rollout.old_logp if rollout.sampler_logp is None else rollout.sampler_logp
+    update.accumulate(model, torch.optim.SGD(params, lr=0.0), rollout, rows, micro, mask, denominator, cfg,
+                      None, cfg.kl_coef, mix=texts, sampler=sampler, pg_mask=pg_mask, cov_mask=cov_mask)
     distributed.sum_gradients(params)
     return torch.cat([p.grad.reshape(-1) for p in params])
 

@@ -1,10 +1,10 @@
-"""--kl-target: the KL coefficient steered toward a target KL (grpo/algorithm.py adaptive_kl_coef), against the
+"""--kl-target: the KL coefficient steered toward a target KL (grpo/variants.py adaptive_kl_coef), against the
 controller's formula written out; its state (the coefficient) in every record and in checkpoints, so a resumed run
 continues it exactly."""
 import pytest
 import torch
 
-from grpo.algorithm import adaptive_kl_coef
+from grpo.variants import adaptive_kl_coef
 from harness.config import Config, ConfigError, batch_layout
 from helpers import records
 

@@ -3,7 +3,7 @@ term and the aggregation, value and gradient against a formula written here, not
 import torch
 from torch.testing import assert_close
 
-from grpo.algorithm import grpo_loss
+from train_lean import grpo_loss
 from harness.config import Config
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28   # apart, so a bound that reads the other's range shows

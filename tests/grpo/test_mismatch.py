@@ -1,4 +1,4 @@
-"""The sampler/trainer mismatch: its statistics in every record and --mismatch-correction's weights (grpo/algorithm.py
+"""The sampler/trainer mismatch: its statistics in every record and --mismatch-correction's weights (grpo/variants.py
 mismatch_weight), each against its formula written out element by element, gradients included; the sampler's
 logprobs under a truncated distribution (grpo/decoders.py sample_token); the settings that refuse."""
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from grpo.algorithm import grpo_loss
+from train_lean import grpo_loss
 from grpo.decoders import sample_token
 from harness.config import ConfigError, batch_layout
 from helpers import loss_config
@@ -135,14 +135,14 @@ def test_the_sampler_logprob_is_the_truncated_renormalised_distributions():
     assert torch.allclose(sampled, logprob - torch.log(1 - p[:, 2]), atol=1e-5)
 
 
-def test_sample_groups_keeps_the_sampler_logprobs_only_when_something_truncates(rollout64, tiny_model_dir):
+def test_sample_groups_keeps_apart_sampler_logprobs_only_when_something_truncates(rollout64, tiny_model_dir):
     from grpo.model import load_tokenizer
     from grpo.rollout import sample_groups
     model, tok = rollout64[0], load_tokenizer(tiny_model_dir)
     kw = dict(group_size=4, prepend_bos=True, generation_batch=8, seed=1, first_row=0, max_new_tokens=10,
               temperature=1.0, top_k=0, min_new_tokens=0, autocast=None, device="cpu")
     plain = sample_groups(model, tok, ["ab", "cd"], top_p=1.0, **kw)
-    assert plain.sampler_logp is None
+    assert plain.sampler_logp is plain.old_logp   # nothing truncated: the policy's own, no second tensor
     nucleus = sample_groups(model, tok, ["ab", "cd"], top_p=0.9, **kw)
     m = nucleus.completion_mask.bool()
     gap = (nucleus.old_logp - nucleus.sampler_logp)[m]   # log of the kept mass: <= 0, and < 0 where it cut

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo import ptx
-from grpo.algorithm import ptx_loss
+from grpo.ptx import ptx_loss
 from grpo.model import completion_logprobs, load_policy, load_tokenizer
 from harness.task import TaskError, checked_texts, mix_source
 from helpers import records

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import train_lean
-from grpo.algorithm import informative_groups
+from grpo.rollout import informative_groups
 from grpo.decoders import completion_mask, generate, sample_token
 from grpo.model import completion_logprobs, load_policy, load_tokenizer, position_ids_from_mask
 from grpo.rollout import Rollout, decode_completions, encode_prompts, left_pad, merge, merge_rounds, missing_groups

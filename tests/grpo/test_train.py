@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train_lean
-from grpo import algorithm
+from grpo import variants
 from harness import config
 
 from helpers import REPO, read_jsonl as records, user_env
@@ -133,11 +133,11 @@ def test_env_values_are_validated_like_flags(tmp_path):
     assert proc.returncode == 2 and "--batch-size 60 is not a multiple" in proc.stderr
 
 
-# Every choice grpo/algorithm.py offers a flag runs end to end, so a new choice needs no line here; the knobs
-# with a number, and combinations, by hand.
-KNOBS = {f"{config.flag(name)} {choice}": ([config.flag(name), choice], "loss") for name, f in config.FIELDS.items()
-         if any(f.metadata["choices"] is d for d in vars(algorithm).values())
-         for choice in f.metadata["choices"] if choice != f.default}
+# Every choice of a variant's flag (grpo/variants.py DEFAULTS) and of --lr-scheduler runs end to end, so a new
+# choice needs no line here; the knobs with a number, and combinations, by hand.
+KNOBS = {f"{config.flag(name)} {choice}": ([config.flag(name), choice], "loss")
+         for name in [*variants.DEFAULTS, "lr_scheduler"]
+         for choice in config.FIELDS[name].metadata["choices"] if choice != config.FIELDS[name].default}
 KNOBS.update({
     "trl-name": (["--loss-agg", "dapo"], "loss"),
     "gspo": (["--importance-level", "sequence", "--clip-range", "3e-4", "--clip-range-high", "4e-4"], "clip_frac"),

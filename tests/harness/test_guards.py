@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-import grpo.update
+import grpo.passes
 import harness.guards
 import train_lean
 from helpers import SMALL, records, weights
@@ -35,7 +35,7 @@ def run(tiny_model_dir, out, *extra):
 
 def fake_allocator(monkeypatch, rows_that_fit: int, let_through: int = 0):
     """Forwards of more rows than fit raise CUDA's out-of-memory error, after the first `let_through`."""
-    real, big = grpo.update.completion_logprobs, []
+    real, big = grpo.passes.completion_logprobs, []
 
     def completion_logprobs(model, input_ids, *args, **kwargs):
         if input_ids.shape[0] > rows_that_fit:
@@ -44,7 +44,7 @@ def fake_allocator(monkeypatch, rows_that_fit: int, let_through: int = 0):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (the test's allocator)")
         return real(model, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(grpo.update, "completion_logprobs", completion_logprobs)
+    monkeypatch.setattr(grpo.passes, "completion_logprobs", completion_logprobs)
     monkeypatch.setattr(harness.guards, "completion_logprobs", completion_logprobs)   # the probe's forward
 
 
@@ -71,14 +71,14 @@ def test_micro_batch_auto_probes_the_largest_that_fits(tiny_model_dir, tmp_path,
 
 
 def poison_losses(monkeypatch, bad_calls):
-    real, calls = grpo.update.grpo_loss, []
+    real, calls = train_lean.grpo_loss, []
 
     def grpo_loss(*args, **kwargs):
         loss, stats = real(*args, **kwargs)
         calls.append(1)
         return (loss * float("nan") if bad_calls is None or len(calls) in bad_calls else loss), stats
 
-    monkeypatch.setattr(grpo.update, "grpo_loss", grpo_loss)
+    monkeypatch.setattr(train_lean, "grpo_loss", grpo_loss)
 
 
 def test_a_non_finite_loss_skips_the_update(tiny_model_dir, tmp_path, monkeypatch):

@@ -112,8 +112,8 @@ def test_chess_usage_errors_exit_2_with_one_line(args, message, tmp_path, capsys
 
 CRASHING = """
 import sys
-import grpo.update, train_lean
-real, calls = grpo.update.grpo_loss, []
+import train_lean
+real, calls = train_lean.grpo_loss, []
 def crash_at_the_third_call(*args, **kwargs):
     calls.append(1)
     if len(calls) == 3:
@@ -124,7 +124,7 @@ def train_lean_engines():
     import os
     return [p for p in os.listdir("/proc") if p.isdigit() and open(f"/proc/{p}/stat").read().split(")")[1].split()[1]
             == str(os.getpid())]
-grpo.update.grpo_loss = crash_at_the_third_call
+train_lean.grpo_loss = crash_at_the_third_call
 train_lean.main(sys.argv[1:])
 """
 

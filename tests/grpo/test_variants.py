@@ -1,4 +1,4 @@
-"""grpo/algorithm.py, each piece against its formula: group advantages, DAPO's choice of informative groups, the
+"""The default step's math (train_lean.py) and grpo/variants.py, each piece against its formula: group advantages, DAPO's choice of informative groups, the
 overlong penalty and truncated rows, every loss knob on small hand-made tensors (expected values written out or
 looped naively), and the loss on a real tiny model's completions (accumulation, the first on-policy update)."""
 import math
@@ -6,9 +6,22 @@ import math
 import pytest
 import torch
 
-from grpo.algorithm import (covariance_tokens, group_advantages, grpo_loss, importance_ratio, informative_groups, k3_kl, kl_estimate,
-                            kl_reward_penalty, learning_rate, loss_denominator, overlong_penalty,
-                            top_entropy_threshold)
+from grpo.optim import learning_rate
+from grpo.rollout import informative_groups
+from grpo.variants import covariance_tokens, kl_reward_penalty as _kl_reward_penalty, overlong_penalty, top_entropy_threshold
+from train_lean import KL_ESTIMATORS, RATIOS as RATIO_CHOICES, group_advantages, grpo_loss, k3 as k3_kl, loss_denominator
+
+
+def kl_estimate(logp, ref_logp, estimator="k3"):
+    return KL_ESTIMATORS[estimator](logp, ref_logp)
+
+
+def importance_ratio(logp, old_logp, mask, level="token"):
+    return RATIO_CHOICES[level](logp, old_logp, mask)
+
+
+def kl_reward_penalty(logp, ref_logp, mask, kl_coef, estimator="k1"):
+    return _kl_reward_penalty(logp, ref_logp, mask, kl_coef, KL_ESTIMATORS[estimator])
 from harness.config import Config
 from grpo.model import completion_logprobs, frozen_copy, load_policy, load_tokenizer, position_ids_from_mask
 from grpo.rollout import encode_prompts, left_pad, truncated_rows
@@ -265,7 +278,7 @@ def test_kl_estimators_by_formula():
     assert kl_estimate(logp, ref, "k2").tolist() == pytest.approx([0.125, 0.5, 0.0])
     assert kl_estimate(logp, ref, "k3").tolist() == pytest.approx([math.exp(x) - x - 1 for x in d])
     assert torch.equal(kl_estimate(logp, ref, "k3"), k3_kl(logp, ref))
-    with pytest.raises(ValueError, match="not one of k1, k2, k3"):
+    with pytest.raises(ValueError, match="'k4' is not one of k3, k1, k2"):
         kl_estimate(logp, ref, "k4")
 
 
@@ -329,7 +342,7 @@ def _exact_gradients(n=5, seed=0):
 
 
 def test_which_kl_placement_gives_which_gradient():
-    """The claims of grpo/algorithm.py's KL comment, exactly, on a small categorical policy."""
+    """The claims of docs/algorithm.md's KL section, exactly, on a small categorical policy."""
     g = _exact_gradients()
     assert torch.allclose(g["k1 reward"], g["reverse"], atol=1e-6)   # unbiased for KL(pi || ref)
     assert torch.allclose(g["k2 loss"], g["reverse"], atol=1e-6)     # per position, on-policy
@@ -758,7 +771,7 @@ def test_every_policy_loss_and_advantage_has_a_formula_test():
     which the default Config runs). That it checks the formula is for a reader to see: this keeps a
     new choice from going without a test."""
     import ast
-    from grpo.algorithm import ADVANTAGES, POLICY_LOSSES
+    from train_lean import ADVANTAGES, POLICY_LOSSES
     tests = _test_functions()
     for field, choices, listed, what in (
             ("policy_loss", POLICY_LOSSES, POLICY_LOSS_FORMULA_TESTS, "value and gradient"),
@@ -766,7 +779,7 @@ def test_every_policy_loss_and_advantage_has_a_formula_test():
         flag = "--" + field.replace("_", "-")
         for choice in choices:
             assert listed.get(choice), (
-                f"add a formula test for {flag} {choice} in tests/grpo/test_algorithm.py (its "
+                f"add a formula test for {flag} {choice} in tests/grpo/test_variants.py (its "
                 f"{what} against the formula written in the test) and list it in its FORMULA_TESTS")
         assert set(listed) <= set(choices), f"tests listed for {flag} choices that are gone"
         for choice, names in listed.items():

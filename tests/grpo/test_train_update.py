@@ -1,4 +1,4 @@
-"""grpo/update.py: every loss knob keeps gradient accumulation exact: 8 micro-batches of 8 give the gradient of one batch of
+"""The update (train_lean.py): every loss knob keeps gradient accumulation exact: 8 micro-batches of 8 give the gradient of one batch of
 64, and 2 gloo ranks of 32 rows each, their gradients summed, give the one-process gradient.
 
 The batch is real: 64 completions sampled from the tiny GPT-2 (rollout64), with sampling logprobs moved
@@ -14,8 +14,9 @@ import torch
 
 from grad_worker import (GROUP, KNOBS, MAX_NEW_TOKENS, TEMPERATURE, as_rollout, config_for,
                          minibatch_gradient)
-from grpo import update
-from grpo.algorithm import group_advantages, grpo_loss, importance_ratio, loss_denominator
+import train_lean as update
+from grpo import passes
+from train_lean import RATIOS, group_advantages, grpo_loss, loss_denominator
 from grpo.model import completion_logprobs, load_tokenizer, trainable_parameters
 from grpo.ptx import encode
 from harness.config import batch_layout
@@ -73,7 +74,7 @@ def test_the_batch_exercises_every_clip(rollout64, batch):
         assert 0 < stats["mismatch_zero_frac"] < cmask.sum() if "mask" in name else stats["mismatch_zero_frac"] == 0
     assert weights["tis cap"] < weights["uncapped"]
     # sequence ratios: some sequences inside the GSPO clip range, some outside it
-    seq = importance_ratio(logp, batch["old"], cmask, "sequence").squeeze(1)
+    seq = RATIOS["sequence"](logp, batch["old"], cmask).squeeze(1)
     assert ((seq - 1).abs() < 0.02).any() and ((seq - 1).abs() > 0.03).any()
 
 
@@ -107,7 +108,7 @@ def test_an_out_of_memory_in_a_token_selection_pass_retries_it_with_fewer_rows(
     before its micro-batches: an out-of-memory there shrinks the micro-batch (it crashed the run),
     and the update is that of the smaller micro-batch, bit for bit."""
     plain = one_update(rollout64[0], batch, KNOBS[name], micro=8)
-    real, raised = update.completion_logprobs, []
+    real, raised = passes.completion_logprobs, []
 
     def completion_logprobs(model, input_ids, *args, with_entropy=False, **kwargs):
         # the test's allocator: no room for a no-gradient forward of more than 8 rows (the pass
@@ -117,7 +118,7 @@ def test_an_out_of_memory_in_a_token_selection_pass_retries_it_with_fewer_rows(
             raise torch.OutOfMemoryError("CUDA out of memory (the test's allocator)")
         return real(model, input_ids, *args, with_entropy=with_entropy, **kwargs)
 
-    monkeypatch.setattr(update, "completion_logprobs", completion_logprobs)
+    monkeypatch.setattr(passes, "completion_logprobs", completion_logprobs)
     hit = one_update(rollout64[0], batch, KNOBS[name], micro=16)
     assert raised == [entropy]   # the pass under test ran out of memory, once
     assert hit[2].micro == 8
@@ -161,15 +162,22 @@ def test_every_knob_changes_the_gradient(rollout64, batch):
 
 
 def test_every_choice_the_algorithm_owns_is_a_knob():
-    """The generated knobs find the choices by identity with algorithm.py's dicts: a config that copied a dict
-    would drop its choices from the accumulation and end-to-end runs without a word. This says so."""
-    from grad_worker import CHOICES, NOT_LOSS
-    from grpo import algorithm
+    """The generated knobs take each variant flag's choices from grpo/variants.py DEFAULTS: a flag whose table
+    the step looks up but DEFAULTS leaves out would drop its choices from the accumulation and end-to-end runs
+    without a word. This says so: every table train_lean.py looks a flag up in is in DEFAULTS, and its
+    choices are the CLI's."""
+    import train_lean
+    from grad_worker import CHOICES
+    from grpo import variants
     from harness.config import FIELDS
-    owned = [(name, f) for name, f in FIELDS.items() if any(
-        isinstance(d, dict) and d and f.metadata["choices"] == d for d in vars(algorithm).values())]
-    assert {n for n, _ in owned} >= {"scale_rewards", "loss_agg", "importance_level", "kl_estimator", "kl_in"}
-    expected = {f"{n} {c}" for n, f in owned if n not in NOT_LOSS for c in f.metadata["choices"] if c != f.default}
+    tables = {"scale_rewards": train_lean.ADVANTAGES, "importance_level": train_lean.RATIOS,
+              "policy_loss": train_lean.POLICY_LOSSES, "kl_estimator": train_lean.KL_ESTIMATORS,
+              "loss_agg": train_lean.AGGREGATIONS, "kl_in": {"loss": None, **variants.KL_PLACES},
+              "mismatch_correction": {"none": None, **variants.MISMATCH_CORRECTIONS}}
+    assert set(tables) == set(variants.DEFAULTS)
+    for name, table in tables.items():
+        assert list(FIELDS[name].metadata["choices"]) == list(table), name
+    expected = {f"{n} {c}" for n in tables for c in FIELDS[n].metadata["choices"] if c != FIELDS[n].default}
     assert set(CHOICES) == expected
 
 
