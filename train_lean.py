@@ -1,18 +1,19 @@
 """GRPO on a small causal language model: the whole default step, in this file, top to bottom.
 
     python train_lean.py --batch-size 64          # 8 prompts x 8 completions per step
-    python train_lean.py --task toy --help        # every flag (each also reads GRPO_<FLAG>), the task's included
+    python train_lean.py --task toy --help        # every flag (each also a GRPO_<FLAG> variable)
     torchrun --nproc_per_node 2 train_lean.py ... # data-parallel: each process takes whole groups
 
 Each step: draw prompts, sample groups of completions, score them, turn rewards into group-relative
-advantages, update the policy with a clipped PPO loss plus a k3 KL penalty against a frozen reference,
-token-mean over the mini-batch, micro-batches accumulated, summed over devices. The default of every
-choice is written here; the off-by-default variants are functions in grpo/variants.py, looked up in the
-tables below by their flag's value. Under it: grpo/rollout.py (sampling), grpo/passes.py (the forwards
-without gradient), grpo/decoders.py, grpo/model.py. The harness/ package keeps the run safe and recorded
-(settings, run folder, checkpoints, logs, memory, guards), called by name as `run.<something>`; grpo/ never
-imports it. A call every rank makes together under torchrun is marked `# every rank` wherever it is made
-(tests/test_repository.py checks). The why of each piece: docs/algorithm.md.
+advantages, update the policy with a clipped PPO loss plus a k3 KL penalty against a frozen
+reference, token-mean over the mini-batch, micro-batches accumulated, summed over devices. Every
+choice's default is written here; the off-by-default variants are functions in grpo/variants.py,
+looked up in the tables below by their flag's value. Under it: grpo/rollout.py (sampling),
+grpo/passes.py (the forwards without gradient), grpo/decoders.py, grpo/model.py. The harness/
+package keeps the run safe and recorded (settings, run folder, checkpoints, logs, memory, guards),
+called by name as `run.<something>`; grpo/ never imports it. A call every rank makes together under
+torchrun is marked `# every rank` (tests/test_repository.py checks). Why each piece is as it is:
+docs/algorithm.md.
 """
 import functools
 import math
@@ -30,26 +31,28 @@ from grpo.rollout import informative_groups, sample_groups, stream_seed
 from harness.run import Run
 
 
-# ---- advantages: each completion against the other completions of its prompt --------------------------------
+# ---- advantages: each completion against the other completions of its prompt ---------------------
 
 def group_normalised(r, eps, **_):
-    """r [groups, G]: (r - the group's mean) / (the group's std + eps); 0 for a group whose rewards are all
-    equal (set, not computed: float rounding in the mean cannot leak a gradient)."""
-    return variants.zero_equal_groups((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps), r)
+    """r [groups, G]: (r - the group's mean) / (the group's std + eps); 0 for a group whose rewards
+    are all equal (set, not computed: float rounding in the mean cannot leak a gradient)."""
+    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
+    return variants.zero_equal_groups(adv, r)
 
 
 ADVANTAGES = variants.Table("scale_rewards", {"group": group_normalised, **variants.ADVANTAGES})
 
 
-def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4, parts=None, weights=None):
-    """[N] advantages of the batch's rewards (groups contiguous), and the share of groups whose rewards are
-    all equal. parts [N, K], weights: the reward's parts and their weights, for --scale-rewards gdpo."""
+def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4,
+                     parts=None, weights=None):
+    """[N] advantages of the batch's rewards (groups contiguous), and the share of groups whose
+    rewards are all equal. parts [N, K], weights: the reward's parts, for --scale-rewards gdpo."""
     r = rewards.float().view(-1, group_size)
     adv = ADVANTAGES[scale](r, eps, parts=parts, weights=weights)
     return adv.reshape(-1), (~informative_groups(rewards, group_size)).float().mean().item()
 
 
-# ---- the loss of a micro-batch: clipped surrogate + k3 KL, token-mean over the mini-batch --------------------
+# ---- the loss of a micro-batch: clipped surrogate + k3 KL, token-mean over the mini-batch --------
 
 def token_ratio(logp, old_logp, mask):
     """pi / pi_old of each token."""
@@ -57,7 +60,8 @@ def token_ratio(logp, old_logp, mask):
 
 
 def clipped_surrogate(ratio, t, cfg):
-    """PPO's -min(r A, clip(r, 1 - low, 1 + high) A): no gradient once r has moved past the clip on A's side."""
+    """PPO's -min(r A, clip(r, 1 - low, 1 + high) A): no gradient once r is past the clip on A's
+    side."""
     low, high = variants.clip_bounds(cfg)
     return -torch.minimum(ratio * t.adv, torch.clamp(ratio, 1 - low, 1 + high) * t.adv)
 
@@ -73,7 +77,7 @@ def token_count(mask, cfg):
     return float(mask.sum().item())
 
 
-# the default and the variants of each choice, by the flag's value (a name a table lacks: a ValueError)
+# each choice's default and variants by the flag's value (a name a table lacks: a ValueError)
 RATIOS = variants.Table("importance_level", {"token": token_ratio, **variants.RATIOS})
 POLICY_LOSSES = variants.Table("policy_loss", {"ppo": clipped_surrogate, **variants.POLICY_LOSSES})
 KL_ESTIMATORS = variants.Table("kl_estimator", {"k3": k3, **variants.KL_ESTIMATORS})
@@ -82,21 +86,23 @@ AGGREGATIONS = variants.Table("loss_agg", {"token-mean": (token_count, variants.
 
 
 def loss_denominator(mask, cfg) -> float:
-    """This device's share of a mini-batch's denominator (its loss tokens by default); the caller sums it
-    over devices and passes the total to every micro-batch's grpo_loss."""
+    """This device's share of a mini-batch's denominator (its loss tokens by default); the caller
+    sums it over devices and passes the total to every micro-batch's grpo_loss."""
     return AGGREGATIONS[cfg.loss_agg][0](mask, cfg)
 
 
-def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef: float = None, *,
-              ref_logp=None, entropy=None, pg_mask=None, cov_mask=None, sampler_logp=None, train_logp=None):
-    """One micro-batch's loss, divided by its whole mini-batch's denominator over every device (so summed
-    micro-batch gradients are one large batch's), and its statistics (sums over its loss tokens).
-    kl_coef: the step's (default --kl-coef; none in the loss with --kl-in reward); the keywords: what a
-    variant's term reads (grpo/variants.py)."""
+def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef: float = None,
+              *, ref_logp=None, entropy=None, pg_mask=None, cov_mask=None, sampler_logp=None,
+              train_logp=None):
+    """One micro-batch's loss, divided by its whole mini-batch's denominator over every device (so
+    summed micro-batch gradients are one large batch's), and its statistics (sums over its loss
+    tokens). kl_coef: the step's (default --kl-coef; none in the loss with --kl-in reward); the
+    keywords: what a variant's term reads (grpo/variants.py)."""
     kl_coef = variants.loss_kl_coef(cfg, cfg.kl_coef if kl_coef is None else kl_coef)
     t = variants.tokens(logp=logp, old_logp=old_logp, adv=advantages[:, None].to(logp.dtype),
-                        mask=mask.to(logp.dtype), entropy=entropy, pg_mask=pg_mask, cov_mask=cov_mask,
-                        sampler_logp=sampler_logp, train_logp=logp.detach() if train_logp is None else train_logp)
+                        mask=mask.to(logp.dtype), entropy=entropy, pg_mask=pg_mask,
+                        cov_mask=cov_mask, sampler_logp=sampler_logp,
+                        train_logp=logp.detach() if train_logp is None else train_logp)
     ratio = RATIOS[cfg.importance_level](logp, old_logp, t.mask)
     pg = POLICY_LOSSES[cfg.policy_loss](ratio, t, cfg)
     for term in variants.pg_terms(cfg, t):   # none by default: see pg_terms
@@ -111,60 +117,67 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
 
 
 def statistics(ratio, t, ref_logp, cfg) -> dict:
-    """The micro-batch's sums over its loss tokens; the record divides them by the step's loss tokens."""
+    """The micro-batch's sums over its loss tokens (the record divides by the step's tokens)."""
     with torch.no_grad():
-        ratio, adv = ratio.expand_as(t.logp), t.adv
-        counted = t.mask if t.pg_mask is None else t.mask * t.pg_mask   # tokens with a policy gradient
-        lo, hi = variants.CLIP_EDGES.get(cfg.policy_loss, lambda low, high: (1 - low, 1 + high))(
-            *variants.clip_bounds(cfg))
-        low, high = (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0)   # the clamp decides: no gradient
-        dual = (adv < 0) & (ratio > cfg.dual_clip) if cfg.dual_clip is not None else torch.zeros_like(low)
+        ratio, adv, zeros = ratio.expand_as(t.logp), t.adv, torch.zeros_like(t.logp)
+        counted = t.mask if t.pg_mask is None else t.mask * t.pg_mask   # with a policy gradient
+        edges = variants.CLIP_EDGES.get(cfg.policy_loss, lambda low, high: (1 - low, 1 + high))
+        lo, hi = edges(*variants.clip_bounds(cfg))
+        low, high = (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0)   # clamped: no gradient
+        dual = (adv < 0) & (ratio > (cfg.dual_clip or math.inf))
         stats = {   # the KL always by k3 (low variance), whichever estimator the loss uses
-            "kl": k3(t.logp, ref_logp) if ref_logp is not None else torch.zeros_like(t.logp),
+            "kl": zeros if ref_logp is None else k3(t.logp, ref_logp),
             "clip_frac": (low | high) * counted, "clip_low_frac": low * counted,
-            "clip_high_frac": high * counted, "clip_dual_frac": dual * counted, "ratio_mean": ratio,
-            "approx_kl": (ratio - 1) - torch.log(ratio),   # KL(old || new) from the ratio, as cleanrl logs it
-            "entropy": t.entropy if t.entropy is not None else torch.zeros_like(t.logp)}
+            "clip_high_frac": high * counted, "clip_dual_frac": dual * counted,
+            "ratio_mean": ratio,
+            "approx_kl": (ratio - 1) - torch.log(ratio),   # KL(old || new), as cleanrl logs it
+            "entropy": zeros if t.entropy is None else t.entropy}
         if t.cov_mask is not None:
             stats["cov_frac"] = t.cov_mask * counted   # the tokens Clip-Cov or KL-Cov acted on
-        if t.sampler_logp is not None:   # the sampler/trainer gap; k3 by expm1 (no cancellation below 0)
+        if t.sampler_logp is not None:   # the sampler/trainer gap; k3 by expm1 (no cancellation)
             gap = t.train_logp - t.sampler_logp
-            stats.update(mismatch_kl=torch.expm1(gap) - gap, mismatch_abs=gap.abs(), mismatch_max=gap.abs())
+            stats.update(mismatch_kl=torch.expm1(gap) - gap, mismatch_abs=gap.abs(),
+                         mismatch_max=gap.abs())
             if t.weight is not None:
                 stats.update(mismatch_weight=t.weight.expand_as(t.logp),
                              mismatch_zero_frac=(t.weight == 0).expand_as(t.logp))
-        sums = [(v * t.mask).max() if k == "mismatch_max" else (v * t.mask).sum() for k, v in stats.items()]
+        sums = [(v * t.mask).max() if k == "mismatch_max" else (v * t.mask).sum()
+                for k, v in stats.items()]
         return dict(zip(stats, torch.stack(sums).tolist()))   # one device sync, not one each
 
 
-# ---- the update: mini-batches of micro-batches, gradients summed over devices, one optimizer step each -------
+# ---- the update: mini-batches of micro-batches, gradients summed over devices -------------------
 
 def accumulate(policy, optimizer, batch, rows, micro: int, mask, denominator: float, cfg, autocast,
                kl_coef: float, mix=None, sampler=None, old_trainer=None, **masks) -> Counter:
-    """Forward and backward of one mini-batch (rows), micro rows at a time, then of the pretraining mix
-    (--ptx-coef); returns the summed statistics. sampler: the sampler's logprobs, measured against
-    old_trainer (the trainer's at the sampling weights; None: each forward's own) or None (not measured)."""
+    """Forward and backward of one mini-batch (rows), micro rows at a time, then of the pretraining
+    mix (--ptx-coef); returns the summed statistics. sampler: the sampler's logprobs, measured
+    against old_trainer (the trainer's at the sampling weights; None: each forward's own), or
+    None (not measured)."""
     optimizer.zero_grad(set_to_none=True)
     sums = Counter()
     for part in rows.split(micro):
-        logp, entropy = token_logprobs(policy, batch, part, cfg, autocast, with_entropy=True)
         def pick(x):
             return None if x is None else x[part]
-        loss, stats = grpo_loss(logp, batch.old_logp[part], batch.advantages[part], mask[part], denominator,
-                                cfg, kl_coef, ref_logp=pick(batch.ref_logp), entropy=entropy,
-                                sampler_logp=pick(sampler), train_logp=pick(old_trainer),
+        logp, entropy = token_logprobs(policy, batch, part, cfg, autocast, with_entropy=True)
+        loss, stats = grpo_loss(logp, batch.old_logp[part], batch.advantages[part], mask[part],
+                                denominator, cfg, kl_coef, ref_logp=pick(batch.ref_logp),
+                                entropy=entropy, sampler_logp=pick(sampler),
+                                train_logp=pick(old_trainer),
                                 **{k: pick(v) for k, v in masks.items()})
         loss.backward()
         peak, tokens = stats.pop("mismatch_max", 0.0), mask[part].sum().item()
-        sums.update(stats, loss=loss.item(), tokens=tokens, mismatch_tokens=tokens if sampler is not None else 0)
+        sums.update(stats, loss=loss.item(), tokens=tokens,
+                    mismatch_tokens=tokens if sampler is not None else 0)
         sums["mismatch_max"] = max(sums["mismatch_max"], peak)
     ptx.backward(policy, mix, micro, cfg, autocast, sums)   # nothing without --ptx-coef
     return sums
 
 
-def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: float = None, mix=None) -> dict:
-    """--ppo-epochs passes over the batch in shuffled mini-batches, one optimizer step each; returns the
-    step's record entries. A non-finite update is skipped (guard.step), the weights as they were."""
+def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: float = None,
+           mix=None) -> dict:
+    """--ppo-epochs passes over the batch in shuffled mini-batches, one optimizer step each; returns
+    the step's record entries. A non-finite update is skipped (guard.step), the weights kept."""
     params, kl_coef = trainable_parameters(policy), cfg.kl_coef if kl_coef is None else kl_coef
     B, mini = batch.input_ids.shape[0], layout.mini_batch_per_device
     lengths, mask = batch.attention.sum(1).cpu(), loss_mask(batch, cfg)   # sorted on the host
@@ -173,24 +186,28 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B) if mini < B else torch.arange(B)
         for rows in order.split(mini):
-            # the mismatch is measured where the trainer's logprobs at the sampling weights are known
+            # the mismatch is measured where the trainer's logprobs at the sampling weights are
+            # known
             sampler = None if old_trainer is None and grad_norms else batch.sampler_logp
             # micro-batches of similar length waste less compute on padding
             rows = rows[torch.argsort(lengths[rows], stable=True)].to(batch.input_ids.device)
-            # the denominator is global, so summing gradients over ranks gives the one-process gradient
-            denominator = max(distributed.all_sum([loss_denominator(mask[rows], cfg)])[0], 1)  # every rank
+            # the denominator is global: gradients summed over ranks are the one-process gradient
+            count = loss_denominator(mask[rows], cfg)
+            denominator = max(distributed.all_sum([count])[0], 1)  # every rank
             masks = token_masks(policy, batch, rows, mask, guard, cfg, autocast)  # every rank
             sums = guard.fit(functools.partial(  # every rank
-                accumulate, policy, optimizer, batch, rows, mask=mask, denominator=denominator, cfg=cfg,
-                autocast=autocast, kl_coef=kl_coef, mix=None if mix is None else mix[len(grad_norms)],
-                sampler=sampler, old_trainer=old_trainer, **masks))
+                accumulate, policy, optimizer, batch, rows, mask=mask, denominator=denominator,
+                cfg=cfg, autocast=autocast, kl_coef=kl_coef, sampler=sampler,
+                old_trainer=old_trainer, mix=None if mix is None else mix[len(grad_norms)],
+                **masks))
             distributed.sum_gradients(params)  # every rank
             peaks.append(max(distributed.gather_objects(sums.pop("mismatch_max"))))  # every rank
             names = sorted(sums)
             sums = dict(zip(names, distributed.all_sum([sums[k] for k in names])))  # every rank
             # --max-grad-norm 0 is no clipping: an infinite bound scales by exactly 1
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf).item()
-            skipped += not guard.step(optimizer, params, sums["loss"], grad_norm)   # not finite: skipped
+            bound = cfg.max_grad_norm or math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, bound).item()
+            skipped += not guard.step(optimizer, params, sums["loss"], grad_norm)   # not finite
             totals.update(sums)
             grad_norms.append(grad_norm)
     return record(totals, grad_norms, skipped, peaks, mix)
@@ -204,74 +221,82 @@ def record(totals, grad_norms, skipped: int, peaks, mix) -> dict:
     out = {"loss": totals.pop("loss") / updates, "mismatch_max": max(peaks),
            **{k: v / (measured if k.startswith("mismatch") else tokens) for k, v in totals.items()},
            "grad_norm": sum(grad_norms) / updates, "skipped_nonfinite": skipped}
-    if mix is not None:   # the mix's mean loss per learned token (not times --ptx-coef), its texts cut
+    if mix is not None:   # the mix's mean loss per learned token (not x --ptx-coef), its texts cut
         out.update(ptx_loss=ptx_nll / ptx_tokens, ptx_cut=sum(b.cut for b in mix))
     return out
 
 
-# ---- the run: every step in order ----------------------------------------------------------------------
+# ---- the run: every step in order ---------------------------------------------------------------
 
 def main(argv=None):
     # every setting checked (a bad one exits 2 with one line), OUT_DIR locked, the devices joined
     run = Run(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)  # every rank
-    cfg, layout, device = run.cfg, run.layout, run.device
-    with run:   # every way out closes what the run opened; a failure after a completed step saves that step
-        task, mix_source = run.open_task()   # mix_source: --ptx-coef's texts (n, rng) -> n texts, or None
-        policy, reference, tokenizer = run.load_models()   # reference: a frozen copy of the start, None without KL
+    cfg, layout = run.cfg, run.layout
+    with run:   # every way out closes what the run opened; a failure after a step saves that step
+        task, mix_source = run.open_task()   # mix_source: --ptx-coef's texts, or None
+        policy, reference, tokenizer = run.load_models()   # reference: None without a KL term
         if cfg.eval_only:
             return run.evaluate_only()
         optimizer = make_optimizer(policy, cfg)   # AdamW, or --optimizer muon (grpo/optim.py)
-        kl = variants.AdaptiveKL(cfg)   # --kl-coef, or with --kl-target where the controller has it
+        kl = variants.AdaptiveKL(cfg)   # --kl-coef; with --kl-target a controller's, checkpointed
         guard = run.start_training(optimizer, kl)  # every rank
-        sample = functools.partial(sample_groups, policy, tokenizer, group_size=cfg.group_size,
-                                   prepend_bos=run.prepend_bos, generation_batch=layout.generation_batch,
-                                   max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                   top_k=cfg.top_k, top_p=cfg.top_p, min_new_tokens=cfg.min_new_tokens,
-                                   autocast=run.autocast, device=device, compile=cfg.compile == "on")
+        sample = functools.partial(
+            sample_groups, policy, tokenizer, group_size=cfg.group_size,
+            prepend_bos=run.prepend_bos, generation_batch=layout.generation_batch,
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+            top_p=cfg.top_p, min_new_tokens=cfg.min_new_tokens, autocast=run.autocast,
+            device=run.device, compile=cfg.compile == "on")
         for step in run.steps():  # every rank   (checkpoints, a stop on Ctrl-C, the final model)
-            rec, batch = train_step(step, run, task, mix_source, sample, policy, reference, tokenizer,
-                                    optimizer, guard, kl)  # every rank
-            run.end_step(rec, batch)   # the record, the console line, the held-out evaluation when due
+            rec, batch = train_step(  # every rank
+                step, run, task, mix_source, sample, policy, reference, tokenizer, optimizer,
+                guard, kl)
+            run.end_step(rec, batch)   # the record, the console line, the evaluation when due
 
 
-def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer, optimizer, guard, kl):
+def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer, optimizer,
+               guard, kl):
     """One GRPO step on this rank's share: its record (the stages add to it) and its batch."""
     cfg, layout, rank, world = run.cfg, run.layout, run.rank, run.world
     G, P, B = cfg.group_size, layout.prompts_per_device, layout.completions_per_device
     rec, rng = {"step": step}, random.Random(stream_seed(cfg.seed, step))
 
-    def draw(round: int):   # prompts, then G completions each; a later round's rows past every earlier's
+    def draw(round: int):   # prompts, G completions each; a later round's rows past earlier ones
         prompts = task.prompts(layout.prompts_per_step, rng)[rank * P:(rank + 1) * P]
-        return sample(prompts, seed=stream_seed(cfg.seed, step), first_row=(round * world + rank) * B)
-    # ---- rollout: G completions per prompt, sampled ids and logprobs kept ----------------------------------
+        first_row = (round * world + rank) * B
+        return sample(prompts, seed=stream_seed(cfg.seed, step), first_row=first_row)
+    # ---- rollout: G completions per prompt, sampled ids and logprobs kept -----------------------
     batch = draw(0)
     run.phase_done("gen")
-    # ---- rewards: the task scores the decoded text; a failing reward gets min_reward -----------------------
+    # ---- rewards: the task scores the decoded text; a failing reward gets min_reward ------------
     batch, counts = variants.dynamic_sampling(  # every rank   (DAPO's more rounds, when set)
-        batch.score(run.scorer), lambda n: draw(n).score(run.scorer), cfg, G, P, tokenizer.eos_token_id)
+        batch.score(run.scorer), lambda n: draw(n).score(run.scorer), cfg, G, P,
+        tokenizer.eos_token_id)
     rec.update(counts)
     run.phase_done("score")
-    # ---- reference logprobs, once per row: the KL penalty ---------------------------------------------------
+    # ---- reference logprobs, once per row: the KL penalty ----------------------------------------
     if reference is not None:
-        batch.ref_logp = reference_logprobs(reference, batch, cfg, run.autocast, guard)  # every rank
-    batch.penalties.update(variants.penalties(batch, cfg, kl.coef, KL_ESTIMATORS))   # none by default
+        batch.ref_logp = reference_logprobs(  # every rank
+            reference, batch, cfg, run.autocast, guard)
+    batch.penalties.update(variants.penalties(batch, cfg, kl.coef, KL_ESTIMATORS))   # none: default
     batch.shape()   # shaped_rewards: the rewards less the penalties
     run.phase_done("ref")
-    # ---- advantages: each completion against its group, every rank's groups --------------------------------
+    # ---- advantages: each completion against its group, every rank's groups ---------------------
     rewards = torch.cat(distributed.gather_objects(batch.shaped_rewards))  # every rank
     parts = None if cfg.scale_rewards != "gdpo" else torch.cat(  # GDPO: each part, weighted
         distributed.gather_objects(torch.tensor(batch.reward_parts)))  # every rank
     adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.scale_rewards, parts=parts,
                                                  weights=list(run.scorer.weights.values()))
     batch.advantages = adv[rank * B:(rank + 1) * B].to(run.device)
-    run.check_rewards(step, batch, rec)  # every rank   (failures shown; every reward failed: the run stops)
-    # ---- update: clipped PPO surrogate + KL, mini-batches of micro-batches -------------------------------
+    run.check_rewards(step, batch, rec)  # every rank   (shown; every reward failed: the run stops)
+    # ---- update: clipped PPO surrogate + KL, mini-batches of micro-batches ----------------------
     rec["lr"] = learning_rate(step, cfg)   # --lr-scheduler, after its warmup
     for group in optimizer.param_groups:
         group["lr"] = rec["lr"]
-    mix = ptx.step_mix(mix_source, stream_seed(cfg.seed, step), layout.updates_per_step,  # --ptx-coef's
-                       cfg.ptx_batch_size, tokenizer, run.prepend_bos, run.context, run.device, rank, world)
-    rec.update(update(policy, optimizer, batch, cfg, layout, run.autocast, guard, kl.coef, mix))  # every rank
+    mix = ptx.step_mix(  # --ptx-coef's texts of each update, or None
+        mix_source, stream_seed(cfg.seed, step), layout.updates_per_step, cfg.ptx_batch_size,
+        tokenizer, run.prepend_bos, run.context, run.device, rank, world)
+    rec.update(update(  # every rank
+        policy, optimizer, batch, cfg, layout, run.autocast, guard, kl.coef, mix))
     rec.update(kl.after_step(rec["kl"], cfg.batch_size))   # --kl-target moves the coefficient
     variants.follow_policy(reference, policy, step, cfg)   # --ref-sync-steps: the reference follows
     return rec, batch

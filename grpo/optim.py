@@ -1,9 +1,11 @@
-"""The optimizer (--optimizer): AdamW, or Muon for the hidden weight matrices and AdamW for the rest.
+"""The optimizer (--optimizer): AdamW, or Muon for the hidden weight matrices and AdamW for the
+rest.
 
-Muon (torch.optim.Muon) orthogonalises each 2-D update (Newton-Schulz); it is made for the matrices inside the
-network. The embeddings and the output head (rows that are tokens, a lookup and a classifier), biases and norms stay
-with AdamW, as nanochat, prime-rl and Muon's authors split them. Muon's updates are scaled to AdamW's size
-(adjust_lr_fn "match_rms_adamw", Moonshot's), so --learning-rate and --weight-decay serve both.
+Muon (torch.optim.Muon) orthogonalises each 2-D update (Newton-Schulz); it is made for the matrices
+inside the network. The embeddings and the output head (rows that are tokens, a lookup and a
+classifier), biases and norms stay with AdamW, as nanochat, prime-rl and Muon's authors split them.
+Muon's updates are scaled to AdamW's size (adjust_lr_fn "match_rms_adamw", Moonshot's), so
+--learning-rate and --weight-decay serve both.
 """
 import math
 
@@ -18,8 +20,9 @@ OPTIMIZERS = {  # --optimizer
 
 
 class Optimizers:
-    """Optimizers over disjoint parameters, stepped as one: the part of torch.optim.Optimizer the trainer uses
-    (param_groups for the learning rate, state, zero_grad, step, a state dict for checkpoints, a step hook)."""
+    """Optimizers over disjoint parameters, stepped as one: the part of torch.optim.Optimizer the
+    trainer uses (param_groups for the learning rate, state, zero_grad, step, a state dict for
+    checkpoints, a step hook)."""
 
     def __init__(self, parts: list):
         self.parts = parts
@@ -78,7 +81,7 @@ def make_optimizer(model, cfg):
     return Optimizers(parts)
 
 
-# ---- the learning rate of each step ----------------------------------------------------------------------
+# ---- the learning rate of each step --------------------------------------------------------------
 
 LR_SCHEDULES = {  # --lr-scheduler
     "constant": "--learning-rate throughout",
@@ -88,13 +91,14 @@ LR_SCHEDULES = {  # --lr-scheduler
 
 
 def learning_rate(step: int, cfg) -> float:
-    """The learning rate of training step `step` (1, 2, ... cfg.steps): a function of the step alone, so a
-    resumed run continues the schedule exactly.
+    """The learning rate of training step `step` (1, 2, ... cfg.steps): a function of the step
+    alone, so a resumed run continues the schedule exactly.
 
-    Warmup W steps (--lr-warmup-steps, or --lr-warmup-ratio x --steps rounded): step s <= W trains at
-    s / W x the rate, the last of them at the full rate. Then the schedule runs over the remaining steps
-    with progress p = (s - W - 1) / (steps - W): the first step after the warmup trains at the full rate,
-    and the last one still above the floor (min_lr_ratio x the rate), none at zero.
+    Warmup W steps (--lr-warmup-steps, or --lr-warmup-ratio x --steps rounded): step s <= W trains
+    at s / W x the rate, the last of them at the full rate. Then the schedule runs over the
+    remaining steps with progress p = (s - W - 1) / (steps - W): the first step after the warmup
+    trains at the full rate, and the last one still above the floor (min_lr_ratio x the rate), none
+    at zero.
     """
     base = cfg.learning_rate
     warmup = cfg.lr_warmup_steps or round(cfg.lr_warmup_ratio * cfg.steps)

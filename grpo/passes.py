@@ -1,8 +1,9 @@
-"""The forward passes without gradient that a step makes besides its update (train_lean.py): the reference's
-logprobs of every completion token, and what a variant needs over a whole mini-batch before its
-micro-batches run (the top-entropy and Clip-Cov / KL-Cov tokens, the trainer's logprobs at the sampling
-weights). Each runs under guard.fit (harness/guards.py: retried with fewer rows after an out-of-memory,
-every rank agreeing), so none holds a collective inside it; the gathers that follow are marked `# every rank`.
+"""The forward passes without gradient that a step makes besides its update (train_lean.py): the
+reference's logprobs of every completion token, and what a variant needs over a whole mini-batch
+before its micro-batches run (the top-entropy and Clip-Cov / KL-Cov tokens, the trainer's logprobs
+at the sampling weights). Each runs under guard.fit (harness/guards.py: retried with fewer rows
+after an out-of-memory, every rank agreeing), so none holds a collective inside it; the gathers that
+follow are marked `# every rank`.
 """
 import functools
 
@@ -14,8 +15,8 @@ from grpo.model import completion_logprobs, logprob_temperature, reference_weigh
 
 
 def token_logprobs(model, batch, rows, cfg, autocast, with_entropy: bool = False):
-    """The logprobs of the completion tokens of batch's `rows` under model, at the sampling temperature [rows, T];
-    with_entropy also the entropy of each position's distribution."""
+    """The logprobs of the completion tokens of batch's `rows` under model, at the sampling
+    temperature [rows, T]; with_entropy also the entropy of each position's distribution."""
     return completion_logprobs(model, batch.input_ids[rows], batch.attention[rows], batch.completion_len,
                                logprob_temperature(cfg.temperature), cfg.logprob_chunk_size, autocast,
                                with_entropy=with_entropy)
@@ -36,8 +37,8 @@ def _no_grad_pass(model, batch, micro: int, cfg, autocast, rows=None,
 
 
 def reference_logprobs(reference, batch, cfg, autocast, guard) -> torch.Tensor:
-    """The reference's logprobs of every completion token, micro rows at a time. reference: a frozen copy, or
-    with LoRA the PeftModel (its adapters switched off)."""
+    """The reference's logprobs of every completion token, micro rows at a time. reference: a frozen
+    copy, or with LoRA the PeftModel (its adapters switched off)."""
     with reference_weights(reference) as model:  # with LoRA: the policy, adapters off
         return guard.fit(  # every rank
             functools.partial(_no_grad_pass, model, batch, cfg=cfg, autocast=autocast))
@@ -59,8 +60,8 @@ def _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, entropy: bool) -
 
 
 def high_entropy_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> torch.Tensor:
-    """[B, T] bool: the tokens of the mini-batch `rows` among its top --top-entropy-quantile by entropy, the
-    threshold taken over the mini-batch of every device before any micro-batch runs."""
+    """[B, T] bool: the tokens of the mini-batch `rows` among its top --top-entropy-quantile by
+    entropy, the threshold taken over the mini-batch of every device before any micro-batch runs."""
     entropy = _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, True)  # every rank
     carried = mask[rows].bool()
     every = distributed.gather_objects(entropy[carried].cpu())  # every rank
@@ -71,8 +72,9 @@ def high_entropy_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> torc
 
 
 def high_covariance_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> torch.Tensor:
-    """[B, T] bool: the tokens of the mini-batch `rows` that --policy-loss clip-cov or kl-cov acts on, chosen over the
-    mini-batch of every device (covariance_tokens) before any micro-batch runs."""
+    """[B, T] bool: the tokens of the mini-batch `rows` that --policy-loss clip-cov or kl-cov acts
+    on, chosen over the mini-batch of every device (covariance_tokens) before any micro-batch runs.
+    """
     logp = _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, False)  # every rank
     carried = mask[rows].bool()
     adv = batch.advantages[rows][:, None].expand_as(logp)
@@ -86,9 +88,9 @@ def high_covariance_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> t
 
 
 def token_masks(policy, batch, rows, mask, guard, cfg, autocast) -> dict:
-    """The tokens of the mini-batch `rows` a variant's term acts on, chosen over every device's rows before
-    its micro-batches run: pg_mask (--top-entropy-quantile) and cov_mask (--policy-loss clip-cov, kl-cov),
-    each None when off."""
+    """The tokens of the mini-batch `rows` a variant's term acts on, chosen over every device's rows
+    before its micro-batches run: pg_mask (--top-entropy-quantile) and cov_mask (--policy-loss
+    clip-cov, kl-cov), each None when off."""
     masks = {"pg_mask": None, "cov_mask": None}
     if cfg.top_entropy_quantile < 1:
         masks["pg_mask"] = high_entropy_tokens(  # every rank
@@ -100,8 +102,8 @@ def token_masks(policy, batch, rows, mask, guard, cfg, autocast) -> dict:
 
 
 def trainer_logprobs(policy, batch, cfg, layout, autocast, guard):
-    """The trainer's logprobs at the weights that sampled, for --mismatch-correction on a step of several
-    updates (each forward gives them itself until the first optimizer step); else None."""
+    """The trainer's logprobs at the weights that sampled, for --mismatch-correction on a step of
+    several updates (each forward gives them itself until the first optimizer step); else None."""
     if cfg.mismatch_correction == "none" or layout.updates_per_step == 1:
         return None
     return guard.fit(  # every rank

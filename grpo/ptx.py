@@ -1,12 +1,14 @@
-"""The pretraining mix (--ptx-coef, InstructGPT's PPO-ptx): text that each update also learns by next-token loss,
-so that a skill the reward does not train is not forgotten while the weights it shares move.
+"""The pretraining mix (--ptx-coef, InstructGPT's PPO-ptx): text that each update also learns by
+next-token loss, so that a skill the reward does not train is not forgotten while the weights it
+shares move.
 
-The text comes from --ptx-file (each non-empty line a text) or from the task's optional demonstrations(n, rng): n
-texts, each a string or a (context, target) pair, such as a prompt and its answer. A string is learned whole; a
-pair's context is read, not learned. Each is encoded as a prompt is (the BOS first when prompts get one), followed
-by EOS, which is learned too. A step's texts are drawn with an rng seeded by (seed, step), so a resumed run learns
-the same text; every device encodes all of them and takes its share, so the loss denominator 
-needs no collective (ptx_loss).
+The text comes from --ptx-file (each non-empty line a text) or from the task's optional
+demonstrations(n, rng): n texts, each a string or a (context, target) pair, such as a prompt and its
+answer. A string is learned whole; a pair's context is read, not learned. Each is encoded as a
+prompt is (the BOS first when prompts get one), followed by EOS, which is learned too. A step's
+texts are drawn with an rng seeded by (seed, step), so a resumed run learns the same text; every
+device encodes all of them and takes its share, so the loss denominator needs no collective
+(ptx_loss).
 """
 import random
 from dataclasses import dataclass
@@ -19,8 +21,9 @@ from grpo.rollout import left_pad, start_ids
 
 @dataclass
 class PtxBatch:
-    """Texts for one optimizer update: input_ids and attention [N, L] (left padded), target [N, L - 1] (1 where the
-    token after a position is learned) and tokens, the number of learned tokens in every device's share together."""
+    """Texts for one optimizer update: input_ids and attention [N, L] (left padded), target
+    [N, L - 1] (1 where the token after a position is learned) and tokens, the number of learned
+    tokens in every device's share together."""
     input_ids: torch.Tensor
     attention: torch.Tensor
     target: torch.Tensor
@@ -34,9 +37,9 @@ class PtxBatch:
 
 
 def encode(texts, tokenizer, prepend_bos: bool, context: int | None, device=None) -> PtxBatch:
-    """One update's texts as a batch: [BOS] + context + target + EOS, the target and EOS learned; a text longer
-    than the model's context keeps its first `context` tokens (counted in cut). ValueError for a pair whose context
-    alone leaves no position for its target."""
+    """One update's texts as a batch: [BOS] + context + target + EOS, the target and EOS learned; a
+    text longer than the model's context keeps its first `context` tokens (counted in cut).
+    ValueError for a pair whose context alone leaves no position for its target."""
     pairs = [("", t) if isinstance(t, str) else tuple(t) for t in texts]
     eos, bos = tokenizer.eos_token_id, start_ids(tokenizer, prepend_bos)
     rows, learned, cut = [], [], 0
@@ -60,8 +63,9 @@ def encode(texts, tokenizer, prepend_bos: bool, context: int | None, device=None
 
 def step_batches(source, step_seed: int, updates: int, per_update: int, tokenizer, prepend_bos: bool, context,
                  device=None) -> list[PtxBatch]:
-    """The texts of every optimizer update of a step, drawn from (seed, step) alone: source(n, rng) gives n texts,
-    each a string or a (context, target) pair (harness/task.py mix_source checks what a task returns)."""
+    """The texts of every optimizer update of a step, drawn from (seed, step) alone: source(n, rng)
+    gives n texts, each a string or a (context, target) pair (harness/task.py mix_source checks what
+    a task returns)."""
     texts = source(updates * per_update, random.Random(f"ptx {step_seed}"))   # apart from the prompts' stream
     return [encode(texts[u * per_update:(u + 1) * per_update], tokenizer, prepend_bos, context, device)
             for u in range(updates)]
@@ -77,16 +81,18 @@ def step_mix(source, step_seed: int, updates: int, per_update: int, tokenizer, p
 
 
 def ptx_loss(logp: torch.Tensor, target: torch.Tensor, denominator: float, coef: float):
-    """One micro-batch's term: coef x the next-token loss of its target tokens (logp, target [N, L]), divided
-    by the update's target tokens over every device, so micro-batches and devices sum to coef x the mean
-    loss per target token. Returns (loss, the summed negative log-likelihood, detached)."""
+    """One micro-batch's term: coef x the next-token loss of its target tokens (logp, target
+    [N, L]), divided by the update's target tokens over every device, so micro-batches and devices
+    sum to coef x the mean loss per target token. Returns (loss, the summed negative log-likelihood,
+    detached)."""
     nll = -(logp * target).sum()
     return coef * nll / denominator, nll.detach()
 
 
 def backward(policy, mix, micro: int, cfg, autocast, sums) -> None:
-    """Forward and backward of this device's share of an update's texts (mix, a PtxBatch, or None: nothing),
-    micro rows at a time; adds loss, ptx_nll and ptx_tokens to sums (every device reports them, zero too)."""
+    """Forward and backward of this device's share of an update's texts (mix, a PtxBatch, or None:
+    nothing), micro rows at a time; adds loss, ptx_nll and ptx_tokens to sums (every device reports
+    them, zero too)."""
     if mix is None:
         return
     sums.update(ptx_nll=0.0, ptx_tokens=0)

@@ -1,10 +1,10 @@
-"""Rollout: the step's record (Rollout) and how it is sampled: prompts tokenized, groups of completions drawn with a
-KV cache (grpo/decoders.py), the sampled ids and logprobs kept; and DAPO's dynamic sampling, which builds the
-batch from several rounds.
+"""Rollout: the step's record (Rollout) and how it is sampled: prompts tokenized, groups of
+completions drawn with a KV cache (grpo/decoders.py), the sampled ids and logprobs kept; and DAPO's
+dynamic sampling, which builds the batch from several rounds.
 
-The sampled token ids are what the trainer scores; text is decoded only for the reward. Re-tokenising
-decoded text would give different tokens (BPE is not a bijection on what a model can emit), and the
-logprobs would then belong to a sequence the policy never sampled.
+The sampled token ids are what the trainer scores; text is decoded only for the reward.
+Re-tokenising decoded text would give different tokens (BPE is not a bijection on what a model can
+emit), and the logprobs would then belong to a sequence the policy never sampled.
 """
 import dataclasses
 from collections import Counter
@@ -16,7 +16,8 @@ from grpo.model import context_length
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[groups] bool: whether a group's rewards are not all equal (only such a group has advantages).
+    """[groups] bool: whether a group's rewards are not all equal (only such a group has
+    advantages).
 
     Rows of one group are contiguous. Exact equality, not a tolerance: a group is uninformative
     exactly when the advantages set its advantages to 0 (grpo/variants.py zero_equal_groups).
@@ -26,8 +27,9 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def stream_seed(seed: int, index: int) -> int:
-    """The seed of item `index` of a stream seeded by `seed` (a step's prompts, a row's sampling): a function of
-    the two alone, so a resumed run or another device count draws what one uninterrupted process draws."""
+    """The seed of item `index` of a stream seeded by `seed` (a step's prompts, a row's sampling): a
+    function of the two alone, so a resumed run or another device count draws what one uninterrupted
+    process draws."""
     return seed * 1_000_003 + index
 
 
@@ -46,9 +48,9 @@ def start_ids(tokenizer, prepend_bos: bool) -> list:
 def encode_prompts(tokenizer, prompts, prepend_bos: bool, max_new_tokens: int = 0, context: int | None = None) -> list:
     """Token ids of each prompt; with prepend_bos, the tokenizer's BOS (GPT-2: <|endoftext|>) first.
 
-    With context (the model's positions, grpo/model.py context_length) each prompt must leave room for
-    max_new_tokens: past it a learned-position model indexes outside its embeddings. Else a ValueError
-    naming the prompt, its length, the limit and what to change."""
+    With context (the model's positions, grpo/model.py context_length) each prompt must leave room
+    for max_new_tokens: past it a learned-position model indexes outside its embeddings. Else a
+    ValueError naming the prompt, its length, the limit and what to change."""
     ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"] if len(prompts) else []
     ids = [start_ids(tokenizer, prepend_bos) + row for row in ids]
     for prompt, row in zip(prompts, ids):
@@ -76,14 +78,16 @@ def left_pad(rows, pad_id: int, device=None):
 
 @dataclasses.dataclass
 class Rollout:
-    """One step's batch on this device, the record its stages fill in turn: sampled (prompts, completions,
-    their ids and logprobs), then scored (rewards), then shaped (penalties, shaped_rewards), then the reference's
-    logprobs, then the advantages. The rows of a group are contiguous.
+    """One step's batch on this device, the record its stages fill in turn: sampled (prompts,
+    completions, their ids and logprobs), then scored (rewards), then shaped (penalties,
+    shaped_rewards), then the reference's logprobs, then the advantages. The rows of a group are
+    contiguous.
 
-    input_ids = prompt_ids + completion_ids and attention = prompt_mask + completion_mask, side by side:
-    the prompts left-padded to a common width, the completions right-padded with EOS after each row's
-    first EOS (the mask hides it). A field you add (a list per row, a [B] tensor, a [B, T] completion tensor or
-    a [B, prompt width + T] one) is carried by select_rows as these are."""
+    input_ids = prompt_ids + completion_ids and attention = prompt_mask + completion_mask, side by
+    side: the prompts left-padded to a common width, the completions right-padded with EOS after
+    each row's first EOS (the mask hides it). A field you add (a list per row, a [B] tensor, a
+    [B, T] completion tensor or a [B, prompt width + T] one) is carried by select_rows as these are.
+    """
     prompts: list            # the prompt of each row
     texts: list              # each completion decoded, for the reward only (never re-tokenised)
     input_ids: torch.Tensor          # [B, prompt width + T]
@@ -92,7 +96,8 @@ class Rollout:
     old_logp: torch.Tensor           # [B, T] the sampling logprobs, the policy's own (PPO's pi_old)
     truncated: torch.Tensor          # [B] bool: stopped by max_new_tokens before an EOS
     rewards: torch.Tensor = None     # [B] float32 on the host: what the task gave, never changed after
-    # [B] each, by name: what reward shaping takes off the task's rewards (--overlong-buffer, --kl-in reward)
+    # [B] each, by name: what reward shaping takes off the task's rewards (--overlong-buffer,
+    # --kl-in reward)
     penalties: dict = dataclasses.field(default_factory=dict)
     shaped_rewards: torch.Tensor = None  # [B] what the advantages are made of: rewards less every penalty
     components: dict = dataclasses.field(default_factory=dict)   # the reward's parts (reward_breakdown), means
@@ -100,8 +105,9 @@ class Rollout:
     errors: dict = dataclasses.field(default_factory=dict)       # failed rewards by kind
     ref_logp: torch.Tensor = None    # [B, T] the frozen reference's, when the run has a KL penalty
     advantages: torch.Tensor = None  # [B] on the device
-    # [B, T] under the distribution sampled from, which --top-k, --top-p and --min-new-tokens truncate and renormalise
-    # (old_logp itself when nothing truncates): the sampler side of the mismatch (grpo/variants.py mismatch_weight)
+    # [B, T] under the distribution sampled from, which --top-k, --top-p and --min-new-tokens
+    # truncate and renormalise (old_logp itself when nothing truncates): the sampler side of the
+    # mismatch (grpo/variants.py mismatch_weight)
     sampler_logp: torch.Tensor = None
 
     def shape(self) -> "Rollout":
@@ -149,9 +155,9 @@ def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_
                   min_new_tokens: int, autocast, device, compile: bool = False) -> Rollout:
     """group_size completions of each prompt, generation_batch rows at a time.
 
-    Each chunk's sampling is seeded by seed and the chunk's first row in the global batch (first_row plus
-    its offset here): the rollouts depend neither on the number of devices (for the same generation batch) nor on
-    a resume."""
+    Each chunk's sampling is seeded by seed and the chunk's first row in the global batch (first_row
+    plus its offset here): the rollouts depend neither on the number of devices (for the same
+    generation batch) nor on a resume."""
     eos = tokenizer.eos_token_id
     ids = encode_prompts(tokenizer, prompts, prepend_bos, max_new_tokens, context_length(policy.config))
     prompt_ids, prompt_mask = left_pad(ids, eos, device)
@@ -179,7 +185,7 @@ def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_
                    truncated=truncated_rows(completion_ids, completion_mask, eos))
 
 
-# ---- DAPO's dynamic sampling: the batch made of the informative groups of several rounds -----------------
+# ---- DAPO's dynamic sampling: the batch made of the informative groups of several rounds ---------
 
 def missing_groups(round_rewards: list, group_size: int, groups: int) -> int:
     """How many informative groups the rounds so far lack for a batch of `groups` (0: enough)."""
@@ -215,10 +221,11 @@ def mean_components(parts: list) -> dict:
 
 
 def select_rows(rollouts: list, rows: torch.Tensor, pad_id: int) -> Rollout:
-    """Rows of several rollouts (indices into their rows in order) as one Rollout, every per-row field carried:
-    lists picked, [B] tensors indexed, [B, T] completion tensors right-padded to the widest T, and [B, prompt + T]
-    tensors re-padded on both sides (input_ids with pad_id, others with 0). The padding is masked and positions
-    come from the mask, so every row's logprobs are unchanged. Other fields (dicts) start empty."""
+    """Rows of several rollouts (indices into their rows in order) as one Rollout, every per-row
+    field carried: lists picked, [B] tensors indexed, [B, T] completion tensors right-padded to the
+    widest T, and [B, prompt + T] tensors re-padded on both sides (input_ids with pad_id, others
+    with 0). The padding is masked and positions come from the mask, so every row's logprobs are
+    unchanged. Other fields (dicts) start empty."""
     widths = [r.input_ids.shape[1] - r.completion_len for r in rollouts]
     P, T = max(widths), max(r.completion_len for r in rollouts)
     pad, pick = torch.nn.functional.pad, rows.tolist()
@@ -244,9 +251,9 @@ def select_rows(rollouts: list, rows: torch.Tensor, pad_id: int) -> Rollout:
 
 
 def merge(rounds: list, group_size: int, groups: int, pad_id: int):
-    """DAPO's dynamic sampling: the batch of `groups` groups from scored generation rounds (merge_rounds chooses
-    them, informative ones first), with the rounds' reward components averaged and errors summed; returns (batch,
-    merge_rounds' counts)."""
+    """DAPO's dynamic sampling: the batch of `groups` groups from scored generation rounds
+    (merge_rounds chooses them, informative ones first), with the rounds' reward components averaged
+    and errors summed; returns (batch, merge_rounds' counts)."""
     rows, counts = merge_rounds([r.rewards for r in rounds], group_size, groups)
     batch = select_rows(rounds, rows, pad_id)
     batch.components = mean_components([r.components for r in rounds])

@@ -1,7 +1,8 @@
-"""The off-by-default variants of the GRPO step (train_lean.py holds the default), each a small function
-in a table keyed by its flag value. The step looks the chosen one up; a new variant is one function, one
-entry, and a formula test in tests/grpo/ (tests/grpo/test_algorithm.py lists them). Why each exists and
-how they relate (the KL estimators and where they go, the sampler mismatch, TRL's names): docs/algorithm.md.
+"""The off-by-default variants of the GRPO step (train_lean.py holds the default), each a small
+function in a table keyed by its flag value. The step looks the chosen one up; a new variant is one
+function, one entry, and a formula test in tests/grpo/ (tests/grpo/test_algorithm.py lists them).
+Why each exists and how they relate (the KL estimators and where they go, the sampler mismatch,
+TRL's names): docs/algorithm.md.
 
 A table's help text is its functions' docstrings (harness/config.py lists them under each flag), the
 default's first: DEFAULTS names what train_lean.py computes for each flag.
@@ -19,43 +20,47 @@ from grpo.rollout import informative_groups, merge, missing_groups
 DEFAULTS = {
     "scale_rewards": ("group", "(r - the group's mean) / (the group's std + eps)"),
     "importance_level": ("token", "pi / pi_old per token (PPO, GRPO)"),
-    "policy_loss": ("ppo", "the clipped surrogate -min(r A, clip(r, 1 - clip-range, 1 + clip-range-high) A) "
+    "policy_loss": ("ppo", "the clipped surrogate "
+                           "-min(r A, clip(r, 1 - clip-range, 1 + clip-range-high) A) "
                            "(PPO, GRPO)"),
     "kl_estimator": ("k3", "exp(d) - d - 1 with d = ref_logp - logp"),
     "kl_in": ("loss", "per token in the loss"),
     "loss_agg": ("token-mean", "over the mini-batch's loss tokens"),
-    "mismatch_correction": ("none", "none (the gap is measured in every record: mismatch_kl, mismatch_abs, "
+    "mismatch_correction": ("none", "none (the gap is measured in every record: mismatch_kl, "
+                                    "mismatch_abs, "
                                     "mismatch_max)"),
 }
 
 
 class Table(dict):
-    """A flag's choices, name -> function (the default's first): a name it lacks is a ValueError naming it."""
+    """A flag's choices, name -> function (the default's first); a name it lacks: a ValueError."""
 
     def __init__(self, flag: str, entries: dict):
         super().__init__(entries)
         self.flag = flag
 
     def __missing__(self, name):
-        raise ValueError(f"--{self.flag.replace('_', '-')} {name!r} is not one of {', '.join(self)}")
+        flag = "--" + self.flag.replace("_", "-")
+        raise ValueError(f"{flag} {name!r} is not one of {', '.join(self)}")
 
 
 def choices(flag: str, table: dict) -> dict:
-    """flag's choices for the CLI: name -> what it does, the default's first, then each variant's (its
-    docstring, or the table's words)."""
+    """flag's choices for the CLI: name -> what it does, the default's first, then each variant's
+    (its docstring, or the table's words)."""
     name, what = DEFAULTS[flag]
     def words(v):   # AGGREGATIONS' entries are (denominator, loss): the first's docstring
-        return v if isinstance(v, str) else " ".join((v[0] if isinstance(v, tuple) else v).__doc__.split())
+        v = v[0] if isinstance(v, tuple) else v
+        return v if isinstance(v, str) else " ".join(v.__doc__.split())
     return {name: what, **{k: words(v) for k, v in table.items()}}
 
 
 def zero_equal_groups(adv: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """adv [groups, G] with exactly 0 for a group whose rewards r are all equal (set, not computed, so float
-    rounding in a mean cannot leak a tiny gradient)."""
+    """adv [groups, G] with exactly 0 for a group whose rewards r are all equal (set, not computed,
+    so float rounding in a mean cannot leak a tiny gradient)."""
     return adv.masked_fill(~informative_groups(r.reshape(-1), r.shape[1])[:, None], 0.0)
 
 
-# ---- advantages (--scale-rewards): r [groups, G] float -> [groups, G] ----------------------------------------
+# ---- advantages (--scale-rewards): r [groups, G] float -> [groups, G] ----------------------------
 
 def batch_std(r, eps, **_):
     """(r - the group's mean) / (the whole batch's std + eps), every device's rows"""
@@ -73,30 +78,32 @@ def rloo(r, eps, **_):
 
 
 def reinforce_pp(r, eps, **_):
-    """(r - the whole batch's mean) / (the batch's std + eps), every device's rows (REINFORCE++): a global
-    baseline, so a group whose rewards are all equal still gets advantages"""
+    """(r - the whole batch's mean) / (the batch's std + eps), every device's rows (REINFORCE++): a
+    global baseline, so a group whose rewards are all equal still gets advantages"""
     return (r - r.mean()) / (r.std() + eps)
 
 
 def reinforce_pp_baseline(r, eps, **_):
-    """(r - the group's mean) / (the batch's std of those differences + eps) (REINFORCE++-baseline)"""
+    """(r - the group's mean) / (the batch's std of those differences + eps)
+    (REINFORCE++-baseline)"""
     adv = r - r.mean(1, keepdim=True)
     return zero_equal_groups(adv / (adv.std() + eps), r)
 
 
 def maxrl(r, eps, **_):
-    """(r - the group's mean) / (the group's mean + eps) (MaxRL): for rewards in {0, 1}, a rare success
-    weighs more; a negative mean flips the sign"""
+    """(r - the group's mean) / (the group's mean + eps) (MaxRL): for rewards in {0, 1}, a rare
+    success weighs more; a negative mean flips the sign"""
     return zero_equal_groups((r - r.mean(1, keepdim=True)) / (r.mean(1, keepdim=True) + eps), r)
 
 
 def gdpo(r, eps, parts=None, weights=None):
-    """each --reward-weights part normalised in its group as 'group' does, weighted and summed, then divided
-    by the batch's std of the sums + eps (GDPO)"""
+    """each --reward-weights part normalised in its group as 'group' does, weighted and summed, then
+    divided by the batch's std of the sums + eps (GDPO)"""
     adv = 0
-    for k, w in enumerate(weights):   # normalised apart, a part of small spread is not drowned by one of large
+    for k, w in enumerate(weights):   # apart, a part of small spread is not drowned by a large one
         p = parts[:, k].float().view(r.shape)
-        adv = adv + w * zero_equal_groups((p - p.mean(1, keepdim=True)) / (p.std(1, keepdim=True) + eps), p)
+        normalised = (p - p.mean(1, keepdim=True)) / (p.std(1, keepdim=True) + eps)
+        adv = adv + w * zero_equal_groups(normalised, p)
     return adv / (adv.std() + eps)   # the sum's batch mean is 0 already
 
 
@@ -104,33 +111,39 @@ ADVANTAGES = {"batch": batch_std, "none": mean_only, "rloo": rloo, "reinforce++"
               "reinforce++-baseline": reinforce_pp_baseline, "maxrl": maxrl, "gdpo": gdpo}
 
 
-# ---- the importance ratio (--importance-level) and the policy-gradient term (--policy-loss) --------------------
+# ---- the importance ratio (--importance-level) and the policy-gradient term (--policy-loss) ------
 
 def sequence_ratio(logp, old_logp, mask):
-    """per sequence (GSPO): the exp of the mean log-ratio, clipped per sequence; use clip ranges of a few
-    1e-4, such as 3e-4 low and 4e-4 high"""
+    """per sequence (GSPO): the exp of the mean log-ratio, clipped per sequence; use clip ranges of
+    a few 1e-4, such as 3e-4 low and 4e-4 high"""
     mask = mask.to(logp.dtype)
-    return torch.exp(((logp - old_logp) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1))
+    return torch.exp(sequence_mean(logp - old_logp, mask))
+
+
+def sequence_mean(x, mask):
+    """[B, 1]: each sequence's mean of x over its tokens (mask [B, T], 0 or 1)."""
+    return (x * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)
 
 
 RATIOS = {"sequence": sequence_ratio}
 
 
 def clip_bounds(cfg) -> tuple:
-    """(--clip-range, --clip-range-high or else --clip-range): the clip's reach below and above 1."""
-    return cfg.clip_range, cfg.clip_range_high if cfg.clip_range_high is not None else cfg.clip_range
+    """(--clip-range, --clip-range-high or else --clip-range): how far below and above 1 it clips."""
+    high = cfg.clip_range_high if cfg.clip_range_high is not None else cfg.clip_range
+    return cfg.clip_range, high
 
 
 def cispo(ratio, t, cfg):
-    """-sg(min(r, 1 + clip-range-high)) A logp (CISPO, MiniMax-M1): the weight is capped, not the update,
-    so every token keeps a gradient; no lower bound, as in its paper"""
+    """-sg(min(r, 1 + clip-range-high)) A logp (CISPO, MiniMax-M1): the weight is capped, not the
+    update, so every token keeps a gradient; no lower bound, as in its paper"""
     return -torch.clamp(ratio, max=1 + clip_bounds(cfg)[1]).detach() * t.adv * t.logp
 
 
 def sapo(ratio, t, cfg):
-    """-(4 / tau) sigmoid(tau (r - 1)) A (SAPO): a soft gate instead of the clip, tau --sapo-tau-pos where
-    A > 0 and --sapo-tau-neg where A < 0"""
-    tau = torch.where(t.adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)   # slope 1 at r = 1, as the clip's
+    """-(4 / tau) sigmoid(tau (r - 1)) A (SAPO): a soft gate instead of the clip, tau --sapo-tau-pos
+    where A > 0 and --sapo-tau-neg where A < 0"""
+    tau = torch.where(t.adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)   # slope 1 at r = 1, as PPO
     return -4 / tau * torch.sigmoid(tau * (ratio - 1)) * t.adv
 
 
@@ -140,13 +153,13 @@ def gmpo(ratio, t, cfg):
     low, high = clip_bounds(cfg)
     log_ratio, sign, mask = t.logp - t.old_logp, torch.sign(t.adv), t.mask
     log_ratio = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-low, high))
-    return -t.adv * torch.exp((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1))
+    return -t.adv * torch.exp(sequence_mean(log_ratio, mask))
 
 
 def clip_cov(ratio, t, cfg):
-    """ppo, with --cov-ratio of the mini-batch's tokens, drawn among those whose (A - mean)(logp - mean)
-    lies in (--clip-cov-lb, --clip-cov-ub) and the clip left alone, detached (Clip-Cov)"""
-    low, high = clip_bounds(cfg)   # the clipped surrogate (train_lean.py), then the chosen tokens detached
+    """ppo, with --cov-ratio of the mini-batch's tokens, drawn among those whose (A - mean)(logp -
+    mean) lies in (--clip-cov-lb, --clip-cov-ub) and the clip left alone, detached (Clip-Cov)"""
+    low, high = clip_bounds(cfg)   # the clipped surrogate (train_lean.py), chosen tokens detached
     pg = -torch.minimum(ratio * t.adv, torch.clamp(ratio, 1 - low, 1 + high) * t.adv)
     return torch.where(t.cov_mask, pg.detach(), pg)
 
@@ -162,20 +175,20 @@ POLICY_LOSSES = {"cispo": cispo, "sapo": sapo, "gmpo": gmpo, "clip-cov": clip_co
 CLIP_EDGES = {"gmpo": lambda low, high: (math.exp(-low), math.exp(high))}
 
 
-# ---- terms on the policy-gradient part: none by default ------------------------------------------------------
+# ---- terms on the policy-gradient part: none by default ------------------------------------------
 
 def dual_clip(pg, t, cfg):
-    """dual-clip PPO: for A < 0 the term is at most -C A, so a ratio far past 1 cannot push without bound."""
+    """dual-clip PPO: for A < 0 the term is at most -C A: no unbounded push from a large ratio."""
     return torch.where(t.adv < 0, torch.minimum(pg, -cfg.dual_clip * t.adv), pg)
 
 
 def top_entropy_only(pg, t, cfg):
-    """--top-entropy-quantile: only the high-entropy tokens (t.pg_mask) carry the policy gradient."""
+    """--top-entropy-quantile: only the high-entropy tokens (t.pg_mask) carry a policy gradient."""
     return pg.expand_as(t.logp) * t.pg_mask
 
 
 def mismatch_corrected(pg, t, cfg):
-    """--mismatch-correction: each token's term weighed by w = pi_trainer / pi_sampler (mismatch_weight)."""
+    """--mismatch-correction: each token's term weighed by w = pi_trainer / pi_sampler."""
     t.weight = mismatch_weight(t.train_logp, t.sampler_logp, t.mask, cfg)
     return pg if t.weight is None else pg.expand_as(t.logp) * t.weight
 
@@ -197,7 +210,7 @@ def loss_terms(cfg) -> list:
     return [entropy_bonus] if cfg.entropy_coef else []
 
 
-# ---- the KL estimator (--kl-estimator) and where it goes (--kl-in) ------------------------------------------
+# ---- the KL estimator (--kl-estimator) and where it goes (--kl-in) -------------------------------
 
 def k1(logp, ref_logp):
     """the log-ratio logp - ref_logp (belongs in the reward)"""
@@ -216,13 +229,14 @@ KL_PLACES = {"reward": "per sequence, subtracted from the reward before the adva
 
 
 def loss_kl_coef(cfg, kl_coef: float) -> float:
-    """The KL coefficient of the loss's term: none when --kl-in reward takes the KL off the reward instead."""
+    """The coefficient of the loss's KL term: none when --kl-in reward takes it off the reward."""
     return {"loss": kl_coef, "reward": 0.0}[cfg.kl_in]
 
 
 def kl_reward_penalty(logp, ref_logp, mask, kl_coef: float, estimate) -> torch.Tensor:
-    """[B] kl_coef x each sequence's summed per-token KL estimate (detached), taken off its reward with
-    --kl-in reward before the advantages (k1 there gives the unbiased gradient: docs/algorithm.md)."""
+    """[B] kl_coef x each sequence's summed per-token KL estimate (detached), taken off its reward
+    with --kl-in reward before the advantages (k1 there gives the unbiased gradient:
+    docs/algorithm.md)."""
     kl = estimate(logp.detach().float(), ref_logp.detach().float())
     return kl_coef * (kl * mask.float()).sum(1)
 
@@ -234,22 +248,23 @@ def penalties(batch, cfg, kl_coef: float, estimators: dict) -> dict:
     if cfg.overlong_buffer:
         out["overlong_penalty"] = overlong_penalty(batch.completion_mask.sum(1).cpu(), cfg)
     if cfg.kl_in == "reward" and batch.ref_logp is not None:
-        out["kl_reward_penalty"] = kl_reward_penalty(batch.old_logp, batch.ref_logp, batch.completion_mask,
-                                                     kl_coef, estimators[cfg.kl_estimator]).cpu()
+        out["kl_reward_penalty"] = kl_reward_penalty(
+            batch.old_logp, batch.ref_logp, batch.completion_mask, kl_coef,
+            estimators[cfg.kl_estimator]).cpu()
     return out
 
 
 class AdaptiveKL:
-    """--kl-target: the KL coefficient, moved after each step toward the target KL per token (Ziegler et al.'s
-    controller, as verl and OpenRLHF have it). Without a target it stays at --kl-coef. The harness
-    checkpoints state_dict()."""
+    """--kl-target: the KL coefficient, moved after each step toward the target KL per token
+    (Ziegler et al.'s controller, as verl and OpenRLHF have it). Without a target it stays at
+    --kl-coef. The harness checkpoints state_dict()."""
 
     def __init__(self, cfg):
         self.cfg, self.coef = cfg, cfg.kl_coef
 
     def after_step(self, kl: float, completions: int) -> dict:
-        """After a step of this KL per token: the next step's coefficient; the record's kl_coef (the one the
-        step trained with), or nothing without --kl-target."""
+        """After a step of this KL per token: the next step's coefficient; the record's kl_coef (the
+        one the step trained with), or nothing without --kl-target."""
         if not self.cfg.kl_target:
             return {}
         used, self.coef = self.coef, adaptive_kl_coef(self.coef, kl, completions, self.cfg)
@@ -263,13 +278,14 @@ class AdaptiveKL:
 
 
 def adaptive_kl_coef(coef: float, kl: float, completions: int, cfg) -> float:
-    """The next coefficient: coef x (1 + clip(kl / kl_target - 1, -0.2, 0.2) x completions / kl_horizon).
-    The error is clipped so one odd step cannot move it far; the horizon sets how fast it follows."""
+    """The next coefficient: coef x (1 + clip(kl / kl_target - 1, -0.2, 0.2) x completions /
+    kl_horizon). The error is clipped so one odd step cannot move it far; the horizon sets how fast
+    it follows."""
     error = min(max(kl / cfg.kl_target - 1, -0.2), 0.2)
     return coef * (1 + error * completions / cfg.kl_horizon)
 
 
-# ---- the loss's normaliser (--loss-agg): (this device's denominator, the micro-batch's loss) -------------------
+# ---- the loss's normaliser (--loss-agg): (this device's denominator, the micro-batch's loss) -----
 
 def seq_count(mask, cfg):
     """each sequence's token mean, then over the sequences"""
@@ -292,7 +308,7 @@ def token_sum(per_token, mask, denominator):
 AGGREGATIONS = {"seq-mean": (seq_count, seq_mean), "dr-grpo": (max_tokens, token_sum)}
 
 
-# ---- the sampler mismatch (--mismatch-correction): w = pi_trainer / pi_sampler per token, detached ---------------
+# ---- the sampler mismatch (--mismatch-correction): w = pi_trainer / pi_sampler per token, detached
 
 def tis(w, cfg):
     """x min(w, --mismatch-cap), w = pi_trainer / pi_sampler (truncated importance sampling)"""
@@ -305,7 +321,8 @@ def token_mask(w, cfg):
 
 
 def sequence_mask(w, cfg):
-    """x the sequence's w (its tokens' geometric mean) inside the band, 0 outside: the sequence dropped"""
+    """x the sequence's w (its tokens' geometric mean) inside the band, 0 outside: the sequence
+    dropped"""
     return token_mask(w, cfg)
 
 
@@ -313,11 +330,13 @@ MISMATCH_CORRECTIONS = {"tis": tis, "token-mask": token_mask, "sequence-mask": s
 
 
 def mismatch_weight(train_logp, sampler_logp, mask, cfg):
-    """The detached weight of each token's policy-gradient term [B, T] ([B, 1] sequence-mask), or None."""
-    if cfg.mismatch_correction not in MISMATCH_CORRECTIONS:   # "none": measured only
+    """The detached weight of each token's policy-gradient term [B, T] ([B, 1] sequence-mask), or
+    None ("none": measured only)."""
+    if cfg.mismatch_correction not in MISMATCH_CORRECTIONS:
         return None
     ratio = sequence_ratio if cfg.mismatch_correction == "sequence-mask" else token_ratio
-    return MISMATCH_CORRECTIONS[cfg.mismatch_correction](ratio(train_logp.detach(), sampler_logp, mask), cfg)
+    w = ratio(train_logp.detach(), sampler_logp, mask)
+    return MISMATCH_CORRECTIONS[cfg.mismatch_correction](w, cfg)
 
 
 def token_ratio(logp, old_logp, mask):
@@ -325,23 +344,25 @@ def token_ratio(logp, old_logp, mask):
     return torch.exp(logp - old_logp)
 
 
-# ---- the tokens a term acts on, chosen over the whole mini-batch of every device ------------------------------
+# ---- the tokens a term acts on, chosen over the whole mini-batch of every device -----------------
 
 def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
-    """The entropy at or above which a token is among the top `quantile` of a mini-batch's loss tokens
-    (1-D, every device's): ceil(quantile x n) kept, at least one, every token tied with the last too."""
+    """The entropy at or above which a token is among the top `quantile` of a mini-batch's loss
+    tokens (1-D, every device's): ceil(quantile x n) kept, at least one, every token tied with the
+    last too."""
     n = entropies.numel()
     if n == 0:
         return math.inf
-    keep = max(1, math.ceil(quantile * n - 1e-9))  # the 1e-9: 0.1 * 30 is 3.0000000000000004 in floats
+    keep = max(1, math.ceil(quantile * n - 1e-9))  # the 1e-9: 0.1 * 30 is 3.0000000000000004
     return torch.kthvalue(entropies.detach().float().cpu(), n - keep + 1).values.item()
 
 
 def covariance_tokens(logp, old_logp, advantages, cfg) -> torch.Tensor:
-    """[N] bool: the tokens Clip-Cov or KL-Cov act on among a mini-batch's N loss tokens (every device's).
-    The term of a token is (A - mean A)(logp - mean logp); k = cov_ratio x N (at least 1). kl-cov: the k
-    largest. clip-cov: k drawn, by a generator seeded by --seed, among the tokens inside (lb, ub) that the
-    clip leaves alone: the same draw on every device for any micro-batch size or device count."""
+    """[N] bool: the tokens Clip-Cov or KL-Cov act on among a mini-batch's N loss tokens (every
+    device's). The term of a token is (A - mean A)(logp - mean logp); k = cov_ratio x N (at least
+    1). kl-cov: the k largest. clip-cov: k drawn, by a generator seeded by --seed, among the tokens
+    inside (lb, ub) that the clip leaves alone: the same draw on every device for any micro-batch
+    size or device count."""
     n = logp.numel()
     chosen, k = torch.zeros(n, dtype=torch.bool), max(1, int(cfg.cov_ratio * n))
     cov = (advantages - advantages.mean()) * (logp - logp.mean())
@@ -359,22 +380,23 @@ def covariance_tokens(logp, old_logp, advantages, cfg) -> torch.Tensor:
     return chosen
 
 
-# ---- reward shaping: DAPO's overlong penalty ----------------------------------------------------------------
+# ---- reward shaping: DAPO's overlong penalty -----------------------------------------------------
 
 def overlong_penalty(lengths: torch.Tensor, cfg) -> torch.Tensor:
-    """[B] rewards to take off (>= 0): 0 up to max_new_tokens - overlong_buffer tokens (the EOS counted),
-    then linear up to overlong_penalty at max_new_tokens (DAPO's soft overlong punishment)."""
+    """[B] rewards to take off (>= 0): 0 up to max_new_tokens - overlong_buffer tokens (the EOS
+    counted), then linear up to overlong_penalty at max_new_tokens (DAPO's soft overlong
+    punishment)."""
     buffer = cfg.overlong_buffer
     over = (lengths.float() - (cfg.max_new_tokens - buffer)).clamp(0, buffer)
     return cfg.overlong_penalty * over / buffer
 
 
-# ---- across the step: DAPO's dynamic sampling, TR-DPO's moving reference -------------------------------------
+# ---- across the step: DAPO's dynamic sampling, TR-DPO's moving reference -------------------------
 
 def dynamic_sampling(first, draw, cfg, group_size: int, groups: int, pad_id: int):
-    """--dynamic-sampling (DAPO): more rounds (draw(n), scored) while any rank lacks groups whose rewards
-    differ, then the batch of `groups` groups, informative ones first (grpo/rollout.py merge). Returns
-    (batch, merge's counts for the record); off: (first, {})."""
+    """--dynamic-sampling (DAPO): more rounds (draw(n), scored) while any rank lacks groups whose
+    rewards differ, then the batch of `groups` groups, informative ones first (grpo/rollout.py
+    merge). Returns (batch, merge's counts for the record); off: (first, {})."""
     if not cfg.dynamic_sampling:
         return first, {}
     rounds = [first]
@@ -391,5 +413,5 @@ def follow_policy(reference, policy, step: int, cfg) -> None:
 
 
 def tokens(**fields) -> types.SimpleNamespace:
-    """A micro-batch's per-token tensors as the terms above read them (t.logp, t.adv, t.mask, ...)."""
+    """A micro-batch's per-token tensors as the terms above read them (t.logp, t.adv, t.mask)."""
     return types.SimpleNamespace(weight=None, **fields)
