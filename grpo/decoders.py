@@ -1,11 +1,10 @@
-"""Decoding: generate() samples completions one token at a time with a KV cache (grpo/rollout.py calls it), and
-the speed paths it runs on, kept apart so they read as such.
-
-A decoder turns the token just drawn into the logits of the next. HFDecoder works for any causal LM through
-its own forward and cache. GPT2Decoder (plain GPT-2) and LlamaDecoder (Llama, Qwen2 and Mistral without sliding windows) are fast paths: the
-model's own modules and math, on K/V buffers preallocated at the final length, with a group's prompt
-keys and values kept once and read once per group, in steps of static shapes that torch.compile can
-capture (compile=True). Each is tested against the generic path and HF generate (tests/grpo/test_decoders.py).
+"""Decoding: generate() samples completions token by token with a KV cache (grpo/rollout.py calls
+it), on speed paths kept apart so they read as such. A decoder turns the token just drawn into the
+next logits. HFDecoder: any causal LM, through its own forward and cache. GPT2Decoder (plain GPT-2)
+and LlamaDecoder (Llama, Qwen2, Mistral without sliding windows) are fast paths: the model's own
+modules and math on K/V buffers preallocated at the final length, a group's prompt K/V kept and read
+once per group, in static-shape steps torch.compile can capture (compile=True). Each is tested
+against the generic path and HF generate (tests/grpo/test_decoders.py).
 """
 import sys
 import weakref
@@ -13,10 +12,12 @@ import weakref
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from grpo.model import head_multiple, logprob_temperature, padded_head, position_ids_from_mask
+from grpo.model import (head_multiple, logprob_temperature, padded_head,
+                        position_ids_from_mask)
 
-# a compiled step's K/V buffers, kept from one generate() to the next by model and shape: a CUDA graph
-# replays on the addresses it was recorded with, so new buffers every call would record a new graph
+# a compiled step's K/V buffers, kept from one generate() to the next by model and shape: a CUDA
+# graph replays on the addresses it was recorded with, so new buffers every call would record a
+# new graph
 _BUFFERS = weakref.WeakKeyDictionary()
 
 
@@ -33,13 +34,13 @@ def _zeros(model, name, shape, dtype, device, keep: bool):
     return kept[key].zero_()
 
 
-# compilations of the decode step a process may make (model x shape bucket; torch's own default is 8)
+# compilations of the decode step a process may make (model x shape bucket; torch's default: 8)
 RECOMPILE_LIMIT = 64
 _LIMIT_HIT = []   # not empty once it was reached
 
 
 class Decoder:
-    """What generate() asks of a decoder: advance(), one decode step and the draw that follows it."""
+    """What generate() asks of a decoder: advance(), one decode step and the draw after it."""
     compiled = None
 
     def advance(self, draws, step: int, banned):
@@ -50,46 +51,40 @@ class Decoder:
 class PreallocatedDecoder(Decoder):
     """One-token decode steps on preallocated K/V buffers, for pre-norm decoder-only transformers.
 
-    The same modules and math as the model's forward (so the logprobs match the training forward),
-    without what it costs per call: no growing cache (torch.cat of every past key at every step), no
-    mask building, no output objects. The rows of a group share their prompt, so its keys and values
-    are kept once per group and each group's queries attend to them together: decode attention reads
-    the prompt's cache once per group instead of once per row. Attention runs in the cache's dtype
-    (fp32 on CPU, where bf16 matmuls are emulated; the model's bf16 on GPU).
-
-    Each op of a step is a kernel launch on a GPU, and eagerly each is launched from Python: so a step
-    is written in few ops (bench/decode_ops.py counts them). Hidden states stay [rows, width]; the
-    views a layer needs are taken in one as_strided each; scores and outputs land in buffers laid out
-    for the next op (out=); the K/V tables of all layers are sliced once per token. Every value is
-    computed by the same kernels on the same operands as a plain forward, so nothing changes but the
-    number of calls.
-
-    Compiled (compile=True), a step is the model's step and the draw of the next token after it
-    (_advance_traced: sampling and its bookkeeping too, one graph on CUDA), and every step has the
-    same shapes: the new keys and values go into their column of the full-length buffer, attention reads the whole buffer under a mask of the columns
-    written so far, the step index is a tensor, and prompt columns are padded up to a power of two
-    times WIDTH_MULTIPLE (padded_width): a run compiles once per width bucket its prompts reach, and on
-    CUDA replays a graph. Eager, attention reads the written columns rounded up to a multiple of
-    NEW_MULTIPLE instead (the same mask, half the columns on average), as the shapes need not stay the same.
-    A subclass says how its architecture embeds a token (_embed), normalises and projects q, k, v (_qkv),
-    runs the rest of a layer (_rest: output projection, MLP, residuals) and the head (_head); the
-    attention between them is the same for GPT-2 and Llama.
+    The model's own modules and math (so the logprobs match the training forward), without what a
+    forward costs per call: no growing cache (torch.cat of every past key each step), no mask
+    building, no output objects. A group's rows share their prompt: its keys and values are kept,
+    and read by the group's queries together, once per group. Attention runs in the cache's dtype
+    (fp32 on CPU, where bf16 matmuls are emulated; the model's bf16 on GPU). A subclass gives
+    _embed (a token's embedding), _qkv (norm, q, k, v projections), _rest (output projection, MLP,
+    residuals) and _final_norm; the attention between them is the same for GPT-2 and Llama.
     """
-    # eager: prompt columns padded up to a multiple of this (masked); compiled: to a power of two from it
+    # A step is few ops, each a kernel launch from Python (bench/decode_ops.py counts them): hidden
+    # states stay [rows, width], a layer's views are one as_strided each, scores and outputs land in
+    # buffers laid out for the next op (out=), all layers' K/V tables are sliced once per token. The
+    # same kernels on the same operands as a plain forward: only the number of calls differs.
+    # Compiled (compile=True), a step is the model's step and the next draw (_advance_traced; on
+    # CUDA one graph, replayed) in fixed shapes: new K/V go into their column of the full-length
+    # buffer, attention reads all of it under a mask of the columns written, the step index is a
+    # tensor, prompt columns are padded to a power of two times WIDTH_MULTIPLE (padded_width): one
+    # compilation per width bucket. Eager, prompt columns are padded to a multiple of WIDTH_MULTIPLE
+    # and attention reads the written columns rounded up to a multiple of NEW_MULTIPLE (the same
+    # mask, half the columns on average).
     WIDTH_MULTIPLE = 16
     NEW_MULTIPLE = 16
 
-    def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int, compile: bool = False,
-                 group_size: int = None):
+    def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int,
+                 compile: bool = False, group_size: int = None):
         self.model = model
         batch, width = prompt_mask.shape
         device = prompt_mask.device
-        # a group: the rows of one prompt; compiled, the caller's group size, so that a step whose groups drew
-        # the same prompt has the shapes of every other step (eager, such groups are one)
+        # a group: the rows of one prompt; compiled, the caller's group size, so that a step whose
+        # groups drew the same prompt has the shapes of every other step (eager, such groups: one)
         n_prompts = int(inverse.max()) + 1
-        size = group_size if compile and group_size else batch // n_prompts if batch % n_prompts == 0 else None
+        size = (group_size if compile and group_size
+                else batch // n_prompts if batch % n_prompts == 0 else None)
         per_group = inverse.view(-1, size) if size and batch % size == 0 else None
-        if per_group is None or not (per_group == per_group[:, :1]).all():  # rows not in whole groups
+        if per_group is None or not (per_group == per_group[:, :1]).all():  # not whole groups
             per_group = inverse.view(batch, 1)
         first = per_group[:, 0]  # prompt of each group, in batch order
         groups, group = self.groups, self.group = per_group.shape
@@ -99,31 +94,24 @@ class PreallocatedDecoder(Decoder):
         rep = self.rep = heads // kv_heads
         self.width = padded = padded_width(width, self.WIDTH_MULTIPLE, compile)
         n_layers, T = len(cache.layers), max_new_tokens
-        # Everything is laid out by group: [groups, K/V heads, ...]. Keys are stored transposed (columns
-        # last), so that both score matmuls read them as they lie. Zeros, not empty: a masked column's
-        # weight is exactly 0, and 0 * NaN would not be. One table per kind for all layers: a token
-        # slices each table once.
-        self.prompt_k = _zeros(model, "prompt_k", (n_layers, groups, kv_heads, head_dim, padded), dtype, device,
-                               compile)
-        self.prompt_v = _zeros(model, "prompt_v", (n_layers, groups, kv_heads, padded, head_dim), dtype, device,
-                               compile)
+        # Everything is laid out by group: [groups, K/V heads, ...]. Keys are stored transposed
+        # (columns last), so that both score matmuls read them as they lie. Zeros, not empty: a
+        # masked column's weight is exactly 0, and 0 * NaN would not be. One table per kind for all
+        # layers: a token slices each table once.
+        self.prompt_k = _zeros(model, "prompt_k", (n_layers, groups, kv_heads, head_dim, padded),
+                               dtype, device, compile)
+        self.prompt_v = _zeros(model, "prompt_v", (n_layers, groups, kv_heads, padded, head_dim),
+                               dtype, device, compile)
         for i, layer in enumerate(cache.layers):
             self.prompt_k[i, ..., :width] = layer.keys[first].transpose(-1, -2)
             self.prompt_v[i, ..., :width, :] = layer.values[first]
-        self.new_k = _zeros(model, "new_k", (n_layers, groups, kv_heads, group, head_dim, T), dtype, device, compile)
-        self.new_v = _zeros(model, "new_v", (n_layers, groups, kv_heads, group, T, head_dim), dtype, device, compile)
+        self.new_k = _zeros(model, "new_k", (n_layers, groups, kv_heads, group, head_dim, T), dtype,
+                            device, compile)
+        self.new_v = _zeros(model, "new_v", (n_layers, groups, kv_heads, group, T, head_dim), dtype,
+                            device, compile)
         self.prompt_ks, self.prompt_vs = self.prompt_k.unbind(0), self.prompt_v.unbind(0)
-        # the additive mask of each step over a group's prompt columns and the new ones: -inf on left padding,
-        # on the padded columns and on the new columns not written yet; scores: [groups, H_kv, group, rep, columns]
-        pad = torch.nn.functional.pad(prompt_mask[::group], (0, padded - width))
-        prompt_bias = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill(pad == 0, float("-inf"))
-        written = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        new_bias = torch.zeros(written.shape, dtype=dtype, device=device).masked_fill(~written, float("-inf"))
-        self.bias = torch.cat([prompt_bias.expand(T, groups, padded), new_bias[:, None].expand(T, groups, T)], -1
-                              ).view(T, groups, 1, 1, 1, padded + T)
-        self.positions = prompt_mask.sum(-1) + torch.arange(T, device=device)[:, None]  # [T, rows]
-        self.columns = torch.arange(T, device=device)
-        # the buffers a layer writes into: its scaled queries, and its attention output laid out as rows
+        self._step_tables(prompt_mask, groups, group, width, padded, T, dtype, device)
+        # the buffers a layer writes into: its scaled queries, and its attention output as rows
         self.q = torch.empty(groups, kv_heads, group * rep, head_dim, dtype=dtype, device=device)
         self.q5 = self.q.view(groups, kv_heads, group, rep, head_dim)
         self.o = torch.empty(groups, kv_heads, group * rep, head_dim, dtype=dtype, device=device)
@@ -133,15 +121,32 @@ class PreallocatedDecoder(Decoder):
         self.shape = (groups, kv_heads, group, rep, head_dim)
         self.device_type = device.type
         self.head = self._padded_head(model, device, compile)
-        # the compiled step is the class's function, called with self: a bound method stored on self would
-        # be a reference cycle, and the K/V buffers it holds would wait for the cycle collector
+        # the compiled step is the class's function, called with self: a bound method stored on self
+        # would be a reference cycle, its K/V buffers then left to wait for the cycle collector
         self.compiled = None
         if compile and not _LIMIT_HIT:
-            # every decoder's step is one code object to torch.compile: each model and shape bucket the process
-            # compiles counts against one limit (8 by default), past which a fullgraph compile fails
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            # every decoder's step is one code object to torch.compile: each model and shape bucket
+            # compiled counts against one limit (8 by default), past which a fullgraph compile fails
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                       RECOMPILE_LIMIT)
             self.compiled = torch.compile(type(self)._advance_traced, fullgraph=True, dynamic=False,
                                           mode="reduce-overhead" if device.type == "cuda" else None)
+
+    def _step_tables(self, prompt_mask, groups, group, width, padded, T, dtype, device):
+        """Per step: self.bias, the additive mask over a group's prompt columns and the new ones
+        (-inf on left padding, on the padded columns and on the new columns not written yet;
+        scores: [groups, H_kv, group, rep, columns]), and self.positions [T, rows]; self.columns."""
+        pad = torch.nn.functional.pad(prompt_mask[::group], (0, padded - width))
+        prompt_bias = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill(
+            pad == 0, float("-inf"))
+        written = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        new_bias = torch.zeros(written.shape, dtype=dtype, device=device).masked_fill(
+            ~written, float("-inf"))
+        self.bias = torch.cat([prompt_bias.expand(T, groups, padded),
+                               new_bias[:, None].expand(T, groups, T)], -1
+                              ).view(T, groups, 1, 1, 1, padded + T)
+        self.positions = prompt_mask.sum(-1) + torch.arange(T, device=device)[:, None]  # [T, rows]
+        self.columns = torch.arange(T, device=device)
 
     def __call__(self, token, step: int):
         """The eager step: the logits after `token`, written at column `step`."""
@@ -155,17 +160,20 @@ class PreallocatedDecoder(Decoder):
         if self.device_type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         try:
-            self.compiled(self, draws, self.columns[step:step + 1], self.positions[step], self.bias[step], banned)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:   # said, then eager: the same values, slower
-            print(f"note: the decode step reached torch.compile's limit of {RECOMPILE_LIMIT} compilations; "
-                  f"decoding goes on eagerly in this process", file=sys.stderr, flush=True)
+            self.compiled(self, draws, self.columns[step:step + 1], self.positions[step],
+                          self.bias[step], banned)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # said, then eager: same values, slower
+            print(f"note: the decode step reached torch.compile's limit of {RECOMPILE_LIMIT} "
+                  f"compilations; decoding goes on eagerly in this process", file=sys.stderr,
+                  flush=True)
             _LIMIT_HIT.append(True)
             self.compiled = None
             super().advance(draws, step, banned)
 
     def _advance_traced(self, draws, column, position, bias, banned):
-        """advance() as one compiled step: the model's step, the sampling and the bookkeeping of the draw
-        (on CUDA one graph, replayed). It reads the last token from draws and writes the next there."""
+        """advance() as one compiled step: the model's step, the sampling and the bookkeeping of the
+        draw (on CUDA one graph, replayed). It reads the last token from draws and writes the next
+        there."""
         token = draws.tokens.index_select(1, column).squeeze(1)
         draws.draw(self._forward(token, column, position, bias), column + 1, banned)
 
@@ -176,15 +184,18 @@ class PreallocatedDecoder(Decoder):
         attend, scores = self._attend_traced, None
         if self.compiled is None:  # this token's scores, then weights, for every layer in turn
             attend = self._attend
-            scores = torch.empty(*self.shape[:-1], width + new, dtype=bias.dtype, device=bias.device)
-            scores = scores, _merged(scores, width), scores[..., width:]  # all, over the prompt, over the new
+            scores = torch.empty(*self.shape[:-1], width + new, dtype=bias.dtype,
+                                 device=bias.device)
+            # all, over the prompt, over the new
+            scores = scores, _merged(scores, width), scores[..., width:]
         for i, (layer, scale) in enumerate(zip(self.layers, self.scales)):
             q, k, v = self._qkv(layer, x, rotary)
-            if self.y.dtype != v[0].dtype or self.y.dtype != q[0].dtype:   # bf16 autocast on a CPU: attention
-                q, k, v = [(t.to(self.y.dtype), offset) for t, offset in (q, k, v)]   # in the cache's fp32
+            # bf16 autocast on a CPU: attention in the cache's fp32
+            if self.y.dtype != v[0].dtype or self.y.dtype != q[0].dtype:
+                q, k, v = [(t.to(self.y.dtype), offset) for t, offset in (q, k, v)]
             with torch.autocast(self.device_type, enabled=False):
-                y = attend(q, k, v, step, self.prompt_ks[i], self.prompt_vs[i], new_k[i], new_v[i], bias, scores,
-                           scale)
+                y = attend(q, k, v, step, self.prompt_ks[i], self.prompt_vs[i], new_k[i], new_v[i],
+                           bias, scores, scale)
             x = self._rest(layer, x, y)
         return self._head(x)
 
@@ -193,8 +204,8 @@ class PreallocatedDecoder(Decoder):
         return logits if logits.shape[-1] == self.vocab else logits[:, :self.vocab]
 
     def _padded_head(self, model, device, keep: bool):
-        """The output head padded as in training (grpo/model.py padded_head: on a GPU only), in the dtype the
-        step's matmuls read (_matmul_tensors)."""
+        """The output head padded as in training (grpo/model.py padded_head: on a GPU only), in the
+        dtype the step's matmuls read (_matmul_tensors)."""
         head = model.get_output_embeddings()
         self.vocab = head.weight.shape[0]
         weight, bias = padded_head(head, head_multiple(device))
@@ -202,33 +213,37 @@ class PreallocatedDecoder(Decoder):
 
     @staticmethod
     def _matmul_tensors(model, name, tensors, device, keep: bool) -> list:
-        """tensors (a matmul's weights and biases, None for none) as the decode step reads them: under bf16
-        autocast on a GPU, bf16 copies made once per generate(), where autocast would cast them again at every
-        compiled step; compiled, kept from call to call and refreshed in place (a replayed graph reads them where
-        it was recorded). Elsewhere the tensors themselves."""
-        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        """tensors (a matmul's weights and biases, None for none) as the decode step reads them:
+        under bf16 autocast on a GPU, bf16 copies made once per generate(), where autocast would
+        cast them again at every compiled step; compiled, kept from call to call and refreshed in
+        place (a replayed graph reads them where it was recorded). Elsewhere the tensors
+        themselves."""
+        dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+                 else None)
         if dtype is None or not decode_copies(device):
             return tensors
         real = [t for t in tensors if t is not None]
         if keep:
-            copies = [_zeros(model, f"{name}{i}", t.shape, dtype, device, True) for i, t in enumerate(real)]
+            copies = [_zeros(model, f"{name}{i}", t.shape, dtype, device, True)
+                      for i, t in enumerate(real)]
             torch._foreach_copy_(copies, real)
         else:
             copies = [t.to(dtype) for t in real]
         return [None if t is None else copies.pop(0) for t in tensors]
 
     def _attend(self, q, k, v, step, kp, vp, kn, vn, bias, scores, scale: float):
-        """Softmax attention of q (rows x heads x D, in `_heads` form) over its group's prompt (kp, vp) and its
-        row's new tokens (kn, vn), after writing k, v at column `step`; H = H_kv x rep query heads share a K/V
-        head (grouped-query attention; rep = 1 for GPT-2). Returns self.y [rows, H x D], where it writes."""
+        """Softmax attention of q (rows x heads x D, in `_heads` form) over its group's prompt (kp,
+        vp) and its row's new tokens (kn, vn), after writing k, v at column `step`; H = H_kv x rep
+        query heads share a K/V head (grouped-query attention; rep = 1 for GPT-2). Returns self.y
+        [rows, H x D], where it writes."""
         g, kv, group, rep, dim = self.shape
         kn.index_copy_(4, step, _heads(*k, (g, kv, group, dim, 1), group, "k"))
         vn.index_copy_(3, step, _heads(*v, (g, kv, group, 1, dim), group, "v"))
-        # a group's rows and a K/V head's query heads all read the same prompt keys: one matmul for them
+        # a group's rows and a K/V head's query heads read the same prompt keys: one matmul for them
         torch.mul(_heads(*q, self.shape, group, "q"), scale, out=self.q5)
         scores, prompt, new = scores
-        # each matmul into a fresh tensor, then one copy into place: a matmul's out= on a strided view
-        # takes a slow path on CPU (a small matmul per batch item)
+        # each matmul into a fresh tensor, then one copy into place: a matmul's out= on a strided
+        # view takes a slow path on CPU (a small matmul per batch item)
         torch.cat([(self.q @ kp).view(*self.shape[:-1], self.width), self.q5 @ kn], -1, out=scores)
         # the weights overwrite the scores (softmax reads each row before it writes it); softmax
         # accumulates in fp32 whatever the dtype
@@ -238,84 +253,94 @@ class PreallocatedDecoder(Decoder):
         return self.y
 
     def _attend_traced(self, q, k, v, step, kp, vp, kn, vn, bias, _, scale: float):
-        """_attend's math without its out= buffers, which torch.compile cannot trace (its outputs are
-        strided views); compiled, the ops fuse anyway."""
+        """_attend's math without its out= buffers, which torch.compile cannot trace (its outputs
+        are strided views); compiled, the ops fuse anyway."""
         g, kv, group, rep, dim = self.shape
         kn.index_copy_(4, step, _heads(*k, (g, kv, group, dim, 1), group, "k"))
         vn.index_copy_(3, step, _heads(*v, (g, kv, group, 1, dim), group, "v"))
         q = _heads(*q, self.shape, group, "q") * scale
         prompt = (q.reshape(g, kv, group * rep, dim) @ kp).view(*self.shape[:-1], self.width)
-        probs = torch.softmax(torch.cat([prompt, q @ kn], -1) + bias, -1, dtype=torch.float32).to(vn.dtype)
+        probs = torch.softmax(torch.cat([prompt, q @ kn], -1) + bias, -1,
+                              dtype=torch.float32).to(vn.dtype)
         out = (_merged(probs, self.width) @ vp).view(self.shape) + probs[..., self.width:] @ vn
         return out.transpose(1, 2).reshape(self.y.shape)
 
 
 def _merged(t, width: int):
-    """t [groups, H_kv, group, rep, columns] as [groups, H_kv, group x rep, width]: its first width columns."""
+    """t [groups, H_kv, group, rep, columns] as [groups, H_kv, group x rep, width]: its first width
+    columns."""
     s = t.stride()
     return t.as_strided((*t.shape[:2], t.shape[2] * t.shape[3], width), s[:2] + s[3:])
 
 
 def decode_copies(device) -> bool:
-    """Whether decoding reads bf16 copies of the matmul weights under bf16 autocast: on a GPU (on a CPU,
-    eager autocast's own cache of casts does the same)."""
+    """Whether decoding reads bf16 copies of the matmul weights under bf16 autocast: on a GPU (on a
+    CPU, eager autocast's own cache of casts does the same)."""
     return device.type == "cuda"
 
 
 def compilations() -> int:
-    """Graphs torch.compile has compiled in this process so far (each compilation of a decode step is one)."""
+    """Graphs torch.compile has compiled in this process so far (each decode step compiled: one)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def padded_width(width: int, multiple: int, compile: bool) -> int:
-    """The prompt columns a decoder keeps: width rounded up to a multiple (eager), or to a power of two
-    times it (compiled: one compiled step per bucket, log2 of the widths a run sees)."""
+    """The prompt columns a decoder keeps: width rounded up to a multiple (eager), or to a power of
+    two times it (compiled: one compiled step per bucket, log2 of the widths a run sees)."""
     if not compile:
         return -(-width // multiple) * multiple
     return multiple * 2 ** max(0, (-(-width // multiple) - 1).bit_length())
 
 
 def _heads(t, offset: int, shape, group: int, kind: str):
-    """One view of t [rows, columns], a projection's output (storage of its own), from column `offset` (each
-    row's heads x D contiguous there) as the layout an attention op reads: "q" [groups, H_kv, group, rep, D],
-    "k" [groups, H_kv, group, D, 1] (keys transposed), "v" [groups, H_kv, group, 1, D]."""
+    """One view of t [rows, columns], a projection's output (storage of its own), from column
+    `offset` (each row's heads x D contiguous there) as the layout an attention op reads: "q"
+    [groups, H_kv, group, rep, D], "k" [groups, H_kv, group, D, 1] (keys transposed), "v" [groups,
+    H_kv, group, 1, D]."""
     row, dim = t.stride(0), shape[3] if kind == "k" else shape[4]
-    strides = {"q": (group * row, shape[3] * dim, row, dim, 1), "k": (group * row, dim, row, 1, dim),
-               "v": (group * row, dim, row, dim, 1)}[kind]
+    strides = {"q": (group * row, shape[3] * dim, row, dim, 1),
+               "k": (group * row, dim, row, 1, dim), "v": (group * row, dim, row, dim, 1)}[kind]
     return t.as_strided(shape, strides, offset)
 
 
 def _project(projection, x):
-    """A GPT-2 projection of x [rows, in]: Conv1D's own addmm on (weight, bias), or the module's forward."""
-    return torch.addmm(projection[1], x, projection[0]) if type(projection) is tuple else projection(x)
+    """A GPT-2 projection of x [rows, in]: Conv1D's own addmm on (weight, bias), or the module's
+    forward."""
+    return (torch.addmm(projection[1], x, projection[0]) if type(projection) is tuple
+            else projection(x))
 
 
 def _linear(projection, x):
-    """A Linear projection of x: F.linear on (weight, bias), as nn.Linear computes it, or the module's forward."""
-    return torch.nn.functional.linear(x, *projection) if type(projection) is tuple else projection(x)
+    """A Linear projection of x: F.linear on (weight, bias), as nn.Linear computes it, or the
+    module's forward."""
+    return (torch.nn.functional.linear(x, *projection) if type(projection) is tuple
+            else projection(x))
 
 
 class GPT2Decoder(PreallocatedDecoder):
     """Plain GPT-2: learned absolute positions, one fused q/k/v projection, LayerNorm, GELU MLP. Its
-    projections are Conv1D's own addmm, called directly (Conv1D reshapes around it; dropout is off in eval)."""
+    projections are Conv1D's own addmm, called directly (Conv1D reshapes around it; dropout is off
+    in eval)."""
 
     @staticmethod
     def fits(model) -> bool:
         c = model.config
-        return (c.model_type == "gpt2" and c.scale_attn_weights and not c.scale_attn_by_inverse_layer_idx
-                and not c.reorder_and_upcast_attn and not c.add_cross_attention)
+        return (c.model_type == "gpt2" and c.scale_attn_weights
+                and not c.scale_attn_by_inverse_layer_idx and not c.reorder_and_upcast_attn
+                and not c.add_cross_attention)
 
     def __init__(self, model, *args, **kwargs):
         t = model.transformer
         self.t, self.heads = t, model.config.n_head
         self.layers, self.scales = list(t.h), [b.attn.scaling for b in t.h]
         super().__init__(model, *args, **kwargs)
-        # each layer's projections c_attn, c_proj, mlp.c_fc, mlp.c_proj: (weight, bias) in the decode dtype, or
+        # each layer's c_attn, c_proj, mlp.c_fc, mlp.c_proj: (weight, bias) in the decode dtype, or
         # the module itself where adapters (LoRA) wrap it and its own forward adds them
         mats = [m for b in t.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
         if all(type(m) is Conv1D for m in mats):
-            flat = self._matmul_tensors(model, "gpt2", [p for m in mats for p in (m.weight, m.bias)],
-                                        self.prompt_k.device, self.compiled is not None)
+            flat = self._matmul_tensors(
+                model, "gpt2", [p for m in mats for p in (m.weight, m.bias)],
+                self.prompt_k.device, self.compiled is not None)
             mats = list(zip(flat[::2], flat[1::2]))
         self.mats = [mats[i:i + 4] for i in range(0, len(mats), 4)]
 
@@ -340,8 +365,8 @@ class LlamaDecoder(PreallocatedDecoder):
     (q/k/v biases, as Qwen2 has, are in its modules), RMSNorm, gated MLP."""
 
     MODEL_TYPES = ("llama", "qwen2", "mistral")
-    # rotary variants whose frequencies do not depend on the sequence length ("dynamic" and "longrope"
-    # change them with it, which the prefill and the decode steps would then see differently)
+    # rotary variants whose frequencies do not depend on the sequence length ("dynamic" and
+    # "longrope" change them with it, so the prefill and the decode steps would see them differ)
     ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
     @staticmethod
@@ -351,23 +376,26 @@ class LlamaDecoder(PreallocatedDecoder):
         layer_types = getattr(c, "layer_types", None) or ["full_attention"]
         m = getattr(model, "model", None)
         return (c.model_type in LlamaDecoder.MODEL_TYPES and rope in LlamaDecoder.ROPE_TYPES
-                and getattr(c, "sliding_window", None) is None and set(layer_types) == {"full_attention"}
+                and getattr(c, "sliding_window", None) is None
+                and set(layer_types) == {"full_attention"}
                 and hasattr(m, "rotary_emb") and hasattr(model, "lm_head"))
 
     def __init__(self, model, *args, **kwargs):
         m = model.model
         self.m, self.heads = m, model.config.num_attention_heads
-        # the model's own rotation (each family's modeling file has it), so q and k are rotated as in training
+        # the model's own rotation (each family's modeling file has it): q, k rotated as in training
         self.apply_rotary = sys.modules[type(m.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.layers, self.scales = list(m.layers), [l.self_attn.scaling for l in m.layers]
         super().__init__(model, *args, **kwargs)
-        # each layer's q, k, v, o, gate, up, down projections: (weight, bias) in the decode dtype, or the
-        # module itself where adapters (LoRA) wrap it and its own forward adds them
-        mats = [p for l in m.layers for p in (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj,
-                                               l.self_attn.o_proj, l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj)]
+        # each layer's q, k, v, o, gate, up, down projections: (weight, bias) in the decode dtype,
+        # or the module itself where adapters (LoRA) wrap it and its own forward adds them
+        mats = [p for l in m.layers for p in (l.self_attn.q_proj, l.self_attn.k_proj,
+                                               l.self_attn.v_proj, l.self_attn.o_proj,
+                                               l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj)]
         if all(type(p) is torch.nn.Linear for p in mats):
-            flat = self._matmul_tensors(model, "llama", [t for p in mats for t in (p.weight, p.bias)],
-                                        self.prompt_k.device, self.compiled is not None)
+            flat = self._matmul_tensors(
+                model, "llama", [t for p in mats for t in (p.weight, p.bias)],
+                self.prompt_k.device, self.compiled is not None)
             mats = list(zip(flat[::2], flat[1::2]))
         self.mats = [mats[i:i + 7] for i in range(0, len(mats), 7)]
 
@@ -380,7 +408,8 @@ class LlamaDecoder(PreallocatedDecoder):
         h = layer.input_layernorm(x)
         q = _linear(q, h).view(h.shape[0], 1, -1, dim)
         k = _linear(k, h).view(h.shape[0], 1, -1, dim)
-        q, k = self.apply_rotary(q, k, *rotary, unsqueeze_dim=2)  # [B, 1, heads, D]: cos, sin [B, 1, D]
+        # q, k: [B, 1, heads, D]; cos, sin: [B, 1, D]
+        q, k = self.apply_rotary(q, k, *rotary, unsqueeze_dim=2)
         return (q, 0), (k, 0), (_linear(v, h), 0)
 
     def _rest(self, layer, x, y):
@@ -394,20 +423,23 @@ class LlamaDecoder(PreallocatedDecoder):
 
 
 class HFDecoder(Decoder):
-    """One-token decode steps through the model's own forward and its DynamicCache (any architecture).
-    Its cache grows every step, so it runs eagerly whatever `compile` says."""
+    """One-token decode steps through the model's own forward and its DynamicCache (any
+    architecture). Its cache grows every step, so it runs eagerly whatever `compile` says."""
 
-    def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int, compile: bool = False,
-                 group_size: int = None):
+    def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int,
+                 compile: bool = False, group_size: int = None):
         cache.batch_select_indices(inverse)  # one row per completion, in the batch's order
         self.model, self.cache = model, cache
-        self.attention = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], max_new_tokens)], 1)
+        self.attention = torch.cat(
+            [prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], max_new_tokens)], 1)
         self.width = prompt_mask.shape[1]
         self.position = prompt_mask.sum(-1, keepdim=True)
 
     def __call__(self, token, step: int):
-        out = self.model(input_ids=token[:, None], attention_mask=self.attention[:, :self.width + step + 1],
-                         position_ids=self.position + step, past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=token[:, None],
+                         attention_mask=self.attention[:, :self.width + step + 1],
+                         position_ids=self.position + step, past_key_values=self.cache,
+                         use_cache=True)
         self.cache = out.past_key_values
         return out.logits[:, -1]
 
@@ -417,7 +449,7 @@ def decoder_class(model) -> type:
     return next((c for c in (GPT2Decoder, LlamaDecoder) if c.fits(model)), HFDecoder)
 
 
-# what the start-up header says of each (a model that falls back to the generic path runs, only slower)
+# what the start-up header says of each (a model on the generic path runs, only slower)
 DECODER_NAMES = {GPT2Decoder: "fast GPT-2 path", LlamaDecoder: "fast Llama-family path",
                  HFDecoder: "generic HF forward (no fast path fits this model; decoding is slower)"}
 
@@ -435,7 +467,7 @@ def decoder_for(model, cache, inverse, prompt_mask, max_new_tokens: int, compile
                                 group_size=group_size)
 
 
-# ---- sampling: one token per row, then a whole completion ----------------------------------------------
+# ---- sampling: one token per row, then a whole completion ---------------------------------------
 
 def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     """1 up to and including each row's first EOS, 0 after it.
@@ -445,42 +477,45 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     """
     is_eos = completion_ids == eos_id
     width = completion_ids.shape[1]
-    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], width, dtype=torch.long))
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1),
+                        torch.full_like(is_eos[:, 0], width, dtype=torch.long))
     return (torch.arange(width, device=completion_ids.device)[None, :] <= first[:, None]).long()
 
 
 def sample_index(probs: torch.Tensor) -> torch.Tensor:
-    """One index per row with probability probs[row, index] (rows need not sum to exactly 1): on a GPU by
-    race_index (no running sum: about half the time there), elsewhere by inverse CDF (the bits of before)."""
+    """One index per row with probability probs[row, index] (rows need not sum to exactly 1): on a
+    GPU by race_index (no running sum: about half the time there), elsewhere by inverse CDF (the
+    bits of before)."""
     return race_index(probs) if probs.is_cuda else inverse_cdf_index(probs)
 
 
 def inverse_cdf_index(probs: torch.Tensor) -> torch.Tensor:
-    """The first index whose running sum exceeds a uniform draw scaled to the row's total. Only an index
-    with probability > 0 can be that first one. The same distribution as torch.multinomial, which on CPU
-    costs ~10x more (158 ms vs 13 ms for 64 x 50257 per token)."""
+    """The first index whose running sum exceeds a uniform draw scaled to the row's total. Only an
+    index with probability > 0 can be that first one. The same distribution as torch.multinomial,
+    which on CPU costs ~10x more (158 ms vs 13 ms for 64 x 50257 per token)."""
     cdf = probs.cumsum(-1)
     u = torch.rand(probs.shape[0], 1, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
 def race_index(probs: torch.Tensor) -> torch.Tensor:
-    """The exponential race: argmax of p_i / E_i over E_i ~ Exp(1) drawn independently, which index i wins
-    with probability p_i / sum(p) (the first of exponential clocks of rates p_i to ring). E is drawn in
-    float64: in float32 its smallest values, which decide the rarest tokens' chances, are coarse (2^-24 apart)."""
+    """The exponential race: argmax of p_i / E_i over E_i ~ Exp(1) drawn independently, which index
+    i wins with probability p_i / sum(p) (the first of exponential clocks of rates p_i to ring). E
+    is drawn in float64: in float32 its smallest values, which decide the rarest tokens' chances,
+    are coarse (2^-24 apart)."""
     clocks = torch.empty(probs.shape, dtype=torch.float64, device=probs.device).exponential_()
     return (probs / clocks.clamp_min_(torch.finfo(torch.float64).tiny)).argmax(-1)  # never 0 / 0
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, banned: int = None,
-                 with_sampler: bool = False):
+def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                 banned: int = None, with_sampler: bool = False):
     """Draw one token per row; return it with its logprob under the temperature-scaled distribution.
 
     The logprob is taken before top-k/top-p truncation (and before `banned`, a token id that may
     not be drawn now): it is the policy's own logprob, the same quantity the training forward
     computes, so the first update is exactly on-policy. with_sampler: also the token's logprob under
-    the distribution it was drawn from (truncated and renormalised), which the mismatch metric and its
-    corrections compare with the trainer's (grpo/variants.py mismatch_weight).
+    the distribution it was drawn from (truncated and renormalised), which the mismatch metric and
+    its corrections compare with the trainer's (grpo/variants.py mismatch_weight).
     """
     if logits.dtype != torch.float32:
         logits = logits.float()
@@ -490,7 +525,8 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     filtered = logits
     if banned is not None:
         filtered = filtered.clone()
-        filtered[:, banned] = float("-inf")  # a scalar fill: no index tensor copied to the device every token
+        # a scalar fill: no index tensor copied to the device every token
+        filtered[:, banned] = float("-inf")
     if temperature == 0:
         token = filtered.argmax(-1)
     else:
@@ -508,36 +544,40 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     logprob = logprobs.gather(-1, token[:, None]).squeeze(-1)
     if not with_sampler:
         return token, logprob
-    if temperature == 0 or filtered is logits:   # nothing truncated: the distribution drawn from is the policy's
+    # nothing truncated: the distribution drawn from is the policy's
+    if temperature == 0 or filtered is logits:
         return token, logprob, logprob
     return token, logprob, torch.log_softmax(filtered, -1).gather(-1, token[:, None]).squeeze(-1)
 
 
-# rows that have all finished are noticed only every this many steps: a check reads a flag back from the
-# device (a host synchronisation), and the steps past the end are trimmed off, so the outputs are the same
+# rows that have all finished are noticed only every this many steps: a check reads a flag back
+# from the device (a host synchronisation); the steps past the end are trimmed off (same outputs)
 DONE_CHECK_EVERY = 8
 
 
 class Draws:
-    """What generate() records of each row, one column per step, in place: the tokens drawn (EOS from a
-    row's first on), their logprobs, the sampler's logprobs (with_sampler) and which rows have finished.
-    Compiled, the buffers are kept from call to call (a replayed graph writes where it was recorded)."""
+    """What generate() records of each row, one column per step, in place: the tokens drawn (EOS
+    from a row's first on), their logprobs, the sampler's logprobs (with_sampler) and which rows
+    have finished. Compiled, the buffers are kept from call to call (a replayed graph writes where
+    it was recorded)."""
 
-    def __init__(self, model, batch: int, max_new_tokens: int, eos_id: int, sampling: tuple, with_sampler: bool,
-                 device, keep: bool):
+    def __init__(self, model, batch: int, max_new_tokens: int, eos_id: int, sampling: tuple,
+                 with_sampler: bool, device, keep: bool):
         self.eos_id, self.with_sampler = eos_id, with_sampler
         self.temperature, self.top_k, self.top_p = sampling
         shape = (batch, max_new_tokens)
         self.tokens = _zeros(model, "tokens", shape, torch.long, device, keep).fill_(eos_id)
         self.logprobs = _zeros(model, "logprobs", shape, torch.float32, device, keep)
-        self.sampled = _zeros(model, "sampled", shape, torch.float32, device, keep) if with_sampler else None
+        self.sampled = (_zeros(model, "sampled", shape, torch.float32, device, keep)
+                        if with_sampler else None)
         self.done = _zeros(model, "done", (batch,), torch.bool, device, keep)
         self.columns = torch.arange(max_new_tokens, device=device)
 
     def draw(self, logits, column, banned):
-        """Sample each row's token at `column` (a one-element index) from logits; a finished row gets EOS."""
-        token, logprob, *sampler = sample_token(logits, self.temperature, self.top_k, self.top_p, banned=banned,
-                                                with_sampler=self.with_sampler)
+        """Sample each row's token at `column` (a one-element index) from logits; a finished row
+        gets EOS."""
+        token, logprob, *sampler = sample_token(logits, self.temperature, self.top_k, self.top_p,
+                                                banned=banned, with_sampler=self.with_sampler)
         token = token.masked_fill(self.done, self.eos_id)
         self.tokens.index_copy_(1, column, token[:, None])
         self.logprobs.index_copy_(1, column, logprob[:, None])
@@ -547,36 +587,37 @@ class Draws:
 
 
 @torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, *, eos_id: int, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0, autocast=None, compile: bool = False,
-             with_sampler: bool = False, group_size: int = None):
-    """Sample one completion per row of a left-padded prompt batch.
-
-    Returns completion_ids [B, T], completion_mask [B, T] and the sampling logprobs [B, T], where T is
-    the number of decode steps until every row has stopped at its first EOS (at least min_new_tokens,
-    at most max_new_tokens). Rows that have finished keep receiving EOS, which the mask hides. EOS
-    cannot be drawn before min_new_tokens (its probability still counts in the recorded logprob).
-    compile runs the decode step through torch.compile (CUDA: as a replayed graph) where the model
-    has a preallocated decoder (grpo/decoders.py); the first call pays the compilation. with_sampler: a fourth
-    output, the logprobs under the distributions the tokens were drawn from (sample_token). group_size: the
-    rows of each prompt (compiled, the groups keep that size when two draw the same prompt: no recompiling).
+def generate(model, prompt_ids, prompt_mask, *, eos_id: int, max_new_tokens: int,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0,
+             autocast=None, compile: bool = False, with_sampler: bool = False,
+             group_size: int = None):
+    """Sample one completion per row of a left-padded prompt batch: completion_ids, completion_mask
+    and sampling logprobs, each [B, T], T the steps until every row stopped at its first EOS (at
+    least min_new_tokens, at most max_new_tokens; finished rows get EOS, masked). EOS cannot be
+    drawn before min_new_tokens (its probability still counts in the logprob). compile: the step
+    through torch.compile (CUDA: a replayed graph) where a preallocated decoder fits; the first call
+    compiles. with_sampler: a 4th output, logprobs under the distributions drawn from
+    (sample_token). group_size: rows per prompt (compiled, groups keep it when two draw the same
+    prompt: no recompiling).
     """
     autocast = autocast or torch.autocast(prompt_ids.device.type, enabled=False)
     with autocast:  # entered once: autocast keeps its bf16 copies of the weights for the whole loop
-        return _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperature, top_k, top_p,
-                         min_new_tokens, compile, with_sampler, group_size)
+        return _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperature, top_k,
+                         top_p, min_new_tokens, compile, with_sampler, group_size)
 
 
-def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperature, top_k, top_p, min_new_tokens,
-              compile=False, with_sampler=False, group_size=None):
+def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperature, top_k, top_p,
+              min_new_tokens, compile=False, with_sampler=False, group_size=None):
     batch = prompt_ids.shape[0]
-    # the rows of a group share their prompt: each distinct one is prefilled once, then its KV is copied
-    prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
+    # a group's rows share their prompt: each distinct one is prefilled once, then its KV copied
+    prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0,
+                                    return_inverse=True)
     width = prompt_ids.shape[1]
     out = model(input_ids=prompts[:, :width], attention_mask=prompts[:, width:],
-                position_ids=position_ids_from_mask(prompts[:, width:]), use_cache=True, logits_to_keep=1)
-    decoder = decoder_for(model, out.past_key_values, inverse, prompt_mask, max_new_tokens, compile=compile,
-                          group_size=group_size)
+                position_ids=position_ids_from_mask(prompts[:, width:]), use_cache=True,
+                logits_to_keep=1)
+    decoder = decoder_for(model, out.past_key_values, inverse, prompt_mask, max_new_tokens,
+                          compile=compile, group_size=group_size)
     draws = Draws(model, batch, max_new_tokens, eos_id, (temperature, top_k, top_p), with_sampler,
                   prompt_ids.device, keep=decoder.compiled is not None)
     draws.draw(out.logits[inverse, -1], draws.columns[:1], eos_id if min_new_tokens > 0 else None)
@@ -587,7 +628,8 @@ def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperatur
         decoder.advance(draws, step, eos_id if step + 1 < min_new_tokens else None)
         last = step + 1
     mask = completion_mask(draws.tokens[:, :last + 1], eos_id)
-    if bool(draws.done.all()):  # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
+    # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
+    if bool(draws.done.all()):
         last = int(mask.sum(1).max()) - 1
     # copies: a compiled decoder's buffers are the next call's too
     outputs = [draws.tokens, mask, draws.logprobs] + ([draws.sampled] if with_sampler else [])

@@ -1,19 +1,14 @@
-"""Data parallelism under torchrun: one process per device, each with whole groups of the batch.
+"""Data parallelism under torchrun (`torchrun --nproc_per_node 2 train_lean.py ...`): one process
+per device, each with whole groups of the batch. Gradients are summed by one all_reduce of a flat
+buffer per optimizer update, not by DistributedDataParallel: the loss calls the policy's trunk and
+head directly (grpo/model.py completion_logprobs), which a DDP wrapper's forward would never see,
+and one reduction point lets every rank agree on an out-of-memory retry or a skipped update before
+any waits on a collective (DDP's overlap with backward is small at this trainer's model sizes).
 
-    torchrun --nproc_per_node 2 train_lean.py --batch-size 64 ...
-
-Gradients are summed with one all_reduce of a flat buffer per optimizer update, after the
-micro-batches have accumulated, rather than by wrapping the policy in DistributedDataParallel:
-the loss calls the policy's trunk and output head directly (grpo/model.py completion_logprobs), which
-a DDP wrapper's forward would never see; and a single reduction point lets every rank agree on an
-out-of-memory retry or a skipped update before any of them waits on a collective. (DDP's bucketed
-reduction overlaps with backward; at the model sizes this trainer targets that overlap is small.)
-
-Every helper is a no-op in a single process, so train_lean.py reads the same either way. Each one
-but world_size(), rank() and is_main() waits for the other ranks; a call of one, or of a function
-that makes one (harness/guards.py Guard.fit, train_lean.py update, ...), is marked `# every rank`
-on its line wherever it is made, in train_lean.py, grpo/ and harness/: tests/test_repository.py
-checks.
+Every helper is a no-op in a single process. All but world_size(), rank() and is_main() wait for
+the other ranks: a call of one, or of a function that makes one (harness/guards.py Guard.fit,
+train_lean.py update, ...), is marked `# every rank` on its line, in train_lean.py, grpo/ and
+harness/ (tests/test_repository.py checks).
 """
 import datetime
 import os
@@ -25,9 +20,11 @@ import torch.distributed as dist
 def init(device_choice: str):
     """Join the process group if launched by torchrun; return (rank, world size, device)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
+    cuda = device_choice.startswith("cuda") or (
+        device_choice == "auto" and torch.cuda.is_available())
     if world == 1:
-        return 0, 1, torch.device(("cuda" if cuda else "cpu") if device_choice == "auto" else device_choice)
+        return 0, 1, torch.device(("cuda" if cuda else "cpu") if device_choice == "auto"
+                                  else device_choice)
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:  # one GPU per process, whatever cuda:N says
         device = torch.device("cuda", local_rank)
@@ -48,14 +45,15 @@ def rank() -> int:
 
 
 def is_main() -> bool:
-    """Whether this process is rank 0, the one that prints, logs, saves and evaluates; before the process group
-    exists, torchrun's RANK says so."""
+    """Whether this process is rank 0, the one that prints, logs, saves and evaluates; before the
+    process group exists, torchrun's RANK says so."""
     return dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK", "0") == "0"
 
 
 def _device():
     # gloo reduces CPU tensors, NCCL CUDA tensors
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+            else torch.device("cpu"))
 
 
 def all_sum(values: list) -> list:
@@ -82,7 +80,8 @@ def gather_objects(obj) -> list:
 
 
 def sum_gradients(params) -> None:
-    """Sum .grad over ranks in place (one flat buffer): the loss is already divided by global counts."""
+    """Sum .grad over ranks in place (one flat buffer): the loss is already divided by global
+    counts."""
     if not dist.is_initialized():
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -95,8 +94,9 @@ def sum_gradients(params) -> None:
 
 
 def close(exc_type=None, exc=None, tb=None) -> None:
-    """Tear the process group down. After a clean run the ranks first meet, so that none destroys gloo's
-    connections while another still uses them; after an exception they do not (a peer may never come)."""
+    """Tear the process group down. After a clean run the ranks first meet, so that none destroys
+    gloo's connections while another still uses them; after an exception they do not (a peer may
+    never come)."""
     if dist.is_initialized():
         if exc_type is None:
             dist.barrier()

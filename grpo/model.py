@@ -1,5 +1,5 @@
-"""Model loading (policy, LoRA adapters, frozen reference, tokenizer with left padding) and the logprobs of
-completions.
+"""Model loading (policy, LoRA adapters, frozen reference, tokenizer with left padding) and the
+logprobs of completions.
 
 Nothing here is GPT-2-specific: any AutoModelForCausalLM whose forward takes position_ids
 (GPT-2's learned absolute positions, Llama's rotary ones, ...) works with the trainer.
@@ -24,15 +24,17 @@ def _from_pretrained(cls, name_or_path: str, **kwargs):
     looks_local = name_or_path.startswith((".", "/", "~")) or os.path.exists(name_or_path)
     if looks_local and not os.path.isdir(name_or_path):
         raise ModelLoadError(f"--model {name_or_path}: no such folder (make a tiny one with "
-                             f"`python scripts/make_tiny_model.py {name_or_path}` or give a hub id)")
+                             f"`python scripts/make_tiny_model.py {name_or_path}` "
+                             f"or give a hub id)")
     try:
         return cls.from_pretrained(name_or_path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
-        # transformers' messages run over several lines: all of it, on one (its first line alone can stop mid-list)
+        # transformers' messages run over several lines: all of it, on one (its first line alone
+        # can stop mid-list)
         text = " ".join(str(e).split()) or type(e).__name__
         text = text if len(text) <= 400 else text[:397] + "..."
-        where = "" if looks_local else (" (a hub id needs network access; this machine may be offline: "
-                                        "pass a local folder instead)")
+        where = "" if looks_local else (" (a hub id needs network access; this machine may be "
+                                        "offline: pass a local folder instead)")
         raise ModelLoadError(f"cannot load --model {name_or_path}: {text}{where}") from None
 
 
@@ -43,8 +45,8 @@ def load_config(name_or_path: str):
 
 
 def context_length(config) -> int | None:
-    """The most positions the model takes (GPT-2's n_positions, Llama's max_position_embeddings), or None
-    where its config names none."""
+    """The most positions the model takes (GPT-2's n_positions, Llama's max_position_embeddings),
+    or None where its config names none."""
     for name in ("n_positions", "max_position_embeddings", "n_ctx"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -52,33 +54,37 @@ def context_length(config) -> int | None:
     return None
 
 
-# the files a tokenizer loads from: a fast tokenizer's, a sentencepiece model (Llama, T5), a BPE or WordPiece vocabulary
+# the files a tokenizer loads from: a fast tokenizer's, a sentencepiece model (Llama, T5), a BPE or
+# WordPiece vocabulary
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 
 
 def load_tokenizer(name_or_path: str):
-    """The model's tokenizer, checked against it: a vocabulary beyond the special tokens (a folder without
-    tokenizer files loads as an empty one that encodes every prompt to nothing), and no token id past the
-    model's vocab_size (its embeddings)."""
+    """The model's tokenizer, checked against it: a vocabulary beyond the special tokens (a folder
+    without tokenizer files loads as an empty one that encodes every prompt to nothing), and no
+    token id past the model's vocab_size (its embeddings)."""
     from transformers import AutoTokenizer
-    missing = ("the folder lacks the tokenizer's files (tokenizer.json, tokenizer.model, or vocab.json and "
-               "merges.txt): copy them from where the model came from")
+    missing = ("the folder lacks the tokenizer's files (tokenizer.json, tokenizer.model, or "
+               "vocab.json and merges.txt): copy them from where the model came from")
     try:
         tok = _from_pretrained(AutoTokenizer, name_or_path)
-    except ModelLoadError:   # a Llama-style model folder without them fails in transformers, which does not say so
+    # a Llama-style model folder without them fails in transformers, which does not say so
+    except ModelLoadError:
         files = set(os.listdir(name_or_path)) if os.path.isdir(name_or_path) else set()
         if "config.json" in files and not files & set(TOKENIZER_FILES):
-            raise ModelLoadError(f"--model {name_or_path}: it has no tokenizer: {missing}") from None
+            raise ModelLoadError(
+                f"--model {name_or_path}: it has no tokenizer: {missing}") from None
         raise
     vocab = tok.get_vocab()
     if len(vocab) <= len(set(tok.all_special_ids)):
-        raise ModelLoadError(f"--model {name_or_path}: its tokenizer has no vocabulary ({len(vocab)} special "
-                             f"token(s) only): {missing}")
+        raise ModelLoadError(f"--model {name_or_path}: its tokenizer has no vocabulary "
+                             f"({len(vocab)} special token(s) only): {missing}")
     top, size = max(vocab.values()), getattr(load_config(name_or_path), "vocab_size", None)
     if isinstance(size, int) and top >= size:
-        raise ModelLoadError(f"--model {name_or_path}: its tokenizer has token ids up to {top}, but the model's "
-                             f"vocab_size is {size}: ids from {size} on are outside its embeddings; use the "
-                             f"tokenizer the model was trained with")
+        raise ModelLoadError(
+            f"--model {name_or_path}: its tokenizer has token ids up to {top}, but the model's "
+            f"vocab_size is {size}: ids from {size} on are outside its embeddings; use the "
+            f"tokenizer the model was trained with")
     # Left padding: every prompt then ends at the same column, so all rows of a batch start
     # generating at the same index and a completion is simply "everything after the prompt".
     tok.padding_side = "left"
@@ -87,7 +93,8 @@ def load_tokenizer(name_or_path: str):
         # are built from the first generated EOS and never from `token == pad`.
         tok.pad_token = tok.eos_token
     if tok.eos_token_id is None:
-        raise ModelLoadError(f"tokenizer of {name_or_path} has no EOS token: completions could never end")
+        raise ModelLoadError(
+            f"tokenizer of {name_or_path} has no EOS token: completions could never end")
     return tok
 
 
@@ -128,8 +135,9 @@ def model_autocast(device: torch.device, dtype: str):
     slower; rank 0 alone, as it alone prints (under torchrun every process would say it)."""
     if dtype == "bf16" and device.type == "cpu" and distributed.is_main() and \
             not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        print("train_lean.py: warning: this CPU has no native bf16 (AVX512-BF16 or AMX): bf16 matmuls are "
-              "emulated, many times slower than fp32; prefer --dtype fp32", file=sys.stderr, flush=True)
+        print("train_lean.py: warning: this CPU has no native bf16 (AVX512-BF16 or AMX): bf16 "
+              "matmuls are emulated, many times slower than fp32; prefer --dtype fp32",
+              file=sys.stderr, flush=True)
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
@@ -148,17 +156,18 @@ def is_lora(model) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
-def add_lora(model, rank: int, alpha: float, target_modules: str | None = None, adapter: str | None = None):
+def add_lora(model, rank: int, alpha: float, target_modules: str | None = None,
+             adapter: str | None = None):
     """LoRA adapters injected in place into model's layers (peft): returns the PeftModel, whose
-    get_base_model() is `model` itself, now with its adapters; only they require gradients.
-
-    target_modules: comma-separated module names (None: peft's default for the architecture). adapter: a
-    saved adapter's folder (a checkpoint) to load instead of fresh ones. Fresh adapters start with B = 0,
-    so the policy starts as the model. No adapter dropout, and the whole model stays in eval mode: a
-    training forward gives the sampler's logprobs (the first update of a step is on-policy, ratio 1)."""
+    get_base_model() is `model` itself, now with its adapters, which alone require gradients.
+    target_modules: comma-separated module names (None: peft's default for the architecture);
+    adapter: a saved adapter's folder (a checkpoint) to load instead of fresh ones, which start with
+    B = 0 (the policy starts as the model). No adapter dropout, and the model stays in eval mode: a
+    training forward gives the sampler's logprobs (a step's first update is on-policy, ratio 1)."""
     import warnings
     from peft import LoraConfig, PeftModel, get_peft_model
-    targets = [t.strip() for t in target_modules.split(",") if t.strip()] if target_modules else None
+    targets = ([t.strip() for t in target_modules.split(",") if t.strip()] if target_modules
+               else None)
     try:
         with warnings.catch_warnings():  # GPT-2's Conv1D: peft says it sets fan_in_fan_out itself
             warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
@@ -170,27 +179,29 @@ def add_lora(model, rank: int, alpha: float, target_modules: str | None = None, 
                                                         target_modules=targets))
     except ValueError as e:
         first = str(e).strip().splitlines()[0][:200]
-        raise ModelLoadError(f"--lora-rank {rank} --lora-target-modules {target_modules or '(peft default)'} on "
-                             f"{model.config.model_type}: {first} (name its modules with --lora-target-modules)"
-                             ) from None
+        raise ModelLoadError(f"--lora-rank {rank} --lora-target-modules "
+                             f"{target_modules or '(peft default)'} on {model.config.model_type}: "
+                             f"{first} (name its modules with --lora-target-modules)") from None
     lora.eval()  # peft's new layers are created in training mode
     return lora
 
 
 def load_trainable(cfg, device, resume_from: str | None = None):
-    """(the model the run trains and decodes with, its PeftModel or None). --lora-rank 0: the whole model, from
-    the checkpoint when resuming. Above 0: LoRA adapters on --model, which never changes (a checkpoint holds the
-    adapters alone, loaded onto it again). Training and decoding use the underlying Hugging Face model, whose
-    layers peft changed in place: the PeftModel serves to switch the adapters off and to save them."""
+    """(the model the run trains and decodes with, its PeftModel or None). --lora-rank 0: the whole
+    model, from the checkpoint when resuming. Above 0: LoRA adapters on --model, which never changes
+    (a checkpoint holds the adapters alone, loaded onto it again). Training and decoding use the
+    underlying Hugging Face model, whose layers peft changed in place: the PeftModel serves to
+    switch the adapters off and to save them."""
     if not cfg.lora_rank:
         return load_policy(resume_from or cfg.model, device), None
-    lora = add_lora(load_policy(cfg.model, device), cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules, resume_from)
+    lora = add_lora(load_policy(cfg.model, device), cfg.lora_rank, cfg.lora_alpha,
+                    cfg.lora_target_modules, resume_from)
     return lora.get_base_model(), lora
 
 
 def lora_summary(lora, with_reference: bool) -> str:
-    """The start-up line of a LoRA run: where the adapters are, the trainable share, and what the reference
-    (the adapters switched off) saves: a frozen copy of the model's weights."""
+    """The start-up line of a LoRA run: where the adapters are, the trainable share, and what the
+    reference (the adapters switched off) saves: a frozen copy of the model's weights."""
     c = lora.peft_config[lora.active_adapter]
     params = list(lora.parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)
@@ -199,15 +210,15 @@ def lora_summary(lora, with_reference: bool) -> str:
     line = (f"LoRA rank {c.r}, alpha {c.lora_alpha:g} on {','.join(sorted(c.target_modules))}: "
             f"{trainable:,} of {total:,} parameters train ({100 * trainable / total:.3g}%)")
     if with_reference:
-        line += (f"; the KL reference is the same weights with the adapters off, no copy of the model "
-                 f"({frozen_mib:,.1f} MiB saved)")
+        line += (f"; the KL reference is the same weights with the adapters off, no copy of the "
+                 f"model ({frozen_mib:,.1f} MiB saved)")
     return line
 
 
 @contextlib.contextmanager
 def reference_weights(reference):
-    """The model that gives the reference's logprobs: a frozen copy as it is; with LoRA (the PeftModel) the
-    policy itself with its adapters switched off for the while."""
+    """The model that gives the reference's logprobs: a frozen copy as it is; with LoRA (the
+    PeftModel) the policy itself with its adapters switched off for the while."""
     if not is_lora(reference):
         yield reference
         return
@@ -216,8 +227,8 @@ def reference_weights(reference):
 
 
 def sync_reference(reference, policy, alpha: float) -> None:
-    """Move the reference toward the policy (TR-DPO): each weight becomes alpha x the policy's + (1 - alpha) x
-    its own; alpha 1 copies the policy. In place, no gradients."""
+    """Move the reference toward the policy (TR-DPO): each weight becomes alpha x the policy's +
+    (1 - alpha) x its own; alpha 1 copies the policy. In place, no gradients."""
     with torch.no_grad():
         for r, p in zip(reference.parameters(), policy.parameters()):
             r.copy_(p) if alpha == 1 else r.lerp_(p, alpha)
@@ -249,9 +260,10 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def padded_head(head, multiple: int):
-    """(weight, bias) of the output head with zero rows up to a multiple of `multiple` (their logits are sliced
-    off): GPU matmul kernels are chosen by shape, and a vocabulary like GPT-2's 50257 gets a slow one. A
-    differentiable copy, so gradients reach the head's own weight; multiple 1: the head's own tensors."""
+    """(weight, bias) of the output head with zero rows up to a multiple of `multiple` (their logits
+    are sliced off): GPU matmul kernels are chosen by shape, and a vocabulary like GPT-2's 50257
+    gets a slow one. A differentiable copy, so gradients reach the head's own weight; multiple 1:
+    the head's own tensors."""
     pad = -head.weight.shape[0] % multiple
     if not pad:
         return head.weight, head.bias
@@ -265,10 +277,11 @@ def head_multiple(device) -> int:
 
 
 def _chosen_logprobs(hidden, targets, weight, bias, temperature, with_entropy=False, vocab=None):
-    """(logprob of each row's target,) or with_entropy (logprob, entropy of the row's distribution); vocab:
-    the head's real rows, when weight has padding rows after them."""
+    """(logprob of each row's target,) or with_entropy (logprob, entropy of the row's distribution);
+    vocab: the head's real rows, when weight has padding rows after them."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    if vocab is not None and logits.shape[-1] != vocab:   # only a padded head's: a slice's backward zero-fills
+    # only a padded head's: a slice's backward zero-fills
+    if vocab is not None and logits.shape[-1] != vocab:
         logits = logits[:, :vocab]
     logits = logits.float() / temperature
     lse = torch.logsumexp(logits, dim=-1)
@@ -287,7 +300,8 @@ def _checkpointed_layers(model, on: bool):
     in eval mode (dropout off). So only the layer modules themselves are switched, for this forward:
     their submodules, dropout included, stay in eval mode. Yields whether any layer checkpoints.
     """
-    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True] if on else []
+    layers = ([m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+              if on else [])
     for m in layers:
         m.training = True
     try:
@@ -308,8 +322,9 @@ def _completion_hidden(model, input_ids, attention_mask, n_completion: int, shar
     positions = position_ids_from_mask(attention_mask)
     split = input_ids.shape[1] - n_completion
     if share_prompts and split > 0:
-        prompts, inverse = torch.unique(torch.cat([input_ids[:, :split], attention_mask[:, :split]], 1),
-                                        dim=0, return_inverse=True)
+        prompts, inverse = torch.unique(
+            torch.cat([input_ids[:, :split], attention_mask[:, :split]], 1), dim=0,
+            return_inverse=True)
         share_prompts = prompts.shape[0] < input_ids.shape[0]
     if not share_prompts or split == 0:
         hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
@@ -321,25 +336,23 @@ def _completion_hidden(model, input_ids, attention_mask, n_completion: int, shar
     cache = head.past_key_values
     cache.batch_select_indices(inverse)  # each row gets its prompt's keys and values
     tail = model.base_model(input_ids=input_ids[:, split:], attention_mask=attention_mask,
-                            position_ids=positions[:, split:], past_key_values=cache, use_cache=True)
+                            position_ids=positions[:, split:], past_key_values=cache,
+                            use_cache=True)
     return torch.cat([head.last_hidden_state[inverse, -1:], tail.last_hidden_state[:, :-1]], 1)
 
 
 def completion_logprobs(model, input_ids, attention_mask, n_completion: int, temperature: float,
-                        chunk_rows: int, autocast=None, share_prompts: bool = True, with_entropy: bool = False,
-                        head_rows: int = None):
-    """Logprob of each of the last n_completion tokens of input_ids under `model`: [B, n_completion].
-
-    position_ids come from the attention mask, so a left-padded prompt is scored at the positions it
-    was sampled at. Rows with the same (padded) prompt share one prompt forward (_completion_hidden).
-    Only completion positions go through the output head, and never as a whole [B, T, vocab] fp32
-    tensor: the chosen logit minus a logsumexp, chunk_rows token rows at a time (recomputed in
-    backward when chunking), which bounds the logits' memory.
-
-    with_entropy: returns (logprobs, entropies), the entropy of the temperature-scaled distribution
-    the token was sampled from at each position, computed from the same chunks of logits (with
-    gradients, for an entropy bonus). head_rows: the head is padded to a multiple of it (padded_head;
-    default head_multiple: on a GPU only).
+                        chunk_rows: int, autocast=None, share_prompts: bool = True,
+                        with_entropy: bool = False, head_rows: int = None):
+    """Logprob of each of the last n_completion tokens of input_ids under `model` [B, n_completion],
+    at the positions the attention mask gives (where a left-padded prompt was sampled); rows with
+    the same prompt share one prompt forward (_completion_hidden). Only completion positions go
+    through the head, never as a whole [B, T, vocab] fp32 tensor: to bound the logits' memory, the
+    chosen logit minus a logsumexp, chunk_rows token rows at a time (recomputed in backward when
+    chunking). with_entropy: (logprobs, entropies), each position's entropy of the
+    temperature-scaled distribution sampled from, from the same chunks of logits (with gradients,
+    for an entropy bonus). head_rows: the head is padded to a multiple of it (padded_head; default
+    head_multiple: on a GPU only).
     """
     autocast = autocast or torch.autocast(input_ids.device.type, enabled=False)
     with autocast, _checkpointed_layers(model, torch.is_grad_enabled()) as checkpointing:
