@@ -1,6 +1,6 @@
 """The off-by-default variants of the GRPO step (train_lean.py holds the default), each a small
 function in a table keyed by its flag value. The step looks the chosen one up; a new variant is one
-function, one entry, and a formula test in tests/grpo/ (tests/grpo/test_algorithm.py lists them).
+function, one entry, and a formula test in tests/grpo/ (tests/grpo/test_variants.py lists them).
 Why each exists and how they relate (the KL estimators and where they go, the sampler mismatch,
 TRL's names): docs/algorithm.md.
 

@@ -1,6 +1,6 @@
 """One mini-batch's gradient under each set of loss knobs, accumulated over micro-batches, summed over ranks.
 
-test_update.py calls minibatch_gradient in its own process, and runs this file once per rank
+test_train_update.py calls minibatch_gradient in its own process, and runs this file once per rank
 of a 2-process gloo group (CPU, a file:// rendezvous, nothing on the network):
 
     python grad_worker.py RANK WORLD INIT_FILE MODEL_DIR BATCH_FILE OUT_FILE

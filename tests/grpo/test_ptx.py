@@ -1,7 +1,7 @@
 """grpo/ptx.py and the pretraining-mix term (--ptx-coef): what is learned, the loss against Hugging Face's own
 next-token loss, the text's sources, its stream as a function of (seed, step), and a run that resumes exactly.
 
-Accumulation over micro-batches and the sum over two gloo ranks are in test_update.py (the "pretraining mix" knob),
+Accumulation over micro-batches and the sum over two gloo ranks are in test_train_update.py (the "pretraining mix" knob),
 bad settings in test_bad_input.py.
 """
 import random
