@@ -247,15 +247,16 @@ def main(argv=None):
             top_p=cfg.top_p, min_new_tokens=cfg.min_new_tokens, autocast=run.autocast,
             device=run.device, compile=cfg.compile == "on")
         for step in run.steps():  # every rank   (checkpoints, a stop on Ctrl-C, the final model)
-            rec, batch = train_step(  # every rank
+            rec, rows = train_step(  # every rank
                 step, run, task, mix_source, sample, policy, reference, tokenizer, optimizer,
                 guard, kl)
-            run.end_step(rec, batch)   # the record, the console line, the evaluation when due
+            run.end_step(rec, rows)   # the record, the console line, the evaluation when due
 
 
 def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer, optimizer,
                guard, kl):
-    """One GRPO step on this rank's share: its record (the stages add to it) and its batch."""
+    """One GRPO step on this rank's share: its record (the stages add to it) and every rank's rows of
+    it (run.check_rewards gathers them)."""
     cfg, layout, rank, world = run.cfg, run.layout, run.rank, run.world
     G, P, B = cfg.group_size, layout.prompts_per_device, layout.completions_per_device
     rec, rng = {"step": step}, random.Random(stream_seed(cfg.seed, step))
@@ -287,7 +288,7 @@ def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer
     adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.scale_rewards, parts=parts,
                                                  weights=list(run.scorer.weights.values()))
     batch.advantages = adv[rank * B:(rank + 1) * B].to(run.device)
-    run.check_rewards(step, batch, rec)  # every rank   (shown; every reward failed: the run stops)
+    rows = run.check_rewards(step, batch, rec)  # every rank   (all failed: the run stops)
     # ---- update: clipped PPO surrogate + KL, mini-batches of micro-batches ----------------------
     rec["lr"] = learning_rate(step, cfg)   # --lr-scheduler, after its warmup
     for group in optimizer.param_groups:
@@ -299,7 +300,7 @@ def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer
         policy, optimizer, batch, cfg, layout, run.autocast, guard, kl.coef, mix))
     rec.update(kl.after_step(rec["kl"], cfg.batch_size))   # --kl-target moves the coefficient
     variants.follow_policy(reference, policy, step, cfg)   # --ref-sync-steps: the reference follows
-    return rec, batch
+    return rec, rows
 
 
 if __name__ == "__main__":

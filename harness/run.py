@@ -12,8 +12,8 @@
         for step in run.steps():                the progress bar; after a step a checkpoint when due or asked
                                                 for (a signal), after the last the trained model
             run.phase_done("gen")               a phase's time and memory
-            run.check_rewards(step, batch, rec) failed rewards said (every one failed: the run stops)
-            run.end_step(rec, batch)            the record, the console line, the evaluation when due
+            rows = run.check_rewards(step, batch, rec)   failed rewards said (all failed: the run stops)
+            run.end_step(rec, rows)             the record, the console line, the evaluation when due
 
 The algorithm modules (grpo/) never import this package; it imports them.
 """
@@ -325,25 +325,26 @@ class Run:
         """The step's phase `name` ended: its time and the memory at its end (harness/memory.py)."""
         self.phases.end(name)
 
-    def check_rewards(self, step: int, batch, rec: dict) -> None:
-        """Every rank's rows of the step gathered once (every rank) for its record; the first failure of each kind
-        of reward is shown, a step in which every reward failed stops the run (--reward-errors), and the first step
-        whose groups were all flat is named (harness/task.py Scorer)."""
+    def check_rewards(self, step: int, batch, rec: dict) -> dict:
+        """Every rank's rows of the step gathered once (every rank), returned for end_step's record; the first
+        failure of each kind of reward is shown, a step in which every reward failed stops the run
+        (--reward-errors), and the first step whose groups were all flat is named (harness/task.py Scorer)."""
         parts = distributed.gather_objects(  # every rank
             log.device_part(batch, self.scorer, self.cfg.log_completions))
-        self.step_rows = log.whole_step(parts)
-        self.scorer.after_step(step, self.step_rows, rec["frac_zero_std"])
+        rows = log.whole_step(parts)
+        self.scorer.after_step(step, rows, rec["frac_zero_std"])
+        return rows
 
-    def end_step(self, rec: dict, batch) -> None:
-        """The step's update has returned: it is what a failure from here on saves; its record, console line and, when
-        due, the held-out evaluation."""
+    def end_step(self, rec: dict, rows: dict) -> None:
+        """The step's update has returned: it is what a failure from here on saves; its record (rows: the step's,
+        from check_rewards), console line and, when due, the held-out evaluation."""
         cfg, step = self.cfg, rec["step"]
         self.saver.completed(step, self.guard.nonfinite_streak, self.kl.coef if cfg.kl_target else None)
         self.phases.end("train")
-        rec.update(log.batch_stats(self.step_rows, cfg.group_size))
+        rec.update(log.batch_stats(rows, cfg.group_size))
         if self.guard.notes:
             rec.update(oom_retries=len(self.guard.notes), micro_batch=self.guard.micro)
-        rec.update(log.throughput(self.phases.times(), self.step_rows), **self.phases.record())
+        rec.update(log.throughput(self.phases.times(), rows), **self.phases.record())
         if cfg.compile == "on":   # each is seconds to minutes of the step's generation time
             now = decoders.compilations()
             rec["decode_compiles"], self.compiles_before = now - self.compiles_before, now
@@ -355,7 +356,7 @@ class Run:
                      f"positions: each is learned cut to its first {self.context} tokens, without its end and EOS "
                      f"(said once; ptx_cut in each record counts them)")
         # the loss and its gradient are then 0 in silence: the flat-groups note does not cover it
-        all_cut = bool(self.step_rows["truncated"].all())
+        all_cut = bool(rows["truncated"].all())
         if cfg.mask_truncated and all_cut and not self.no_tokens_said:
             self.no_tokens_said = True
             log.warn(f"step {step}: the policy loss saw no tokens: every completion reached "
@@ -364,7 +365,7 @@ class Run:
                      f"its rewards (said once; truncated_frac 1.0 in a record says it again). "
                      f"Raise --max-new-tokens, or leave --mask-truncated out")
         if cfg.log_completions:
-            log.write_completions(self.completions_file, step, self.step_rows)
+            log.write_completions(self.completions_file, step, rows)
         log.write(self.metrics_file, rec)
         self._drop_overwritten()   # its first step on record: --overwrite's earlier run goes
         self.reporter.log(rec, step)
