@@ -237,7 +237,7 @@ def sync_reference(reference, policy, alpha: float) -> None:
 def logprob_temperature(temperature: float) -> float:
     """The temperature of the distribution whose logprobs are trained on.
 
-    Sampling and training must use the same one, so that the behaviour logprobs recorded while
+    Sampling and training must use the same one, so that the logprobs recorded while
     sampling equal the policy's logprobs at the first update (ratio == 1). Greedy decoding has no
     distribution of its own; its logprobs are taken at temperature 1.
     """

@@ -227,7 +227,7 @@ def select_rows(rollouts: list, rows: torch.Tensor, pad_id: int) -> Rollout:
     with 0). The padding is masked and positions come from the mask, so every row's logprobs are
     unchanged. Other fields (dicts) start empty."""
     widths = [r.input_ids.shape[1] - r.completion_len for r in rollouts]
-    P, T = max(widths), max(r.completion_len for r in rollouts)
+    width, T = max(widths), max(r.completion_len for r in rollouts)   # prompt columns, completion
     pad, pick = torch.nn.functional.pad, rows.tolist()
     chosen = {}
     for f in dataclasses.fields(rollouts[0]):
@@ -244,7 +244,8 @@ def select_rows(rollouts: list, rows: torch.Tensor, pad_id: int) -> Rollout:
                 raise ValueError(f"Rollout.{f.name} is {list(parts[0].shape)}: select_rows carries [B], [B, T] and "
                                  f"[B, prompt width + T] tensors; give another shape its own merge")
             chosen[f.name] = torch.cat([
-                torch.cat([pad(t[:, :w], (P - w, 0), value=value), pad(t[:, w:], (0, T - r.completion_len), value=value)], 1)
+                torch.cat([pad(t[:, :w], (width - w, 0), value=value),
+                           pad(t[:, w:], (0, T - r.completion_len), value=value)], 1)
                 if full else pad(t, (0, T - r.completion_len), value=value)
                 for t, w, r in zip(parts, widths, rollouts)])[rows.to(parts[0].device)]
     return type(rollouts[0])(**chosen)
