@@ -73,9 +73,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 # --help in sections: each starts at the named field of the Config and runs to the next one's (harness/config.py
-# keeps its fields in this order, under comments of these names); a new field joins the section it is put in
-HELP_GROUPS = [("model and task", "model"), ("evaluation", "eval_interval"), ("batch", "batch_size"),
-               ("sampling", "max_new_tokens"), ("algorithm", "learning_rate"), ("run", "steps"),
+# and grpo/settings.py keep their fields in this order, the algorithm's first); a new field joins its section
+HELP_GROUPS = [("batch", "batch_size"), ("sampling", "max_new_tokens"), ("algorithm", "learning_rate"),
+               ("model and task", "model"), ("evaluation", "eval_interval"),
+               ("the work on this machine", "micro_batch_size"), ("run", "device"),
                ("output and logging", "out_dir"), ("checkpoints and resume", "save_final"),
                ("memory tracing", "trace_memory")]
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from grpo import optim, variants
+from grpo.settings import TRL_LOSS_TYPES, Settings, opt  # noqa: F401  (opt: the fields below; tasks' options)
 from harness import log
 
 
@@ -37,34 +38,6 @@ RANGES = {"at least 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambd
           "> 1": lambda v: v > 1, "in (0, 1]": lambda v: 0 < v <= 1}
 
 
-def opt(default, help, choices=None, const=None, path=None, auto=False, resume_free=False, resume_fixed=None,
-        must=None, note=None, aliases=None):
-    """A field. With const the flag may be given bare (`--resume` means `--resume latest`; a bool flag may be
-    given bare anyway, meaning true: harness/cli.py); path="in" marks
-    a file the run reads and path="out" one it writes (a file, or with the name out_dir a folder), which
-    rundir.check_paths tests before anything heavy is loaded; auto=True keeps the value "auto" as itself;
-    must names its range in RANGES (None and "auto" pass) and note a hint its message adds; resume_free=True:
-    it may differ on --resume (see Config); resume_fixed="why": it may not, even when --resume-allow-change names it
-    (what the checkpoint holds was built with it). choices given as a dict (name -> what it does, defined by the module
-    that owns them) are listed in the help; aliases maps other names for a choice to it (another trainer's)."""
-    if isinstance(choices, dict):
-        help = f"{help}: " + "; ".join(f"{k}: {v}" for k, v in choices.items())
-    if aliases:
-        help += " (also " + ", ".join(f"{k} = {v}" for k, v in aliases.items()) + ")"
-    return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
-                                            "auto": auto, "resume_free": resume_free,
-                                            "resume_fixed": resume_fixed, "must": must, "note": note,
-                                            "aliases": aliases or {}})
-
-
-# TRL's loss_type names for the same aggregations. TRL's "dapo" is exactly token-mean (its count is
-# over the whole accumulated batch on all processes). TRL's "bnpo" aims at the same mean but divides
-# each micro-batch by its own, per-process token count, so it equals token-mean only with one
-# micro-batch on one device: here it is taken to mean token-mean. TRL's "dr_grpo" divides per
-# micro-batch and averages, the same when micro-batches are of equal size, as here.
-TRL_LOSS_TYPES = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean", "dr_grpo": "dr-grpo"}
-
-
 # The checkpoint's adapters are built with these and loaded as saved (peft's adapter config wins): a new value
 # would be recorded while the old one trains on, so --resume refuses it.
 ADAPTERS_FIXED = ("the checkpoint's adapters were built with it and load as they were saved; start a new run "
@@ -80,7 +53,7 @@ ADAPTERS_FIXED = ("the checkpoint's adapters were built with it and load as they
 # the run, as do a task's options unless marked free: they change what is trained or how (the model is the start
 # and the KL reference, --seed the prompt stream; bf16 changes the numbers the loss sees, not only sum orders).
 @dataclass
-class Config:
+class Config(Settings):
     # model and task
     model: str = opt(DEFAULT_MODEL, "hub id or local folder of a causal LM (AutoModelForCausalLM); the default is "
                      "the shipped models/rook-tiny, whose full-size sibling is jrahn/RookWorld-LM-124M")
@@ -97,12 +70,7 @@ class Config:
                              "by default only for a task that has evaluate()", must=">= 0", resume_free=True)
     eval_only: bool = opt(False, "evaluate --model with the task's evaluate(), print the results and exit",
                           resume_free=True)
-    # batch arithmetic (see batch_layout)
-    batch_size: int = opt(64, "completions per step, global across devices", must="at least 1")
-    group_size: int = opt(8, "completions per prompt; prompts per step = batch / group", must="at least 1")
-    mini_batch_size: typing.Optional[int] = opt(None, "completions per optimizer update (default: batch)",
-                                                must="at least 1")
-    ppo_epochs: int = opt(1, "passes over each step's rollouts", must="at least 1")
+    # how the step's work is cut and run on this machine (the same arithmetic; --resume may change most)
     micro_batch_size: typing.Optional[typing.Union[int, str]] = opt(
         None, "completions per forward/backward on one device (default: mini / devices, no accumulation; "
         "auto: the largest that fits in memory, probed before training)", auto=True, must="at least 1",
@@ -115,37 +83,12 @@ class Config:
     generation_batch_size: typing.Optional[int] = opt(None, "completions sampled at once on one device "
                                                       "(default: all of the device's share)", must="at least 1",
                                                       resume_free=True)
-    logprob_chunk_size: int = opt(2048, "token rows of the vocabulary log-softmax computed at once",
-                                  must="at least 1", resume_free=True)
     gradient_checkpointing: bool = opt(False, "recompute each layer's activations in backward: less memory, "
                                        "more compute (a bare flag means true)", resume_free=True)
-    # sampling
-    max_new_tokens: int = opt(144, "new tokens per completion at most", must="at least 1")
-    min_new_tokens: int = opt(0, "new tokens every completion gets at least: EOS cannot be sampled before "
-                              "(its probability still counts in the logprobs; 0: off)")
-    temperature: float = opt(1.0, "sampling temperature; 0 means greedy", must=">= 0", note="0 means greedy")
-    top_k: int = opt(0, "sample from the k most likely tokens (0: off)", must=">= 0", note="0 means off")
-    top_p: float = opt(1.0, "nucleus sampling threshold (1: off)", must="in (0, 1]")
     compile: str = opt("auto", "run each decode step through torch.compile (inductor on CPU, CUDA graphs on a GPU; "
                        "GPT-2 and Llama-family models): compiling costs seconds once, a step then runs faster "
                        "(auto: on a GPU; a bare flag means on)", ["auto", "on", "off"], const="on",
                        aliases={"true": "on", "false": "off"}, resume_free=True)
-    # algorithm
-    learning_rate: float = opt(1e-4, "learning rate (1e-4 suits the shipped 5M-parameter default model; "
-                               "use about 1e-5 for a 124M model such as RookWorld-LM)", must="> 0")
-    lr_scheduler: str = opt("constant", "the learning rate over the run, after its warmup", optim.LR_SCHEDULES)
-    lr_warmup_steps: int = opt(0, "steps whose learning rate rises linearly to --learning-rate (0: none)", must=">= 0")
-    lr_warmup_ratio: float = opt(0.0, "the warmup as a share of --steps, instead of --lr-warmup-steps", must="in [0, 1)")
-    min_lr_ratio: float = opt(0.0, "the floor linear and cosine decay to, a share of --learning-rate", must="in [0, 1)")
-    optimizer: str = opt("adamw", "the optimizer (both at --learning-rate)", optim.OPTIMIZERS,
-                         resume_fixed="the checkpoint holds that optimizer's state (its moments and steps), which no "
-                                      "other optimizer reads; start a new run from OUT_DIR/model to change it")
-    weight_decay: float = opt(0.0, "decoupled weight decay (AdamW's, and Muon's)", must=">= 0")
-    max_grad_norm: float = opt(1.0, "gradient-norm clipping (0: off, as in transformers' "
-                               "Trainer; the norm is still measured)", must=">= 0")
-    clip_range: float = opt(0.2, "PPO clip range (low side, and high side unless --clip-range-high)", must="> 0")
-    clip_range_high: typing.Optional[float] = opt(None, "PPO clip range on the high side (default: --clip-range)",
-                                                  must="> 0")
     lora_rank: int = opt(0, "train LoRA adapters of this rank instead of every weight (needs peft: pip install "
                          "peft); the KL reference is then the same weights with the adapters off, no second model "
                          "(0: full fine-tuning)", must=">= 0", resume_fixed=ADAPTERS_FIXED)
@@ -154,69 +97,9 @@ class Config:
     lora_target_modules: typing.Optional[str] = opt(None, "modules that get adapters, comma-separated names "
                                                     "(default: peft's for the architecture: GPT-2's c_attn, "
                                                     "Llama's and Qwen2's q_proj,v_proj)", resume_fixed=ADAPTERS_FIXED)
-    kl_coef: float = opt(0.02, "k3 KL penalty against the frozen reference (0: no reference model)", must=">= 0")
-    kl_target: typing.Optional[float] = opt(None, "adaptive KL: --kl-coef is where the coefficient starts, and each "
-                                            "step moves it toward this KL per token (the record's kl, its kl_coef; "
-                                            "default off)", must="> 0")
-    kl_horizon: int = opt(10000, "--kl-target: completions over which the coefficient moves by at most 20 percent",
-                          must="at least 1")
-    ref_sync_steps: int = opt(0, "every N steps the reference moves toward the policy (TR-DPO; 0: it stays the "
-                              "starting model)", must=">= 0")
-    ref_sync_alpha: float = opt(1.0, "with --ref-sync-steps: reference = alpha x policy + (1 - alpha) x reference "
-                                "(1: a copy of the policy)", must="in (0, 1]")
-    scale_rewards: str = opt("group", "each completion's advantage",
-                             variants.choices("scale_rewards", variants.ADVANTAGES))
-    loss_agg: str = opt("token-mean", "the loss normaliser",
-                         variants.choices("loss_agg", variants.AGGREGATIONS), aliases=TRL_LOSS_TYPES)
-    importance_level: str = opt("token", "the importance ratio",
-                                 variants.choices("importance_level", variants.RATIOS))
-    dual_clip: typing.Optional[float] = opt(None, "dual-clip PPO: for negative advantages the loss is at most "
-                                            "C x |A| (C > 1, e.g. 3; default off)", must="> 1",
-                                            note="the bound is C x |A|")
-    policy_loss: str = opt("ppo", "the policy-gradient term",
-                             variants.choices("policy_loss", variants.POLICY_LOSSES))
-    sapo_tau_pos: float = opt(1.0, "--policy-loss sapo: the gate's temperature where A > 0", must="> 0")
-    sapo_tau_neg: float = opt(1.05, "--policy-loss sapo: the gate's temperature where A < 0 (above the positive one: "
-                              "off-policy negative updates fade sooner)", must="> 0")
-    cov_ratio: float = opt(2e-4, "--policy-loss clip-cov or kl-cov: the share of a mini-batch's loss tokens they act on "
-                           "(at least one token)", must="in (0, 1]")
-    clip_cov_lb: float = opt(1.0, "--policy-loss clip-cov: the covariance term above which a token may be detached")
-    clip_cov_ub: float = opt(5.0, "--policy-loss clip-cov: the covariance term below which a token may be detached")
-    kl_cov_coef: float = opt(1.0, "--policy-loss kl-cov: the weight of |logp - logp_old| on its tokens", must=">= 0")
-    reward_weights: typing.Optional[str] = opt(None, "the reward as a weighted sum of the task's reward_breakdown "
-                                               "parts, name=weight,... (e.g. correct=1,format=0.2); with "
-                                               "--scale-rewards gdpo each part is normalised in its group first")
-    kl_estimator: str = opt("k3", "the KL estimator (docs/algorithm.md says which belongs where; with --kl-in "
-                            "reward the default is k1)", variants.choices("kl_estimator", variants.KL_ESTIMATORS))
-    kl_in: str = opt("loss", "where the KL penalty goes", variants.choices("kl_in", variants.KL_PLACES))
-    mismatch_correction: str = opt("none", "the correction of the gap between the sampler's logprobs and the trainer's "
-                                   "(their ratio w, detached, weighs each token's policy-gradient term)",
-                                   variants.choices("mismatch_correction", variants.MISMATCH_CORRECTIONS))
-    mismatch_cap: float = opt(2.0, "--mismatch-correction: the largest weight w kept (tis: the cap; the masks: the "
-                              "band's top)", must="at least 1")
-    mismatch_low: float = opt(0.5, "--mismatch-correction token-mask or sequence-mask: the band's bottom",
-                              must="in [0, 1)")
-    entropy_coef: float = opt(0.0, "entropy bonus: the loss minus this x the mean token entropy (0: off)", must=">= 0")
-    top_entropy_quantile: float = opt(1.0, "only this share of a mini-batch's tokens, the highest-entropy ones, "
-                                      "carry the policy-gradient loss (1: all)", must="in (0, 1]",
-                                      note="1: every token")
-    dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal and sample more prompts "
-                                 "until the batch is full of groups that carry a signal")
-    max_sampling_rounds: int = opt(4, "--dynamic-sampling: extra generation rounds per step at most", must=">= 0")
-    mask_truncated: bool = opt(False, "completions cut off at --max-new-tokens (no EOS) carry no loss")
-    overlong_buffer: int = opt(0, "DAPO's soft overlong penalty: the last N tokens before --max-new-tokens "
-                               "lower the reward linearly, down to -overlong-penalty at the limit (0: off)")
-    overlong_penalty: float = opt(1.0, "the reward lost by a completion that reaches --max-new-tokens "
-                                  "(with --overlong-buffer)", must=">= 0")
-    # the pretraining mix (InstructGPT's PPO-ptx): next-token loss on plain text, against forgetting what RL does not train
-    ptx_coef: float = opt(0.0, "weight of the pretraining-mix term: the mean next-token loss on plain text, added "
-                          "to each update's loss (PPO-ptx; 0: off)", must=">= 0")
     ptx_file: typing.Optional[str] = opt(None, "--ptx-coef's text: a file whose lines are the texts, each learned "
                                          "whole (default: the task's demonstrations(n, rng))", path="in")
-    ptx_batch_size: int = opt(16, "--ptx-coef's texts per optimizer update, global across devices", must="at least 1")
     # run control
-    steps: int = opt(700, "training steps", must="at least 1", resume_free=True)
-    seed: int = opt(0, "seed for prompts, sampling and initialisation")
     device: str = opt("auto", "auto (CUDA when present), cpu, cuda or cuda:N", resume_free=True)
     dtype: str = opt("auto", "compute dtype; bf16 uses autocast over fp32 weights and optimizer state (on a "
                      "CPU without native bf16 it is emulated and slower than fp32; auto: bf16 on a GPU)",

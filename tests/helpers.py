@@ -130,11 +130,11 @@ def weights(checkpoint_dir):
 
 
 def loss_config(**knobs):
-    """The Config grpo_loss reads, from the loss's knobs as the tests write them: clip_low / clip_high are
+    """The settings grpo_loss reads (grpo/settings.py), from the loss's knobs as the tests write them: clip_low / clip_high are
     --clip-range / --clip-range-high, and there is no KL term unless kl_coef is given."""
-    from harness.config import Config
+    from grpo.settings import Settings
     k = dict(knobs)
-    return Config(kl_coef=k.pop("kl_coef", 0.0), clip_range=k.pop("clip_low", 0.2),
+    return Settings(kl_coef=k.pop("kl_coef", 0.0), clip_range=k.pop("clip_low", 0.2),
                   clip_range_high=k.pop("clip_high", None), **k)
 
 

@@ -17,7 +17,7 @@ import train_lean as update
 from grpo import distributed, passes, variants
 from grpo.variants import top_entropy_threshold
 from train_lean import group_advantages, loss_denominator
-from harness.config import FIELDS, Config
+from harness.config import FIELDS, Config   # update() takes a layout and a guard: the harness's
 from harness.guards import Guard
 from grpo.model import completion_logprobs
 from grpo.ptx import PtxBatch

@@ -4,7 +4,7 @@ import torch
 from torch.testing import assert_close
 
 from train_lean import grpo_loss
-from harness.config import Config
+from grpo.settings import Settings as Config
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28   # apart, so a bound that reads the other's range shows
 EXACT = {"rtol": 1e-12, "atol": 1e-15}   # float64: the code and the formula differ by rounding only

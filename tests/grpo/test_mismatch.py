@@ -156,6 +156,6 @@ def test_sample_groups_keeps_apart_sampler_logprobs_only_when_something_truncate
     ({"mismatch_correction": "token-mask", "mismatch_low": 1.0}, "--mismatch-low 1.0 must be in [0, 1)"),
 ])
 def test_bad_mismatch_settings_are_refused(knobs, message):
-    from harness.config import Config
+    from harness.config import Config   # the refusal is the harness's
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         batch_layout(Config(**knobs))

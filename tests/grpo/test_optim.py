@@ -6,7 +6,7 @@ import torch
 
 from grpo.model import load_policy
 from grpo.optim import Optimizers, hidden_matrices, make_optimizer
-from harness.config import Config
+from grpo.settings import Settings as Config
 from helpers import records
 
 

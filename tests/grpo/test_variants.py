@@ -22,7 +22,7 @@ def importance_ratio(logp, old_logp, mask, level="token"):
 
 def kl_reward_penalty(logp, ref_logp, mask, kl_coef, estimator="k1"):
     return _kl_reward_penalty(logp, ref_logp, mask, kl_coef, KL_ESTIMATORS[estimator])
-from harness.config import Config
+from grpo.settings import Settings as Config
 from grpo.model import completion_logprobs, frozen_copy, load_policy, load_tokenizer, position_ids_from_mask
 from grpo.rollout import encode_prompts, left_pad, truncated_rows
 from helpers import loss_config

@@ -67,7 +67,8 @@ def test_every_field_is_a_flag_and_an_env_variable():
 def test_help_is_grouped_and_shows_allowed_values_and_defaults():
     text = cli.build_parser("toy", {}, tasks.DEFAULT).format_help()
     titles = [title for title, _ in cli.HELP_GROUPS]
-    assert titles[:6] == ["model and task", "evaluation", "batch", "sampling", "algorithm", "run"]
+    assert titles[:7] == ["batch", "sampling", "algorithm", "model and task", "evaluation",
+                          "the work on this machine", "run"]   # the algorithm's settings first
     assert [t for t in re.findall(r"^(\S[^:\n]*):$", text, re.M) if t in titles] == titles   # in this order
     groups = cli.help_groups(FIELDS)
     assert [n for _, names in groups for n in names] == list(FIELDS)   # every field in one group, in order

@@ -32,8 +32,8 @@ def test_the_header_says_what_runs_and_where_its_results_go(tiny_model_dir, tmp_
                 f"settings {out / 'settings.txt'} (every setting; --log-level debug shows them)"):
         assert f" {row} " in flat + " ", (row, header)
     # the settings given, nothing else; the 60-line table is in the run folder, not on the screen
-    assert re.search(r"given --model \S+, --task toy, --eval-interval 0, --batch-size 8, --group-size 2, "
-                     r"--max-new-tokens 12, --learning-rate 0.001, --steps 1, --out-dir \S+, --log-level info out dir",
+    assert re.search(r"given --batch-size 8, --group-size 2, --max-new-tokens 12, --learning-rate 0.001, "
+                     r"--steps 1, --model \S+, --task toy, --eval-interval 0, --out-dir \S+, --log-level info out dir",
                      flat)
     assert "settings (source" not in stdout and "--prompt-bos" not in stdout
     table = (out / "settings.txt").read_text()
