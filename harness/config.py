@@ -1,5 +1,6 @@
-"""Configuration: one dataclass whose fields are the settings, each with its default, help, choices, range
-and whether --resume may change it.
+"""Configuration: Config, whose fields are the settings, each with its default, help, choices, range
+and whether --resume may change it: the algorithm's (grpo/settings.py Settings, which it extends) and
+the run's (model, task, devices, output, checkpoints, memory), below.
 
 harness/cli.py makes every field (and every field of a task's options dataclass) a flag and a
 GRPO_<FLAG> override; `batch_layout(cfg, world)` checks every range and size rule before anything
