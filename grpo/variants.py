@@ -334,14 +334,10 @@ def mismatch_weight(train_logp, sampler_logp, mask, cfg):
     None ("none": measured only)."""
     if cfg.mismatch_correction not in MISMATCH_CORRECTIONS:
         return None
-    ratio = sequence_ratio if cfg.mismatch_correction == "sequence-mask" else token_ratio
-    w = ratio(train_logp.detach(), sampler_logp, mask)
+    train = train_logp.detach()
+    w = (sequence_ratio(train, sampler_logp, mask) if cfg.mismatch_correction == "sequence-mask"
+         else torch.exp(train - sampler_logp))
     return MISMATCH_CORRECTIONS[cfg.mismatch_correction](w, cfg)
-
-
-def token_ratio(logp, old_logp, mask):
-    """pi / pi_old per token."""
-    return torch.exp(logp - old_logp)
 
 
 # ---- the tokens a term acts on, chosen over the whole mini-batch of every device -----------------

@@ -14,12 +14,11 @@ import math
 import os
 import re
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from grpo import optim, variants
-from grpo.settings import TRL_LOSS_TYPES, Settings, opt  # noqa: F401  (opt: the fields below; tasks' options)
+from grpo.settings import Settings, opt   # opt: the fields below, and tasks' options import it from here
 from harness import log
 
 
