@@ -40,13 +40,13 @@ def group_normalised(r, eps, **_):
     return variants.zero_equal_groups(adv, r)
 
 
-ADVANTAGES = variants.Table("scale_rewards", {"group": group_normalised, **variants.ADVANTAGES})
+ADVANTAGES = variants.Table("advantage", {"group": group_normalised, **variants.ADVANTAGES})
 
 
 def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4,
                      parts=None, weights=None):
     """[N] advantages of the batch's rewards (groups contiguous), and the share of groups whose
-    rewards are all equal. parts [N, K], weights: the reward's parts, for --scale-rewards gdpo."""
+    rewards are all equal. parts [N, K], weights: the reward's parts, for --advantage gdpo."""
     r = rewards.float().view(-1, group_size)
     adv = ADVANTAGES[scale](r, eps, parts=parts, weights=weights)
     return adv.reshape(-1), (~informative_groups(rewards, group_size)).float().mean().item()
@@ -283,9 +283,9 @@ def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer
     run.phase_done("ref")
     # ---- advantages: each completion against its group, every rank's groups ---------------------
     rewards = torch.cat(distributed.gather_objects(batch.shaped_rewards))  # every rank
-    parts = None if cfg.scale_rewards != "gdpo" else torch.cat(  # GDPO: each part, weighted
+    parts = None if cfg.advantage != "gdpo" else torch.cat(  # GDPO: each part, weighted
         distributed.gather_objects(torch.tensor(batch.reward_parts)))  # every rank
-    adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.scale_rewards, parts=parts,
+    adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.advantage, parts=parts,
                                                  weights=list(run.scorer.weights.values()))
     batch.advantages = adv[rank * B:(rank + 1) * B].to(run.device)
     rows = run.check_rewards(step, batch, rec)  # every rank   (all failed: the run stops)

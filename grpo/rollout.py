@@ -101,7 +101,7 @@ class Rollout:
     penalties: dict = dataclasses.field(default_factory=dict)
     shaped_rewards: torch.Tensor = None  # [B] what the advantages are made of: rewards less every penalty
     components: dict = dataclasses.field(default_factory=dict)   # the reward's parts (reward_breakdown), means
-    reward_parts: list = None        # per row, its --reward-weights parts in their order (for --scale-rewards gdpo)
+    reward_parts: list = None        # per row, its --reward-weights parts in their order (for --advantage gdpo)
     errors: dict = dataclasses.field(default_factory=dict)       # failed rewards by kind
     ref_logp: torch.Tensor = None    # [B, T] the frozen reference's, when the run has a KL penalty
     advantages: torch.Tensor = None  # [B] on the device

@@ -10,7 +10,7 @@ from grpo import optim, variants
 
 
 def opt(default, help, choices=None, const=None, path=None, auto=False, resume_free=False, resume_fixed=None,
-        must=None, note=None, aliases=None):
+        must=None, note=None, aliases=None, old_names=()):
     """A field. With const the flag may be given bare (`--resume` means `--resume latest`; a bool flag may be
     given bare anyway, meaning true: harness/cli.py); path="in" marks
     a file the run reads and path="out" one it writes (a file, or with the name out_dir a folder), which
@@ -18,7 +18,8 @@ def opt(default, help, choices=None, const=None, path=None, auto=False, resume_f
     must names its range in RANGES (None and "auto" pass) and note a hint its message adds; resume_free=True:
     it may differ on --resume (see Config); resume_fixed="why": it may not, even when --resume-allow-change names it
     (what the checkpoint holds was built with it). choices given as a dict (name -> what it does, defined by the module
-    that owns them) are listed in the help; aliases maps other names for a choice to it (another trainer's)."""
+    that owns them) are listed in the help; aliases maps other names for a choice to it (another trainer's);
+    old_names are earlier names of the field, read as flags, GRPO_ variables and checkpoint keys too."""
     if isinstance(choices, dict):
         help = f"{help}: " + "; ".join(f"{k}: {v}" for k, v in choices.items())
     if aliases:
@@ -26,7 +27,7 @@ def opt(default, help, choices=None, const=None, path=None, auto=False, resume_f
     return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
                                             "auto": auto, "resume_free": resume_free,
                                             "resume_fixed": resume_fixed, "must": must, "note": note,
-                                            "aliases": aliases or {}})
+                                            "aliases": aliases or {}, "old_names": tuple(old_names)})
 
 
 # TRL's loss_type names for the same aggregations. TRL's "dapo" is exactly token-mean (its count is
@@ -78,8 +79,8 @@ class Settings:
                               "starting model)", must=">= 0")
     ref_sync_alpha: float = opt(1.0, "with --ref-sync-steps: reference = alpha x policy + (1 - alpha) x reference "
                                 "(1: a copy of the policy)", must="in (0, 1]")
-    scale_rewards: str = opt("group", "each completion's advantage",
-                             variants.choices("scale_rewards", variants.ADVANTAGES))
+    advantage: str = opt("group", "each completion's advantage",
+                         variants.choices("advantage", variants.ADVANTAGES), old_names=("scale_rewards",))
     loss_agg: str = opt("token-mean", "the loss normaliser",
                          variants.choices("loss_agg", variants.AGGREGATIONS), aliases=TRL_LOSS_TYPES)
     importance_level: str = opt("token", "the importance ratio",
@@ -99,7 +100,7 @@ class Settings:
     kl_cov_coef: float = opt(1.0, "--policy-loss kl-cov: the weight of |logp - logp_old| on its tokens", must=">= 0")
     reward_weights: typing.Optional[str] = opt(None, "the reward as a weighted sum of the task's reward_breakdown "
                                                "parts, name=weight,... (e.g. correct=1,format=0.2); with "
-                                               "--scale-rewards gdpo each part is normalised in its group first")
+                                               "--advantage gdpo each part is normalised in its group first")
     kl_estimator: str = opt("k3", "the KL estimator (docs/algorithm.md says which belongs where; with --kl-in "
                             "reward the default is k1)", variants.choices("kl_estimator", variants.KL_ESTIMATORS))
     kl_in: str = opt("loss", "where the KL penalty goes", variants.choices("kl_in", variants.KL_PLACES))

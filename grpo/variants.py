@@ -18,7 +18,7 @@ from grpo.rollout import informative_groups, merge, missing_groups
 
 # what train_lean.py computes when a flag keeps its default (the CLI's help lists it first)
 DEFAULTS = {
-    "scale_rewards": ("group", "(r - the group's mean) / (the group's std + eps)"),
+    "advantage": ("group", "(r - the group's mean) / (the group's std + eps)"),
     "importance_level": ("token", "pi / pi_old per token (PPO, GRPO)"),
     "policy_loss": ("ppo", "the clipped surrogate "
                            "-min(r A, clip(r, 1 - clip-range, 1 + clip-range-high) A) "
@@ -60,7 +60,7 @@ def zero_equal_groups(adv: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return adv.masked_fill(~informative_groups(r.reshape(-1), r.shape[1])[:, None], 0.0)
 
 
-# ---- advantages (--scale-rewards): r [groups, G] float -> [groups, G] ----------------------------
+# ---- advantages (--advantage): r [groups, G] float -> [groups, G] --------------------------------
 
 def batch_std(r, eps, **_):
     """(r - the group's mean) / (the whole batch's std + eps), every device's rows"""

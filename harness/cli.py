@@ -18,7 +18,7 @@ import typing
 import torch
 
 from harness import task as tasks
-from harness.config import FIELDS, Config, ConfigError, env_name, fields_of, flag, range_error
+from harness.config import FIELDS, OLD_NAMES, Config, ConfigError, env_name, fields_of, flag, range_error
 
 BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
@@ -119,6 +119,7 @@ def _help(f, default_task: str, declared: dict = None, task_name: str = "") -> s
         default = "required"
     shown = [] if f.default is None and "default" in text and f.name not in (declared or {}) else [f"default {default}"]
     shown += [f.metadata["must"]] if f.metadata.get("must") else []
+    shown += [f"also {flag(old)}" for old in f.metadata.get("old_names", ())]
     return f"{text} [{'; '.join(shown)}]" if shown else text
 
 
@@ -139,6 +140,8 @@ def build_parser(task_name: str = "", task_fields: dict = None, default_task: st
             bare = {"nargs": "?", "const": const} if const is not None else {}
             group.add_argument(flag(name), dest=name, default=argparse.SUPPRESS, metavar=_metavar(name, f), **bare,
                                help=_help(f, default_task, declared, task_name))
+            for old in f.metadata.get("old_names", ()):   # its help names them (_help)
+                group.add_argument(flag(old), dest=old, default=argparse.SUPPRESS, **bare, help=argparse.SUPPRESS)
     return p
 
 
@@ -191,6 +194,7 @@ def declared_settings(target, task_name: str) -> dict:
     options = tasks.options_type(target)
     out = {}
     for name, value in declared.items():
+        name = OLD_NAMES.get(name, name)
         if name == "overwrite":   # deleting an earlier run is the user's call alone
             raise ConfigError(f"{where} names 'overwrite': only your own --overwrite (or "
                               f"{env_name('overwrite')}) may delete an earlier run's records")
@@ -213,16 +217,30 @@ def declared_settings(target, task_name: str) -> dict:
     return out
 
 
+def _given(name: str, f, given: dict, spell) -> dict:
+    """A field's values in given (flag or GRPO_ variable -> text), spelt by spell (flag, env_name) from its name
+    and its earlier names (opt's old_names), each converted; two that disagree are a ConfigError."""
+    found = {spell(n): _convert(f, given[spell(n)], spell(n)) for n in (name, *f.metadata.get("old_names", ()))
+             if spell(n) in given}
+    if len(set(map(repr, found.values()))) > 1:
+        raise ConfigError(" and ".join(f"{k} {v}" for k, v in found.items()) + f": one setting under two names "
+                          f"that disagree: give {spell(name)} alone")
+    return found
+
+
 def _read(fields: dict, given: dict, environ, declared: dict = None) -> tuple[dict, dict]:
     """Each field's value and its source: the command line, else the environment, else the task's declared value
     (declared: checked already), else the default."""
     values, sources = {}, {}
     declared = declared or {}
+    flags = {flag(k): v for k, v in given.items()}
     for name, f in fields.items():
-        if name in given:
-            values[name], sources[name] = _convert(f, given[name], flag(name)), "cli"
-        elif env_name(name) in environ:
-            values[name], sources[name] = _convert(f, environ[env_name(name)], env_name(name)), "env"
+        cli = _given(name, f, flags, flag)
+        env = {} if cli else _given(name, f, environ, env_name)   # the command line's value wins unread
+        if cli:
+            values[name], sources[name] = next(iter(cli.values())), "cli"
+        elif env:
+            values[name], sources[name] = next(iter(env.values())), "env"
         elif name in declared:
             values[name], sources[name] = declared[name], "task"
         elif f.default is not dataclasses.MISSING:
@@ -250,10 +268,10 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
     options_cls = tasks.options_type(target)
     task_fields = fields_of(options_cls) if options_cls else {}
     check_option_types(task_name, task_fields)
-    clash = sorted(FIELDS.keys() & task_fields.keys())
+    clash = sorted((FIELDS.keys() | OLD_NAMES.keys()) & task_fields.keys())
     if clash:
         raise tasks.TaskError(f"--task {task_name}: its option {clash[0]!r} has the name of a trainer setting "
-                              f"({flag(clash[0])}): rename it")
+                              f"({flag(OLD_NAMES.get(clash[0], clash[0]))}): rename it")
     declared = declared_settings(target, task_name)
     given, extra = build_parser(task_name, task_fields, default_task, declared).parse_known_args(argv)
     if extra:
@@ -266,7 +284,7 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
     given = vars(given)
     values, sources = _read(FIELDS, given, environ, declared)
     option_values, option_sources = _read(task_fields, given, environ)
-    known = FIELDS.keys() | task_fields.keys()
+    known = FIELDS.keys() | OLD_NAMES.keys() | task_fields.keys()
     # a setting's variable is read by its upper-case name alone: another spelling would be ignored in silence
     # (the environment is case-sensitive, and two spellings of one setting would have to be ranked)
     misspelt = sorted(k for k in environ if k.startswith("GRPO_") and k[5:].lower() in known and

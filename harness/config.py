@@ -169,6 +169,14 @@ def fields_of(cls) -> dict:
 
 
 FIELDS = fields_of(Config)
+# a field's earlier names (opt's old_names): still read as flags, GRPO_ variables, a task's trainer_settings
+# and a checkpoint's keys, so older commands, scripts and runs keep working
+OLD_NAMES = {old: name for name, f in FIELDS.items() for old in f.metadata.get("old_names", ())}
+
+
+def renamed(values: dict) -> dict:
+    """values with each earlier name of a field (OLD_NAMES) under its name now."""
+    return {OLD_NAMES.get(k, k): v for k, v in values.items()}
 
 
 def flag(name: str) -> str:
@@ -313,11 +321,11 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if weights and not any(weights.values()):   # every advantage 0: not the temperature's fault
         raise ConfigError(f"--reward-weights {cfg.reward_weights}: every weight is 0, so every "
                           f"completion's reward (and advantage) would be 0: give a part a weight")
-    if cfg.scale_rewards == "gdpo" and not weights:
-        raise ConfigError("--scale-rewards gdpo normalises each part of the reward: name them with --reward-weights "
+    if cfg.advantage == "gdpo" and not weights:
+        raise ConfigError("--advantage gdpo normalises each part of the reward: name them with --reward-weights "
                           "(e.g. correct=1,format=1)")
-    if cfg.scale_rewards == "gdpo" and (cfg.overlong_buffer or (cfg.kl_in == "reward" and cfg.kl_coef)):
-        raise ConfigError(f"--scale-rewards gdpo makes advantages of the reward's parts alone, which would leave out "
+    if cfg.advantage == "gdpo" and (cfg.overlong_buffer or (cfg.kl_in == "reward" and cfg.kl_coef)):
+        raise ConfigError(f"--advantage gdpo makes advantages of the reward's parts alone, which would leave out "
                           f"{'--overlong-buffer' if cfg.overlong_buffer else '--kl-in reward'}: leave one out")
     for name in ("mismatch_cap", "mismatch_low"):   # a band or cap that nothing uses is a mistake, said
         used = cfg.mismatch_correction != "none" and (name == "mismatch_cap" or "mask" in cfg.mismatch_correction)

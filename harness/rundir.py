@@ -209,7 +209,8 @@ def branch_off(cfg, resume_from) -> None:
 
 def allowed_changes(text) -> list:
     """The names --resume-allow-change gives: comma-separated, as fields (learning_rate) or flags (--learning-rate)."""
-    return [n.strip().lstrip("-").replace("-", "_") for n in (text or "").split(",") if n.strip()]
+    names = [n.strip().lstrip("-").replace("-", "_") for n in (text or "").split(",") if n.strip()]
+    return [config.OLD_NAMES.get(n, n) for n in names]
 
 
 def resume_free(option_fields) -> frozenset:
@@ -266,7 +267,7 @@ def check_resume(saved, cfg, options, checkpoint_path: str) -> list:
     """Compare the settings that define the run with those the checkpoint recorded (saved). A difference (a
     setting it does not record included) is a ConfigError naming each (old -> new), unless --resume-allow-change
     names it. Returns the notes to print: the changes allowed, and what they do to the schedule."""
-    current = config.settings(cfg, options)
+    current, saved = config.settings(cfg, options), config.renamed(saved)
     option_fields = dataclasses.fields(options) if options is not None else ()
     free, fixed = resume_free(option_fields), resume_fixed(option_fields)
     changed = [n for n in current if n not in free and (n not in saved or not _same(saved[n], current[n]))]

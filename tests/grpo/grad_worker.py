@@ -28,7 +28,7 @@ TEMPERATURE = 1.5
 GROUP = 8            # the rollout64 fixture's: 8 prompts x 8 completions
 CHUNK_ROWS = 50      # token rows per output-head chunk: the chunked (checkpointed) path, entropies included
 GSPO = {"importance_level": "sequence", "clip_low": 0.02, "clip_high": 0.03}
-# Every choice of a variant's flag (grpo/variants.py DEFAULTS: --scale-rewards, --loss-agg, --importance-level,
+# Every choice of a variant's flag (grpo/variants.py DEFAULTS: --advantage, --loss-agg, --importance-level,
 # --kl-estimator, --kl-in, and any such flag to come) is a knob of its own, so a new choice is tested here without
 # a line for it; TRL's names for our aggregations are the same loss. The knobs with a number, and combinations, by hand.
 CHOICES = {f"{name} {choice}": {name: choice} for name in variants.DEFAULTS
@@ -58,7 +58,7 @@ KNOBS = {
     "sequence mask band": {"mismatch_correction": "sequence-mask", "mismatch_low": 0.97, "mismatch_cap": 1.03},
     "sequence mask seq-mean": {"mismatch_correction": "sequence-mask", "loss_agg": "seq-mean"},
     "all at once": {**GSPO, "loss_agg": "dr-grpo", "dual_clip": 1.2, "kl_estimator": "k2", "entropy_coef": 0.05,
-                    "top_entropy_quantile": 0.3, "scale_rewards": "batch", "ptx_coef": 0.3, "mismatch_correction": "tis"},
+                    "top_entropy_quantile": 0.3, "advantage": "batch", "ptx_coef": 0.3, "mismatch_correction": "tis"},
 }
 
 
@@ -73,7 +73,7 @@ def as_rollout(batch, cfg, rank: int, world: int) -> Rollout:
     """This rank's rows of the batch, with advantages from every rank's rewards (as the trainer makes them); for
     GDPO two parts of the reward: the reward and its sign, weighted 1 and 0.5."""
     parts = torch.stack([batch["rewards"], batch["rewards"].sign()], 1)
-    advantages, _ = group_advantages(batch["rewards"], GROUP, cfg.scale_rewards, parts=parts, weights=[1.0, 0.5])
+    advantages, _ = group_advantages(batch["rewards"], GROUP, cfg.advantage, parts=parts, weights=[1.0, 0.5])
     n = batch["cmask"].shape[0] // world
     mine = {k: v[rank * n:(rank + 1) * n] for k, v in {**batch, "adv": advantages}.items() if k != "ptx"}
     return Rollout(prompts=[""] * n, texts=[""] * n, input_ids=mine["inputs"], attention=mine["attention"],

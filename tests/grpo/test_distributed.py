@@ -18,7 +18,7 @@ from helpers import SMALL, TRAIN, env, records, train, weights
 pytestmark = pytest.mark.slow   # gloo processes, as under torchrun
 
 ARGS = [*SMALL, "--task", "toy", "--batch-size", "16", "--group-size", "4", "--steps", "2", "--save-interval", "2",
-        "--scale-rewards", "batch", "--seed", "3"]
+        "--advantage", "batch", "--seed", "3"]
 
 
 def test_two_processes_make_the_one_process_update(tiny_model_dir, tmp_path):

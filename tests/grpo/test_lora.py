@@ -161,7 +161,7 @@ def test_without_peft_lora_is_one_line_naming_the_package(tiny_model_dir, tmp_pa
 def test_two_gloo_ranks_make_the_one_process_lora_update(tiny_model_dir, tmp_path):
     # the adapters' gradients are summed over ranks: two processes train the adapters one process does
     args = ["--model", tiny_model_dir, *SMALL, *LORA, "--batch-size", "16", "--group-size", "4", "--steps", "2",
-            "--save-interval", "2", "--scale-rewards", "batch", "--seed", "3"]
+            "--save-interval", "2", "--advantage", "batch", "--seed", "3"]
     single = train(*args, "--generation-batch-size", "8", "--out-dir", str(tmp_path / "one"))
     assert single.returncode == 0, single.stderr
     pair = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

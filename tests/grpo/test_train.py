@@ -156,7 +156,7 @@ KNOBS.update({
     "kl-cov-share": (["--policy-loss", "kl-cov", "--cov-ratio", "0.1", "--kl-cov-coef", "0.5"], "cov_frac"),
     # a task whose reward has parts ({parted}: PARTED_TASK written to a file): weighted, and GDPO's normalised apart
     "reward-weights": (["--task", "{parted}", "--reward-weights", "letter=1,short=0.5"], "reward_short"),
-    "--scale-rewards gdpo": (["--scale-rewards", "gdpo", "--task", "{parted}", "--reward-weights", "letter=1,short=0.5"],
+    "--advantage gdpo": (["--advantage", "gdpo", "--task", "{parted}", "--reward-weights", "letter=1,short=0.5"],
                              "reward_letter"),
     "tis-top-p": (["--mismatch-correction", "tis", "--top-p", "0.9", "--mismatch-cap", "1.5"], "mismatch_weight"),
     "token-mask-top-k": (["--mismatch-correction", "token-mask", "--top-k", "20", "--mismatch-low", "0.2"],
@@ -187,7 +187,7 @@ def test_each_algorithm_knob_runs_end_to_end_and_logs(knob, tiny_model_dir, tmp_
     assert [r["step"] for r in recs] == [1, 2] and all(key in r and r[key] == r[key] for r in recs)
     assert all(math.isfinite(r["loss"]) for r in recs)
     rows = [line.split()[:2] for line in (tmp_path / "settings.txt").read_text().splitlines()]
-    chosen = [(f, v) for f, v in zip(args, args[1:]) if f in ("--policy-loss", "--scale-rewards", "--reward-weights")]
+    chosen = [(f, v) for f, v in zip(args, args[1:]) if f in ("--policy-loss", "--advantage", "--reward-weights")]
     assert all([f, v] in rows for f, v in chosen), rows   # the run's settings.txt names the choice
     for r in recs:   # the metrics every run logs
         assert r["completion_len_min"] <= r["completion_len_mean"] <= r["completion_len_max"] <= 12

@@ -557,7 +557,7 @@ def test_reinforce_plus_plus_baseline_divides_the_group_centred_rewards_by_their
     expected = [c / (_std(centred) + 1e-4) for c in centred]
     assert adv.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-7)
     assert adv[8:].tolist() == [0.0] * 4
-    # not --scale-rewards batch, whose std is the raw rewards'
+    # not --advantage batch, whose std is the raw rewards'
     assert not torch.allclose(adv, group_advantages(torch.tensor(rewards), 4, "batch", eps=1e-4)[0])
 
 
@@ -724,7 +724,7 @@ def test_clip_cov_detaches_its_tokens_and_kl_cov_penalises_them():
 
 # ---- every policy loss and advantage has a formula test -------------------------------------
 
-# The tests (in tests/grpo/) that check each --policy-loss and --scale-rewards choice against its
+# The tests (in tests/grpo/) that check each --policy-loss and --advantage choice against its
 # formula, written out in the test: the value, and for a loss the gradient. A choice added to
 # POLICY_LOSSES or ADVANTAGES without an entry fails the test below.
 POLICY_LOSS_FORMULA_TESTS = {
@@ -775,7 +775,7 @@ def test_every_policy_loss_and_advantage_has_a_formula_test():
     tests = _test_functions()
     for field, choices, listed, what in (
             ("policy_loss", POLICY_LOSSES, POLICY_LOSS_FORMULA_TESTS, "value and gradient"),
-            ("scale_rewards", ADVANTAGES, ADVANTAGE_FORMULA_TESTS, "values")):
+            ("advantage", ADVANTAGES, ADVANTAGE_FORMULA_TESTS, "values")):
         flag = "--" + field.replace("_", "-")
         for choice in choices:
             assert listed.get(choice), (

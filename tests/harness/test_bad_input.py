@@ -61,7 +61,7 @@ RANGES = [
     ("--cov-ratio", "1.5", "(0, 1]"), ("--kl-cov-coef", "-1", ">= 0"),
     ("--sapo-tau-pos", "2", "is a knob of --policy-loss sapo, and the run's is ppo"),
     ("--clip-cov-ub", "9", "is a knob of --policy-loss clip-cov"), ("--cov-ratio", "0.1", "clip-cov or kl-cov"),
-    ("--scale-rewards", "gdpo", "name them with --reward-weights"),
+    ("--advantage", "gdpo", "name them with --reward-weights"),
     ("--reward-weights", "a", "'a' is not name=weight"), ("--reward-weights", "a=1,a=2", "each name once"),
     ("--reward-weights", "a=inf", "'a=inf' is not name=weight"), ("--reward-weights", "=1", "is not name=weight"),
 ]
@@ -192,9 +192,9 @@ def file_cases(root):
         (["--policy-loss", "clip-cov", "--clip-cov-lb", "6"], "--clip-cov-lb 6.0 must be below --clip-cov-ub 5.0"),
         (["--policy-loss", "gmpo", "--importance-level", "sequence"], "works on token ratios"),
         (["--policy-loss", "sapo", "--dual-clip", "3"], "--policy-loss sapo has none: leave one out"),
-        (["--scale-rewards", "gdpo", "--reward-weights", "a=1", "--overlong-buffer", "4"],
+        (["--advantage", "gdpo", "--reward-weights", "a=1", "--overlong-buffer", "4"],
          "would leave out --overlong-buffer"),
-        (["--scale-rewards", "gdpo", "--reward-weights", "a=1", "--kl-in", "reward"], "would leave out --kl-in reward"),
+        (["--advantage", "gdpo", "--reward-weights", "a=1", "--kl-in", "reward"], "would leave out --kl-in reward"),
         (["--task", "toy", "--reward-weights", "a=1"], "weighs the parts of the task's reward_breakdown, and toy has none"),
     ]
 

@@ -18,7 +18,7 @@ def load(argv, environ):
 
 @pytest.mark.parametrize("argv, message", [
     (["--batch-size", "lots"], "--batch-size 'lots' is not a valid int"),
-    (["--scale-rewards", "rank"], "--scale-rewards 'rank' is not one of group, batch, none"),
+    (["--advantage", "rank"], "--advantage 'rank' is not one of group, batch, none"),
     (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag 1"),
     (["--batch"], "unrecognized arguments: --batch"),  # no silent abbreviations
 ])
@@ -165,6 +165,9 @@ def test_a_tasks_bool_option_may_be_given_bare_like_the_trainers(tmp_path):
     ("mode: list = None", "its option 'mode' is typed list"),
     ("help: str = 'x'",
      "its option 'help' would be the flag --help, which lists the flags: rename it"),
+    ("learning_rate: float = 1.0", "its option 'learning_rate' has the name of a trainer setting "
+     "(--learning-rate): rename it"),
+    ("scale_rewards: str = 'x'", "its option 'scale_rewards' has the name of a trainer setting (--advantage)"),
 ])
 def test_a_task_option_no_flag_can_read_is_refused(tmp_path, declared, message):
     """Tracebacks before (Literal, List), a str split into a list of characters (list), argparse's
@@ -184,6 +187,31 @@ def test_trl_loss_type_names_are_our_aggregations():
         assert load(["--task", "toy", "--loss-agg", trl], {})[0].loss_agg == ours
     with pytest.raises(ConfigError, match="'sum' is not one of token-mean, seq-mean, dr-grpo, dapo, bnpo, grpo, dr_grpo"):
         load(["--task", "toy", "--loss-agg", "sum"], {})
+
+
+def test_the_advantage_is_also_read_under_its_earlier_name_scale_rewards(tmp_path, monkeypatch):
+    # --scale-rewards (TRL's name, and this trainer's before --advantage): scripts and runs that use it go on
+    for argv, environ in ((["--scale-rewards", "rloo"], {}), ([], {"GRPO_SCALE_REWARDS": "rloo"}),
+                          (["--scale-rewards", "rloo", "--advantage", "rloo"], {}),
+                          ([], {"GRPO_SCALE_REWARDS": "rloo", "GRPO_ADVANTAGE": "rloo"})):
+        assert load(["--task", "toy", *argv], environ)[0].advantage == "rloo"
+    cfg, sources = load(["--task", "toy", "--advantage", "maxrl"], {"GRPO_SCALE_REWARDS": "rloo"})
+    assert (cfg.advantage, sources["advantage"]) == ("maxrl", "cli")
+    for argv, environ, said in (
+            (["--scale-rewards", "rank"], {}, "--scale-rewards 'rank' is not one of group, batch"),
+            (["--advantage", "batch", "--scale-rewards", "rloo"], {},
+             "--advantage batch and --scale-rewards rloo: one setting under two names that disagree: "
+             "give --advantage alone"),
+            ([], {"GRPO_ADVANTAGE": "batch", "GRPO_SCALE_REWARDS": "rloo"}, "give GRPO_ADVANTAGE alone")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            load(["--task", "toy", *argv], environ)
+    (tmp_path / "old.py").write_text("from tasks.toy import ToyTask\n\n"
+                                     "class Old(ToyTask):\n    trainer_settings = {'scale_rewards': 'rloo'}\n")
+    assert load(["--task", f"{tmp_path / 'old.py'}:Old"], {})[0].advantage == "rloo"
+    assert cli._help(FIELDS["advantage"], "toy").endswith("[default group; also --scale-rewards]")
+    monkeypatch.setenv("COLUMNS", "1000")   # no wrapping: each flag's help on one line
+    listed = cli.build_parser().format_help()
+    assert listed.count("--scale-rewards") == 1 and "; also --scale-rewards]" in listed   # in --advantage's help
 
 
 DECLARING_TASK = """

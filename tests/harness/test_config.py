@@ -67,7 +67,7 @@ def test_derived_sizes():
     (["--device", "tpu"], 1, "--device tpu: is not one of auto, cpu, cuda or cuda:N"),
     (["--device", "cuda:99"], 1, "--device cuda:99: this machine has "),
     # every advantage 0 at every step, blamed on the temperature by the flat-groups note
-    (["--reward-weights", "a=0,b=0", "--scale-rewards", "gdpo"], 1,
+    (["--reward-weights", "a=0,b=0", "--advantage", "gdpo"], 1,
      "--reward-weights a=0,b=0: every weight is 0, so every completion's reward (and advantage) "
      "would be 0: give a part a weight"),
 ])

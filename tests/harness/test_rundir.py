@@ -143,6 +143,17 @@ def test_a_longer_resumed_run_says_that_its_schedule_stretches():
     assert not rundir.check_resume(constant, config.Config(steps=8), None, "ckpt")
 
 
+def test_a_checkpoint_that_recorded_an_earlier_name_resumes_under_the_new_one():
+    # checkpoints made before --advantage recorded scale_rewards: the same value is no change, another one is
+    saved = config.settings(config.Config(), None)
+    saved["scale_rewards"] = saved.pop("advantage")
+    assert not rundir.check_resume(saved, config.Config(), None, "ckpt")
+    with pytest.raises(config.ConfigError, match="--advantage group -> rloo"):
+        rundir.check_resume(saved, config.Config(advantage="rloo"), None, "ckpt")
+    allowed = config.Config(advantage="rloo", resume="latest", resume_allow_change="scale_rewards")
+    assert "--advantage group -> rloo" in rundir.check_resume(saved, allowed, None, "ckpt")[0]
+
+
 def test_overwrite_refuses_to_delete_what_the_run_reads(tiny_model_dir, tmp_path):
     # train on from a finished run's model into the same folder: --overwrite would delete that model first
     out = tmp_path / "x"
