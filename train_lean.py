@@ -4,16 +4,10 @@
     python train_lean.py --task toy --help        # every flag (each also a GRPO_<FLAG> variable)
     torchrun --nproc_per_node 2 train_lean.py ... # data-parallel: each process takes whole groups
 
-Each step: draw prompts, sample groups of completions, score them, turn rewards into group-relative
-advantages, update the policy with a clipped PPO loss plus a k3 KL penalty against a frozen
-reference, token-mean over the mini-batch, micro-batches accumulated, summed over devices. Every
-choice's default is written here; the off-by-default variants are functions in grpo/variants.py,
-looked up in the tables below by their flag's value. Under it: grpo/rollout.py (sampling),
-grpo/passes.py (the forwards without gradient), grpo/decoders.py, grpo/model.py. The harness/
-package keeps the run safe and recorded (settings, run folder, checkpoints, logs, memory, guards),
-called by name as `run.<something>`; grpo/ never imports it. A call every rank makes together under
-torchrun is marked `# every rank` (tests/test_repository.py checks). Why each piece is as it is:
-docs/algorithm.md.
+Off-by-default variants: grpo/variants.py, looked up in the tables below by flag value. Under the
+step: grpo/rollout.py, passes.py, decoders.py, model.py. The harness keeps the run safe and
+recorded, called as `run.<something>`; grpo/ never imports it. `# every rank` marks a call every
+rank makes together under torchrun. The step piece by piece, and why: docs/algorithm.md.
 """
 import functools
 import math

@@ -1,10 +1,7 @@
-"""Decoding: generate() samples completions token by token with a KV cache (grpo/rollout.py calls
-it), on speed paths kept apart so they read as such. A decoder turns the token just drawn into the
-next logits. HFDecoder: any causal LM, through its own forward and cache. GPT2Decoder (plain GPT-2)
-and LlamaDecoder (Llama, Qwen2, Mistral without sliding windows) are fast paths: the model's own
-modules and math on K/V buffers preallocated at the final length, a group's prompt K/V kept and read
-once per group, in static-shape steps torch.compile can capture (compile=True). Each is tested
-against the generic path and HF generate (tests/grpo/test_decoders.py).
+"""Decoding: generate() samples completions token by token with a KV cache (for grpo/rollout.py).
+A decoder turns the token just drawn into the next logits: HFDecoder any causal LM; GPT2Decoder and
+LlamaDecoder (Llama, Qwen2, Mistral without sliding windows) are fast paths on preallocated K/V
+buffers (docs/algorithm.md, "Decoding"), each tested against HFDecoder and HF generate.
 """
 import sys
 import weakref
@@ -49,15 +46,10 @@ class Decoder:
 
 
 class PreallocatedDecoder(Decoder):
-    """One-token decode steps on preallocated K/V buffers, for pre-norm decoder-only transformers.
-
-    The model's own modules and math (so the logprobs match the training forward), without what a
-    forward costs per call: no growing cache (torch.cat of every past key each step), no mask
-    building, no output objects. A group's rows share their prompt: its keys and values are kept,
-    and read by the group's queries together, once per group. Attention runs in the cache's dtype
-    (fp32 on CPU, where bf16 matmuls are emulated; the model's bf16 on GPU). A subclass gives
-    _embed (a token's embedding), _qkv (norm, q, k, v projections), _rest (output projection, MLP,
-    residuals) and _final_norm; the attention between them is the same for GPT-2 and Llama.
+    """One-token decode steps on preallocated K/V buffers for pre-norm decoder-only transformers, in
+    the model's own math (docs/algorithm.md, "Decoding"). A subclass gives _embed (a token's
+    embedding), _qkv (norm, q, k, v projections), _rest (output projection, MLP, residuals) and
+    _final_norm; the attention between them is the same for GPT-2 and Llama.
     """
     # A step is few ops, each a kernel launch from Python (bench/decode_ops.py counts them): hidden
     # states stay [rows, width], a layer's views are one as_strided each, scores and outputs land in
@@ -509,13 +501,10 @@ def race_index(probs: torch.Tensor) -> torch.Tensor:
 
 def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                  banned: int = None, with_sampler: bool = False):
-    """Draw one token per row; return it with its logprob under the temperature-scaled distribution.
-
-    The logprob is taken before top-k/top-p truncation (and before `banned`, a token id that may
-    not be drawn now): it is the policy's own logprob, the same quantity the training forward
-    computes, so the first update is exactly on-policy. with_sampler: also the token's logprob under
-    the distribution it was drawn from (truncated and renormalised), which the mismatch metric and
-    its corrections compare with the trainer's (grpo/variants.py mismatch_weight).
+    """Draw one token per row of logits [B, V]: (token, logprob), each [B]. The logprob is the
+    policy's own, as the training forward computes it: temperature-scaled, before top-k/top-p and
+    `banned` (a token id not drawable now). with_sampler: a third, the logprob under the truncated
+    distribution drawn from (grpo/variants.py mismatch_weight; docs/algorithm.md, the mismatch).
     """
     if logits.dtype != torch.float32:
         logits = logits.float()
@@ -591,14 +580,11 @@ def generate(model, prompt_ids, prompt_mask, *, eos_id: int, max_new_tokens: int
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0,
              autocast=None, compile: bool = False, with_sampler: bool = False,
              group_size: int = None):
-    """Sample one completion per row of a left-padded prompt batch: completion_ids, completion_mask
-    and sampling logprobs, each [B, T], T the steps until every row stopped at its first EOS (at
-    least min_new_tokens, at most max_new_tokens; finished rows get EOS, masked). EOS cannot be
-    drawn before min_new_tokens (its probability still counts in the logprob). compile: the step
-    through torch.compile (CUDA: a replayed graph) where a preallocated decoder fits; the first call
-    compiles. with_sampler: a 4th output, logprobs under the distributions drawn from
-    (sample_token). group_size: rows per prompt (compiled, groups keep it when two draw the same
-    prompt: no recompiling).
+    """Sample a completion per row of a left-padded prompt batch: (completion_ids, completion_mask,
+    logprobs), each [B, T], T <= max_new_tokens; a row ends at its first EOS (then EOS, masked),
+    never before min_new_tokens (EOS's probability still counts). compile: torch.compile where a
+    preallocated decoder fits. with_sampler: a 4th output (sample_token). group_size: rows per
+    prompt (compiled: kept when two groups draw one prompt, so nothing recompiles).
     """
     autocast = autocast or torch.autocast(prompt_ids.device.type, enabled=False)
     with autocast:  # entered once: autocast keeps its bf16 copies of the weights for the whole loop

@@ -1,14 +1,8 @@
-"""Data parallelism under torchrun (`torchrun --nproc_per_node 2 train_lean.py ...`): one process
-per device, each with whole groups of the batch. Gradients are summed by one all_reduce of a flat
-buffer per optimizer update, not by DistributedDataParallel: the loss calls the policy's trunk and
-head directly (grpo/model.py completion_logprobs), which a DDP wrapper's forward would never see,
-and one reduction point lets every rank agree on an out-of-memory retry or a skipped update before
-any waits on a collective (DDP's overlap with backward is small at this trainer's model sizes).
-
-Every helper is a no-op in a single process. All but world_size(), rank() and is_main() wait for
-the other ranks: a call of one, or of a function that makes one (harness/guards.py Guard.fit,
-train_lean.py update, ...), is marked `# every rank` on its line, in train_lean.py, grpo/ and
-harness/ (tests/test_repository.py checks).
+"""Data parallelism under torchrun: one process per device, each with whole groups; gradients summed
+by one all_reduce of a flat buffer per update, not DDP (docs/algorithm.md, "Data parallelism"). Each
+helper is a no-op in one process. All but world_size(), rank() and is_main() wait for the other
+ranks: a call of one, or of a function that makes one (Guard.fit, train_lean.py update, ...), is
+marked `# every rank` on its line in train_lean.py, grpo/ and harness/.
 """
 import datetime
 import os

@@ -313,11 +313,9 @@ def _checkpointed_layers(model, on: bool):
 
 def _completion_hidden(model, input_ids, attention_mask, n_completion: int, share_prompts: bool):
     """The last hidden states whose logits predict the completion tokens: [B, n_completion, width].
-
-    The rows of a group share one prompt. With share_prompts, each distinct prompt runs through the
-    model once and every completion attends to its prompt's keys and values (a KV cache that carries
-    gradients back to the shared prompt forward): the same function, without recomputing a prompt
-    for every completion of its group (8x less prompt work at group size 8).
+    share_prompts: each distinct prompt runs through the model once and its rows attend to its keys
+    and values (a KV cache that carries gradients back): the same function, 8x less prompt work at
+    group size 8.
     """
     positions = position_ids_from_mask(attention_mask)
     split = input_ids.shape[1] - n_completion
@@ -344,15 +342,11 @@ def _completion_hidden(model, input_ids, attention_mask, n_completion: int, shar
 def completion_logprobs(model, input_ids, attention_mask, n_completion: int, temperature: float,
                         chunk_rows: int, autocast=None, share_prompts: bool = True,
                         with_entropy: bool = False, head_rows: int = None):
-    """Logprob of each of the last n_completion tokens of input_ids under `model` [B, n_completion],
-    at the positions the attention mask gives (where a left-padded prompt was sampled); rows with
-    the same prompt share one prompt forward (_completion_hidden). Only completion positions go
-    through the head, never as a whole [B, T, vocab] fp32 tensor: to bound the logits' memory, the
-    chosen logit minus a logsumexp, chunk_rows token rows at a time (recomputed in backward when
-    chunking). with_entropy: (logprobs, entropies), each position's entropy of the
-    temperature-scaled distribution sampled from, from the same chunks of logits (with gradients,
-    for an entropy bonus). head_rows: the head is padded to a multiple of it (padded_head; default
-    head_multiple: on a GPU only).
+    """Logprobs [B, n_completion] of input_ids' last n_completion tokens under `model`, at the
+    positions the attention mask gives; a group's rows share a prompt forward (_completion_hidden).
+    The head takes chunk_rows token rows at a time (recomputed in backward when chunked), never the
+    whole [B, T, vocab]. with_entropy: (logprobs, entropies) of the temperature-scaled distribution,
+    with gradients. head_rows: pad the head to a multiple of it (default head_multiple: GPU only).
     """
     autocast = autocast or torch.autocast(input_ids.device.type, enabled=False)
     with autocast, _checkpointed_layers(model, torch.is_grad_enabled()) as checkpointing:

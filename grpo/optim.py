@@ -1,11 +1,7 @@
-"""The optimizer (--optimizer): AdamW, or Muon for the hidden weight matrices and AdamW for the
-rest.
-
-Muon (torch.optim.Muon) orthogonalises each 2-D update (Newton-Schulz); it is made for the matrices
-inside the network. The embeddings and the output head (rows that are tokens, a lookup and a
-classifier), biases and norms stay with AdamW, as nanochat, prime-rl and Muon's authors split them.
-Muon's updates are scaled to AdamW's size (adjust_lr_fn "match_rms_adamw", Moonshot's), so
---learning-rate and --weight-decay serve both.
+"""The optimizer (--optimizer): AdamW, or Muon for the hidden weight matrices and AdamW for the rest
+(embeddings, output head, biases, norms), Muon's updates scaled to AdamW's size so --learning-rate
+and --weight-decay serve both (why: docs/algorithm.md, "The optimizer"); and the learning rate's
+schedule (--lr-scheduler).
 """
 import math
 
@@ -91,14 +87,10 @@ LR_SCHEDULES = {  # --lr-scheduler
 
 
 def learning_rate(step: int, cfg) -> float:
-    """The learning rate of training step `step` (1, 2, ... cfg.steps): a function of the step
-    alone, so a resumed run continues the schedule exactly.
-
-    Warmup W steps (--lr-warmup-steps, or --lr-warmup-ratio x --steps rounded): step s <= W trains
-    at s / W x the rate, the last of them at the full rate. Then the schedule runs over the
-    remaining steps with progress p = (s - W - 1) / (steps - W): the first step after the warmup
-    trains at the full rate, and the last one still above the floor (min_lr_ratio x the rate), none
-    at zero.
+    """The learning rate of step `step` (1, 2, ... cfg.steps), a function of the step alone so a
+    resumed run continues it exactly. Warmup W steps (--lr-warmup-steps, or the ratio x --steps):
+    step s <= W at s / W x the rate. Then progress p = (s - W - 1) / (steps - W): the first step
+    after the warmup at the full rate, the last still above the floor (min_lr_ratio x the rate).
     """
     base = cfg.learning_rate
     warmup = cfg.lr_warmup_steps or round(cfg.lr_warmup_ratio * cfg.steps)

@@ -1,9 +1,7 @@
-"""The forward passes without gradient that a step makes besides its update (train_lean.py): the
-reference's logprobs of every completion token, and what a variant needs over a whole mini-batch
-before its micro-batches run (the top-entropy and Clip-Cov / KL-Cov tokens, the trainer's logprobs
-at the sampling weights). Each runs under guard.fit (harness/guards.py: retried with fewer rows
-after an out-of-memory, every rank agreeing), so none holds a collective inside it; the gathers that
-follow are marked `# every rank`.
+"""The forwards without gradient besides the update: the reference's logprobs, and what a variant
+needs over a whole mini-batch before its micro-batches (top-entropy and Clip-Cov / KL-Cov tokens,
+the trainer's logprobs at the sampling weights). Each runs under guard.fit (retried with fewer rows
+after an out-of-memory), so holds no collective; the gathers after it are marked `# every rank`.
 """
 import functools
 

@@ -1,14 +1,8 @@
-"""The pretraining mix (--ptx-coef, InstructGPT's PPO-ptx): text that each update also learns by
-next-token loss, so that a skill the reward does not train is not forgotten while the weights it
-shares move.
-
-The text comes from --ptx-file (each non-empty line a text) or from the task's optional
-demonstrations(n, rng): n texts, each a string or a (context, target) pair, such as a prompt and its
-answer. A string is learned whole; a pair's context is read, not learned. Each is encoded as a
-prompt is (the BOS first when prompts get one), followed by EOS, which is learned too. A step's
-texts are drawn with an rng seeded by (seed, step), so a resumed run learns the same text; every
-device encodes all of them and takes its share, so the loss denominator needs no collective
-(ptx_loss).
+"""The pretraining mix (--ptx-coef, InstructGPT's PPO-ptx): text each update also learns by
+next-token loss, so a skill the reward does not train is not forgotten. A text is a string (learned
+whole) or a (context, target) pair (the context read, not learned), encoded as a prompt is, then
+EOS. A step's texts depend on (seed, step) alone; each device encodes all and takes its share.
+Where the texts come from, and why: docs/ptx.md.
 """
 import random
 from dataclasses import dataclass

@@ -1,10 +1,7 @@
 """Rollout: the step's record (Rollout) and how it is sampled: prompts tokenized, groups of
 completions drawn with a KV cache (grpo/decoders.py), the sampled ids and logprobs kept; and DAPO's
-dynamic sampling, which builds the batch from several rounds.
-
-The sampled token ids are what the trainer scores; text is decoded only for the reward.
-Re-tokenising decoded text would give different tokens (BPE is not a bijection on what a model can
-emit), and the logprobs would then belong to a sequence the policy never sampled.
+dynamic sampling, which builds the batch from several rounds. The trainer scores the sampled ids;
+text is decoded for the reward only (why: docs/algorithm.md, "The default step").
 """
 import dataclasses
 from collections import Counter
@@ -78,15 +75,11 @@ def left_pad(rows, pad_id: int, device=None):
 
 @dataclasses.dataclass
 class Rollout:
-    """One step's batch on this device, the record its stages fill in turn: sampled (prompts,
-    completions, their ids and logprobs), then scored (rewards), then shaped (penalties,
-    shaped_rewards), then the reference's logprobs, then the advantages. The rows of a group are
-    contiguous.
-
-    input_ids = prompt_ids + completion_ids and attention = prompt_mask + completion_mask, side by
-    side: the prompts left-padded to a common width, the completions right-padded with EOS after
-    each row's first EOS (the mask hides it). A field you add (a list per row, a [B] tensor, a
-    [B, T] completion tensor or a [B, prompt width + T] one) is carried by select_rows as these are.
+    """One step's batch on this device, filled stage by stage: sampled, scored (rewards), shaped
+    (penalties, shaped_rewards), reference logprobs, advantages; a group's rows contiguous.
+    input_ids and attention: the prompt (left-padded) and the completion (EOS after the first,
+    masked) side by side. A field you add (a list per row, a [B], [B, T] or [B, prompt width + T]
+    tensor) is carried by select_rows as these are.
     """
     prompts: list            # the prompt of each row
     texts: list              # each completion decoded, for the reward only (never re-tokenised)
@@ -194,14 +187,11 @@ def missing_groups(round_rewards: list, group_size: int, groups: int) -> int:
 
 
 def merge_rounds(round_rewards: list, group_size: int, groups: int):
-    """Choose a batch of `groups` groups from generation rounds; return (rows, counts).
-
-    round_rewards: one 1-D reward tensor per round, in draw order, rows of a group contiguous.
-    Informative groups are taken first, in draw order; when the rounds hold too few, the earliest
-    uninformative groups fill the batch (the rounds ran out: the batch keeps its size, those groups
-    add no policy gradient). rows: LongTensor of row indices into the rounds' rows concatenated in
-    draw order, whole groups in draw order. counts: groups_drawn, groups_dropped (drawn, not kept)
-    and groups_uninformative (kept although uninformative).
+    """Choose `groups` groups from rounds (round_rewards: a 1-D reward tensor per round, in draw
+    order): informative ones first, then the earliest uninformative (docs/algorithm.md, "Dynamic
+    sampling"). Returns (rows, counts): rows, LongTensor indices of the chosen groups' rows in the
+    rounds' rows concatenated, in draw order; counts, groups_drawn, groups_dropped (drawn, not
+    kept), groups_uninformative (kept although uninformative). ValueError if too few were drawn.
     """
     informative = torch.cat([informative_groups(r, group_size) for r in round_rewards])
     drawn = informative.numel()

@@ -11,15 +11,12 @@ from grpo import optim, variants
 
 def opt(default, help, choices=None, const=None, path=None, auto=False, resume_free=False, resume_fixed=None,
         must=None, note=None, aliases=None, old_names=()):
-    """A field. With const the flag may be given bare (`--resume` means `--resume latest`; a bool flag may be
-    given bare anyway, meaning true: harness/cli.py); path="in" marks
-    a file the run reads and path="out" one it writes (a file, or with the name out_dir a folder), which
-    rundir.check_paths tests before anything heavy is loaded; auto=True keeps the value "auto" as itself;
-    must names its range in RANGES (None and "auto" pass) and note a hint its message adds; resume_free=True:
-    it may differ on --resume (see Config); resume_fixed="why": it may not, even when --resume-allow-change names it
-    (what the checkpoint holds was built with it). choices given as a dict (name -> what it does, defined by the module
-    that owns them) are listed in the help; aliases maps other names for a choice to it (another trainer's);
-    old_names are earlier names of the field, read as flags, GRPO_ variables and checkpoint keys too."""
+    """A field. const: the flag may be given bare (`--resume` = `--resume latest`); path "in"/"out":
+    a file the run reads / writes (out_dir: a folder), checked before loading; auto: "auto" stays
+    itself; must: its range in RANGES, note: a hint its message adds; resume_free: may differ on
+    --resume; resume_fixed="why": may not, even if --resume-allow-change names it; choices: a dict
+    name -> what it does, listed in the help; aliases: another trainer's names -> a choice; old_names:
+    the field's earlier names, still read (harness/config.py OLD_NAMES)."""
     if isinstance(choices, dict):
         help = f"{help}: " + "; ".join(f"{k}: {v}" for k, v in choices.items())
     if aliases:

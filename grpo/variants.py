@@ -1,11 +1,7 @@
 """The off-by-default variants of the GRPO step (train_lean.py holds the default), each a small
-function in a table keyed by its flag value. The step looks the chosen one up; a new variant is one
-function, one entry, and a formula test in tests/grpo/ (tests/grpo/test_variants.py lists them).
-Why each exists and how they relate (the KL estimators and where they go, the sampler mismatch,
-TRL's names): docs/algorithm.md.
-
-A table's help text is its functions' docstrings (harness/config.py lists them under each flag), the
-default's first: DEFAULTS names what train_lean.py computes for each flag.
+function in a table keyed by its flag value, which the step looks up. A new variant is one function,
+one entry and a formula test (tests/grpo/test_variants.py lists them); its docstring is its --help
+text, and DEFAULTS names what train_lean.py computes for each flag. Why each: docs/algorithm.md.
 """
 import math
 import types

@@ -1,6 +1,7 @@
 """The sampler/trainer mismatch: its statistics in every record and --mismatch-correction's weights (grpo/variants.py
 mismatch_weight), each against its formula written out element by element, gradients included; the sampler's
-logprobs under a truncated distribution (grpo/decoders.py sample_token); the settings that refuse."""
+logprobs under a truncated distribution (grpo/decoders.py sample_token). The settings the harness refuses
+are in tests/harness/test_config.py."""
 import math
 
 import pytest
@@ -8,7 +9,6 @@ import torch
 
 from train_lean import grpo_loss
 from grpo.decoders import sample_token
-from harness.config import ConfigError, batch_layout
 from helpers import loss_config
 
 LOGP = torch.tensor([[-1.0, -0.5, -2.0, -0.3], [-0.7, -1.2, -0.1, -3.0]])
@@ -147,15 +147,3 @@ def test_sample_groups_keeps_apart_sampler_logprobs_only_when_something_truncate
     m = nucleus.completion_mask.bool()
     gap = (nucleus.old_logp - nucleus.sampler_logp)[m]   # log of the kept mass: <= 0, and < 0 where it cut
     assert (gap <= 1e-6).all() and (gap < -1e-3).any()
-
-
-@pytest.mark.parametrize("knobs, message", [
-    ({"mismatch_cap": 3.0}, "--mismatch-cap 3.0 with --mismatch-correction none"),
-    ({"mismatch_correction": "tis", "mismatch_low": 0.2}, "--mismatch-low 0.2 with --mismatch-correction tis"),
-    ({"mismatch_correction": "tis", "mismatch_cap": 0.5}, "--mismatch-cap 0.5 must be at least 1"),
-    ({"mismatch_correction": "token-mask", "mismatch_low": 1.0}, "--mismatch-low 1.0 must be in [0, 1)"),
-])
-def test_bad_mismatch_settings_are_refused(knobs, message):
-    from harness.config import Config   # the refusal is the harness's
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        batch_layout(Config(**knobs))

@@ -18,6 +18,25 @@ def test_unknown_flag_or_bad_value(tiny_model_dir, tmp_path, args, expected):
     assert expected in line
 
 
+# as a user starts it: no --model (the shipped default), in their own folder
+@pytest.mark.parametrize("args, message", [
+    (["--batch-size", "60"], "--batch-size 60 is not a multiple of --group-size 8: use 56 or 64"),
+    (["--steps", "two"], "--steps 'two' is not a valid int"),
+    (["--task", "nope"], "unknown task 'nope'"),
+    (["--model", "./no-such-folder"], "no such folder"),
+])
+def test_user_errors_exit_2_with_one_line(args, message, tmp_path):
+    proc = train(*args, "--out-dir", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_env_values_are_validated_like_flags(tmp_path):
+    proc = train("--out-dir", str(tmp_path), cwd=tmp_path, extra_env={"GRPO_BATCH_SIZE": "60"})
+    assert proc.returncode == 2 and "--batch-size 60 is not a multiple" in proc.stderr
+
+
 def test_a_model_folder_that_does_not_exist(tmp_path):
     line = one_line_error(train("--model", str(tmp_path / "no-model"), *SMALL, "--out-dir", str(tmp_path)))
     assert "no-model: no such folder" in line

@@ -105,3 +105,43 @@ def test_every_declared_range_is_checked_in_its_own_words(name):
         batch_layout(dataclasses.replace(defaults, **{name: edge}))
     except ConfigError as e:
         assert "must be" not in str(e)
+
+
+# the variants' settings (grpo/settings.py) and LoRA's: refused in batch_layout, before anything loads
+@pytest.mark.parametrize("knobs, message", [
+    ({"mismatch_cap": 3.0}, "--mismatch-cap 3.0 with --mismatch-correction none"),
+    ({"mismatch_correction": "tis", "mismatch_low": 0.2}, "--mismatch-low 0.2 with --mismatch-correction tis"),
+    ({"mismatch_correction": "tis", "mismatch_cap": 0.5}, "--mismatch-cap 0.5 must be at least 1"),
+    ({"mismatch_correction": "token-mask", "mismatch_low": 1.0}, "--mismatch-low 1.0 must be in [0, 1)"),
+])
+def test_bad_mismatch_settings_are_refused(knobs, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        batch_layout(config.Config(**knobs))
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"kl_target": 0.1, "kl_coef": 0.0}, "--kl-target 0.1 steers the KL coefficient, and --kl-coef 0 has no KL term"),
+    ({"kl_horizon": 100}, "--kl-horizon 100 without --kl-target"),
+    ({"kl_target": -1.0}, "--kl-target -1.0 must be > 0"),
+    # 1 - 0.2 x 16 / 1 < 0: the coefficient's sign flipped every step (0.02, -0.044, 0.097, ...)
+    ({"kl_target": 100.0, "kl_horizon": 1, "batch_size": 16},
+     r"--kl-horizon 1 with --batch-size 16: .* by 1 - 0.2 x 16 / 1 = -2.2, to 0 or past it; "
+     r"give --kl-horizon 4 or more"),
+    ({"kl_target": 0.1, "kl_horizon": 8, "batch_size": 40},
+     "--kl-horizon 8 with --batch-size 40: .* = 0, "),
+])
+def test_bad_adaptive_kl_settings_are_refused(knobs, message):
+    with pytest.raises(ConfigError, match=message):
+        batch_layout(config.Config(**knobs))
+
+
+def test_the_shortest_kl_horizon_allowed_is_accepted():
+    # its coefficient stays above 0: tests/grpo/test_adaptive_kl.py
+    batch_layout(config.Config(kl_target=100.0, kl_horizon=4, batch_size=16))
+
+
+def test_bad_lora_settings_are_refused():
+    for changes, message in (({"lora_target_modules": "c_attn"}, "--lora-target-modules c_attn with --lora-rank 0"),
+                             ({"lora_rank": 4, "ref_sync_steps": 2}, "--ref-sync-steps 2 with --lora-rank 4")):
+        with pytest.raises(config.ConfigError, match=message):
+            config.batch_layout(config.Config(**changes))
