@@ -45,7 +45,7 @@ def generic_decoder(on: bool):
 def seconds(model, ids, mask, eos, new_tokens, path):
     with generic_decoder(path == "generic"):
         t = time.perf_counter()
-        decoders.generate(model, ids, mask, eos_id=eos, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        decoders.generate(model, ids, mask, end_ids=eos, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          compile=path == "compiled")
         return time.perf_counter() - t
 

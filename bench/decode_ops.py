@@ -39,7 +39,7 @@ def kernels(prof) -> int:
 
 def profile_generate(model, ids, mask, eos, new_tokens, compile):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
-    kwargs = dict(eos_id=eos, max_new_tokens=new_tokens, min_new_tokens=new_tokens, compile=compile)
+    kwargs = dict(end_ids=eos, max_new_tokens=new_tokens, min_new_tokens=new_tokens, compile=compile)
     generate(model, ids, mask, **kwargs)  # warm: compilation and allocations are not per token
     with profile(activities=activities) as prof:
         generate(model, ids, mask, **kwargs)

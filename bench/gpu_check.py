@@ -109,7 +109,7 @@ def decode_section(path, s, device):
         ops, kernels = per_token(model, torch.device(device), compile=compile)
         torch.manual_seed(0)
         ids = torch.randint(3, 300, (s["batch"] // 8, 20), device=device).repeat_interleave(8, 0)
-        kw = dict(eos_id=0, max_new_tokens=s["tokens"], min_new_tokens=s["tokens"], compile=compile,
+        kw = dict(end_ids=0, max_new_tokens=s["tokens"], min_new_tokens=s["tokens"], compile=compile,
                   autocast=model_autocast(torch.device(device), "bf16" if device == "cuda" else "fp32"))
         generate(model, ids, torch.ones_like(ids), **kw)   # compiled: the compilation
         start = time.perf_counter()

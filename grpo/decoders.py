@@ -461,13 +461,27 @@ def decoder_for(model, cache, inverse, prompt_mask, max_new_tokens: int, compile
 
 # ---- sampling: one token per row, then a whole completion ---------------------------------------
 
-def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """1 up to and including each row's first EOS, 0 after it.
+def as_ends(end_ids) -> tuple:
+    """end_ids as a tuple: an id, or ids (EOS first, then e.g. a chat template's end of turn)."""
+    return (end_ids,) if isinstance(end_ids, int) else tuple(end_ids)
 
-    Built from the position of the first EOS, never from `token == pad`: with pad == EOS (GPT-2)
+
+def is_end(ids: torch.Tensor, end_ids) -> torch.Tensor:
+    """Where ids is any of end_ids (an id or ids): one comparison per id, no index tensor."""
+    ends = as_ends(end_ids)
+    hit = ids == ends[0]
+    for end in ends[1:]:
+        hit = hit | (ids == end)
+    return hit
+
+
+def completion_mask(completion_ids: torch.Tensor, end_ids) -> torch.Tensor:
+    """1 up to and including each row's first end (EOS, or any of end_ids), 0 after it.
+
+    Built from the position of the first end, never from `token == pad`: with pad == EOS (GPT-2)
     that would mask the EOS the policy chose to emit, so it would never learn to stop.
     """
-    is_eos = completion_ids == eos_id
+    is_eos = is_end(completion_ids, end_ids)
     width = completion_ids.shape[1]
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1),
                         torch.full_like(is_eos[:, 0], width, dtype=torch.long))
@@ -500,10 +514,10 @@ def race_index(probs: torch.Tensor) -> torch.Tensor:
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                 banned: int = None, with_sampler: bool = False):
+                 banned=None, with_sampler: bool = False):
     """Draw one token per row of logits [B, V]: (token, logprob), each [B]. The logprob is the
     policy's own, as the training forward computes it: temperature-scaled, before top-k/top-p and
-    `banned` (a token id not drawable now). with_sampler: a third, the logprob under the truncated
+    `banned` (an id or a tuple of ids not drawable now). with_sampler: a third, the logprob under the truncated
     distribution drawn from (grpo/variants.py mismatch_weight; docs/algorithm.md, the mismatch).
     """
     if logits.dtype != torch.float32:
@@ -514,8 +528,8 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     filtered = logits
     if banned is not None:
         filtered = filtered.clone()
-        # a scalar fill: no index tensor copied to the device every token
-        filtered[:, banned] = float("-inf")
+        for banned_id in as_ends(banned):   # scalar fills: no index tensor copied to the device
+            filtered[:, banned_id] = float("-inf")
     if temperature == 0:
         token = filtered.argmax(-1)
     else:
@@ -550,12 +564,12 @@ class Draws:
     have finished. Compiled, the buffers are kept from call to call (a replayed graph writes where
     it was recorded)."""
 
-    def __init__(self, model, batch: int, max_new_tokens: int, eos_id: int, sampling: tuple,
+    def __init__(self, model, batch: int, max_new_tokens: int, end_ids: tuple, sampling: tuple,
                  with_sampler: bool, device, keep: bool):
-        self.eos_id, self.with_sampler = eos_id, with_sampler
+        self.end_ids, self.with_sampler = end_ids, with_sampler
         self.temperature, self.top_k, self.top_p = sampling
         shape = (batch, max_new_tokens)
-        self.tokens = _zeros(model, "tokens", shape, torch.long, device, keep).fill_(eos_id)
+        self.tokens = _zeros(model, "tokens", shape, torch.long, device, keep).fill_(end_ids[0])
         self.logprobs = _zeros(model, "logprobs", shape, torch.float32, device, keep)
         self.sampled = (_zeros(model, "sampled", shape, torch.float32, device, keep)
                         if with_sampler else None)
@@ -567,32 +581,34 @@ class Draws:
         gets EOS."""
         token, logprob, *sampler = sample_token(logits, self.temperature, self.top_k, self.top_p,
                                                 banned=banned, with_sampler=self.with_sampler)
-        token = token.masked_fill(self.done, self.eos_id)
+        token = token.masked_fill(self.done, self.end_ids[0])
         self.tokens.index_copy_(1, column, token[:, None])
         self.logprobs.index_copy_(1, column, logprob[:, None])
         if self.with_sampler:
             self.sampled.index_copy_(1, column, sampler[0][:, None])
-        self.done |= token == self.eos_id
+        self.done |= is_end(token, self.end_ids)
 
 
 @torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, *, eos_id: int, max_new_tokens: int,
+def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0,
              autocast=None, compile: bool = False, with_sampler: bool = False,
              group_size: int = None):
     """Sample a completion per row of a left-padded prompt batch: (completion_ids, completion_mask,
-    logprobs), each [B, T], T <= max_new_tokens; a row ends at its first EOS (then EOS, masked),
-    never before min_new_tokens (EOS's probability still counts). compile: torch.compile where a
+    logprobs), each [B, T], T <= max_new_tokens; a row ends at its first of end_ids (an id or ids:
+    EOS, an end of turn; then end_ids[0], masked), never before min_new_tokens (the ends'
+    probability still counts). compile: torch.compile where a
     preallocated decoder fits. with_sampler: a 4th output (sample_token). group_size: rows per
     prompt (compiled: kept when two groups draw one prompt, so nothing recompiles).
     """
     autocast = autocast or torch.autocast(prompt_ids.device.type, enabled=False)
     with autocast:  # entered once: autocast keeps its bf16 copies of the weights for the whole loop
-        return _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperature, top_k,
-                         top_p, min_new_tokens, compile, with_sampler, group_size)
+        return _generate(model, prompt_ids, prompt_mask, as_ends(end_ids), max_new_tokens,
+                         temperature, top_k, top_p, min_new_tokens, compile, with_sampler,
+                         group_size)
 
 
-def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperature, top_k, top_p,
+def _generate(model, prompt_ids, prompt_mask, ends, max_new_tokens, temperature, top_k, top_p,
               min_new_tokens, compile=False, with_sampler=False, group_size=None):
     batch = prompt_ids.shape[0]
     # a group's rows share their prompt: each distinct one is prefilled once, then its KV copied
@@ -604,16 +620,16 @@ def _generate(model, prompt_ids, prompt_mask, eos_id, max_new_tokens, temperatur
                 logits_to_keep=1)
     decoder = decoder_for(model, out.past_key_values, inverse, prompt_mask, max_new_tokens,
                           compile=compile, group_size=group_size)
-    draws = Draws(model, batch, max_new_tokens, eos_id, (temperature, top_k, top_p), with_sampler,
+    draws = Draws(model, batch, max_new_tokens, ends, (temperature, top_k, top_p), with_sampler,
                   prompt_ids.device, keep=decoder.compiled is not None)
-    draws.draw(out.logits[inverse, -1], draws.columns[:1], eos_id if min_new_tokens > 0 else None)
+    draws.draw(out.logits[inverse, -1], draws.columns[:1], ends if min_new_tokens > 0 else None)
     last = 0  # the last column drawn
     for step in range(max_new_tokens - 1):
         if (step + 1) % DONE_CHECK_EVERY == 0 and bool(draws.done.all()):
             break
-        decoder.advance(draws, step, eos_id if step + 1 < min_new_tokens else None)
+        decoder.advance(draws, step, ends if step + 1 < min_new_tokens else None)
         last = step + 1
-    mask = completion_mask(draws.tokens[:, :last + 1], eos_id)
+    mask = completion_mask(draws.tokens[:, :last + 1], ends)
     # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
     if bool(draws.done.all()):
         last = int(mask.sum(1).max()) - 1

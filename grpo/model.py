@@ -98,6 +98,15 @@ def load_tokenizer(name_or_path: str):
     return tok
 
 
+def end_ids(model, tokenizer) -> tuple:
+    """The ids that end a completion: the tokenizer's EOS (the pad), then the others the model's
+    generation config declares (an instruct model's end of turn: Qwen's <|im_end|>, Llama 3's
+    <|eot_id|>), as generate() in transformers stops at them."""
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    declared = [declared] if isinstance(declared, int) else list(declared or ())
+    return tuple(dict.fromkeys([tokenizer.eos_token_id, *declared]))
+
+
 def fuse_tanh_gelu(model) -> None:
     """Swap GPT-2's gelu_new (the tanh GELU written as eight elementwise ops) for PyTorch's fused
     kernel of the same function (equal to float rounding, ~2e-7): about half the activation's time

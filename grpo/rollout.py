@@ -8,8 +8,8 @@ from collections import Counter
 
 import torch
 
-from grpo.decoders import generate
-from grpo.model import context_length
+from grpo.decoders import as_ends, generate, is_end
+from grpo.model import context_length, end_ids
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -42,20 +42,44 @@ def start_ids(tokenizer, prepend_bos: bool) -> list:
     return [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id]
 
 
-def encode_prompts(tokenizer, prompts, prepend_bos: bool, max_new_tokens: int = 0, context: int | None = None) -> list:
-    """Token ids of each prompt; with prepend_bos, the tokenizer's BOS (GPT-2: <|endoftext|>) first.
+def render_conversation(tokenizer, conversation: list) -> list:
+    """A conversation's ids (messages {"role", "content"}), as the tokenizer's chat template
+    renders it with the generation prompt: the assistant's turn is what is sampled. The
+    template writes its own BOS; a ValueError names a missing template or one that refuses."""
+    if tokenizer.chat_template is None:
+        raise ValueError(f"the task's prompts are conversations ({_shown(conversation)}) and the "
+                         f"model's tokenizer has no chat template: use an instruct model's, or "
+                         f"give str prompts")
+    try:
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+    except Exception as e:   # jinja's TemplateError (a template's raise_exception) and others
+        raise ValueError(f"the chat template refused the conversation {_shown(conversation)}: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    return list(ids)
 
-    With context (the model's positions, grpo/model.py context_length) each prompt must leave room
-    for max_new_tokens: past it a learned-position model indexes outside its embeddings. Else a
-    ValueError naming the prompt, its length, the limit and what to change."""
-    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"] if len(prompts) else []
-    ids = [start_ids(tokenizer, prepend_bos) + row for row in ids]
+
+def _shown(prompt, width: int = 60) -> str:
+    """A prompt, str or conversation, cut for a message."""
+    text = repr(prompt)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def encode_prompts(tokenizer, prompts, prepend_bos: bool, max_new_tokens: int = 0, context: int | None = None) -> list:
+    """Token ids of each prompt: a str encoded, with prepend_bos the tokenizer's BOS (GPT-2:
+    <|endoftext|>) first; a conversation rendered by the chat template (render_conversation).
+    With context (the model's positions) each must leave room for max_new_tokens: past it a
+    learned-position model indexes outside its embeddings. Else a ValueError naming the prompt."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    ids = [start_ids(tokenizer, prepend_bos) + next(encoded) if isinstance(p, str)
+           else render_conversation(tokenizer, p) for p in prompts]
     for prompt, row in zip(prompts, ids):
         if not row:
-            raise ValueError(f"the prompt {prompt[:60]!r} encodes to no tokens with the model's tokenizer")
+            raise ValueError(f"the prompt {_shown(prompt)} encodes to no tokens with the model's tokenizer")
         if context is not None and len(row) + max_new_tokens > context:
             fix = (f"lower --max-new-tokens to {context - len(row)} or shorten" if len(row) < context else "shorten")
-            raise ValueError(f"a prompt of {len(row)} tokens ({prompt[:40]!r}...) plus --max-new-tokens "
+            raise ValueError(f"a prompt of {len(row)} tokens ({_shown(prompt, 40)}) plus --max-new-tokens "
                              f"{max_new_tokens} needs {len(row) + max_new_tokens} positions, more than the model's "
                              f"{context}: {fix} the task's prompts")
     return ids
@@ -121,23 +145,21 @@ class Rollout:
         return self
 
 
-def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """[B] bool: the completions that end without an EOS, i.e. were stopped by max_new_tokens.
-
-    completion_mask runs up to and including a row's first EOS (grpo/decoders.py), so a row is
-    truncated exactly when its last masked token is not EOS.
-    """
+def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, ends) -> torch.Tensor:
+    """[B] bool: the completions that end without an end (EOS or any of ends), i.e. were stopped by
+    max_new_tokens. completion_mask runs up to and including a row's first end (grpo/decoders.py),
+    so a row is truncated exactly when its last masked token is not one."""
     lengths = completion_mask.sum(1)
     last = completion_ids.gather(1, (lengths - 1).clamp_min(0)[:, None]).squeeze(1)
-    return (lengths > 0) & (last != eos_id)
+    return (lengths > 0) & ~is_end(last, ends)
 
 
-def decode_completions(tokenizer, completion_ids, mask, eos_id: int) -> list:
-    """The text of each completion: its tokens up to, not including, its first EOS."""
-    texts = []
+def decode_completions(tokenizer, completion_ids, mask, ends) -> list:
+    """The text of each completion: its tokens up to, not including, its first end (an id or ids)."""
+    texts, ends = [], as_ends(ends)
     for ids, m in zip(completion_ids.tolist(), mask.sum(1).tolist()):
         ids = ids[:m]
-        if ids and ids[-1] == eos_id:
+        if ids and ids[-1] in ends:
             ids = ids[:-1]
         texts.append(tokenizer.decode(ids, skip_special_tokens=False))
     return texts
@@ -151,7 +173,8 @@ def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_
     Each chunk's sampling is seeded by seed and the chunk's first row in the global batch (first_row
     plus its offset here): the rollouts depend neither on the number of devices (for the same
     generation batch) nor on a resume."""
-    eos = tokenizer.eos_token_id
+    ends = end_ids(policy, tokenizer)   # EOS, and an instruct model's end of turn
+    eos = ends[0]
     ids = encode_prompts(tokenizer, prompts, prepend_bos, max_new_tokens, context_length(policy.config))
     prompt_ids, prompt_mask = left_pad(ids, eos, device)
     prompt_ids, prompt_mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
@@ -160,7 +183,7 @@ def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_
     for s in range(0, prompt_ids.shape[0], generation_batch):
         torch.manual_seed(stream_seed(seed, first_row + s))
         chunks.append(generate(policy, prompt_ids[s:s + generation_batch], prompt_mask[s:s + generation_batch],
-                               eos_id=eos, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                               end_ids=ends, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, min_new_tokens=min_new_tokens, autocast=autocast, compile=compile,
                                with_sampler=truncates, group_size=group_size))
     width = max(c[0].shape[1] for c in chunks)
@@ -171,11 +194,11 @@ def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_
                               else None for i in (2, 3))
     sampler_logp = old_logp if sampler_logp is None else sampler_logp   # nothing truncated: the policy's own
     return Rollout(prompts=[p for p in prompts for _ in range(group_size)],
-                   texts=decode_completions(tokenizer, completion_ids, completion_mask, eos),
+                   texts=decode_completions(tokenizer, completion_ids, completion_mask, ends),
                    input_ids=torch.cat([prompt_ids, completion_ids], 1),
                    attention=torch.cat([prompt_mask, completion_mask], 1),
                    completion_mask=completion_mask, old_logp=old_logp, sampler_logp=sampler_logp,
-                   truncated=truncated_rows(completion_ids, completion_mask, eos))
+                   truncated=truncated_rows(completion_ids, completion_mask, ends))
 
 
 # ---- DAPO's dynamic sampling: the batch made of the informative groups of several rounds ---------

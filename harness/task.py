@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from grpo.decoders import generate
-from grpo.model import context_length
+from grpo.model import context_length, end_ids
 from grpo.rollout import decode_completions, encode_prompts, left_pad, stream_seed
 from harness import intervals, log
 from harness.config import opt
@@ -603,7 +603,7 @@ def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature
         raise TaskError(f"complete() was given {_short(prompts[bad])} as prompt {bad}: "
                         f"{prompt_problem(prompts[bad])}")
     sample_at = 0.0 if n is None else 1.0 if temperature is None else temperature
-    eos = tokenizer.eos_token_id
+    ends = end_ids(model, tokenizer)   # EOS, and an instruct model's end of turn
     try:
         ids = encode_prompts(tokenizer, prompts, prepend_bos, max_new_tokens, context_length(model.config))
     except ValueError as e:   # the task's held-out prompt does not fit the model
@@ -614,10 +614,10 @@ def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature
     with torch.random.fork_rng(devices=[] if kind == "cpu" else [device], device_type=kind):
         for s in range(0, len(rows), batch):
             torch.manual_seed(stream_seed(seed, s))
-            row_ids, mask = left_pad(rows[s:s + batch], eos, device)
-            out_ids, out_mask, _ = generate(model, row_ids, mask, eos_id=eos, max_new_tokens=max_new_tokens,
+            row_ids, mask = left_pad(rows[s:s + batch], ends[0], device)
+            out_ids, out_mask, _ = generate(model, row_ids, mask, end_ids=ends, max_new_tokens=max_new_tokens,
                                             temperature=sample_at, autocast=autocast)
-            texts += decode_completions(tokenizer, out_ids, out_mask, eos)
+            texts += decode_completions(tokenizer, out_ids, out_mask, ends)
     return texts if n is None else [texts[i:i + n] for i in range(0, len(texts), n)]
 
 

@@ -17,7 +17,7 @@ def rollout64(tiny_model_dir):
     torch.manual_seed(0)
     # a frequent token as EOS, so completion lengths vary a lot (what makes normalisation matter)
     eos = tok("a", add_special_tokens=False)["input_ids"][0]
-    comp, cmask, old = generate(model, ids, mask, eos_id=eos, max_new_tokens=24, temperature=1.5)
+    comp, cmask, old = generate(model, ids, mask, end_ids=eos, max_new_tokens=24, temperature=1.5)
     assert len(set(cmask.sum(1).tolist())) > 4
     torch.manual_seed(1)
     adv = torch.randn(64)

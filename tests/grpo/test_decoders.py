@@ -72,7 +72,7 @@ def test_fast_decoders_match_the_models_own_forward(family, monkeypatch, order):
     ids, mask = _group_batch(tok)
     if order == "interleaved":  # rows of a group not contiguous: the decoder keeps one prompt copy per row
         ids, mask = ids[[0, 4, 1, 5, 2, 6, 3, 7]], mask[[0, 4, 1, 5, 2, 6, 3, 7]]
-    kw = dict(eos_id=tok.eos_token_id, max_new_tokens=16, temperature=0.0)
+    kw = dict(end_ids=tok.eos_token_id, max_new_tokens=16, temperature=0.0)
     used = _decoder_used(monkeypatch)
     fast = generate(model, ids, mask, **kw)
     assert used == [expected]
@@ -91,7 +91,7 @@ def test_sampled_logprobs_equal_the_training_forward(family):
     ids, mask = _group_batch(tok)
     assert (mask[0] == 0).any() and (mask[-1] == 1).all()
     torch.manual_seed(0)
-    comp, cmask, logp = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=24, temperature=0.8)
+    comp, cmask, logp = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=24, temperature=0.8)
     scored = completion_logprobs(model, torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), comp.shape[1],
                                  0.8, 4096)
     assert ((scored - logp).abs() * cmask).max().item() <= 1e-5
@@ -101,7 +101,7 @@ def test_greedy_decoding_equals_hf_generate(family):
     path, _ = family
     tok, model = load_tokenizer(path), load_policy(path, "cpu")
     ids, mask = _group_batch(tok, group=2)
-    ours, _, _ = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=20, temperature=0.0)
+    ours, _, _ = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=20, temperature=0.0)
     with torch.no_grad():
         theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
                                 pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
@@ -127,7 +127,7 @@ def test_compiled_decode_step_equals_the_eager_one(arch, tiny_model_dir, tiny_ro
         for compile in (False, True):
             torch.manual_seed(0)
             with torch._inductor.config.patch(fallback_random=True):
-                runs.append(generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=20, compile=compile))
+                runs.append(generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=20, compile=compile))
         (eager_ids, eager_mask, eager_logp), (ids_c, mask_c, logp_c) = runs
         assert torch.equal(eager_ids, ids_c) and torch.equal(eager_mask, mask_c)
         assert (eager_logp - logp_c).abs().max().item() <= 1e-5
@@ -141,7 +141,7 @@ def test_the_compiled_step_samples_inside_itself_what_the_eager_loop_samples(tin
     import sys
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
     ids, mask = _group_batch(tok)
-    settings = dict(eos_id=tok.eos_token_id, max_new_tokens=16, top_k=20, top_p=0.9, temperature=0.8,
+    settings = dict(end_ids=tok.eos_token_id, max_new_tokens=16, top_k=20, top_p=0.9, temperature=0.8,
                     min_new_tokens=3, with_sampler=True, group_size=4)
     runs, calls = [], []
     for compile in (False, True, True):   # the second compiled call replays what the first compiled
@@ -169,14 +169,14 @@ def test_the_compiled_step_samples_inside_itself_what_the_eager_loop_samples(tin
 def test_checking_for_the_end_every_few_steps_returns_what_checking_every_step_does(tiny_model_dir, monkeypatch):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
     ids, mask = left_pad(encode_prompts(tok, ["Repeat a: ", "Repeat e: "], True), tok.eos_token_id)
-    free, _, _ = generate(model, ids, mask, eos_id=-1, max_new_tokens=20, temperature=0.0)
+    free, _, _ = generate(model, ids, mask, end_ids=-1, max_new_tokens=20, temperature=0.0)
     ends = []
     for eos in set(free.flatten().tolist()):  # tokens the rows emit greedily: each row ends somewhere
         for min_new_tokens in (0, 3, 11):
             runs = []
             for every in (1, decoders.DONE_CHECK_EVERY):
                 monkeypatch.setattr(decoders, "DONE_CHECK_EVERY", every)
-                runs.append(generate(model, ids, mask, eos_id=eos, max_new_tokens=20, temperature=0.0,
+                runs.append(generate(model, ids, mask, end_ids=eos, max_new_tokens=20, temperature=0.0,
                                      min_new_tokens=min_new_tokens))
             for a, b in zip(*runs):
                 assert torch.equal(a, b)
@@ -205,8 +205,8 @@ def test_min_new_tokens_masks_eos_but_keeps_its_probability(tiny_model_dir):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
     ids, mask = _group_batch(tok)
     # pretend the greedy first token is EOS: with min_new_tokens it cannot be drawn
-    first = int(generate(model, ids, mask, eos_id=-1, max_new_tokens=1, temperature=0.0)[0][0, 0])
-    comp, cmask, logp = generate(model, ids, mask, eos_id=first, max_new_tokens=6, min_new_tokens=3, temperature=0.0)
+    first = int(generate(model, ids, mask, end_ids=-1, max_new_tokens=1, temperature=0.0)[0][0, 0])
+    comp, cmask, logp = generate(model, ids, mask, end_ids=first, max_new_tokens=6, min_new_tokens=3, temperature=0.0)
     assert (comp[:, :3] != first).all() and comp.shape[1] >= 3
     scored = completion_logprobs(model, torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), comp.shape[1], 1.0, 4096)
     assert ((scored - logp).abs() * cmask).max().item() <= 1e-5
@@ -216,7 +216,7 @@ def _sampled_inputs(tok, model):
     """completion_logprobs' arguments for 12 sampled tokens per row of a group batch, and the mask."""
     ids, mask = _group_batch(tok)
     torch.manual_seed(0)
-    comp, cmask, _ = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=12)
+    comp, cmask, _ = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=12)
     return (torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), comp.shape[1], 1.0, 4096), cmask
 
 
@@ -281,7 +281,7 @@ def test_a_decoder_is_freed_without_the_cycle_collector(tiny_model_dir, compile)
     gc.disable()
     try:
         decoders.decoder_for = recording
-        generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=8, compile=compile)
+        generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=8, compile=compile)
         assert len(made) == 1 and made[0]() is None
     finally:
         decoders.decoder_for = make
@@ -366,7 +366,7 @@ def test_a_padded_decode_head_samples_what_the_plain_one_does(tiny_model_dir, tm
     runs = []
     for multiple in (1, 64):
         monkeypatch.setattr(decoders, "head_multiple", lambda device: multiple)
-        runs.append(generate(model, ids, mask, eos_id=-1, max_new_tokens=12, temperature=0.0, compile=compile))
+        runs.append(generate(model, ids, mask, end_ids=-1, max_new_tokens=12, temperature=0.0, compile=compile))
     (plain_ids, _, plain_logp), (padded_ids, _, padded_logp) = runs
     assert torch.equal(plain_ids, padded_ids) and int(padded_ids.max()) < 300
     assert (plain_logp - padded_logp).abs().max().item() <= 1e-5
@@ -395,7 +395,7 @@ def test_bf16_copies_of_the_weights_decode_what_autocast_does(arch, tiny_model_d
         for copies in (False, True):
             monkeypatch.setattr(decoders, "decode_copies", lambda device: copies)
             torch.manual_seed(0)
-            runs.append(generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=12, compile=compile,
+            runs.append(generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=12, compile=compile,
                                  autocast=torch.autocast("cpu", dtype=torch.bfloat16)))
         assert all(torch.equal(a, b) for a, b in zip(*runs))
         assert read[-2:] == [{torch.float32}, {torch.bfloat16}]
@@ -415,7 +415,7 @@ def test_past_the_compile_limit_decoding_says_so_and_goes_on_eagerly(tiny_model_
     with torch._dynamo.config.patch(recompile_limit=1):   # (monkeypatch would delete it from torch's config)
         for rows in (8, 4):   # the second shape would be the second compilation
             (eager_ids, _, eager_logp), (ids_c, _, logp_c) = [
-                generate(model, ids[:rows], mask[:rows], eos_id=tok.eos_token_id, max_new_tokens=6,
+                generate(model, ids[:rows], mask[:rows], end_ids=tok.eos_token_id, max_new_tokens=6,
                          temperature=0.0, compile=compile) for compile in (False, True)]
             assert torch.equal(eager_ids, ids_c) and (eager_logp - logp_c).abs().max().item() <= 1e-5
     assert "limit of 1 compilations; decoding goes on eagerly" in capsys.readouterr().err

@@ -6,8 +6,9 @@ import torch
 import train_lean
 from grpo.rollout import informative_groups
 from grpo.decoders import completion_mask, generate, sample_token
-from grpo.model import completion_logprobs, load_policy, load_tokenizer, position_ids_from_mask
-from grpo.rollout import Rollout, decode_completions, encode_prompts, left_pad, merge, merge_rounds, missing_groups
+from grpo.model import completion_logprobs, end_ids, load_policy, load_tokenizer, position_ids_from_mask
+from grpo.rollout import (Rollout, decode_completions, encode_prompts, left_pad, merge, merge_rounds, missing_groups,
+                          sample_groups, truncated_rows)
 from helpers import read_jsonl
 
 
@@ -42,7 +43,7 @@ def test_greedy_generation_does_not_depend_on_left_padding(any_model_dir):
     ids, mask = left_pad([short, long, short], tok.eos_token_id)
     assert mask[0].sum() < mask[1].sum()
     alone_ids, alone_mask = left_pad([short], tok.eos_token_id)
-    kw = dict(eos_id=-1, max_new_tokens=12, temperature=0.0)
+    kw = dict(end_ids=-1, max_new_tokens=12, temperature=0.0)
     batch = generate(model, ids, mask, **kw)
     alone = generate(model, alone_ids, alone_mask, **kw)
     assert torch.equal(batch[0][0], alone[0][0])
@@ -55,7 +56,7 @@ def test_sampling_logprobs_equal_training_logprobs(any_model_dir):
     prompts = encode_prompts(tok, ["Repeat a: ", "Repeat d: and more"], prepend_bos=True)
     ids, mask = left_pad(prompts, tok.eos_token_id)
     torch.manual_seed(1)
-    comp, cmask, sample_logp = generate(model, ids, mask, eos_id=tok.eos_token_id, max_new_tokens=20,
+    comp, cmask, sample_logp = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=20,
                                         temperature=0.7, top_k=50, top_p=0.9)
     logp = completion_logprobs(model, torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1),
                                comp.shape[1], 0.7, 4096)
@@ -77,10 +78,10 @@ def test_completion_mask_keeps_first_eos_and_hides_the_rest():
 def test_generation_stops_each_row_at_its_first_eos(tiny_model_dir):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
     ids, mask = left_pad(encode_prompts(tok, ["Repeat a: ", "Repeat e: "], False), tok.eos_token_id)
-    free, _, _ = generate(model, ids, mask, eos_id=-1, max_new_tokens=10, temperature=0.0)
+    free, _, _ = generate(model, ids, mask, end_ids=-1, max_new_tokens=10, temperature=0.0)
     # pretend the token row 0 emits greedily at step 2 is EOS: row 0 must stop there
     eos = int(free[0, 2])
-    comp, cmask, _ = generate(model, ids, mask, eos_id=eos, max_new_tokens=10, temperature=0.0)
+    comp, cmask, _ = generate(model, ids, mask, end_ids=eos, max_new_tokens=10, temperature=0.0)
     first0 = int((free[0] == eos).int().argmax())
     assert cmask[0].sum().item() == first0 + 1
     assert (comp[0, first0:] == eos).all()
@@ -94,8 +95,8 @@ def test_generation_stops_each_row_at_its_first_eos(tiny_model_dir):
 def test_generation_ends_when_every_row_has_finished(tiny_model_dir):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
     ids, mask = left_pad(encode_prompts(tok, ["Repeat a: ", "Repeat a: "], False), tok.eos_token_id)
-    free, _, _ = generate(model, ids, mask, eos_id=-1, max_new_tokens=6, temperature=0.0)
-    comp, _, _ = generate(model, ids, mask, eos_id=int(free[0, 1]), max_new_tokens=50, temperature=0.0)
+    free, _, _ = generate(model, ids, mask, end_ids=-1, max_new_tokens=6, temperature=0.0)
+    comp, _, _ = generate(model, ids, mask, end_ids=int(free[0, 1]), max_new_tokens=50, temperature=0.0)
     assert comp.shape[1] == int((free[0] == free[0, 1]).int().argmax()) + 1
 
 
@@ -104,6 +105,85 @@ def test_decoded_text_excludes_eos_and_everything_after(tiny_model_dir):
     head, tail = tok("aaab", add_special_tokens=False)["input_ids"], tok("cc", add_special_tokens=False)["input_ids"]
     ids = torch.tensor([head + [tok.eos_token_id] + tail])
     assert decode_completions(tok, ids, completion_mask(ids, tok.eos_token_id), tok.eos_token_id) == ["aaab"]
+
+
+# ---- conversations: an instruct model's prompts, rendered by its chat template ---------------------
+
+CHAT = [{"role": "system", "content": "Answer with one letter."}, {"role": "user", "content": "Repeat a"}]
+
+
+def test_a_conversation_is_rendered_once_by_the_chat_template(tiny_chat_model_dir, tiny_model_dir):
+    tok = load_tokenizer(tiny_chat_model_dir)
+    short = [{"role": "user", "content": "b"}]
+    ids = encode_prompts(tok, [CHAT, "Repeat a: ", short], prepend_bos=True)
+    for row, conversation in ((ids[0], CHAT), (ids[2], short)):   # the template's ids, nothing added
+        assert row == tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False)
+    assert tok.decode(ids[0]) == ("<|im_start|>system\nAnswer with one letter.<|im_end|>\n"
+                                  "<|im_start|>user\nRepeat a<|im_end|>\n<|im_start|>assistant\n")
+    assert ids[1] == encode_prompts(tok, ["Repeat a: "], prepend_bos=True)[0]   # a str beside them: as alone
+    with pytest.raises(ValueError, match=r"the task's prompts are conversations \(\[\{'role': 'system'.*\) and the "
+                                         r"model's tokenizer has no chat template"):
+        encode_prompts(load_tokenizer(tiny_model_dir), ["x", CHAT], prepend_bos=False)
+
+
+def test_conversation_logprobs_equal_the_training_forwards_under_left_padding(tiny_chat_model_dir):
+    """Sampled from rendered conversations of different lengths (so left-padded): the kept prompt ids are
+    the template's, and the sampling logprobs are the training forward's."""
+    tok, model = load_tokenizer(tiny_chat_model_dir), load_policy(tiny_chat_model_dir, "cpu")
+    long = [*CHAT, {"role": "assistant", "content": "a"}, {"role": "user", "content": "Now repeat b, twice"}]
+    torch.manual_seed(0)
+    batch = sample_groups(model, tok, [CHAT, long], group_size=2, prepend_bos=False, generation_batch=4, seed=0,
+                          first_row=0, max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=0,
+                          autocast=None, device="cpu")
+    T = batch.completion_len
+    for row, conversation in zip(range(4), [CHAT, CHAT, long, long]):
+        prompt = batch.input_ids[row, :-T][batch.attention[row, :-T].bool()].tolist()
+        assert prompt == encode_prompts(tok, [conversation], prepend_bos=False)[0]
+    assert batch.attention[0, :-T].sum() < batch.attention[2, :-T].sum()   # row 0 is left-padded
+    logp = completion_logprobs(model, batch.input_ids, batch.attention, T, 1.0, 4096)
+    assert ((logp - batch.old_logp).abs() * batch.completion_mask).max().item() <= 1e-5
+    assert batch.prompts == [CHAT, CHAT, long, long]   # the reward gets the conversation itself
+
+
+def test_an_instruct_model_ends_at_its_end_of_turn_too(tiny_chat_model_dir, tiny_model_dir):
+    chat, base = load_tokenizer(tiny_chat_model_dir), load_tokenizer(tiny_model_dir)
+    assert end_ids(load_policy(tiny_chat_model_dir, "cpu"), chat) == (
+        chat.convert_tokens_to_ids("<|im_end|>"), chat.convert_tokens_to_ids("<|endoftext|>"))
+    assert end_ids(load_policy(tiny_model_dir, "cpu"), base) == (base.eos_token_id,)
+
+
+def test_completion_mask_keeps_the_first_of_several_ends():
+    eos, turn = 0, 2   # pad == EOS, and an end of turn
+    ids = torch.tensor([[5, 2, 0, 0],    # end of turn at 1, EOS-filled after: the end of turn is kept
+                        [5, 0, 2, 0],    # EOS first
+                        [5, 6, 7, 8]])   # never stops
+    expected = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    assert torch.equal(completion_mask(ids, (eos, turn)), expected)
+    assert truncated_rows(ids, expected, (eos, turn)).tolist() == [False, False, True]
+    assert not torch.equal(completion_mask(ids, eos), expected)   # EOS alone would run row 0 on
+
+
+def test_generation_stops_at_an_end_of_turn_as_at_eos(tiny_chat_model_dir):
+    tok, model = load_tokenizer(tiny_chat_model_dir), load_policy(tiny_chat_model_dir, "cpu")
+    ids, mask = left_pad(encode_prompts(tok, [CHAT, [CHAT[1]]], False), tok.eos_token_id)
+    free, _, _ = generate(model, ids, mask, end_ids=-1, max_new_tokens=10, temperature=0.0)
+    # pretend the token row 0 emits greedily at step 2 is the end of turn: row 0 must stop there
+    turn = int(free[0, 2])
+    ends = (tok.eos_token_id, turn)
+    comp, cmask, _ = generate(model, ids, mask, end_ids=ends, max_new_tokens=10, temperature=0.0)
+    first = int((free[0] == turn).int().argmax())
+    assert cmask[0].sum().item() == first + 1 and comp[0, first] == turn
+    assert (comp[0, first + 1:] == tok.eos_token_id).all()   # filled with the pad (EOS), masked
+    assert torch.equal(comp[0, :first], free[0, :first])
+    assert decode_completions(tok, comp, cmask, ends)[0] == tok.decode(free[0, :first].tolist())
+    assert not truncated_rows(comp, cmask, ends)[0]
+    if not (free[1] == turn).any():  # row 1 never emits it: it runs the full length, truncated
+        assert comp.shape[1] == 10 and cmask[1].sum().item() == 10 and truncated_rows(comp, cmask, ends)[1]
+    # never before min_new_tokens: every end is banned until then
+    comp, cmask, _ = generate(model, ids, mask, end_ids=ends, max_new_tokens=10, temperature=0.0,
+                              min_new_tokens=first + 2)
+    assert not (comp[0, :first + 2] == turn).any() and not (comp[0, :first + 2] == tok.eos_token_id).any()
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
