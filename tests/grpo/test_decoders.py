@@ -7,7 +7,7 @@ import torch
 
 import grpo.decoders as decoders
 from grpo.model import completion_logprobs
-from grpo.model import load_policy, load_tokenizer
+from grpo.model import end_ids, load_policy, load_tokenizer
 from grpo.decoders import generate, sample_token
 from grpo.rollout import encode_prompts, left_pad
 
@@ -131,6 +131,27 @@ def test_compiled_decode_step_equals_the_eager_one(arch, tiny_model_dir, tiny_ro
         (eager_ids, eager_mask, eager_logp), (ids_c, mask_c, logp_c) = runs
         assert torch.equal(eager_ids, ids_c) and torch.equal(eager_mask, mask_c)
         assert (eager_logp - logp_c).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_the_compiled_step_ends_rows_at_any_end_as_the_eager_one_does(tiny_chat_model_dir):
+    """An instruct model's ends (EOS, the end of turn, and here more that the model emits): compiled,
+    the rows stop where the eager loop stops them, banned alike before min_new_tokens."""
+    tok, model = load_tokenizer(tiny_chat_model_dir), load_policy(tiny_chat_model_dir, "cpu")
+    ids, mask = left_pad(encode_prompts(tok, [[{"role": "user", "content": c}] for c in ("a", "bb cc")], False),
+                         tok.eos_token_id)
+    ids, mask = ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0)
+    ends = (*end_ids(model, tok), *range(3, 60))   # a random-init model's near-uniform draws do end
+    runs = []
+    for compile in (False, True):
+        torch.manual_seed(1)
+        with torch._inductor.config.patch(fallback_random=True):
+            runs.append(generate(model, ids, mask, end_ids=ends, max_new_tokens=12, min_new_tokens=2,
+                                 compile=compile, group_size=4))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    lengths = runs[0][1].sum(1)
+    assert (lengths < runs[0][0].shape[1]).any() and (lengths > 2).all()   # ended, never before 2 tokens
+    assert (runs[0][2] - runs[1][2]).abs().max().item() <= 1e-5
 
 
 @pytest.mark.slow
