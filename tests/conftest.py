@@ -24,6 +24,14 @@ def tiny_rotary_dir(tmp_path_factory):
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")), seed=0, arch="llama")
 
 
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory):
+    """A random-init 2-layer Qwen2 instruct model (scripts/make_tiny_model.py --arch qwen2
+    --chat): a ChatML chat template, <|im_end|> its EOS and end of turn, <|endoftext|> its pad."""
+    folder = str(tmp_path_factory.mktemp("tiny-chat"))
+    return build_tiny_model(folder, seed=0, arch="qwen2", chat=True)
+
+
 @pytest.fixture(params=["gpt2", "llama"])
 def any_model_dir(request, tiny_model_dir, tiny_rotary_dir):
     return tiny_model_dir if request.param == "gpt2" else tiny_rotary_dir
