@@ -385,6 +385,9 @@ def _first_line(e: Exception) -> str:
 
 
 def _short(value, width: int = 40) -> str:
+    if isinstance(value, list) and value and isinstance(value[-1], dict):   # a conversation: its
+        last = _short(value[-1], 60)   # last message says more than its first (a system message)
+        return f"[{last}]" if len(value) == 1 else f"[..., {last}] ({len(value)} messages)"
     text = repr(value)
     return text if len(text) <= width else text[:width - 3] + "..."
 

@@ -358,8 +358,8 @@ def test_a_malformed_conversation_is_named(conversation, message):
 
 
 def test_a_held_out_conversation_is_checked_as_a_training_one():
-    said = ("complete() was given [{'role': 'user', 'content': 'Repeat ... as prompt 1: its last "
-            "message is")
+    said = ("complete() was given [..., {'role': 'assistant', 'content': 'aaaa'}] (2 messages) as "
+            "prompt 1: its last message is the assistant's")
     with pytest.raises(TaskError, match=re.escape(said)):
         eval_completions(None, None, [[USER], [USER, ASSISTANT]], prepend_bos=False,
                          max_new_tokens=2, batch=1)
@@ -390,6 +390,19 @@ def test_a_system_prompt_reaches_the_evaluations_conversations_too():
             "for str prompts ('Repeat a: '); a system prompt needs conversations")
     with pytest.raises(TaskError, match=re.escape(said)):
         with_system(["Repeat a: "])
+
+
+def test_a_failed_reward_of_a_conversation_names_its_last_message():
+    class Picky(Flaky):
+        def reward(self, prompt, completion):
+            return {"a": 1.0}[completion]
+    scorer = Scorer(Picky(), tolerate=False)
+    rewards, _, errors, _ = scorer([[SYSTEM, USER]] * 2, ["a", "b"])
+    assert rewards.tolist() == [1.0, -1.0] and errors == {"KeyError": 1}
+    report = scorer.to_gather()["reports"]["KeyError"]
+    assert report.startswith("raised KeyError: 'b', for the prompt [..., {'role': 'user', "
+                             "'content': 'Repeat a: '}] (2 messages) and completion 'b'; such "
+                             "completions")
 
 
 CONVERSATIONS = """
