@@ -50,7 +50,8 @@ or a tool's, which the assistant's turn then answers (a last assistant message w
 assistant turn, not be continued: refused). The completion is the assistant's text without its
 end-of-turn token. reward(), reward_breakdown() and complete(prompts) get the conversation itself;
 --system-prompt puts its system message in every conversation, training's and evaluation's, in place
-of the task's own (with_system), and reward() then gets it so: what the model saw.
+of the task's own (with_system), and reward() then gets it so: what the model saw. docs/chat.md has
+a worked example.
 
 The trainer draws each step's prompts with an rng seeded by (seed, step), so the prompt stream needs no
 state of its own: a resumed run draws exactly the prompts the killed one would have.
@@ -261,10 +262,10 @@ def with_system(prompts: list, system: str, task_name: str, given: str = "gives"
         if isinstance(p, str) and not prompt_problem(p):
             raise TaskError(f"--system-prompt {_short(system)}: --task {task_name} {given} str "
                             f"prompts ({_short(p)}); a system prompt needs conversations "
-                            f"(harness/task.py)")
+                            f"(docs/chat.md)")
         if isinstance(p, list) and not prompt_problem(p):
-            own = p[0]["role"] == "system"
-            p = [{"role": "system", "content": system}, *(dict(m) for m in p[own:])]
+            rest = p[1:] if p[0]["role"] == "system" else p
+            p = [{"role": "system", "content": system}, *(dict(m) for m in rest)]
         out.append(p)
     return out
 

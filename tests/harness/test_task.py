@@ -453,7 +453,7 @@ def test_a_system_prompt_for_a_task_of_str_prompts_exits_2_with_one_line(
         train_lean.main(["--model", tiny_model_dir, "--task", "toy", "--system-prompt", "Be brief.",
                          *SMALL, "--out-dir", str(tmp_path / "run")])
     said = (r"train_lean.py: error: --system-prompt 'Be brief.': --task toy gives str prompts "
-            r"\('Repeat [a-e]: '\); a system prompt needs conversations \(harness/task.py\)")
+            r"\('Repeat [a-e]: '\); a system prompt needs conversations \(docs/chat.md\)")
     assert e.value.code == 2 and re.fullmatch(said, capsys.readouterr().err.strip())
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     # --eval-only draws no training prompts: an evaluation that asks for str prompts is refused
@@ -463,7 +463,7 @@ def test_a_system_prompt_for_a_task_of_str_prompts_exits_2_with_one_line(
                                 "--system-prompt", "Be brief."))
     assert line == (f"train_lean.py: error: the task's evaluation at step 0: --system-prompt "
                     f"'Be brief.': --task {task} asks complete() in its evaluation for str prompts "
-                    f"('Repeat a: '); a system prompt needs conversations (harness/task.py)")
+                    f"('Repeat a: '); a system prompt needs conversations (docs/chat.md)")
 
 
 # The three below need the trainer's side of conversations (grpo/rollout.py encode_prompts renders
