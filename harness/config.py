@@ -59,6 +59,11 @@ class Config(Settings):
                      "the shipped models/rook-tiny, whose full-size sibling is jrahn/RookWorld-LM-124M")
     task: typing.Optional[str] = opt(None, "a built-in task (tasks/__init__.py), path/to/file.py:Name or "
                                      "module:Name; a task with options adds its own flags (see --task T --help)")
+    system_prompt: typing.Optional[str] = opt(
+        None, "the system message of every prompt of a task whose prompts are conversations "
+        "(lists of {role, content} messages), in training and in its evaluation: it replaces "
+        "the task's own system message (the command line over the task), else comes first; a "
+        "task of str prompts is refused")
     prompt_bos: str = opt("auto", "start each prompt with the tokenizer's BOS/EOS token "
                           "(auto: on when BOS == EOS, as in GPT-2)", ["auto", "on", "off"])
     reward_errors: str = opt("stop", "a step in which every completion's reward failed (raised, or returned no "

@@ -88,7 +88,7 @@ class EvalProgress:
 
     def __call__(self, prompts, *args, **kwargs):
         for prompt in prompts:   # each prompt's length first: no two lists of prompts hash alike
-            text = str(prompt).encode("utf-8", "surrogatepass")
+            text = _hashed(prompt).encode("utf-8", "surrogatepass")
             self.hash.update(len(text).to_bytes(8, "little") + text)
         self.asked += len(prompts)
         texts = self.complete(prompts, *args, **kwargs)
@@ -104,6 +104,18 @@ class EvalProgress:
         if self.ticker is not None:   # gone before the process ends: a thread left running at exit can
             self.ticker.join()        # abort it in C++ ("terminate called without an active exception")
         self.bar.close()
+
+
+def _hashed(prompt) -> str:
+    """A prompt as EvalProgress hashes it: a str itself; a conversation as JSON with its keys
+    sorted, so that the same messages hash alike whatever order a task wrote their keys in (a
+    prompt that is neither is refused after this: its str)."""
+    if isinstance(prompt, str):
+        return prompt
+    try:
+        return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(prompt)
 
 
 def open_run_logs(metrics_path: str, completions_path, resume_step, stack) -> tuple:

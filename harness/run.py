@@ -90,7 +90,9 @@ class Run:
         prompts are drawn now, to be checked with the tokenizer and the model's config before the weights load."""
         cfg = self.cfg
         try:
-            task = task_lib.CheckedTask(task_lib.build(self.loaded.task, self.loaded.options, cfg.task))
+            built = task_lib.build(self.loaded.task, self.loaded.options, cfg.task)
+            # --system-prompt given to its conversations
+            task = task_lib.CheckedTask(built, cfg.system_prompt, cfg.task)
             self.stack.callback(task_lib.close, task)
             # --eval-only learns nothing: a task's declared --ptx-coef needs no texts there
             mix_source = task_lib.mix_source(task, cfg.ptx_file) if cfg.ptx_coef and not cfg.eval_only else None
@@ -142,6 +144,9 @@ class Run:
         self.complete = functools.partial(
             task_lib.eval_completions, self.policy, self.tokenizer, prepend_bos=self.prepend_bos, device=device,
             max_new_tokens=cfg.max_new_tokens, batch=self.layout.generation_batch, autocast=self.autocast, seed=cfg.seed)
+        if cfg.system_prompt is not None:   # the held-out conversations get it as training's do
+            self.complete = functools.partial(task_lib.complete_with_system, self.complete,
+                                              cfg.system_prompt, cfg.task)
         return self.policy, self.reference, self.tokenizer
 
     def _start_model(self):

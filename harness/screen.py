@@ -24,7 +24,16 @@ def derived(cfg, layout) -> dict:
 
 
 def _text(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)   # as the command line spells it
+    if isinstance(value, bool):
+        return str(value).lower()   # as the command line spells it
+    # a value of several lines (a --system-prompt) as Python writes it: one row a setting
+    return repr(value) if isinstance(value, str) and not value.isprintable() else str(value)
+
+
+def _cut(value, width: int = 60) -> str:
+    """A free text (--system-prompt) in the header: its start; settings.txt holds it whole."""
+    text = _text(value)
+    return text if len(text) <= width else f"{text[:width - 3]}... ({len(value)} characters)"
 
 
 def _shown(value, unset: str) -> str:
@@ -40,7 +49,8 @@ def describe(cfg, options, sources: dict, layout) -> str:
     rows = [(config.flag(n), _shown(getattr(cfg, n), computed.get(n, "off")), sources[n]) for n in trainer]
     rows += [(config.flag(n), _shown(getattr(options, n), "none"), sources[n]) for n in sources if n not in trainer]
     w = max(len(r[0]) for r in rows)
-    v = max(len(r[1]) for r in rows)
+    # a longer value (a --system-prompt) pushes its own row's source along, not every row's
+    v = min(max(len(r[1]) for r in rows), 60)
     lines = ["settings (source: cli > env > task > default)"]
     lines += [f"  {a:<{w}}  {b:<{v}}  {c}" for a, b, c in rows[:len(trainer)]]
     if options is not None:
@@ -127,7 +137,8 @@ def header(loaded, layout, device, model, resume_from, lora=None) -> str:
         decoder += f", compiled ({why})" if fast else "; --compile has no effect on it"
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     # a flag and its value stay on one line when the header wraps (no-break spaces, made plain after wrapping)
-    given = [f"{config.flag(n)}\xa0{_text(values[n])}" + (f"\xa0({s})" if s in ("env", "task") else "")
+    given = [f"{config.flag(n)}\xa0{_cut(values[n]) if n == 'system_prompt' else _text(values[n])}"
+             + (f"\xa0({s})" if s in ("env", "task") else "")
              for n, s in sources.items() if s != "default"]
     start = checkpoint.step_of(resume_from) + 1 if resume_from else 1
     first = "evaluation only" if cfg.eval_only else f"GRPO, steps {start}-{cfg.steps}"

@@ -2,8 +2,11 @@
 
 A task is any object with
     name: str
-    prompts(n: int, rng: random.Random) -> list[str]      n prompts, drawn with rng
-    reward(prompt: str, completion: str) -> float          a verifiable reward (a bool counts as 1.0 / 0.0)
+    prompts(n: int, rng: random.Random) -> list           n prompts drawn with rng, each a str or
+                                                          a conversation (below)
+    reward(prompt, completion: str) -> float              a verifiable reward (a bool counts as
+                                                          1.0 / 0.0) of the prompt as prompts()
+                                                          gave it and the completion's text
 and optionally
     reward_breakdown(prompt, completion) -> dict[str, float]   the reward's components (and "reward")
     reward_parts: tuple[str, ...]         every name reward_breakdown may give: --reward-weights is then checked
@@ -39,14 +42,27 @@ and optionally
 
 A task whose options inherit SampledEvalOptions gets --eval-k, --eval-n and --eval-temperature for that.
 
+A conversation is a prompt for an instruct model: a list of messages {"role": ..., "content": str},
+as in TRL's conversational datasets, rendered once with the tokenizer's chat template and its
+generation prompt (a tokenizer without one is refused at start-up). Roles are "system", "user",
+"assistant" and "tool"; a system message comes first or not at all; the last message is the user's
+or a tool's, which the assistant's turn then answers (a last assistant message would get a second
+assistant turn, not be continued: refused). The completion is the assistant's text without its
+end-of-turn token. reward(), reward_breakdown() and complete(prompts) get the conversation itself;
+--system-prompt puts its system message in every conversation, training's and evaluation's, in place
+of the task's own (with_system), and reward() then gets it so: what the model saw. docs/chat.md has
+a worked example.
+
 The trainer draws each step's prompts with an rng seeded by (seed, step), so the prompt stream needs no
 state of its own: a resumed run draws exactly the prompts the killed one would have.
 
 What a task gives is checked where it enters (a TaskError names the bad value): prompts() must return
-exactly n non-empty strings, demonstrations() n texts none of which (nor a pair's target) is empty, min_reward
-must be a finite number, evaluate() a dict of names to finite numbers or to non-empty lists of them. A reward
-that fails gets min_reward and is counted; Scorer prints the first failure of each kind with its traceback, stops the run when every reward of a
-step failed (--reward-errors), and says at the end when most steps learned nothing (only flat groups).
+exactly n non-empty strings or well-formed conversations (prompt_problem), demonstrations() n
+texts none of which (nor a pair's target) is empty, min_reward must be a finite number, evaluate() a
+dict of names to finite numbers or to non-empty lists of them. A reward that fails gets min_reward
+and is counted; Scorer prints the first failure of each kind with its traceback, stops the run when
+every reward of a step failed (--reward-errors), and says at the end when most steps learned nothing
+(only flat groups).
 
 --task takes a built-in name (the trainer passes the registry of tasks/__init__.py), path/to/file.py:Name
 or package.module:Name. Name may be a class (built with the task's options) or a ready object.
@@ -160,10 +176,11 @@ def build(target, options=None, name: str = ""):
 
 
 def draw_prompts(task, n: int, rng) -> list:
-    """task.prompts(n, rng), checked: exactly n prompts, each a non-empty str."""
+    """task.prompts(n, rng), checked: exactly n prompts, each a non-empty str or a conversation."""
     got = task.prompts(n, rng)
     if not isinstance(got, (list, tuple)):
-        raise TaskError(f"the task's prompts({n}, rng) returned a {type(got).__name__}, not a list of {n} str")
+        raise TaskError(f"the task's prompts({n}, rng) returned a {type(got).__name__}, not a list "
+                        f"of {n} prompts")
     if len(got) != n:
         raise TaskError(f"the task's prompts({n}, rng) returned {len(got)} prompts, not {n}: it must return "
                         f"exactly n (the batch is n groups)")
@@ -174,29 +191,106 @@ def draw_prompts(task, n: int, rng) -> list:
     return list(got)
 
 
+# TRL's and the OpenAI API's roles: a typo ("User") is refused, not rendered as a role of its own
+ROLES = ("system", "user", "assistant", "tool")
+ANSWERED = ("user", "tool")   # what the assistant's turn may answer (TRL's rule too)
+PROMPT_KINDS = ("each prompt must be a non-empty str or a conversation (a non-empty list "
+                "of {'role': ..., 'content': ...} dicts)")
+
+
 def prompt_problem(p) -> str | None:
     """Why p cannot be a prompt (the tokenizer's TypeError was a traceback), or None."""
+    if isinstance(p, list):
+        return conversation_problem(p)
     if not isinstance(p, str) or not p:
-        return "each prompt must be a non-empty str"
+        return PROMPT_KINDS
+    return _surrogate(p, "it")
+
+
+def _surrogate(text: str, where: str) -> str | None:
     try:
-        p.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as e:   # what a decode with errors="surrogateescape" leaves
-        return (f"it holds {p[e.start]!r}, a lone surrogate, which no tokenizer encodes (decode "
-                f"the text with errors='replace')")
+        return (f"{where} holds {text[e.start]!r}, a lone surrogate, which no tokenizer encodes "
+                f"(decode the text with errors='replace')")
     return None
 
 
-class CheckedTask:
-    """The task as the trainer uses it: every attribute the task's own, its prompts(n, rng) checked (draw_prompts)."""
+def conversation_problem(messages: list) -> str | None:
+    """Why a list of messages cannot be a conversation prompt (the module's docstring), or None."""
+    if not messages:
+        return PROMPT_KINDS + ": this one holds no message"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return (f"message {i} is of type {type(m).__name__}, not a dict with 'role' and "
+                    f"'content'")
+        missing = [k for k in ("role", "content") if k not in m]
+        if missing:
+            return (f"message {i} has no {missing[0]!r} (a message is "
+                    f"{{'role': ..., 'content': ...}})")
+        other = sorted(map(str, m.keys() - {"role", "content"}))
+        if other:   # the template would use or drop them unseen; the logs would not show them
+            return (f"message {i} has the key {other[0]!r}: a message holds 'role' and 'content' "
+                    f"only (tool calls, names and content parts are not supported)")
+        role, content = m["role"], m["content"]
+        if not isinstance(role, str) or role not in ROLES:
+            return f"message {i}'s role {role!r} is not one of {', '.join(ROLES)}"
+        if not isinstance(content, str):
+            return (f"message {i}'s content is of type {type(content).__name__}, not a str "
+                    f"(content parts such as images are not supported)")
+        if role == "system" and i:   # templates place it first; --system-prompt replaces it
+            return f"message {i} is a system message: only the first message may be one"
+        surrogate = _surrogate(content, f"message {i}'s content")
+        if surrogate:
+            return surrogate
+    last = messages[-1]["role"]
+    if last not in ANSWERED:
+        why = ("the generation prompt would open a second assistant turn after it, not continue it"
+               if last == "assistant" else "it leaves the assistant nothing to answer")
+        return (f"its last message is the {last}'s: {why}; end the conversation with the user's "
+                f"(or a tool's)")
+    return None
 
-    def __init__(self, task):
-        self.task = task
+
+def with_system(prompts: list, system: str, task_name: str, given: str = "gives") -> list:
+    """The prompts with --system-prompt `system` as each conversation's system message, in place of
+    its own or first (new lists and dicts: the task's are left as they are). A prompt that is no
+    conversation is kept as it is for its check to name, except a str: a TaskError, as a system
+    message needs a conversation ("--task NAME {given} str prompts")."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str) and not prompt_problem(p):
+            raise TaskError(f"--system-prompt {_short(system)}: --task {task_name} {given} str "
+                            f"prompts ({_short(p)}); a system prompt needs conversations "
+                            f"(docs/chat.md)")
+        if isinstance(p, list) and not prompt_problem(p):
+            rest = p[1:] if p[0]["role"] == "system" else p
+            p = [{"role": "system", "content": system}, *(dict(m) for m in rest)]
+        out.append(p)
+    return out
+
+
+class CheckedTask:
+    """The task as the trainer uses it: every attribute the task's own, its prompts(n, rng) checked
+    (draw_prompts) and, with --system-prompt (system), given that system message (with_system)."""
+
+    def __init__(self, task, system: str = None, task_name: str = ""):
+        # underscored: every other attribute is the task's own (name included)
+        self.task, self._system, self._task_name = task, system, task_name
 
     def __getattr__(self, name):
         return getattr(self.task, name)
 
     def prompts(self, n: int, rng) -> list:
-        return draw_prompts(self.task, n, rng)
+        got = draw_prompts(self.task, n, rng)
+        return got if self._system is None else with_system(got, self._system, self._task_name)
+
+
+def complete_with_system(complete, system: str, task_name: str, prompts, *args, **kwargs):
+    """complete(prompts, ...) of an evaluation with --system-prompt: the held-out conversations get
+    it as training's do (functools.partial binds complete, system and task_name)."""
+    given = "asks complete() in its evaluation for"
+    return complete(with_system(prompts, system, task_name, given), *args, **kwargs)
 
 
 def identity(task) -> str:
@@ -292,6 +386,9 @@ def _first_line(e: Exception) -> str:
 
 
 def _short(value, width: int = 40) -> str:
+    if isinstance(value, list) and value and isinstance(value[-1], dict):   # a conversation: its
+        last = _short(value[-1], 60)   # last message says more than its first (a system message)
+        return f"[{last}]" if len(value) == 1 else f"[..., {last}] ({len(value)} messages)"
     text = repr(value)
     return text if len(text) <= width else text[:width - 3] + "..."
 

@@ -26,9 +26,10 @@ def tiny_rotary_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_chat_model_dir(tmp_path_factory):
-    """A random-init 2-layer Qwen2 with a ChatML chat template, laid out as Qwen2.5-Instruct's files
-    (tokenizer EOS <|im_end|>, generation config ending at <|im_end|> and <|endoftext|>)."""
-    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-chat")), seed=0, arch="qwen2", chat=True)
+    """A random-init 2-layer Qwen2 instruct model (scripts/make_tiny_model.py --arch qwen2
+    --chat): a ChatML chat template, <|im_end|> its EOS and end of turn, <|endoftext|> its pad."""
+    folder = str(tmp_path_factory.mktemp("tiny-chat"))
+    return build_tiny_model(folder, seed=0, arch="qwen2", chat=True)
 
 
 @pytest.fixture(params=["gpt2", "llama"])

@@ -52,6 +52,42 @@ class Evaluated(ToyTask):
 """
 
 
+# A user's conversational task (--task FILE:ChatToy): the toy task asked as a conversation with its
+# own system message, for an instruct model. Given $EXPECT_SYSTEM, its reward raises unless the
+# conversation it gets has that system message: what --system-prompt must make of the task's own
+CHAT_TASK = """
+import os
+from tasks.toy import LETTERS, ToyTask
+
+SYSTEM = "Repeat the letter ten times."
+
+
+def ask(letter):
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Repeat {letter}: "}]
+
+
+class ChatToy(ToyTask):
+    name = "chat-toy"
+
+    def prompts(self, n, rng):
+        return [ask(rng.choice(LETTERS)) for _ in range(n)]
+
+    def reward(self, prompt, completion):
+        expected = os.environ.get("EXPECT_SYSTEM", prompt[0]["content"])
+        if prompt[0] != {"role": "system", "content": expected}:
+            raise ValueError(f"the reward got the system message {prompt[0]!r}")
+        return self.score(prompt, completion)
+
+    def score(self, prompt, completion):
+        return ToyTask.reward(self, prompt[-1]["content"], completion)
+
+    def evaluate(self, complete):
+        prompts = [ask(c) for c in LETTERS]
+        return {"acc": [self.score(p, c) == 1.0 for p, c in zip(prompts, complete(prompts))]}
+"""
+
+
 def small_vocab_model(tokenizer_dir: str, path: str, vocab_size: int = 300) -> str:
     """A tiny GPT-2 whose vocabulary is smaller than the tokenizer of tokenizer_dir it is saved with."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel

@@ -86,6 +86,19 @@ def test_help_is_grouped_and_shows_allowed_values_and_defaults():
     assert "derived" not in flat
 
 
+def test_the_system_prompt_is_a_flag_and_a_variable_of_the_model_and_task():
+    cfg, sources = load(["--task", "toy", "--system-prompt", "Be brief."], environ={})
+    assert cfg.system_prompt == "Be brief." and sources["system_prompt"] == "cli"
+    cfg, sources = load(["--task", "toy"], environ={"GRPO_SYSTEM_PROMPT": "Line one.\nLine two."})
+    assert cfg.system_prompt == "Line one.\nLine two." and sources["system_prompt"] == "env"
+    assert load(["--task", "toy"], environ={})[0].system_prompt is None   # the task's own messages
+    assert "system_prompt" in dict(cli.help_groups(FIELDS))["model and task"]
+    flat = " ".join(cli.build_parser("toy", {}, tasks.DEFAULT).format_help().split())
+    assert ("it replaces the task's own system message (the command line over the task), else "
+            "comes first; a task of str prompts is refused [default off]") in flat
+    assert not FIELDS["system_prompt"].metadata["resume_free"]   # it changes what is trained
+
+
 def test_help_groups_follow_the_config(monkeypatch):
     monkeypatch.setattr(cli, "HELP_GROUPS", [("model and task", "model"), ("run", "steps"), ("batch", "batch_size")])
     with pytest.raises(KeyError, match="in their order"):

@@ -163,3 +163,22 @@ def test_a_long_evaluation_off_a_terminal_says_it_is_still_going(monkeypatch, ca
     assert lines[0] == "eval at step 0: evaluating ..." and len(lines) >= 3
     said = r"eval at step 0: still evaluating, \ds so far, [02] prompts completed"
     assert all(re.fullmatch(said, line) for line in lines[1:]), lines
+
+
+def test_an_evaluations_conversations_name_its_items_whatever_the_order_of_their_keys():
+    """The digest compare_runs.py pairs evaluations by: the same messages are the same items, other
+    ones not; a str prompt hashes as it did before conversations."""
+    import hashlib
+    from harness import log
+
+    def digest(prompts):
+        progress = log.EvalProgress(lambda asked: ["x"] * len(asked), "eval at step 0")
+        progress(prompts)
+        progress.close()
+        return progress.digest()
+    ask = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Repeat a: "}]
+    turned = [{"content": m["content"], "role": m["role"]} for m in ask]
+    assert digest([ask]) == digest([turned]) != digest([ask[1:]])
+    assert digest([ask]) != digest([str(ask)])
+    before = hashlib.sha256((10).to_bytes(8, "little") + b"Repeat a: ").hexdigest()
+    assert digest(["Repeat a: "]) == before

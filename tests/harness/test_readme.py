@@ -1,10 +1,13 @@
 """The README's promises that code can check: its task example runs as printed, it stays short, and
 the size of the algorithm it quotes is measured."""
 import os
+import random
 import re
 import shlex
 import subprocess
 import sys
+
+import pytest
 
 import train_lean
 from helpers import REPO, SMALL, read_jsonl, train
@@ -55,6 +58,52 @@ def test_the_task_example_learns_on_the_model_the_readme_makes(tiny_model_dir, t
     rewards = [r["reward_mean"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
     early, late = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert late > 0.15 and late > early + 0.1, (early, late)   # a margin --seed 1 clears as well
+
+
+CHAT = os.path.join(REPO, "docs", "chat.md")
+
+
+def chat_example(tmp_path) -> list:
+    """docs/chat.md's task written to tmp_path/chat_add.py; its command lines, each split."""
+    text = open(CHAT, encoding="utf-8").read()
+    (tmp_path / "chat_add.py").write_text(re.search(r"```python\n(.*?)```", text, re.S).group(1))
+    return [shlex.split(line) for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+            for line in block.splitlines()]
+
+
+@pytest.mark.slow   # 20 steps of 64 completions and three evaluations of 100: about a minute
+def test_the_chat_example_trains_and_evaluates_as_printed(tiny_chat_model_dir, tmp_path, clean_env):
+    """The issue's "tried as a new user would" for docs/chat.md, the README's pointer for instruct
+    models: its tiny chat model is the fixture's, its task trains and evaluates with intervals as
+    printed, and its other commands are the trainer's flags."""
+    from harness import cli
+    from harness.task import build, resolve
+    make, tiny, qwen, digits = chat_example(tmp_path)
+    assert make[1:] == ["scripts/make_tiny_model.py", "out/tiny-chat", "--arch", "qwen2", "--chat"]
+    task = f"{tmp_path / 'chat_add.py'}:ChatAdd"
+
+    def here(command, out):
+        args = command[command.index("train_lean.py") + 1:]
+        swap = {"chat_add.py:ChatAdd": task, "out/tiny-chat": tiny_chat_model_dir}
+        args = [swap.get(a, a) for a in args]
+        args[args.index("--out-dir") + 1] = str(tmp_path / out)
+        return args
+    assert qwen[qwen.index("--model") + 1] == "Qwen/Qwen2.5-0.5B-Instruct"
+    for command in (qwen, digits):   # not run: flags the trainer takes
+        cli.load(here(command, "unused"), {}, {})
+    train_lean.main(here(tiny, "run"))
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    evals = [r for r in records if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [0, 10, 20]
+    assert all(r["accuracy_n"] == 100 and r["accuracy_lo"] <= r["accuracy"] <= r["accuracy_hi"]
+               for r in evals)
+    assert [r["step"] for r in records if "kind" not in r] == list(range(1, 21))
+    add = build(resolve(task, {}))   # its reward reads the question and the answer
+    drawn = add.prompts(4, random.Random(0))
+    assert all([m["role"] for m in c] == ["system", "user"] for c in drawn)
+    asked = [*drawn[0][:1], {"role": "user", "content": "What is 3+4?"}]
+    assert add.reward(asked, "7") == add.reward(asked, " 7.") == 1.0
+    assert add.reward(asked, "8") == 0.9 and add.reward(asked, "seven") == 0.0
 
 
 def test_the_readme_is_short_and_starts_with_the_two_commands():

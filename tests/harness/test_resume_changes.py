@@ -16,7 +16,7 @@ import train_lean
 from harness import config, rundir
 from tasks.toy import ToyTask
 
-from helpers import build_tiny_model, records, weights
+from helpers import CHAT_TASK, build_tiny_model, records, weights
 
 BASE = ["--task", "toy", "--batch-size", "8", "--group-size", "4", "--mini-batch-size", "4", "--max-new-tokens", "8",
         "--learning-rate", "1e-2", "--lr-scheduler", "cosine", "--min-lr-ratio", "0.5", "--kl-coef", "0.05",
@@ -48,6 +48,8 @@ ENABLING = {"ref_sync_alpha": ["--ref-sync-steps", "1"],
             "clip_cov_ub": ["--policy-loss", "clip-cov", "--cov-ratio", "0.5", "--clip-cov-lb=-100"],
             "kl_horizon": ["--kl-target", "0.001"], "mismatch_cap": ["--mismatch-correction", "tis", "--dtype", "bf16"],   # weights above 1 only where bf16 rounds
             "mismatch_low": ["--mismatch-correction", "token-mask", "--top-p", "0.8"],
+            # a conversational task (its own system message) on an instruct model
+            "system_prompt": ["--task", "{chat_task}:ChatToy", "--model", "{chat_model}"],
             "reward_weights": ["--task", "tests.harness.test_resume_changes:PartsToy", "--reward-weights", "hit=1,len=1"]}
 # --kl-in reward alone also moves the estimator's default to k1, a second change: the first run's estimator is kept
 ALONG = {"kl_in": ["--kl-estimator", "k3"]}
@@ -62,7 +64,8 @@ NEW = {"model": "{other_model}", "task": "tests.harness.test_resume_changes:Othe
        "ptx_coef": 0.1, "ptx_file": "{texts_b}", "ptx_batch_size": 3, "seed": 1, "dtype": "bf16",
        "sapo_tau_pos": 5.0, "sapo_tau_neg": 5.0, "cov_ratio": 0.5, "kl_cov_coef": 5.0, "clip_cov_lb": -1e-6,
        "clip_cov_ub": 1e-6, "reward_weights": "hit=1,len=-3", "kl_target": 0.001, "kl_horizon": 10,
-       "mismatch_cap": 1.0001, "mismatch_low": 0.999}
+       "mismatch_cap": 1.0001, "mismatch_low": 0.999,
+       "system_prompt": "Answer with the letter only."}
 NEW.update({name: next(c for c in f.metadata["choices"] if c != f.default) for name, f in config.FIELDS.items()
             if isinstance(f.metadata["choices"], dict) and name not in NEW and name in compared()})
 
@@ -83,7 +86,9 @@ def start(tmp_path_factory):
     """Per set of enabling flags: a checkpoint after step 1 of 3, and the run resumed from it unchanged."""
     root = tmp_path_factory.mktemp("changes")
     paths = {"other_model": build_tiny_model(str(root / "other"), seed=1), "texts_a": str(root / "a.txt"),
-             "texts_b": str(root / "b.txt")}
+             "texts_b": str(root / "b.txt"), "chat_task": str(root / "chat_toy.py"),
+             "chat_model": build_tiny_model(str(root / "chat"), seed=0, arch="qwen2", chat=True)}
+    (root / "chat_toy.py").write_text(CHAT_TASK)
     model = build_tiny_model(str(root / "model"), seed=0)
     for name, text in (("texts_a", "aaa bbb\nccc ddd\n"), ("texts_b", "a much longer line of text here\nzz\n")):
         with open(paths[name], "w") as f:

@@ -170,3 +170,19 @@ def test_a_tasks_declared_setting_is_shown_with_the_source_task(tiny_model_dir, 
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1
     assert "--task " in err and "Bad's trainer_settings: --top-k -3 must be >= 0" in err
+
+
+def test_a_long_system_prompt_of_several_lines_is_one_row_and_cut_in_the_header(tiny_model_dir):
+    system = ("You are a careful assistant.\n"
+              "Answer with the letter only, ten times, and nothing else at all.")
+    loaded = cli.load(["--model", tiny_model_dir, "--task", "toy", "--system-prompt", system], {},
+                      tasks.BUILTIN)
+    layout = batch_layout(loaded.cfg)
+    table = screen.describe(loaded.cfg, loaded.options, loaded.sources, layout)
+    row = r"\n  --system-prompt\s+'You are a careful assistant.\\nAnswer .* else at all.'  cli\n"
+    assert re.search(row, table)   # whole, on one row
+    assert re.search(r"\n  --seed\s{36,}0\s+default\n", table) is None   # the others not as wide
+    model = load_policy(tiny_model_dir, "cpu")
+    text = " ".join(screen.header(loaded, layout, torch.device("cpu"), model, None).split())
+    cut = "'You are a careful assistant.\\nAnswer with the letter onl... (93 characters)"
+    assert f"--system-prompt {cut}" in text

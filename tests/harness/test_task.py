@@ -11,13 +11,15 @@ import pytest
 import torch
 
 import train_lean
-from helpers import SMALL, means, read_jsonl, records, train, weights
+from helpers import (CHAT_TASK, EVALUATED_TASK, SMALL, means, one_line_error, read_jsonl, records,
+                     train, weights)
 
 from grpo.decoders import generate
 from grpo.model import load_policy, load_tokenizer
 from grpo.rollout import decode_completions, encode_prompts, left_pad
-from harness.task import (RewardError, Scorer, TaskError, build, check_metrics, draw_prompts, eval_completions,
-                          evaluate, pass_at_k, resolve, sampled_metrics, score, takes_full)
+from harness.task import (CheckedTask, RewardError, Scorer, TaskError, build, check_metrics,
+                          complete_with_system, draw_prompts, eval_completions, evaluate, pass_at_k,
+                          resolve, sampled_metrics, score, takes_full)
 from tasks import get_task
 from tasks.toy import ToyTask
 
@@ -273,9 +275,10 @@ class Counted(Flaky):
     (lambda n: ["p"] * (n - 1), "returned 3 prompts, not 4: it must return exactly n"),
     (lambda n: ["p"] * (n + 1), "returned 5 prompts, not 4"),
     (lambda n: [], "returned 0 prompts, not 4"),
-    (lambda n: "pppp", "returned a str, not a list of 4 str"),
-    (lambda n: (p for p in "pppp"), "returned a generator, not a list of 4 str"),
-    (lambda n: ["p", "p", 3, "p"], "returned 3 as prompt 2: each prompt must be a non-empty str"),
+    (lambda n: "pppp", "returned a str, not a list of 4 prompts"),
+    (lambda n: (p for p in "pppp"), "returned a generator, not a list of 4 prompts"),
+    (lambda n: ["p", "p", 3, "p"],
+     "returned 3 as prompt 2: each prompt must be a non-empty str or a conversation"),
     (lambda n: ["p", "", "p", "p"], "returned '' as prompt 1"),
     (lambda n: ["p", None, "p", "p"], "returned None as prompt 1"),
     # the tokenizer's TypeError was a traceback
@@ -297,6 +300,226 @@ def test_a_held_out_prompt_with_a_lone_surrogate_is_named():
 
 def test_prompts_as_a_tuple_are_fine():
     assert draw_prompts(Counted(lambda n: ("a",) * n), 3, random.Random(0)) == ["a", "a", "a"]
+
+
+# ---- conversations: a prompt for an instruct model (harness/task.py's docstring) ----------------
+
+USER = {"role": "user", "content": "Repeat a: "}
+SYSTEM = {"role": "system", "content": "Be brief."}
+ASSISTANT = {"role": "assistant", "content": "aaaa"}
+TOOL = {"role": "tool", "content": "42"}
+
+
+def test_a_conversation_is_a_prompt_given_on_as_it_is():
+    conversations = [[USER], [SYSTEM, USER], [SYSTEM, USER, ASSISTANT, USER],
+                     [USER, ASSISTANT, TOOL], [{"role": "user", "content": ""}]]
+    got = draw_prompts(Counted(lambda n: conversations), 5, random.Random(0))
+    assert got == conversations and all(a is b for a, b in zip(got, conversations))
+    mixed = ["Repeat a: ", [USER]]
+    assert draw_prompts(Counted(lambda n: mixed), 2, random.Random(0)) == mixed
+
+
+# each malformed conversation as prompt 1 of 2, and what the one line says of it
+MALFORMED = [
+    ([], "each prompt must be a non-empty str or a conversation (a non-empty list of {'role': ..., "
+         "'content': ...} dicts): this one holds no message"),
+    ([USER, "Repeat a: "], "message 1 is of type str, not a dict with 'role' and 'content'"),
+    ([("user", "Repeat a: ")], "message 0 is of type tuple, not a dict"),
+    ([{"role": "user"}], "message 0 has no 'content' (a message is {'role': ..., 'content': ...})"),
+    ([{"content": "Repeat a: "}], "message 0 has no 'role'"),
+    ([{"role": "user", "text": "Repeat a: "}], "message 0 has no 'content'"),
+    ([{**USER, "name": "ann"}],
+     "message 0 has the key 'name': a message holds 'role' and 'content' only"),
+    ([{"role": "User", "content": "Repeat a: "}],
+     "message 0's role 'User' is not one of system, user, assistant, tool"),
+    ([{"role": None, "content": "Repeat a: "}], "message 0's role None is not one of"),
+    ([{"role": "human", "content": "Repeat a: "}], "message 0's role 'human' is not one of"),
+    ([{"role": "user", "content": 3}], "message 0's content is of type int, not a str"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+     "message 0's content is of type list, not a str (content parts such as images are not "
+     "supported)"),
+    ([USER, SYSTEM, USER], "message 1 is a system message: only the first message may be one"),
+    ([{"role": "user", "content": "a\udc80"}],
+     "message 0's content holds '\\udc80', a lone surrogate"),
+    ([USER, ASSISTANT], "its last message is the assistant's: the generation prompt would open "
+                        "a second assistant turn after it, not continue it; end the conversation "
+                        "with the user's (or a tool's)"),
+    ([SYSTEM], "its last message is the system's: it leaves the assistant nothing to answer"),
+    ((USER,), "each prompt must be a non-empty str or a conversation"),   # a conversation is a list
+]
+
+
+@pytest.mark.parametrize("conversation, message", MALFORMED)
+def test_a_malformed_conversation_is_named(conversation, message):
+    with pytest.raises(TaskError) as e:
+        draw_prompts(Counted(lambda n: [[USER], conversation]), 2, random.Random(0))
+    said = r"the task's prompts\(2, rng\) returned .+ as prompt 1: " + re.escape(message) + ".*"
+    assert re.fullmatch(said, str(e.value)), str(e.value)
+
+
+def test_a_held_out_conversation_is_checked_as_a_training_one():
+    said = ("complete() was given [..., {'role': 'assistant', 'content': 'aaaa'}] (2 messages) as "
+            "prompt 1: its last message is the assistant's")
+    with pytest.raises(TaskError, match=re.escape(said)):
+        eval_completions(None, None, [[USER], [USER, ASSISTANT]], prepend_bos=False,
+                         max_new_tokens=2, batch=1)
+
+
+def test_a_system_prompt_replaces_the_tasks_own_or_comes_first():
+    own = [[SYSTEM, USER], [USER], [USER, ASSISTANT, TOOL]]
+    task = CheckedTask(Counted(lambda n: own), "Answer in French.", "chat")
+    new = {"role": "system", "content": "Answer in French."}
+    given = [[new, USER], [new, USER], [new, USER, ASSISTANT, TOOL]]
+    assert task.prompts(3, random.Random(0)) == given
+    assert own == [[SYSTEM, USER], [USER], [USER, ASSISTANT, TOOL]]   # the task's lists left alone
+    assert CheckedTask(Counted(lambda n: own), None, "chat").prompts(3, random.Random(0)) == own
+    assert task.name == "flaky"   # every other attribute is the task's own
+
+
+def test_a_system_prompt_reaches_the_evaluations_conversations_too():
+    asked = []
+
+    def complete(prompts, **kw):
+        asked.append((prompts, kw))
+        return ["aaaa"] * len(prompts)
+    with_system = functools.partial(complete_with_system, complete, "Answer in French.", "chat")
+    assert with_system([[SYSTEM, USER], [USER]], n=2, temperature=0.5) == ["aaaa", "aaaa"]
+    new = {"role": "system", "content": "Answer in French."}
+    assert asked == [([[new, USER], [new, USER]], {"n": 2, "temperature": 0.5})]
+    said = ("--system-prompt 'Answer in French.': --task chat asks complete() in its evaluation "
+            "for str prompts ('Repeat a: '); a system prompt needs conversations")
+    with pytest.raises(TaskError, match=re.escape(said)):
+        with_system(["Repeat a: "])
+
+
+def test_a_failed_reward_of_a_conversation_names_its_last_message():
+    class Picky(Flaky):
+        def reward(self, prompt, completion):
+            return {"a": 1.0}[completion]
+    scorer = Scorer(Picky(), tolerate=False)
+    rewards, _, errors, _ = scorer([[SYSTEM, USER]] * 2, ["a", "b"])
+    assert rewards.tolist() == [1.0, -1.0] and errors == {"KeyError": 1}
+    report = scorer.to_gather()["reports"]["KeyError"]
+    assert report.startswith("raised KeyError: 'b', for the prompt [..., {'role': 'user', "
+                             "'content': 'Repeat a: '}] (2 messages) and completion 'b'; such "
+                             "completions")
+
+
+CONVERSATIONS = """
+class Base:
+    name = "base"
+    def prompts(self, n, rng): return [self.ask()] * n
+    def ask(self): return [{"role": "user", "content": "Repeat a: "}]
+    def reward(self, prompt, completion): return 0.0
+class NoContent(Base):
+    def ask(self): return [{"role": "user"}]
+class Typo(Base):
+    def ask(self): return [{"role": "usr", "content": "Repeat a: "}]
+class Answered(Base):
+    def ask(self): return super().ask() + [{"role": "assistant", "content": "a"}]
+class Parts(Base):
+    def ask(self): return [{"role": "user", "content": [{"type": "text", "text": "a"}]}]
+class Empty(Base):
+    def ask(self): return []
+"""
+
+
+@pytest.mark.parametrize("name, message", [
+    ("NoContent", "message 0 has no 'content'"), ("Typo", "message 0's role 'usr' is not one of"),
+    ("Answered", "its last message is the assistant's"),
+    ("Parts", "message 0's content is of type list"), ("Empty", "this one holds no message")])
+def test_a_malformed_conversation_exits_2_with_one_line_before_the_model_loads(
+        name, message, tiny_model_dir, tmp_path, capsys, clean_env):
+    (tmp_path / "conversations.py").write_text(CONVERSATIONS)
+    task = f"{tmp_path / 'conversations.py'}:{name}"
+    with pytest.raises(SystemExit) as e:   # a model without a chat template: refused before it
+        train_lean.main(["--model", tiny_model_dir, "--task", task, *SMALL,
+                         "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err, err
+    said = "train_lean.py: error: the task's prompts(4, rng) returned ["
+    assert err.startswith(said) and message in err, err
+
+
+@pytest.fixture
+def chat_task(tmp_path):
+    (tmp_path / "chat_toy.py").write_text(CHAT_TASK)
+    return f"{tmp_path / 'chat_toy.py'}:ChatToy"
+
+
+def test_a_system_prompt_for_a_task_of_str_prompts_exits_2_with_one_line(
+        tiny_model_dir, tmp_path, capsys, clean_env):
+    with pytest.raises(SystemExit) as e:   # at start-up, on the first step's prompts
+        train_lean.main(["--model", tiny_model_dir, "--task", "toy", "--system-prompt", "Be brief.",
+                         *SMALL, "--out-dir", str(tmp_path / "run")])
+    said = (r"train_lean.py: error: --system-prompt 'Be brief.': --task toy gives str prompts "
+            r"\('Repeat [a-e]: '\); a system prompt needs conversations \(docs/chat.md\)")
+    assert e.value.code == 2 and re.fullmatch(said, capsys.readouterr().err.strip())
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # --eval-only draws no training prompts: an evaluation that asks for str prompts is refused
+    (tmp_path / "evaluated.py").write_text(EVALUATED_TASK)
+    task = f"{tmp_path / 'evaluated.py'}:Evaluated"
+    line = one_line_error(train("--model", tiny_model_dir, "--task", task, "--eval-only",
+                                "--system-prompt", "Be brief."))
+    assert line == (f"train_lean.py: error: the task's evaluation at step 0: --system-prompt "
+                    f"'Be brief.': --task {task} asks complete() in its evaluation for str prompts "
+                    f"('Repeat a: '); a system prompt needs conversations (docs/chat.md)")
+
+
+# The three below need the trainer's side of conversations (grpo/rollout.py encode_prompts renders
+# them with the chat template, grpo/model.py end_ids ends a completion at <|im_end|> too)
+
+def test_a_conversational_task_trains_and_evaluates_on_an_instruct_model(
+        chat_task, tiny_chat_model_dir, tmp_path):
+    """The issue's "tried as a new user would": a conversational task of your own on the tiny chat
+    model, with --system-prompt over the task's own system message, trains and evaluates with
+    intervals; its reward and the logged completions see the conversation with that system
+    message, and the assistant's text alone."""
+    system = "Answer with one letter, ten times."
+    run = tmp_path / "run"
+    proc = train("--model", tiny_chat_model_dir, "--task", chat_task, *SMALL, "--steps", "2",
+                 "--eval-interval", "1", "--system-prompt", system, "--log-completions",
+                 str(run / "completions.jsonl"), "--out-dir", str(run),
+                 extra_env={"EXPECT_SYSTEM": system})   # else its reward raises
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "reward_errors" not in (run / "metrics.jsonl").read_text()
+    recs = read_jsonl(run / "metrics.jsonl")
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    assert [r["step"] for r in recs if "kind" not in r] == [1, 2]
+    assert all(r["acc_n"] == 5 and r["acc_lo"] <= r["acc"] <= r["acc_hi"] for r in evals)
+    rows = read_jsonl(run / "completions.jsonl")
+    assert len(rows) == 16 and all(len(r["prompt"]) == 2 for r in rows)
+    assert all(r["prompt"][0] == {"role": "system", "content": system} for r in rows)
+    assert all(re.fullmatch(r"Repeat [a-e]: ", r["prompt"][1]["content"]) for r in rows)
+    # the assistant's text: a completion ends at <|im_end|> or <|endoftext|>, neither in its text
+    specials = ("<|im_end|>", "<|endoftext|>", "<|im_start|>")
+    assert not any(t in r["completion"] for r in rows for t in specials)
+    items = read_jsonl(run / "metrics.items.jsonl")   # the same held-out items at every evaluation
+    assert len({r["prompts_sha256"] for r in items}) == 1
+    assert [r["prompts"] for r in items] == [5] * 3
+
+
+def test_a_conversational_task_on_a_tokenizer_without_a_chat_template_exits_2(
+        chat_task, tiny_model_dir, tmp_path):
+    line = one_line_error(train("--model", tiny_model_dir, "--task", chat_task, *SMALL,
+                                "--steps", "1", "--out-dir", str(tmp_path / "run")))
+    assert "chat template" in line and "conversations" in line, line
+
+
+def test_the_evaluation_renders_its_conversations_with_the_system_prompt(
+        chat_task, tiny_chat_model_dir, tmp_path):
+    """With --eval-only no training prompt is drawn: a system prompt too long for the model is found
+    in the evaluation's conversations, in as many tokens as the chat template renders with it."""
+    from transformers import AutoTokenizer
+    system = "x " * 600
+    asked = [{"role": "system", "content": system}, {"role": "user", "content": "Repeat a: "}]
+    ids = AutoTokenizer.from_pretrained(tiny_chat_model_dir).apply_chat_template(
+        asked, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    line = one_line_error(train("--model", tiny_chat_model_dir, "--task", chat_task, "--eval-only",
+                                "--system-prompt", system, extra_env={"EXPECT_SYSTEM": system}))
+    assert line.startswith("train_lean.py: error: the task's evaluation at step 0: "), line
+    assert f"{len(ids)} tokens" in line, line
 
 
 @pytest.mark.parametrize("result, message", [
