@@ -64,8 +64,9 @@ class Config(Settings):
         "(lists of {role, content} messages), in training and in its evaluation: it replaces "
         "the task's own system message (the command line over the task), else comes first; a "
         "task of str prompts is refused")
-    prompt_bos: str = opt("auto", "start each prompt with the tokenizer's BOS/EOS token "
-                          "(auto: on when BOS == EOS, as in GPT-2)", ["auto", "on", "off"])
+    prompt_bos: str = opt("auto", "start each str prompt with the tokenizer's BOS/EOS token "
+                          "(auto: on when BOS == EOS, as in GPT-2; a conversation's chat template writes "
+                          "its own)", ["auto", "on", "off"])
     reward_errors: str = opt("stop", "a step in which every completion's reward failed (raised, or returned no "
                              "finite number): stop the run with the task's traceback, or tolerate it (those "
                              "completions get the task's min_reward, as a failed reward always does)",
