@@ -98,13 +98,34 @@ def load_tokenizer(name_or_path: str):
     return tok
 
 
-def end_ids(model, tokenizer) -> tuple:
-    """The ids that end a completion: the tokenizer's EOS (the pad), then the others the model's
-    generation config declares (an instruct model's end of turn: Qwen's <|im_end|>, Llama 3's
-    <|eot_id|>), as generate() in transformers stops at them."""
+def declared_end_ids(model, tokenizer) -> tuple:
+    """The tokenizer's EOS (the pad), then the other ids the model's generation config ends at (an
+    instruct model's end of turn: Qwen's <|im_end|>, Llama 3's <|eot_id|>), as transformers does."""
     declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     declared = [declared] if isinstance(declared, int) else list(declared or ())
     return tuple(dict.fromkeys([tokenizer.eos_token_id, *declared]))
+
+
+def turn_end(tokenizer) -> int | None:
+    """The special token the chat template closes an assistant's turn with, or None (no template,
+    or plain text there): found by rendering a turn around a marker and reading what follows it."""
+    marker = "\u2063end\u2063"   # invisible separators: text no template adds or strips
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+    except Exception:   # no template, or one that refuses this turn: nothing to learn from it
+        return None
+    after = text.split(marker, 1)[1] if marker in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    added = tokenizer.added_tokens_decoder.get(ids[0]) if ids else None
+    return ids[0] if added is not None and added.special else None
+
+
+def end_ids(model, tokenizer) -> tuple:
+    """The ids that end a completion: declared_end_ids, and the chat template's turn_end (a model
+    whose files forget to declare it would otherwise talk on past its turn)."""
+    turn = turn_end(tokenizer)
+    return tuple(dict.fromkeys([*declared_end_ids(model, tokenizer), *([] if turn is None else [turn])]))
 
 
 def fuse_tanh_gelu(model) -> None:

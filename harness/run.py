@@ -27,8 +27,8 @@ import time
 from tqdm import tqdm
 
 from grpo import decoders, distributed, ptx
-from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
-                        load_trainable, model_autocast)
+from grpo.model import (ModelLoadError, context_length, declared_end_ids, end_ids, frozen_copy, load_config,
+                        load_policy, load_tokenizer, load_trainable, model_autocast)
 from grpo.rollout import encode_prompts, stream_seed, wants_bos
 from harness import checkpoint, cli, config, guards, log, memory, paths, rundir, screen
 from harness import task as task_lib
@@ -138,6 +138,12 @@ class Run:
         if not cfg.eval_only:
             self.start_model = self._start_model()
         self.info(screen.header(self.loaded, self.layout, device, self.policy, self.resume_from, self.lora))
+        undeclared = [i for i in end_ids(self.policy, self.tokenizer)
+                      if i not in declared_end_ids(self.policy, self.tokenizer)]
+        if undeclared:   # said: a completion then ends where the model's own generate() would not
+            log.warn(f"the chat template ends a turn with {self.tokenizer.convert_ids_to_tokens(undeclared[0])} "
+                     f"(id {undeclared[0]}), which neither the tokenizer's EOS nor the model's "
+                     f"generation_config.json eos_token_id declares: completions end there too")
         if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/model.py)
             self.policy.activation_checkpointing_enable({"use_reentrant": False})
         # the task's held-out evaluate(complete): greedy decoding, or seeded samples; rank 0 alone evaluates

@@ -6,7 +6,8 @@ import torch
 import train_lean
 from grpo.rollout import informative_groups
 from grpo.decoders import completion_mask, generate, sample_token
-from grpo.model import completion_logprobs, end_ids, load_policy, load_tokenizer, position_ids_from_mask
+from grpo.model import (completion_logprobs, declared_end_ids, end_ids, load_policy, load_tokenizer,
+                        position_ids_from_mask, turn_end)
 from grpo.rollout import (Rollout, decode_completions, encode_prompts, left_pad, merge, merge_rounds, missing_groups,
                           sample_groups, truncated_rows)
 from helpers import read_jsonl
@@ -148,9 +149,15 @@ def test_conversation_logprobs_equal_the_training_forwards_under_left_padding(ti
 
 def test_an_instruct_model_ends_at_its_end_of_turn_too(tiny_chat_model_dir, tiny_model_dir):
     chat, base = load_tokenizer(tiny_chat_model_dir), load_tokenizer(tiny_model_dir)
-    assert end_ids(load_policy(tiny_chat_model_dir, "cpu"), chat) == (
-        chat.convert_tokens_to_ids("<|im_end|>"), chat.convert_tokens_to_ids("<|endoftext|>"))
+    im_end, text_end = chat.convert_tokens_to_ids("<|im_end|>"), chat.convert_tokens_to_ids("<|endoftext|>")
+    policy = load_policy(tiny_chat_model_dir, "cpu")
+    assert end_ids(policy, chat) == declared_end_ids(policy, chat) == (im_end, text_end)
+    assert turn_end(chat) == im_end and turn_end(base) is None   # GPT-2's tokenizer: no template
     assert end_ids(load_policy(tiny_model_dir, "cpu"), base) == (base.eos_token_id,)
+    policy.generation_config.eos_token_id, chat.eos_token = text_end, "<|endoftext|>"   # files that forget it
+    assert declared_end_ids(policy, chat) == (text_end,) and end_ids(policy, chat) == (text_end, im_end)
+    chat.chat_template = chat.chat_template.replace("<|im_end|>", "END")   # a turn closed by plain text
+    assert turn_end(chat) is None
 
 
 def test_completion_mask_keeps_the_first_of_several_ends():

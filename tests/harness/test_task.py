@@ -1,7 +1,9 @@
 import functools
 import io
+import json
 import random
 import re
+import shutil
 import sys
 from fractions import Fraction
 from math import comb
@@ -505,6 +507,25 @@ def test_a_conversational_task_on_a_tokenizer_without_a_chat_template_exits_2(
     line = one_line_error(train("--model", tiny_model_dir, "--task", chat_task, *SMALL,
                                 "--steps", "1", "--out-dir", str(tmp_path / "run")))
     assert "chat template" in line and "conversations" in line, line
+
+
+def test_an_end_of_turn_the_models_files_forget_ends_completions_and_is_said(chat_task, tiny_chat_model_dir,
+                                                                             tmp_path):
+    # an instruct model whose tokenizer and generation config name <|endoftext|> alone (as some do)
+    model = shutil.copytree(tiny_chat_model_dir, tmp_path / "undeclared")
+    for name, key, value in (("generation_config.json", "eos_token_id", 0), ("config.json", "eos_token_id", 0),
+                             ("tokenizer_config.json", "eos_token", "<|endoftext|>")):
+        settings = json.loads((model / name).read_text())
+        (model / name).write_text(json.dumps({**settings, key: value}))
+    done = train("--model", str(model), "--task", chat_task, *SMALL, "--steps", "1",
+                 "--out-dir", str(tmp_path / "run"), "--log-completions", str(tmp_path / "rows.jsonl"))
+    assert done.returncode == 0, done.stderr
+    assert ("the chat template ends a turn with <|im_end|> (id 2), which neither the tokenizer's EOS nor the "
+            "model's generation_config.json eos_token_id declares: completions end there too") in done.stderr
+    assert not any("<|im_end|>" in row["completion"] for row in read_jsonl(tmp_path / "rows.jsonl"))
+    done = train("--model", tiny_chat_model_dir, "--task", chat_task, *SMALL, "--steps", "1",
+                 "--out-dir", str(tmp_path / "declared"))
+    assert done.returncode == 0 and "chat template ends a turn" not in done.stderr
 
 
 def test_the_evaluation_renders_its_conversations_with_the_system_prompt(
