@@ -517,8 +517,8 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
                  banned=None, with_sampler: bool = False):
     """Draw one token per row of logits [B, V]: (token, logprob), each [B]. The logprob is the
     policy's own, as the training forward computes it: temperature-scaled, before top-k/top-p and
-    `banned` (an id or a tuple of ids not drawable now). with_sampler: a third, the logprob under the truncated
-    distribution drawn from (grpo/variants.py mismatch_weight; docs/algorithm.md, the mismatch).
+    `banned` (an id or a tuple of ids not drawable now). with_sampler: a third, the logprob under
+    the truncated distribution drawn from (grpo/variants.py mismatch_weight; docs/algorithm.md, the mismatch).
     """
     if logits.dtype != torch.float32:
         logits = logits.float()

@@ -111,8 +111,8 @@ def turn_end(tokenizer) -> int | None:
     or plain text there): found by rendering a turn around a marker and reading what follows it."""
     marker = "\u2063end\u2063"   # invisible separators: text no template adds or strips
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"},
-                                              {"role": "assistant", "content": marker}], tokenize=False)
+        turn = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
+        text = tokenizer.apply_chat_template(turn, tokenize=False)
     except Exception:   # no template, or one that refuses this turn: nothing to learn from it
         return None
     after = text.split(marker, 1)[1] if marker in text else ""
@@ -125,7 +125,8 @@ def end_ids(model, tokenizer) -> tuple:
     """The ids that end a completion: declared_end_ids, and the chat template's turn_end (a model
     whose files forget to declare it would otherwise talk on past its turn)."""
     turn = turn_end(tokenizer)
-    return tuple(dict.fromkeys([*declared_end_ids(model, tokenizer), *([] if turn is None else [turn])]))
+    ends = [*declared_end_ids(model, tokenizer), *([] if turn is None else [turn])]
+    return tuple(dict.fromkeys(ends))
 
 
 def fuse_tanh_gelu(model) -> None:

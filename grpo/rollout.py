@@ -55,7 +55,7 @@ def render_conversation(tokenizer, conversation: list) -> list:
                                             tokenize=True, return_dict=False)
     except Exception as e:   # jinja's TemplateError (a template's raise_exception) and others
         raise ValueError(f"the chat template refused the conversation {_shown(conversation)}: "
-                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+                         f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
     return list(ids)
 
 
@@ -65,7 +65,8 @@ def _shown(prompt, width: int = 60) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def encode_prompts(tokenizer, prompts, prepend_bos: bool, max_new_tokens: int = 0, context: int | None = None) -> list:
+def encode_prompts(tokenizer, prompts, prepend_bos: bool, max_new_tokens: int = 0,
+                   context: int | None = None) -> list:
     """Token ids of each prompt: a str encoded, with prepend_bos the tokenizer's BOS (GPT-2:
     <|endoftext|>) first; a conversation rendered by the chat template (render_conversation).
     With context (the model's positions) each must leave room for max_new_tokens: past it a
@@ -76,12 +77,14 @@ def encode_prompts(tokenizer, prompts, prepend_bos: bool, max_new_tokens: int = 
            else render_conversation(tokenizer, p) for p in prompts]
     for prompt, row in zip(prompts, ids):
         if not row:
-            raise ValueError(f"the prompt {_shown(prompt)} encodes to no tokens with the model's tokenizer")
+            raise ValueError(f"the prompt {_shown(prompt)} encodes to no tokens with the model's "
+                             f"tokenizer")
         if context is not None and len(row) + max_new_tokens > context:
-            fix = (f"lower --max-new-tokens to {context - len(row)} or shorten" if len(row) < context else "shorten")
-            raise ValueError(f"a prompt of {len(row)} tokens ({_shown(prompt, 40)}) plus --max-new-tokens "
-                             f"{max_new_tokens} needs {len(row) + max_new_tokens} positions, more than the model's "
-                             f"{context}: {fix} the task's prompts")
+            fix = (f"lower --max-new-tokens to {context - len(row)} or shorten" if len(row) < context
+                   else "shorten")
+            raise ValueError(f"a prompt of {len(row)} tokens ({_shown(prompt, 40)}) plus "
+                             f"--max-new-tokens {max_new_tokens} needs {len(row) + max_new_tokens} "
+                             f"positions, more than the model's {context}: {fix} the task's prompts")
     return ids
 
 
@@ -118,7 +121,7 @@ class Rollout:
     penalties: dict = dataclasses.field(default_factory=dict)
     shaped_rewards: torch.Tensor = None  # [B] what the advantages are made of: rewards less every penalty
     components: dict = dataclasses.field(default_factory=dict)   # the reward's parts (reward_breakdown), means
-    reward_parts: list = None        # per row, its --reward-weights parts in their order (for --advantage gdpo)
+    reward_parts: list = None   # per row, its --reward-weights parts in their order (--advantage gdpo)
     errors: dict = dataclasses.field(default_factory=dict)       # failed rewards by kind
     ref_logp: torch.Tensor = None    # [B, T] the frozen reference's, when the run has a KL penalty
     advantages: torch.Tensor = None  # [B] on the device
@@ -145,7 +148,8 @@ class Rollout:
         return self
 
 
-def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, ends) -> torch.Tensor:
+def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, ends
+                   ) -> torch.Tensor:
     """[B] bool: the completions that end without an end (EOS or any of ends), i.e. were stopped by
     max_new_tokens. completion_mask runs up to and including a row's first end (grpo/decoders.py),
     so a row is truncated exactly when its last masked token is not one."""
@@ -155,7 +159,8 @@ def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, 
 
 
 def decode_completions(tokenizer, completion_ids, mask, ends) -> list:
-    """The text of each completion: its tokens up to, not including, its first end (an id or ids)."""
+    """The text of each completion: its tokens up to, not including, its first end (ends: an id or
+    ids)."""
     texts, ends = [], as_ends(ends)
     for ids, m in zip(completion_ids.tolist(), mask.sum(1).tolist()):
         ids = ids[:m]
