@@ -518,7 +518,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     """Draw one token per row of logits [B, V]: (token, logprob), each [B]. The logprob is the
     policy's own, as the training forward computes it: temperature-scaled, before top-k/top-p and
     `banned` (an id or a tuple of ids not drawable now). with_sampler: a third, the logprob under
-    the truncated distribution drawn from (grpo/variants.py mismatch_weight; docs/algorithm.md, the mismatch).
+    the truncated distribution drawn from (grpo/variants.py mismatch_weight; docs/algorithm.md).
     """
     if logits.dtype != torch.float32:
         logits = logits.float()
@@ -597,9 +597,9 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
     """Sample a completion per row of a left-padded prompt batch: (completion_ids, completion_mask,
     logprobs), each [B, T], T <= max_new_tokens; a row ends at its first of end_ids (an id or ids:
     EOS, an end of turn; then end_ids[0], masked), never before min_new_tokens (the ends'
-    probability still counts). compile: torch.compile where a
-    preallocated decoder fits. with_sampler: a 4th output (sample_token). group_size: rows per
-    prompt (compiled: kept when two groups draw one prompt, so nothing recompiles).
+    probability still counts). compile: torch.compile where a preallocated decoder fits.
+    with_sampler: a 4th output (sample_token). group_size: rows per prompt (compiled: kept when two
+    groups draw one prompt, so nothing recompiles).
     """
     autocast = autocast or torch.autocast(prompt_ids.device.type, enabled=False)
     with autocast:  # entered once: autocast keeps its bf16 copies of the weights for the whole loop

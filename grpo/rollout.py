@@ -47,21 +47,21 @@ def render_conversation(tokenizer, conversation: list) -> list:
     renders it with the generation prompt: the assistant's turn is what is sampled. The
     template writes its own BOS; a ValueError names a missing template or one that refuses."""
     if tokenizer.chat_template is None:
-        raise ValueError(f"the task's prompts are conversations ({_shown(conversation)}) and the "
+        raise ValueError(f"the task's prompts are conversations ({shown(conversation)}) and the "
                          f"model's tokenizer has no chat template: use an instruct model's, or "
                          f"give str prompts")
     try:
         ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
     except Exception as e:   # jinja's TemplateError (a template's raise_exception) and others
-        raise ValueError(f"the chat template refused the conversation {_shown(conversation)}: "
+        raise ValueError(f"the chat template refused the conversation {shown(conversation)}: "
                          f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
     return list(ids)
 
 
-def _shown(prompt, width: int = 60) -> str:
-    """A prompt, str or conversation, cut for a message."""
-    text = repr(prompt)
+def shown(value, width: int = 60) -> str:
+    """A value (a prompt, str or conversation) as a message shows it: its repr, cut to width."""
+    text = repr(value)
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
@@ -77,14 +77,15 @@ def encode_prompts(tokenizer, prompts, prepend_bos: bool, max_new_tokens: int = 
            else render_conversation(tokenizer, p) for p in prompts]
     for prompt, row in zip(prompts, ids):
         if not row:
-            raise ValueError(f"the prompt {_shown(prompt)} encodes to no tokens with the model's "
+            raise ValueError(f"the prompt {shown(prompt)} encodes to no tokens with the model's "
                              f"tokenizer")
         if context is not None and len(row) + max_new_tokens > context:
-            fix = (f"lower --max-new-tokens to {context - len(row)} or shorten" if len(row) < context
-                   else "shorten")
-            raise ValueError(f"a prompt of {len(row)} tokens ({_shown(prompt, 40)}) plus "
+            room = context - len(row)
+            fix = f"lower --max-new-tokens to {room} or shorten" if room > 0 else "shorten"
+            raise ValueError(f"a prompt of {len(row)} tokens ({shown(prompt, 40)}) plus "
                              f"--max-new-tokens {max_new_tokens} needs {len(row) + max_new_tokens} "
-                             f"positions, more than the model's {context}: {fix} the task's prompts")
+                             f"positions, more than the model's {context}: {fix} the task's "
+                             f"prompts")
     return ids
 
 

@@ -87,7 +87,7 @@ import torch
 
 from grpo.decoders import generate
 from grpo.model import context_length, end_ids
-from grpo.rollout import decode_completions, encode_prompts, left_pad, stream_seed
+from grpo.rollout import decode_completions, encode_prompts, left_pad, shown, stream_seed
 from harness import intervals, log
 from harness.config import opt
 
@@ -389,8 +389,7 @@ def _short(value, width: int = 40) -> str:
     if isinstance(value, list) and value and isinstance(value[-1], dict):   # a conversation: its
         last = _short(value[-1], 60)   # last message says more than its first (a system message)
         return f"[{last}]" if len(value) == 1 else f"[..., {last}] ({len(value)} messages)"
-    text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return shown(value, width)
 
 
 def score(task, prompts, completions, failures: dict = None, weights: dict = None,
