@@ -52,7 +52,9 @@ class Settings:
     top_p: float = opt(1.0, "nucleus sampling threshold (1: off)", must="in (0, 1]")
     # algorithm
     learning_rate: float = opt(1e-4, "learning rate (1e-4 suits the shipped 5M-parameter default model; "
-                               "use about 1e-5 for a 124M model such as RookWorld-LM)", must="> 0")
+                               "use about 1e-5 for a 124M model such as RookWorld-LM)", must="in (0, 1)",
+                               note="below 1, no AdamW or Muon update can make a weight non-finite: "
+                                    "docs/failures.md")
     lr_scheduler: str = opt("constant", "the learning rate over the run, after its warmup", optim.LR_SCHEDULES)
     lr_warmup_steps: int = opt(0, "steps whose learning rate rises linearly to --learning-rate (0: none)", must=">= 0")
     lr_warmup_ratio: float = opt(0.0, "the warmup as a share of --steps, instead of --lr-warmup-steps", must="in [0, 1)")

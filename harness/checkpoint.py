@@ -37,6 +37,22 @@ _NAME = re.compile(r"step_(\d+)$")   # what a run writes
 _STEP = re.compile(r"(?:^|-)step_(\d+)(?:\.\d+)?$")   # and what it sets aside: damaged-step_N(.2)
 
 
+class NonFiniteWeights(RuntimeError):
+    """Weights that are not finite, refused by every save: no checkpoint or model holds them."""
+
+
+def check_finite(policy, what: str) -> None:
+    """Raise NonFiniteWeights naming the first trainable weight of policy that is not finite. One
+    read of the weights, at a save only: between saves the guard's rule keeps them finite
+    (harness/guards.py Guard.step, docs/failures.md)."""
+    params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+    with torch.no_grad():   # the largest |w| of each: NaN and inf stay what they are; one sync
+        tops = torch.stack(torch._foreach_norm([p for _, p in params], float("inf"))).isfinite()
+    if not bool(tops.all()):
+        name = params[int((~tops).nonzero()[0])][0]
+        raise NonFiniteWeights(f"{name} holds non-finite values: {what} is not written")
+
+
 class CheckpointError(ValueError):
     """A resume path that holds no intact checkpoint (reported as a usage error)."""
 
@@ -208,6 +224,7 @@ def fingerprint(model) -> str:
 
 def save(out_dir: str, step: int, policy, tokenizer, state: dict, keep: int) -> str:
     """Write checkpoint `step` atomically, drop all but the newest `keep`; return its path."""
+    check_finite(policy, f"checkpoint step {step}")
     folder = os.path.join(out_dir, SUBDIR)
     final = os.path.join(folder, f"step_{step:06d}")
     tmp = os.path.join(folder, f".tmp-step_{step:06d}")
@@ -288,7 +305,10 @@ class Saver:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None or not issubclass(exc_type, Exception) or not distributed.is_main():
             return False
-        if self.updates != self.updates_at_step:
+        if issubclass(exc_type, NonFiniteWeights):
+            log.warn(f"the weights are not finite: nothing newer than "
+                     f"{f'step {self.saved}' if self.saved else 'the start'} is saved")
+        elif self.updates != self.updates_at_step:
             log.warn(f"the run failed in the middle of step {self.step + 1}'s update, which had changed the weights: "
                      f"nothing newer than {f'step {self.saved}' if self.saved else 'the start'} is saved")
         elif self.step > self.saved:
@@ -308,6 +328,7 @@ def save_model(folder: str, policy, tokenizer, step: int) -> str:
     With LoRA (policy: the PeftModel) the folder holds the merged model, the adapters merged into a fresh
     copy of the base model loaded on the CPU (the live policy is left as it is), and the adapters alone in
     folder/adapter (PeftModel.from_pretrained(base, folder/adapter) loads them)."""
+    check_finite(policy, f"the model of step {step}")
     tmp = folder.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     if is_lora(policy):

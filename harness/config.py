@@ -34,7 +34,7 @@ class ConfigError(ValueError):
 # The ranges a field may declare, opt(..., must=...): batch_layout checks each field's, and its words are the
 # message ("--top-p 0.0 must be in (0, 1]"), followed by the field's note in brackets.
 RANGES = {"at least 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
-          "in [0, 1)": lambda v: 0 <= v < 1,
+          "in [0, 1)": lambda v: 0 <= v < 1, "in (0, 1)": lambda v: 0 < v < 1,
           "> 1": lambda v: v > 1, "in (0, 1]": lambda v: 0 < v <= 1}
 
 
@@ -284,6 +284,10 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
         raise ConfigError(f"{given} with --steps {cfg.steps}: the learning rate would rise over the whole run and "
                           f"train at --learning-rate {cfg.learning_rate:g} by the last step at best: give a warmup "
                           f"below {cfg.steps} steps, or more --steps")
+    if cfg.learning_rate * cfg.weight_decay >= 1:   # AdamW and Muon scale each weight by 1 - lr wd
+        raise ConfigError(f"--learning-rate {cfg.learning_rate:g} with --weight-decay {cfg.weight_decay:g}: "
+                          f"each update would scale every weight by 1 - {cfg.learning_rate * cfg.weight_decay:g}, "
+                          f"to 0 or past it; keep their product below 1")
     if cfg.kl_target and not cfg.kl_coef:
         raise ConfigError(f"--kl-target {cfg.kl_target} steers the KL coefficient, and --kl-coef 0 has no KL term: "
                           f"pass a --kl-coef above 0 to start from, or leave --kl-target out")

@@ -1,6 +1,5 @@
 """What keeps a long run alive: out-of-memory retries, non-finite updates, and a clean stop on a signal."""
 import contextlib
-import copy
 import functools
 import gc
 import math
@@ -56,7 +55,6 @@ class Guard:
         self.micro, self.mini, self.info = micro, mini, info
         self.nonfinite_streak, self.notes = nonfinite_streak, []
         self.threads = threads   # --update-threads: the CPU threads fit's passes run on (0: all)
-        self.weights_said = False
 
     def fit(self, run):
         """run(micro), with micro halved (to a divisor of the mini-batch) until it fits in memory; self.micro keeps
@@ -88,29 +86,15 @@ class Guard:
             self.micro = smaller
 
     def step(self, optimizer, params, loss: float, grad_norm: float) -> bool:
-        """Step the optimizer unless the update is not finite: its summed loss or gradient norm, or
-        the weights it gives (a --learning-rate of 1e308 overflows them from finite gradients). A
-        skipped update leaves the weights and the optimizer's state as they were, for which they are
-        copied before each step. Returns whether it stepped; counts the skipped updates in a row."""
+        """Step the optimizer unless its summed loss or gradient norm is not finite (the update is
+        then skipped: weights and optimizer state untouched). From finite gradients at a
+        --learning-rate below 1, an AdamW or Muon step cannot make a weight non-finite, so nothing
+        is copied or checked after it (docs/failures.md). Returns whether it stepped; counts the
+        skipped updates in a row."""
         ok = math.isfinite(loss) and math.isfinite(grad_norm)
         if ok:
-            weights = [p.detach().clone() for p in params]
-            state = copy.deepcopy(optimizer.state_dict())
             optimizer.step()
-            with torch.no_grad():   # one device sync for the whole check
-                ok = bool(torch.stack([p.isfinite().all() for p in params]).all())
-                if not ok:
-                    for p, w in zip(params, weights):
-                        p.copy_(w)
-                    optimizer.load_state_dict(state)
-                    if not self.weights_said:
-                        self.weights_said = True
-                        lr = optimizer.param_groups[0]["lr"]
-                        log.warn(f"an optimizer update at learning rate {lr:g} made weights "
-                                 f"non-finite from a finite loss and gradient norm: it is skipped, "
-                                 f"the weights and optimizer state kept (said once; "
-                                 f"skipped_nonfinite counts them). Lower --learning-rate")
-        if not ok:   # one bad batch must not poison the weights or the optimizer's moments
+        else:   # one bad batch must not poison the weights or the optimizer's moments
             optimizer.zero_grad(set_to_none=True)
         self.nonfinite_streak = 0 if ok else self.nonfinite_streak + 1
         return ok
