@@ -45,12 +45,12 @@ def check_finite(policy, what: str) -> None:
     """Raise NonFiniteWeights naming the first trainable weight of policy that is not finite. One
     read of the weights, at a save only: between saves the guard's rule keeps them finite
     (harness/guards.py Guard.step, docs/failures.md)."""
-    params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
-    with torch.no_grad():   # the largest |w| of each: NaN and inf stay what they are; one sync
-        tops = torch.stack(torch._foreach_norm([p for _, p in params], float("inf"))).isfinite()
-    if not bool(tops.all()):
-        name = params[int((~tops).nonzero()[0])][0]
-        raise NonFiniteWeights(f"{name} holds non-finite values: {what} is not written")
+    params = [(n, p.detach()) for n, p in policy.named_parameters() if p.requires_grad]
+    with torch.no_grad():   # a sum carries a NaN or inf (the fastest reduction); one sync
+        sums = torch.stack([p.sum() for _, p in params]).isfinite().tolist()
+    for (name, p), ok in zip(params, sums):
+        if not ok and not bool(p.isfinite().all()):   # not a sum that overflowed
+            raise NonFiniteWeights(f"{name} holds non-finite values: {what} is not written")
 
 
 class CheckpointError(ValueError):
