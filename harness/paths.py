@@ -10,6 +10,7 @@ or a folder a finished run replaces later (OUT_DIR/model, OUT_DIR/checkpoints); 
 writes may not hold another run's folder. A refusal is one line naming the setting to change
 (ConfigError: exit 2).
 """
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -146,10 +147,17 @@ def check(cfg, options) -> list:
     return outs
 
 
+# The registry of running runs' writes: one folder for every run on this machine, whatever its
+# TMPDIR, user or working directory (a registry in the temp folder let a run under another TMPDIR
+# delete a running run's log); sticky and open to all, as /tmp itself
+REGISTRY = "/tmp/lean-grpo-runs"
+
+
 def _registry() -> str:
-    folder = os.path.join(tempfile.gettempdir(), f"lean-grpo-runs-{os.getuid()}")
-    os.makedirs(folder, exist_ok=True)
-    return folder
+    os.makedirs(REGISTRY, exist_ok=True)
+    if os.stat(REGISTRY).st_uid == os.getuid():
+        os.chmod(REGISTRY, 0o1777)
+    return REGISTRY
 
 
 def _live_writes(folder: str):
@@ -160,7 +168,7 @@ def _live_writes(folder: str):
             continue
         try:
             f = open(path, encoding="utf-8")
-        except FileNotFoundError:
+        except OSError:   # gone meanwhile, or not readable
             continue
         with f:
             try:
@@ -169,7 +177,8 @@ def _live_writes(folder: str):
                 held = json.load(f)
                 yield held["pid"], held["writes"]
                 continue
-        os.remove(path)   # the lock went with its run
+        with contextlib.suppress(PermissionError):   # another user's: their next run removes it
+            os.remove(path)   # the lock went with its run
 
 
 def register(outs: list, stack) -> None:
@@ -178,8 +187,10 @@ def register(outs: list, stack) -> None:
     try:
         folder = _registry()
         turn = open(os.path.join(folder, LOCK), "a")
-    except OSError as e:   # no temp folder to write in: run, but say what is not guarded
-        log.warn(f"cannot lock the paths this run writes in {tempfile.gettempdir()} "
+        if os.fstat(turn.fileno()).st_uid == os.getuid():   # every user's runs take their turn on it
+            os.fchmod(turn.fileno(), 0o666)
+    except OSError as e:   # no registry to write in: run, but say what is not guarded
+        log.warn(f"cannot lock the paths this run writes in {REGISTRY} "
                  f"({e.strerror}): a second run writing them would not be stopped")
         return
     with turn:
@@ -192,6 +203,7 @@ def register(outs: list, stack) -> None:
                         raise _refusal(w, place, path, f"another run (pid {pid}) writes",
                                        "wait for it to end, or pass another")
         handle, name = tempfile.mkstemp(".json", f"{os.getpid()}-", folder)
+        os.fchmod(handle, 0o644)   # read (and its lock tested) by every user's runs
         mine = os.fdopen(handle, "w", encoding="utf-8")
         fcntl.flock(mine, fcntl.LOCK_EX)
         json.dump({"pid": os.getpid(), "writes": [w.real for w in outs]}, mine)

@@ -108,10 +108,28 @@ def test_a_running_run_locks_every_path_it_writes(tmp_path):
         paths.register(paths.check(second, None), after)
 
 
-def test_a_temp_folder_that_cannot_be_written_leaves_the_paths_unlocked_and_says_so(
+def test_the_lock_holds_under_another_tmpdir_and_through_a_relative_path(tmp_path, monkeypatch):
+    # issue 54 case 1: the registry followed TMPDIR, so a run under another one deleted (with
+    # --overwrite) the --log-completions of a running run; the same file named from another
+    # working directory through a relative path is the same file too
+    shared = tmp_path / "S" / "c.jsonl"
+    shared.parent.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmpA"))
+    with contextlib.ExitStack() as held:
+        paths.register(paths.check(load("--out-dir", str(tmp_path / "a"), "--log-completions",
+                                        str(shared)), None), held)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmpB"))
+        monkeypatch.chdir(tmp_path / "S")
+        second = load("--out-dir", str(tmp_path / "b"), "--log-completions", "c.jsonl")
+        with pytest.raises(config.ConfigError, match=f"--log-completions c.jsonl lands on {shared}, "
+                                                     f"which another run \\(pid {os.getpid()}\\)"):
+            paths.register(paths.check(second, None), contextlib.ExitStack())
+
+
+def test_a_registry_that_cannot_be_written_leaves_the_paths_unlocked_and_says_so(
         tmp_path, monkeypatch, capsys):
     (tmp_path / "file").write_text("")
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "file" / "tmp"))
+    monkeypatch.setattr(paths, "REGISTRY", str(tmp_path / "file" / "runs"))
     with contextlib.ExitStack() as held:
         paths.register(paths.check(load("--out-dir", str(tmp_path / "a")), None), held)
     assert "cannot lock the paths this run writes" in capsys.readouterr().err
