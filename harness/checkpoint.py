@@ -301,6 +301,11 @@ class Saver:
         return False
 
 
+def temporary(folder: str) -> str:
+    """Where save_model writes the model before it replaces folder."""
+    return folder.rstrip("/") + ".tmp"
+
+
 def save_model(folder: str, policy, tokenizer, step: int) -> str:
     """The trained model as a plain Hugging Face folder (from_pretrained loads it), written atomically, with the
     step it was trained to in MODEL_STEP (a later --resume from an older checkpoint must not replace it unsaid).
@@ -308,7 +313,7 @@ def save_model(folder: str, policy, tokenizer, step: int) -> str:
     With LoRA (policy: the PeftModel) the folder holds the merged model, the adapters merged into a fresh
     copy of the base model loaded on the CPU (the live policy is left as it is), and the adapters alone in
     folder/adapter (PeftModel.from_pretrained(base, folder/adapter) loads them)."""
-    tmp = folder.rstrip("/") + ".tmp"
+    tmp = temporary(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     if is_lora(policy):
         adapter = os.path.join(tmp, ADAPTER)

@@ -29,7 +29,10 @@ REPLACED = {"model": "the run replaces with its trained model at its end",
 OUT_DIR_WRITES = {**REPLACED, "tensorboard": "the run writes its TensorBoard events to",
                   "wandb": "the run writes its W&B run to",
                   memory.SUBDIR: "the run writes its memory evidence to",
+                  checkpoint.temporary("model"): "the run writes its trained model to first",
                   SETTINGS: "the run writes its settings to", LOCK: "the run locks"}
+# which of them are folders (the rest, and the logs, are files)
+FOLDERS = {*REPLACED, "tensorboard", "wandb", memory.SUBDIR, checkpoint.temporary("model")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +42,11 @@ class Entry:
     shown: str      # the path itself, as given or joined to it
     role: str       # what is done there, to end "..., which <role>"
     real: str       # resolved
+    folder: bool    # a folder the run makes there (else a file)
 
 
-def entry(setting: str, given: str, shown: str, role: str) -> Entry:
-    return Entry(setting, given, shown, role, os.path.realpath(shown))
+def entry(setting: str, given: str, shown: str, role: str, folder: bool = False) -> Entry:
+    return Entry(setting, given, shown, role, os.path.realpath(shown), folder)
 
 
 def _task_file(task: str):
@@ -87,7 +91,7 @@ def writes(cfg) -> list:
                           "--log-completions writes"))
     if cfg.eval_only:
         return logs if cfg.log_file else []
-    return logs + [entry("--out-dir", cfg.out_dir, os.path.join(cfg.out_dir, name), role)
+    return logs + [entry("--out-dir", cfg.out_dir, os.path.join(cfg.out_dir, name), role, name in FOLDERS)
                    for name, role in OUT_DIR_WRITES.items()]
 
 
@@ -151,6 +155,37 @@ def check(cfg, options) -> list:
 # TMPDIR, user or working directory (a registry in the temp folder let a run under another TMPDIR
 # delete a running run's log); sticky and open to all, as /tmp itself
 REGISTRY = "/tmp/lean-grpo-runs"
+
+
+def _in_the_way(w: Entry):
+    """What lies where the run makes w and would fail it then, steps later, or None: a file where
+    a folder goes (or a folder where a file goes), a dangling link, or an entry, or a folder to
+    make it in, that cannot be written."""
+    if os.path.islink(w.shown) and not os.path.exists(w.shown):
+        return "is a dangling link"
+    if os.path.exists(w.shown):
+        if os.path.isdir(w.shown) != w.folder:
+            return "is a file" if w.folder else "is a folder"
+        return None if os.access(w.shown, os.W_OK) else "cannot be written"
+    parent = os.path.dirname(os.path.abspath(w.shown))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be made: {parent} is a file"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be made: {parent} cannot be written"
+
+
+def check_made(cfg, outs: list) -> None:
+    """Every path the run makes (checkpoints, the final model, their temporary names, the logs) can
+    be made when the run gets to it: else a ConfigError now, before the model loads (a file named
+    checkpoints lost every step trained). A reporter's folder counts only when it reports there."""
+    unused = {os.path.join(cfg.out_dir, kind) for kind in log.REPORTERS if kind != cfg.report_to}
+    for w in outs:
+        problem = w.shown not in unused and _in_the_way(w)
+        if problem:
+            kind = "a folder" if w.folder else "a file"
+            raise config.ConfigError(f"{w.setting} {w.given}: {w.shown} {problem}, where the run makes "
+                                     f"{kind}, which {w.role}: move it away, or pass another {w.setting}")
 
 
 def _registry() -> str:

@@ -48,6 +48,7 @@ class Run:
             self.layout = config.batch_layout(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
             outs = paths.check(cfg, self.loaded.options)   # none on what it reads or another writes
             rundir.check_paths(cfg)
+            paths.check_made(cfg, outs)   # nothing in the way of what it makes steps later
             if not cfg.resume:   # a resumed run reads --model only for a KL reference or LoRA base
                 rundir.check_model(cfg.model)
             rundir.check_paths(self.loaded.options)
