@@ -197,9 +197,13 @@ def declared_settings(target, task_name: str) -> dict:
     out, spellings = {}, {}
     for key, value in declared.items():
         name = OLD_NAMES.get(key, key)
-        if name == "overwrite":   # deleting an earlier run is the user's call alone
-            raise ConfigError(f"{where} names 'overwrite': only your own --overwrite (or "
-                              f"{env_name('overwrite')}) may delete an earlier run's records")
+        # deleting an earlier run's records is the user's call alone, and so is where: a task's path
+        # would aim --overwrite at a file of the task's choosing
+        if name == "overwrite" or name in FIELDS and FIELDS[name].metadata["path"] == "out":
+            what = "delete an earlier run's records" if name == "overwrite" else \
+                "place what the run writes (and --overwrite deletes)"
+            raise ConfigError(f"{where} names {name!r}: only your own {flag(name)} (or "
+                              f"{env_name(name)}) may {what}")
         if not isinstance(name, str) or name not in FIELDS or name == "task":   # the task cannot choose itself
             near = did_you_mean(name, FIELDS) if isinstance(name, str) else []
             own = isinstance(name, str) and options is not None and name in fields_of(options)

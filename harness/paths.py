@@ -106,6 +106,11 @@ def _place(a: str, b: str):
     return None
 
 
+def inside(path: str, folder: str) -> bool:
+    """Whether path lies in folder, both resolved."""
+    return _place(os.path.realpath(path), os.path.realpath(folder)) == "inside"
+
+
 def _refusal(w: Entry, place: str, other: str, role: str, fix: str):
     head = f"{w.setting} {w.given}" + (f": {w.shown}" if w.shown != w.given else "")
     where = {"on": "lands on", "inside": "lies inside", "around": "lies around"}[place]

@@ -129,6 +129,17 @@ def earlier_run(cfg) -> list:
     return found + [settings] if found and os.path.exists(settings) else found
 
 
+def _placed_outside(cfg, path: str):
+    """(the log setting, its value, path) when a log setting places path outside OUT_DIR, else None."""
+    if paths.inside(path, cfg.out_dir):
+        return None
+    for name in ("log_file", "log_completions"):
+        value = getattr(cfg, name)
+        if value and path in (value, log.items_path(value)):
+            return config.flag(name), value, path
+    return None
+
+
 def check_space(out_dir: str, model: str) -> None:
     """Refuse a disk that clearly cannot hold the trained model and one checkpoint: about 4 x the weights'
     files (the model; a checkpoint's weights and AdamW's two moments). A hub id's size is not known here."""
@@ -352,6 +363,12 @@ def prepare(cfg, options, outs: list, evaluating: bool) -> tuple:
             raise config.ConfigError(f"--log-file {cfg.log_file} holds earlier records "
                                      f"({', '.join(found)}): --eval-only would overwrite them; "
                                      f"pass another --log-file, or --overwrite to replace them")
+        placed = next(filter(None, (_placed_outside(cfg, p) for p in found)), None)
+        if placed and not cfg.overwrite:   # another --out-dir would not help
+            setting, value, path = placed
+            raise config.ConfigError(f"{setting} {value} holds earlier records ({path}): the run "
+                                     f"would overwrite them; pass another {setting}, or "
+                                     f"--overwrite to replace them")
         if found and not cfg.overwrite:
             if cfg.resume:
                 hint = "another --out-dir for this run, which resumes a checkpoint from elsewhere"

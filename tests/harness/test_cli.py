@@ -280,6 +280,10 @@ def test_the_chess_main_job_gets_its_pretraining_mix_with_no_flag():
     ({"overwrite": True}, "names 'overwrite': only your own --overwrite (or GRPO_OVERWRITE) may"),
     ({"seed": [1]}, "trainer_settings: --seed [1] is not a value a flag takes"),
     ({"seed": -3}, "trainer_settings: --seed -3 must be in [0, 2**32)"),   # issue 54 case 9
+    # issue 54 case 2: refused naming --out-dir, then --overwrite deleted the task's choice
+    ({"log_completions": "victim/metrics.jsonl"}, "names 'log_completions': only your own "
+     "--log-completions (or GRPO_LOG_COMPLETIONS) may place what the run writes (and --overwrite"),
+    ({"out_dir": "victim"}, "names 'out_dir': only your own --out-dir (or GRPO_OUT_DIR) may place"),
     # issue 54 case 8: the later name won in silence, where two flags or variables are refused
     ({"scale_rewards": "batch", "advantage": "rloo"}, "trainer_settings: 'scale_rewards' batch and "
      "'advantage' rloo: one setting under two names that disagree: give 'advantage' alone"),

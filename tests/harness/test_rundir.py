@@ -10,6 +10,7 @@ import time
 import pytest
 
 import tasks
+import train_lean
 from harness import cli, config, rundir
 from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, train
 
@@ -206,3 +207,20 @@ def test_a_local_looking_model_that_is_not_there_is_refused_at_once(tmp_path):
     line = one_line_error(train("--model", "./weights.bin", "--task", "toy", "--out-dir", "run",
                                 cwd=tmp_path))
     assert "--model ./weights.bin is a file: pass the folder that holds the model's" in line
+
+
+@pytest.mark.parametrize("flag", ["--log-file", "--log-completions"])
+def test_a_log_outside_out_dir_that_holds_something_is_named_as_its_flags(
+        tiny_model_dir, tmp_path, capsys, clean_env, flag):
+    # issue 54 case 13: "--out-dir X holds an earlier run's records (PATH): pass another --out-dir,
+    # or --overwrite": another --out-dir could not help
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    with pytest.raises(SystemExit) as exit_:
+        train_lean.main([*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(tmp_path / "out"),
+                         flag, str(notes)])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err == (
+        f"train_lean.py: error: {flag} {notes} holds earlier records ({notes}): the run would "
+        f"overwrite them; pass another {flag}, or --overwrite to replace them")
+    assert notes.read_text() == "my notes\n"
