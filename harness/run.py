@@ -21,6 +21,7 @@ import contextlib
 import functools
 import os
 import random
+import signal
 import sys
 import time
 
@@ -37,6 +38,12 @@ from harness import task as task_lib
 def usage_error(message: str):
     log.warn(f"error: {message}")  # under torchrun every rank fails alike; rank 0 says so
     sys.exit(2)
+
+
+def _terminated(signum, frame):
+    """SIGTERM as an exit that runs every way out's clean-up (exit status 128 + 15, as its default)."""
+    log.warn(f"stopped ({signal.Signals(signum).name})")
+    raise SystemExit(128 + signum)
 
 
 class Run:
@@ -192,8 +199,11 @@ class Run:
         """--overwrite, now that every check has passed and the model has loaded: the earlier
         run's records aside until this run's first step is written (rundir.Overwritten)."""
         if self.doomed:
+            # SIGTERM unwinds too (by default it ends the process where it stands, records aside)
+            self.stack.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, _terminated))
             self.overwritten = rundir.Overwritten(self.doomed)
             self.stack.callback(self.overwritten.restore)   # a no-op once dropped
+            self.overwritten.set_aside()
             screen.keep_settings(self.cfg, self.table, self.main)
 
     def _drop_overwritten(self) -> None:
