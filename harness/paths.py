@@ -18,6 +18,7 @@ import os
 import tempfile
 
 from harness import checkpoint, config, log, memory
+from harness.places import WORDS, place
 
 # OUT_DIR/.lock (harness/rundir.py): held while a run trains; left after it, it marks a run's folder
 LOCK = ".lock"
@@ -95,26 +96,14 @@ def writes(cfg) -> list:
                    for name, role in OUT_DIR_WRITES.items()]
 
 
-def _place(a: str, b: str):
-    """Where path a lies against path b: "on" it, "inside" it, "around" it, or None (apart)."""
-    if a == b:
-        return "on"
-    if a.startswith(b.rstrip(os.sep) + os.sep):
-        return "inside"
-    if b.startswith(a.rstrip(os.sep) + os.sep):
-        return "around"
-    return None
-
-
 def inside(path: str, folder: str) -> bool:
     """Whether path lies in folder, both resolved."""
-    return _place(os.path.realpath(path), os.path.realpath(folder)) == "inside"
+    return place(os.path.realpath(path), os.path.realpath(folder)) == "inside"
 
 
-def _refusal(w: Entry, place: str, other: str, role: str, fix: str):
+def _refusal(w: Entry, where: str, other: str, role: str, fix: str):
     head = f"{w.setting} {w.given}" + (f": {w.shown}" if w.shown != w.given else "")
-    where = {"on": "lands on", "inside": "lies inside", "around": "lies around"}[place]
-    return config.ConfigError(f"{head} {where} {other}, which {role}: {fix} {w.setting}")
+    return config.ConfigError(f"{head} {WORDS[where]} {other}, which {role}: {fix} {w.setting}")
 
 
 def _replaced_by_another(path: str):
@@ -143,9 +132,9 @@ def check(cfg, options) -> list:
     ins, outs = reads(cfg, options), sorted(writes(cfg), key=lambda w: w.setting == "--out-dir")
     for i, w in enumerate(outs):
         for other in (*ins, *outs[i + 1:]):
-            place = _place(w.real, other.real)
-            if place:
-                raise _refusal(w, place, other.shown, other.role, "pass another")
+            where = place(w.real, other.real)
+            if where:
+                raise _refusal(w, where, other.shown, other.role, "pass another")
         replaced = _replaced_by_another(w.real)
         if replaced:
             raise _refusal(w, "inside", *replaced, "pass another")
@@ -238,9 +227,9 @@ def register(outs: list, stack) -> None:
         for pid, theirs in _live_writes(folder):
             for w in outs:
                 for path in theirs:
-                    place = _place(w.real, path)
-                    if place:
-                        raise _refusal(w, place, path, f"another run (pid {pid}) writes",
+                    where = place(w.real, path)
+                    if where:
+                        raise _refusal(w, where, path, f"another run (pid {pid}) writes",
                                        "wait for it to end, or pass another")
         handle, name = tempfile.mkstemp(".json", f"{os.getpid()}-", folder)
         os.fchmod(handle, 0o644)   # read (and its lock tested) by every user's runs
