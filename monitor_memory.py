@@ -148,7 +148,8 @@ def parse_args(argv):
         if path is not None:   # written after the whole run: a bad path is said now, not then
             writable(flag, path)
     # the trainer's rule (harness/places.py): no output on what the monitor reads or the run writes
-    watched = [] if args.from_log or args.sweep else [("the watched run", watched_log(train), "writes")]
+    watched = [] if args.from_log or args.sweep else \
+        [("the watched run", watched_log(train), "writes")]
     clash = places.clash([("--from-log", args.from_log, "reads"), *watched], outputs)
     if clash:
         raise UsageError(clash)

@@ -211,11 +211,12 @@ def declared_settings(target, task_name: str) -> dict:
                 " (it is the task's own option: set its default in the options dataclass)" if own else
                 f" (did you mean {_either(near)}?)" if near and name != "task" else
                 " (the names are the fields of harness/config.py Config, as --help lists them)"))
-        if not (isinstance(value, (str, bool, int, float)) or value is None):   # what a flag or variable can say
-            raise ConfigError(f"{where}: {flag(name)} {value!r:.60} is not a value a flag takes (a str, number, bool "
-                              f"or None)")
-        if value is not None or not _base_type(FIELDS[name])[1]:   # None of an optional one: its default
-            value = _convert(FIELDS[name], value if isinstance(value, str) else _spelt(value), f"{where}: {flag(name)}")
+        if not (isinstance(value, (str, bool, int, float)) or value is None):   # what flags say
+            raise ConfigError(f"{where}: {flag(name)} {value!r:.60} is not a value a flag takes "
+                              f"(a str, number, bool or None)")
+        if value is not None or not _base_type(FIELDS[name])[1]:   # None if optional: default
+            text = value if isinstance(value, str) else _spelt(value)
+            value = _convert(FIELDS[name], text, f"{where}: {flag(name)}")
         problem = range_error(name, value)
         if problem:
             raise ConfigError(f"{where}: {problem}")
@@ -226,10 +227,10 @@ def declared_settings(target, task_name: str) -> dict:
 
 
 def _agreed(found: dict, alone: str, where: str = "") -> None:
-    """found: one setting's values under each of its names given; two that disagree are a ConfigError."""
+    """found: one setting's values under each of its names given; two that disagree: ConfigError."""
     if len(set(map(repr, found.values()))) > 1:
-        raise ConfigError(where + " and ".join(f"{k} {v}" for k, v in found.items()) + f": one setting under two "
-                          f"names that disagree: give {alone} alone")
+        raise ConfigError(where + " and ".join(f"{k} {v}" for k, v in found.items()) +
+                          f": one setting under two names that disagree: give {alone} alone")
 
 
 def _given(name: str, f, given: dict, spell) -> dict:

@@ -92,8 +92,8 @@ def writes(cfg) -> list:
                           "--log-completions writes"))
     if cfg.eval_only:
         return logs if cfg.log_file else []
-    return logs + [entry("--out-dir", cfg.out_dir, os.path.join(cfg.out_dir, name), role, name in FOLDERS)
-                   for name, role in OUT_DIR_WRITES.items()]
+    return logs + [entry("--out-dir", cfg.out_dir, os.path.join(cfg.out_dir, name), role,
+                         name in FOLDERS) for name, role in OUT_DIR_WRITES.items()]
 
 
 def inside(path: str, folder: str) -> bool:
@@ -166,7 +166,8 @@ def _in_the_way(w: Entry):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"cannot be made: {parent} is a file"
-    return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be made: {parent} cannot be written"
+    writable = os.access(parent, os.W_OK | os.X_OK)
+    return None if writable else f"cannot be made: {parent} cannot be written"
 
 
 def check_made(cfg, outs: list) -> None:
@@ -178,8 +179,9 @@ def check_made(cfg, outs: list) -> None:
         problem = w.shown not in unused and _in_the_way(w)
         if problem:
             kind = "a folder" if w.folder else "a file"
-            raise config.ConfigError(f"{w.setting} {w.given}: {w.shown} {problem}, where the run makes "
-                                     f"{kind}, which {w.role}: move it away, or pass another {w.setting}")
+            raise config.ConfigError(f"{w.setting} {w.given}: {w.shown} {problem}, where the run "
+                                     f"makes {kind}, which {w.role}: move it away, or pass "
+                                     f"another {w.setting}")
 
 
 def _registry() -> str:
@@ -216,7 +218,7 @@ def register(outs: list, stack) -> None:
     try:
         folder = _registry()
         turn = open(os.path.join(folder, LOCK), "a")
-        if os.fstat(turn.fileno()).st_uid == os.getuid():   # every user's runs take their turn on it
+        if os.fstat(turn.fileno()).st_uid == os.getuid():   # every user's runs take turns on it
             os.fchmod(turn.fileno(), 0o666)
     except OSError as e:   # no registry to write in: run, but say what is not guarded
         log.warn(f"cannot lock the paths this run writes in {REGISTRY} "

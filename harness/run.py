@@ -41,7 +41,7 @@ def usage_error(message: str):
 
 
 def _terminated(signum, frame):
-    """SIGTERM as an exit that runs every way out's clean-up (exit status 128 + 15, as its default)."""
+    """SIGTERM as an exit that runs every way out's clean-up (exit status 143, as by default)."""
     log.warn(f"stopped ({signal.Signals(signum).name})")
     raise SystemExit(128 + signum)
 
@@ -200,7 +200,8 @@ class Run:
         run's records aside until this run's first step is written (rundir.Overwritten)."""
         if self.doomed:
             # SIGTERM unwinds too (by default it ends the process where it stands, records aside)
-            self.stack.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, _terminated))
+            previous = signal.signal(signal.SIGTERM, _terminated)
+            self.stack.callback(signal.signal, signal.SIGTERM, previous)
             self.overwritten = rundir.Overwritten(self.doomed)
             self.stack.callback(self.overwritten.restore)   # a no-op once dropped
             self.overwritten.set_aside()

@@ -141,12 +141,13 @@ def set_aside_left(cfg) -> list:
     for path in [*_records(cfg), os.path.join(cfg.out_dir, SETTINGS)]:
         folder, name = os.path.split(os.path.abspath(path))
         if os.path.isdir(folder):
-            left |= {os.path.join(folder, n) for n in os.listdir(folder) if n.startswith(name + ASIDE)}
+            left |= {os.path.join(folder, n) for n in os.listdir(folder)
+                     if n.startswith(name + ASIDE)}
     return sorted(left)
 
 
 def _placed_outside(cfg, path: str):
-    """(the log setting, its value, path) when a log setting places path outside OUT_DIR, else None."""
+    """(the log setting, its value, path) when one places path outside OUT_DIR, else None."""
     if paths.inside(path, cfg.out_dir):
         return None
     for name in ("log_file", "log_completions"):
@@ -357,12 +358,12 @@ def prepare(cfg, options, outs: list, evaluating: bool) -> tuple:
         if outs and main:
             paths.register(outs, lock_held)
         left = set_aside_left(cfg) if main and not cfg.eval_only else []
-        if left and not cfg.overwrite:   # a bare --resume would not find them; --overwrite leave them
+        if left and not cfg.overwrite:   # unsaid, --resume missed them, --overwrite left them
             more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
-            raise config.ConfigError(f"{left[0]}{more}: an --overwrite run set these earlier records "
-                                     f"aside and was killed before it put them back or deleted them: "
-                                     f"rename each back without {ASIDE} to keep them, or pass "
-                                     f"--overwrite to delete them")
+            raise config.ConfigError(f"{left[0]}{more}: an --overwrite run set these earlier "
+                                     f"records aside and was killed before it put them back or "
+                                     f"deleted them: rename each back without {ASIDE} to keep "
+                                     f"them, or pass --overwrite to delete them")
         resume_from = None
         if cfg.resume:   # only a locked run moves damaged checkpoints aside: no one else is writing them
             resume_from = checkpoint.resolve(cfg.resume, cfg.out_dir, set_aside=main and not cfg.eval_only)
@@ -428,7 +429,7 @@ class Overwritten:
         self.found, self.moved = found, []
 
     def set_aside(self) -> None:
-        """Each moved in turn, and counted moved at once: restore() puts back those already moved."""
+        """Each moved in turn and counted at once: restore() puts back those already moved."""
         for path in self.found:
             self.moved.append((path, _free_name(path + ASIDE)))
             os.rename(path, self.moved[-1][1])

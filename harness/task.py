@@ -730,7 +730,8 @@ def _listed(complete, prompts, *args, **kwargs):
     TaskError (a str was decoded as prompts of one character each, a generator broke the count)."""
     if not isinstance(prompts, (list, tuple)):
         raise TaskError(f"complete() takes a list of prompts, and the task's evaluate() gave it a "
-                        f"{type(prompts).__name__}, {_short(prompts)}: pass a list ([prompt] for one)")
+                        f"{type(prompts).__name__}, {_short(prompts)}: pass a list ([prompt] for "
+                        f"one)")
     return complete(list(prompts), *args, **kwargs)
 
 
@@ -759,7 +760,8 @@ def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_
     t0 = time.perf_counter()
     with contextlib.closing(log.EvalProgress(complete, f"eval at step {step}")) as counted:   # said, not silent
         listed = functools.partial(_listed, counted)
-        asked = task.evaluate(listed, full=full) if takes_full(task.evaluate) else task.evaluate(listed)
+        asked = task.evaluate(listed, full=full) if takes_full(task.evaluate) else \
+            task.evaluate(listed)
         result, items = summarise_metrics(check_metrics(asked))
     record = {"kind": "eval", "step": step, **result, "eval_time_s": time.perf_counter() - t0}
     print(eval_table(record, items), flush=True)

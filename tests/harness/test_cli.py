@@ -95,8 +95,8 @@ def test_the_system_prompt_is_a_flag_and_a_variable_of_the_model_and_task():
     assert "system_prompt" in dict(cli.help_groups(FIELDS))["model and task"]
     flat = " ".join(cli.build_parser("toy", {}, tasks.DEFAULT).format_help().split())
     assert ("it replaces the task's own system message (the command line over the task), else "
-            "comes first; a task of str prompts is refused; any text is the message, none, auto and '' "
-            "too [default off]") in flat
+            "comes first; a task of str prompts is refused; any text is the message, none, auto "
+            "and '' too [default off]") in flat
     assert not FIELDS["system_prompt"].metadata["resume_free"]   # it changes what is trained
 
 

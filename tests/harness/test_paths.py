@@ -122,8 +122,9 @@ def test_the_lock_holds_under_another_tmpdir_and_through_a_relative_path(tmp_pat
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmpB"))
         monkeypatch.chdir(tmp_path / "S")
         second = load("--out-dir", str(tmp_path / "b"), "--log-completions", "c.jsonl")
-        with pytest.raises(config.ConfigError, match=f"--log-completions c.jsonl lands on {shared}, "
-                                                     f"which another run \\(pid {os.getpid()}\\)"):
+        with pytest.raises(config.ConfigError, match=f"--log-completions c.jsonl lands on "
+                                                     f"{shared}, which another run "
+                                                     f"\\(pid {os.getpid()}\\)"):
             paths.register(paths.check(second, None), contextlib.ExitStack())
 
 

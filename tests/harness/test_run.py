@@ -61,7 +61,8 @@ def test_a_seed_whose_nested_streams_passed_2_to_the_64_trains(tiny_model_dir, t
         train_lean.main(["--model", tiny_model_dir, "--task", "toy", *SMALL, "--steps", "1",
                          "--seed", str(seed), "--out-dir", str(tmp_path / str(seed))])
         assert [r["step"] for r in records(tmp_path / str(seed) / "metrics.jsonl")] == [1]
-    assert stream_seed(stream_seed(18_000_000, 7), 3) == (18_000_000 * 1_000_003 + 7) * 1_000_003 + 3
+    below = 18_000_000   # its row seeds stay below 2**64: the same as before
+    assert stream_seed(stream_seed(below, 7), 3) == (below * 1_000_003 + 7) * 1_000_003 + 3
 
 
 # evaluate() as a user may write it: $COMPLETE_WITH is what it passes complete()
@@ -71,25 +72,27 @@ from tasks.toy import ToyTask
 
 class Mistaken(ToyTask):
     def evaluate(self, complete):
-        prompts = {"str": "1+2=", "generator": (p for p in ["Repeat a: "])}[os.environ["COMPLETE_WITH"]]
+        given = {"str": "1+2=", "generator": (p for p in ["Repeat a: "])}
+        prompts = given[os.environ["COMPLETE_WITH"]]
         return {"n": len(complete(prompts))}
 """
 
 
-def test_complete_given_no_list_names_the_tasks_mistake(tiny_model_dir, tmp_path, capsys, monkeypatch,
-                                                        clean_env):
+def test_complete_given_no_list_names_the_tasks_mistake(tiny_model_dir, tmp_path, capsys,
+                                                        monkeypatch, clean_env):
     """Issue 54 cases 7 and 10: a str was decoded as four one-character prompts in silence; a
     generator was a TypeError from the progress count (harness/log.py), exit 1."""
     (tmp_path / "mistaken.py").write_text(MISTAKEN_TASK)
     for given, shown in (("str", "'1+2='"), ("generator", "<generator object")):
         monkeypatch.setenv("COMPLETE_WITH", given)
         with pytest.raises(SystemExit) as exit_:
-            train_lean.main(["--model", tiny_model_dir, "--task", f"{tmp_path / 'mistaken.py'}:Mistaken",
-                             *SMALL[:-4], "--eval-only"])
+            train_lean.main(["--model", tiny_model_dir, "--task",
+                             f"{tmp_path / 'mistaken.py'}:Mistaken", *SMALL[:-4], "--eval-only"])
         err = capsys.readouterr().err.strip()
         assert exit_.value.code == 2 and "\n" not in err, err
-        assert err.startswith(f"train_lean.py: error: the task's evaluation at step 0: complete() takes a "
-                              f"list of prompts, and the task's evaluate() gave it a {given}, {shown}"), err
+        assert err.startswith(f"train_lean.py: error: the task's evaluation at step 0: complete() "
+                              f"takes a list of prompts, and the task's evaluate() gave it a "
+                              f"{given}, {shown}"), err
 
 
 # close() as a user may write it: it raises; $FAIL_REWARD makes every reward fail first

@@ -12,7 +12,8 @@ import pytest
 import tasks
 import train_lean
 from harness import cli, config, rundir
-from helpers import EVALUATED_TASK, SMALL, TRAIN, env, line_starting, one_line_error, read_jsonl, train
+from helpers import (EVALUATED_TASK, SMALL, TRAIN, env, line_starting, one_line_error, read_jsonl,
+                     train)
 
 pytestmark = pytest.mark.slow   # concurrent and repeated real runs in one folder
 
@@ -243,7 +244,8 @@ def test_overwrites_set_aside_is_undone_on_sigterm_and_found_after_kill_9(tiny_m
     # the earlier run left as *.overwritten, which a bare --resume did not find ("no checkpoint")
     # and a later --overwrite left there
     out = tmp_path / "out"
-    first = train(*toy(tiny_model_dir), "--steps", "2", "--save-interval", "1", "--out-dir", str(out))
+    first = train(*toy(tiny_model_dir), "--steps", "2", "--save-interval", "1", "--out-dir",
+                  str(out))
     assert first.returncode == 0, first.stderr
     before = snapshot(out)
     (tmp_path / "slow.py").write_text(SLOW_EVAL_TASK)
@@ -261,9 +263,11 @@ def test_overwrites_set_aside_is_undone_on_sigterm_and_found_after_kill_9(tiny_m
         if sent == signal.SIGTERM:
             assert "stopped (SIGTERM)" in err and "are back as they were" in err, err
             assert snapshot(out) == before
-    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "3", "--out-dir", str(out), "--resume"))
-    assert f"{out / 'checkpoints.overwritten'} (and " in line and "an --overwrite run set these " \
-        "earlier records aside and was killed" in line and "or pass --overwrite to delete them" in line
+    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "3", "--out-dir", str(out),
+                                "--resume"))
+    assert f"{out / 'checkpoints.overwritten'} (and " in line
+    assert "an --overwrite run set these earlier records aside and was killed" in line
+    assert line.endswith("or pass --overwrite to delete them")
     again = train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out), "--overwrite")
     assert again.returncode == 0, again.stderr
     assert not [n for n in os.listdir(out) if ".overwritten" in n]

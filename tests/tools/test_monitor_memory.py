@@ -68,12 +68,12 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, args):
 
 @pytest.mark.parametrize("args, said", [
     # issue 54 case 4: the summary overwrote the log it analysed (through a link too), exit 3 unsaid
-    (["--from-log", "a.jsonl", "--summary", "a.jsonl"], "--summary a.jsonl lands on a.jsonl, which "
-                                                         "--from-log reads: pass another --summary"),
+    (["--from-log", "a.jsonl", "--summary", "a.jsonl"],
+     "--summary a.jsonl lands on a.jsonl, which --from-log reads: pass another --summary"),
     (["--from-log", "a.jsonl", "--summary", "link"], "--summary link lands on a.jsonl, which "
                                                       "--from-log reads"),
-    (["--from-log", "a.jsonl", "--plot", "p.png", "--summary", "p.png"], "--summary p.png lands on "
-                                                                           "p.png, which --plot writes"),
+    (["--from-log", "a.jsonl", "--plot", "p.png", "--summary", "p.png"],
+     "--summary p.png lands on p.png, which --plot writes"),
     (["--trainer", FAKE, "10", "--summary", "run/m.jsonl", "--", "--log-file", "run/m.jsonl"],
      "--summary run/m.jsonl lands on run/m.jsonl, which the watched run writes"),
     # issue 54 case 13: "no such file"
