@@ -429,10 +429,12 @@ class Overwritten:
         self.found, self.moved = found, []
 
     def set_aside(self) -> None:
-        """Each moved in turn and counted at once: restore() puts back those already moved."""
+        """Each moved in turn, then counted: restore() puts back those moved (one a signal stops
+        between the two stays aside, for the next run to find)."""
         for path in self.found:
-            self.moved.append((path, _free_name(path + ASIDE)))
-            os.rename(path, self.moved[-1][1])
+            aside = _free_name(path + ASIDE)
+            os.rename(path, aside)
+            self.moved.append((path, aside))
 
     def drop(self) -> None:
         for _, aside in self.moved:
