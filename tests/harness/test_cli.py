@@ -6,7 +6,7 @@ import re
 import pytest
 
 import tasks
-from harness import cli, config
+from harness import cli, config, screen
 from harness.config import FIELDS, Config, ConfigError
 
 
@@ -324,3 +324,7 @@ def test_a_system_prompt_is_the_text_given(text):
     # "" is an empty system message in place of the task's
     for argv, environ in (["--system-prompt", text], {}), ([], {"GRPO_SYSTEM_PROMPT": text}):
         assert load(argv, environ)[0].system_prompt == text
+    given = cli.load(["--task", "toy", "--system-prompt", text], environ={}, builtin=tasks.BUILTIN)
+    table = screen.describe(given.cfg, given.options, given.sources,
+                            config.batch_layout(given.cfg))   # settings.txt's
+    assert re.search(rf"--system-prompt +{re.escape(text or repr(text))} +cli\n", table)
