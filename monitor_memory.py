@@ -21,7 +21,8 @@ A sweep runs --steps steps (default 5) at each batch size, each in a fresh proce
 memory = fixed + per_sample * batch.
 
 Exit code: 0 no leak, 1 leak, 2 usage error, 3 nothing could be judged (too few steps after the
-warm-up, or the training run failed). A CI job can gate on it.
+warm-up, or the training run failed), 4 the monitor itself failed (its traceback). A CI job can gate
+on it.
 """
 import argparse
 import contextlib
@@ -34,8 +35,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import memwatch
+from harness import places
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 POLL_S = 0.2            # how often the log is read and the child looked at
@@ -44,7 +47,7 @@ SWEEP_STEPS = 5         # steps per batch size: the first allocates AdamW state,
 # piles up over 19 steps stands against what one step holds.
 TRACE_STEPS = 20
 EVIDENCE = os.path.join("memory", "trace.json")   # written by the trainer in its --out-dir (harness/memory.py)
-EXIT_OK, EXIT_LEAK, EXIT_USAGE, EXIT_UNJUDGED = 0, 1, 2, 3
+EXIT_OK, EXIT_LEAK, EXIT_USAGE, EXIT_UNJUDGED, EXIT_FAILED = 0, 1, 2, 3, 4
 
 
 class UsageError(Exception):
@@ -140,9 +143,16 @@ def parse_args(argv):
         if flagged is None:
             setattr(args, name, given)
 
-    for flag, path in (("--summary", args.summary), ("--plot", args.plot)):
+    outputs = (("--summary", args.summary), ("--plot", args.plot))
+    for flag, path in outputs:
         if path is not None:   # written after the whole run: a bad path is said now, not then
             writable(flag, path)
+    # the trainer's rule (harness/places.py): no output on what the monitor reads or the run writes
+    watched = [] if args.from_log or args.sweep else \
+        [("the watched run", watched_log(train), "writes")]
+    clash = places.clash([("--from-log", args.from_log, "reads"), *watched], outputs)
+    if clash:
+        raise UsageError(clash)
     if args.trace_steps is not None and not args.trace:
         raise UsageError("--trace-steps applies with --trace")
     args.trace_steps = args.trace_steps or TRACE_STEPS
@@ -151,6 +161,10 @@ def parse_args(argv):
     if args.from_log is not None:
         if train or args.steps or args.batch_size:
             raise UsageError("--from-log analyses an existing log: it takes no --steps, --batch-size or trainer flags")
+        if os.path.isdir(args.from_log):   # a run's folder: its log is named
+            inside = os.path.join(args.from_log, "metrics.jsonl")
+            raise UsageError(f"--from-log {args.from_log} is a folder: pass the run's log" +
+                             (f", {inside}" if os.path.isfile(inside) else " file in it"))
         if not os.path.isfile(args.from_log):
             raise UsageError(f"--from-log {args.from_log}: no such file")
         return args, train
@@ -356,12 +370,16 @@ def evidence_file(args, train):
     return os.path.join(trainer_setting(train, "--out-dir", "out"), EVIDENCE)
 
 
+def watched_log(train):
+    """The log the watched run writes: its --log-file, GRPO_LOG_FILE, else OUT_DIR/metrics.jsonl."""
+    return flag_value(train, "--log-file") or os.environ.get("GRPO_LOG_FILE") or \
+        os.path.join(trainer_setting(train, "--out-dir", "out"), "metrics.jsonl")
+
+
 def watch(args, train):
     """Run the trainer as a child, follow its log; returns (records, child return code, interrupted)."""
-    log = flag_value(train, "--log-file")
-    if log is None:
-        out_dir = trainer_setting(train, "--out-dir", "out")
-        log = os.environ.get("GRPO_LOG_FILE") or os.path.join(out_dir, "metrics.jsonl")
+    log = watched_log(train)
+    if flag_value(train, "--log-file") is None:
         train = train + ["--log-file", log]
     if args.trace:
         train = train + ["--trace-memory", str(args.trace_steps), "--trace-memory-after", str(args.warmup)]
@@ -755,4 +773,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except Exception:   # Python's exit status 1 would read as the verdict LEAK
+        traceback.print_exc()
+        sys.exit(EXIT_FAILED)

@@ -26,8 +26,9 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def stream_seed(seed: int, index: int) -> int:
     """The seed of item `index` of a stream seeded by `seed` (a step's prompts, a row's sampling): a
     function of the two alone, so a resumed run or another device count draws what one uninterrupted
-    process draws."""
-    return seed * 1_000_003 + index
+    process draws. Modulo 2**64, torch's seed range: a stream of a stream (a step's row) stays in it
+    for every --seed, and is the same number wherever it was in it already."""
+    return (seed * 1_000_003 + index) % 2**64
 
 
 def wants_bos(choice: str, tokenizer) -> bool:

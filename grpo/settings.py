@@ -10,13 +10,14 @@ from grpo import optim, variants
 
 
 def opt(default, help, choices=None, const=None, path=None, auto=False, resume_free=False, resume_fixed=None,
-        must=None, note=None, aliases=None, old_names=()):
+        must=None, note=None, aliases=None, old_names=(), text=False):
     """A field. const: the flag may be given bare (`--resume` = `--resume latest`); path "in"/"out":
     a file the run reads / writes (out_dir: a folder), checked before loading; auto: "auto" stays
     itself; must: its range in RANGES, note: a hint its message adds; resume_free: may differ on
     --resume; resume_fixed="why": may not, even if --resume-allow-change names it; choices: a dict
     name -> what it does, listed in the help; aliases: another trainer's names -> a choice; old_names:
-    the field's earlier names, still read (harness/config.py OLD_NAMES)."""
+    the field's earlier names, still read (harness/config.py OLD_NAMES); text: its value is prose,
+    taken as given (no word of it means unset)."""
     if isinstance(choices, dict):
         help = f"{help}: " + "; ".join(f"{k}: {v}" for k, v in choices.items())
     if aliases:
@@ -24,7 +25,8 @@ def opt(default, help, choices=None, const=None, path=None, auto=False, resume_f
     return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
                                             "auto": auto, "resume_free": resume_free,
                                             "resume_fixed": resume_fixed, "must": must, "note": note,
-                                            "aliases": aliases or {}, "old_names": tuple(old_names)})
+                                            "aliases": aliases or {}, "old_names": tuple(old_names),
+                                            "text": text})
 
 
 # TRL's loss_type names for the same aggregations. TRL's "dapo" is exactly token-mean (its count is
@@ -127,7 +129,8 @@ class Settings:
                           "to each update's loss (PPO-ptx; 0: off)", must=">= 0")
     ptx_batch_size: int = opt(16, "--ptx-coef's texts per optimizer update, global across devices", must="at least 1")
     # the streams of prompts and samples
-    seed: int = opt(0, "seed for prompts, sampling and initialisation")
+    seed: int = opt(0, "seed for prompts, sampling and initialisation (numpy's range)",
+                    must="in [0, 2**32)")
     # how long the run is (the learning-rate schedule spans it) and how the logprobs are chunked
     steps: int = opt(700, "training steps", must="at least 1", resume_free=True)
     logprob_chunk_size: int = opt(2048, "token rows of the vocabulary log-softmax computed at once",

@@ -321,6 +321,11 @@ class Saver:
         return False
 
 
+def temporary(folder: str) -> str:
+    """Where save_model writes the model before it replaces folder."""
+    return folder.rstrip("/") + ".tmp"
+
+
 def save_model(folder: str, policy, tokenizer, step: int) -> str:
     """The trained model as a plain Hugging Face folder (from_pretrained loads it), written atomically, with the
     step it was trained to in MODEL_STEP (a later --resume from an older checkpoint must not replace it unsaid).
@@ -329,7 +334,7 @@ def save_model(folder: str, policy, tokenizer, step: int) -> str:
     copy of the base model loaded on the CPU (the live policy is left as it is), and the adapters alone in
     folder/adapter (PeftModel.from_pretrained(base, folder/adapter) loads them)."""
     check_finite(policy, f"the model of step {step}")
-    tmp = folder.rstrip("/") + ".tmp"
+    tmp = temporary(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     if is_lora(policy):
         adapter = os.path.join(tmp, ADAPTER)

@@ -44,6 +44,8 @@ def _convert(f, text: str, where: str):
         raise ConfigError(f"{where} {ascii(os.fsencode(text))[2:-1]} has a byte that is not UTF-8: the run records "
                           f"its settings as UTF-8 text; rename it or pass another") from None
     base, optional = _base_type(f)
+    if f.metadata.get("text"):   # prose, "" included: "none" is what the user wants said, not unset
+        return text
     if f.metadata.get("auto") and text.lower() == "auto":
         return "auto"
     if optional and text.lower() in ("", "none", "auto"):
@@ -192,12 +194,16 @@ def declared_settings(target, task_name: str) -> dict:
     if not isinstance(declared, dict):
         raise ConfigError(f"{where} must be a dict of trainer setting names to values, not {declared!r:.60}")
     options = tasks.options_type(target)
-    out = {}
-    for name, value in declared.items():
-        name = OLD_NAMES.get(name, name)
-        if name == "overwrite":   # deleting an earlier run is the user's call alone
-            raise ConfigError(f"{where} names 'overwrite': only your own --overwrite (or "
-                              f"{env_name('overwrite')}) may delete an earlier run's records")
+    out, spellings = {}, {}
+    for key, value in declared.items():
+        name = OLD_NAMES.get(key, key)
+        # deleting an earlier run's records is the user's call alone, and so is where: a task's path
+        # would aim --overwrite at a file of the task's choosing
+        if name == "overwrite" or name in FIELDS and FIELDS[name].metadata["path"] == "out":
+            what = "delete an earlier run's records" if name == "overwrite" else \
+                "place what the run writes (and --overwrite deletes)"
+            raise ConfigError(f"{where} names {name!r}: only your own {flag(name)} (or "
+                              f"{env_name(name)}) may {what}")
         if not isinstance(name, str) or name not in FIELDS or name == "task":   # the task cannot choose itself
             near = did_you_mean(name, FIELDS) if isinstance(name, str) else []
             own = isinstance(name, str) and options is not None and name in fields_of(options)
@@ -205,16 +211,26 @@ def declared_settings(target, task_name: str) -> dict:
                 " (it is the task's own option: set its default in the options dataclass)" if own else
                 f" (did you mean {_either(near)}?)" if near and name != "task" else
                 " (the names are the fields of harness/config.py Config, as --help lists them)"))
-        if isinstance(value, (str, bool, int, float)) or value is None:   # what a flag or GRPO_ variable can say
-            value = _convert(FIELDS[name], value if isinstance(value, str) else _spelt(value), f"{where}: {flag(name)}")
-        else:
-            raise ConfigError(f"{where}: {flag(name)} {value!r:.60} is not a value a flag takes (a str, number, bool "
-                              f"or None)")
+        if not (isinstance(value, (str, bool, int, float)) or value is None):   # what flags say
+            raise ConfigError(f"{where}: {flag(name)} {value!r:.60} is not a value a flag takes "
+                              f"(a str, number, bool or None)")
+        if value is not None or not _base_type(FIELDS[name])[1]:   # None if optional: default
+            text = value if isinstance(value, str) else _spelt(value)
+            value = _convert(FIELDS[name], text, f"{where}: {flag(name)}")
         problem = range_error(name, value)
         if problem:
             raise ConfigError(f"{where}: {problem}")
+        spellings.setdefault(name, {})[repr(key)] = value   # its earlier name too, as flags are
+        _agreed(spellings[name], repr(name), f"{where}: ")
         out[name] = value
     return out
+
+
+def _agreed(found: dict, alone: str, where: str = "") -> None:
+    """found: one setting's values under each of its names given; two that disagree: ConfigError."""
+    if len(set(map(repr, found.values()))) > 1:
+        raise ConfigError(where + " and ".join(f"{k} {v}" for k, v in found.items()) +
+                          f": one setting under two names that disagree: give {alone} alone")
 
 
 def _given(name: str, f, given: dict, spell) -> dict:
@@ -222,9 +238,7 @@ def _given(name: str, f, given: dict, spell) -> dict:
     and its earlier names (opt's old_names), each converted; two that disagree are a ConfigError."""
     found = {spell(n): _convert(f, given[spell(n)], spell(n)) for n in (name, *f.metadata.get("old_names", ()))
              if spell(n) in given}
-    if len(set(map(repr, found.values()))) > 1:
-        raise ConfigError(" and ".join(f"{k} {v}" for k, v in found.items()) + f": one setting under two names "
-                          f"that disagree: give {spell(name)} alone")
+    _agreed(found, spell(name))
     return found
 
 

@@ -35,7 +35,8 @@ class ConfigError(ValueError):
 # message ("--top-p 0.0 must be in (0, 1]"), followed by the field's note in brackets.
 RANGES = {"at least 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
           "in [0, 1)": lambda v: 0 <= v < 1, "in (0, 1)": lambda v: 0 < v < 1,
-          "> 1": lambda v: v > 1, "in (0, 1]": lambda v: 0 < v <= 1}
+          "> 1": lambda v: v > 1, "in (0, 1]": lambda v: 0 < v <= 1,
+          "in [0, 2**32)": lambda v: 0 <= v < 2**32}
 
 
 # The checkpoint's adapters are built with these and loaded as saved (peft's adapter config wins): a new value
@@ -63,7 +64,7 @@ class Config(Settings):
         None, "the system message of every prompt of a task whose prompts are conversations "
         "(lists of {role, content} messages), in training and in its evaluation: it replaces "
         "the task's own system message (the command line over the task), else comes first; a "
-        "task of str prompts is refused")
+        "task of str prompts is refused; any text is the message, none, auto and '' too", text=True)
     prompt_bos: str = opt("auto", "start each str prompt with the tokenizer's BOS/EOS token "
                           "(auto: on when BOS == EOS, as in GPT-2; a conversation's chat template writes "
                           "its own)", ["auto", "on", "off"])

@@ -10,6 +10,7 @@ or a folder a finished run replaces later (OUT_DIR/model, OUT_DIR/checkpoints); 
 writes may not hold another run's folder. A refusal is one line naming the setting to change
 (ConfigError: exit 2).
 """
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -17,6 +18,7 @@ import os
 import tempfile
 
 from harness import checkpoint, config, log, memory
+from harness.places import WORDS, place
 
 # OUT_DIR/.lock (harness/rundir.py): held while a run trains; left after it, it marks a run's folder
 LOCK = ".lock"
@@ -28,7 +30,10 @@ REPLACED = {"model": "the run replaces with its trained model at its end",
 OUT_DIR_WRITES = {**REPLACED, "tensorboard": "the run writes its TensorBoard events to",
                   "wandb": "the run writes its W&B run to",
                   memory.SUBDIR: "the run writes its memory evidence to",
+                  checkpoint.temporary("model"): "the run writes its trained model to first",
                   SETTINGS: "the run writes its settings to", LOCK: "the run locks"}
+# which of them are folders (the rest, and the logs, are files)
+FOLDERS = {*REPLACED, "tensorboard", "wandb", memory.SUBDIR, checkpoint.temporary("model")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +43,11 @@ class Entry:
     shown: str      # the path itself, as given or joined to it
     role: str       # what is done there, to end "..., which <role>"
     real: str       # resolved
+    folder: bool    # a folder the run makes there (else a file)
 
 
-def entry(setting: str, given: str, shown: str, role: str) -> Entry:
-    return Entry(setting, given, shown, role, os.path.realpath(shown))
+def entry(setting: str, given: str, shown: str, role: str, folder: bool = False) -> Entry:
+    return Entry(setting, given, shown, role, os.path.realpath(shown), folder)
 
 
 def _task_file(task: str):
@@ -86,25 +92,18 @@ def writes(cfg) -> list:
                           "--log-completions writes"))
     if cfg.eval_only:
         return logs if cfg.log_file else []
-    return logs + [entry("--out-dir", cfg.out_dir, os.path.join(cfg.out_dir, name), role)
-                   for name, role in OUT_DIR_WRITES.items()]
+    return logs + [entry("--out-dir", cfg.out_dir, os.path.join(cfg.out_dir, name), role,
+                         name in FOLDERS) for name, role in OUT_DIR_WRITES.items()]
 
 
-def _place(a: str, b: str):
-    """Where path a lies against path b: "on" it, "inside" it, "around" it, or None (apart)."""
-    if a == b:
-        return "on"
-    if a.startswith(b.rstrip(os.sep) + os.sep):
-        return "inside"
-    if b.startswith(a.rstrip(os.sep) + os.sep):
-        return "around"
-    return None
+def inside(path: str, folder: str) -> bool:
+    """Whether path lies in folder, both resolved."""
+    return place(os.path.realpath(path), os.path.realpath(folder)) == "inside"
 
 
-def _refusal(w: Entry, place: str, other: str, role: str, fix: str):
+def _refusal(w: Entry, where: str, other: str, role: str, fix: str):
     head = f"{w.setting} {w.given}" + (f": {w.shown}" if w.shown != w.given else "")
-    where = {"on": "lands on", "inside": "lies inside", "around": "lies around"}[place]
-    return config.ConfigError(f"{head} {where} {other}, which {role}: {fix} {w.setting}")
+    return config.ConfigError(f"{head} {WORDS[where]} {other}, which {role}: {fix} {w.setting}")
 
 
 def _replaced_by_another(path: str):
@@ -133,9 +132,9 @@ def check(cfg, options) -> list:
     ins, outs = reads(cfg, options), sorted(writes(cfg), key=lambda w: w.setting == "--out-dir")
     for i, w in enumerate(outs):
         for other in (*ins, *outs[i + 1:]):
-            place = _place(w.real, other.real)
-            if place:
-                raise _refusal(w, place, other.shown, other.role, "pass another")
+            where = place(w.real, other.real)
+            if where:
+                raise _refusal(w, where, other.shown, other.role, "pass another")
         replaced = _replaced_by_another(w.real)
         if replaced:
             raise _refusal(w, "inside", *replaced, "pass another")
@@ -146,10 +145,50 @@ def check(cfg, options) -> list:
     return outs
 
 
+# The registry of running runs' writes: one folder for every run on this machine, whatever its
+# TMPDIR, user or working directory (a registry in the temp folder let a run under another TMPDIR
+# delete a running run's log); sticky and open to all, as /tmp itself
+REGISTRY = "/tmp/lean-grpo-runs"
+
+
+def _in_the_way(w: Entry):
+    """What lies where the run makes w and would fail it then, steps later, or None: a file where
+    a folder goes (or a folder where a file goes), a dangling link, or an entry, or a folder to
+    make it in, that cannot be written."""
+    if os.path.islink(w.shown) and not os.path.exists(w.shown):
+        return "is a dangling link"
+    if os.path.exists(w.shown):
+        if os.path.isdir(w.shown) != w.folder:
+            return "is a file" if w.folder else "is a folder"
+        return None if os.access(w.shown, os.W_OK) else "cannot be written"
+    parent = os.path.dirname(os.path.abspath(w.shown))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be made: {parent} is a file"
+    writable = os.access(parent, os.W_OK | os.X_OK)
+    return None if writable else f"cannot be made: {parent} cannot be written"
+
+
+def check_made(cfg, outs: list) -> None:
+    """Every path the run makes (checkpoints, the final model, their temporary names, the logs) can
+    be made when the run gets to it: else a ConfigError now, before the model loads (a file named
+    checkpoints lost every step trained). A reporter's folder counts only when it reports there."""
+    unused = {os.path.join(cfg.out_dir, kind) for kind in log.REPORTERS if kind != cfg.report_to}
+    for w in outs:
+        problem = w.shown not in unused and _in_the_way(w)
+        if problem:
+            kind = "a folder" if w.folder else "a file"
+            raise config.ConfigError(f"{w.setting} {w.given}: {w.shown} {problem}, where the run "
+                                     f"makes {kind}, which {w.role}: move it away, or pass "
+                                     f"another {w.setting}")
+
+
 def _registry() -> str:
-    folder = os.path.join(tempfile.gettempdir(), f"lean-grpo-runs-{os.getuid()}")
-    os.makedirs(folder, exist_ok=True)
-    return folder
+    os.makedirs(REGISTRY, exist_ok=True)
+    if os.stat(REGISTRY).st_uid == os.getuid():
+        os.chmod(REGISTRY, 0o1777)
+    return REGISTRY
 
 
 def _live_writes(folder: str):
@@ -160,7 +199,7 @@ def _live_writes(folder: str):
             continue
         try:
             f = open(path, encoding="utf-8")
-        except FileNotFoundError:
+        except OSError:   # gone meanwhile, or not readable
             continue
         with f:
             try:
@@ -169,7 +208,8 @@ def _live_writes(folder: str):
                 held = json.load(f)
                 yield held["pid"], held["writes"]
                 continue
-        os.remove(path)   # the lock went with its run
+        with contextlib.suppress(PermissionError):   # another user's: their next run removes it
+            os.remove(path)   # the lock went with its run
 
 
 def register(outs: list, stack) -> None:
@@ -178,8 +218,10 @@ def register(outs: list, stack) -> None:
     try:
         folder = _registry()
         turn = open(os.path.join(folder, LOCK), "a")
-    except OSError as e:   # no temp folder to write in: run, but say what is not guarded
-        log.warn(f"cannot lock the paths this run writes in {tempfile.gettempdir()} "
+        if os.fstat(turn.fileno()).st_uid == os.getuid():   # every user's runs take turns on it
+            os.fchmod(turn.fileno(), 0o666)
+    except OSError as e:   # no registry to write in: run, but say what is not guarded
+        log.warn(f"cannot lock the paths this run writes in {REGISTRY} "
                  f"({e.strerror}): a second run writing them would not be stopped")
         return
     with turn:
@@ -187,11 +229,12 @@ def register(outs: list, stack) -> None:
         for pid, theirs in _live_writes(folder):
             for w in outs:
                 for path in theirs:
-                    place = _place(w.real, path)
-                    if place:
-                        raise _refusal(w, place, path, f"another run (pid {pid}) writes",
+                    where = place(w.real, path)
+                    if where:
+                        raise _refusal(w, where, path, f"another run (pid {pid}) writes",
                                        "wait for it to end, or pass another")
         handle, name = tempfile.mkstemp(".json", f"{os.getpid()}-", folder)
+        os.fchmod(handle, 0o644)   # read (and its lock tested) by every user's runs
         mine = os.fdopen(handle, "w", encoding="utf-8")
         fcntl.flock(mine, fcntl.LOCK_EX)
         json.dump({"pid": os.getpid(), "writes": [w.real for w in outs]}, mine)

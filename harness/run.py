@@ -21,6 +21,7 @@ import contextlib
 import functools
 import os
 import random
+import signal
 import sys
 import time
 
@@ -39,6 +40,12 @@ def usage_error(message: str):
     sys.exit(2)
 
 
+def _terminated(signum, frame):
+    """SIGTERM as an exit that runs every way out's clean-up (exit status 143, as by default)."""
+    log.warn(f"stopped ({signal.Signals(signum).name})")
+    raise SystemExit(128 + signum)
+
+
 class Run:
     def __init__(self, argv=None, builtin: dict = None, default_task: str = None):
         """argv: the command line (default sys.argv); builtin and default_task: the task registry (tasks/)."""
@@ -48,6 +55,7 @@ class Run:
             self.layout = config.batch_layout(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
             outs = paths.check(cfg, self.loaded.options)   # none on what it reads or another writes
             rundir.check_paths(cfg)
+            paths.check_made(cfg, outs)   # nothing in the way of what it makes steps later
             if not cfg.resume:   # a resumed run reads --model only for a KL reference or LoRA base
                 rundir.check_model(cfg.model)
             rundir.check_paths(self.loaded.options)
@@ -191,8 +199,12 @@ class Run:
         """--overwrite, now that every check has passed and the model has loaded: the earlier
         run's records aside until this run's first step is written (rundir.Overwritten)."""
         if self.doomed:
+            # SIGTERM unwinds too (by default it ends the process where it stands, records aside)
+            previous = signal.signal(signal.SIGTERM, _terminated)
+            self.stack.callback(signal.signal, signal.SIGTERM, previous)
             self.overwritten = rundir.Overwritten(self.doomed)
             self.stack.callback(self.overwritten.restore)   # a no-op once dropped
+            self.overwritten.set_aside()
             screen.keep_settings(self.cfg, self.table, self.main)
 
     def _drop_overwritten(self) -> None:

@@ -32,6 +32,7 @@ from harness.paths import LOCK, SETTINGS
 # start-up: alone it is what a run that stopped before its first record leaves (a bad --model,
 # say), which the next run replaces; beside records it is one of them
 OUTPUTS = (log.METRICS, checkpoint.SUBDIR, "model", "tensorboard", "wandb", memory.SUBDIR)
+ASIDE = ".overwritten"   # --overwrite's earlier records until the run's first step: Overwritten
 
 
 def check_paths(settings) -> None:
@@ -119,14 +120,41 @@ def _holds_something(path: str) -> bool:
     return os.path.getsize(path) > 0 if os.path.isfile(path) else os.path.isdir(path) and bool(os.listdir(path))
 
 
-def earlier_run(cfg) -> list:
-    """The records of an earlier run that this one would overwrite or mix with its own."""
+def _records(cfg) -> list:
+    """Where the run keeps its records: OUTPUTS in OUT_DIR and its logs, each once."""
     paths = [os.path.join(cfg.out_dir, name) for name in OUTPUTS]
     paths += [p for p in (cfg.log_file, log.items_path(log.metrics_path(cfg)), cfg.log_completions) if p]
-    unique = {os.path.abspath(p): p for p in paths}
-    found = [p for p in unique.values() if _holds_something(p)]
+    return list({os.path.abspath(p): p for p in paths}.values())
+
+
+def earlier_run(cfg) -> list:
+    """The records of an earlier run that this one would overwrite or mix with its own."""
+    found = [p for p in _records(cfg) if _holds_something(p)]
     settings = os.path.join(cfg.out_dir, SETTINGS)
     return found + [settings] if found and os.path.exists(settings) else found
+
+
+def set_aside_left(cfg) -> list:
+    """What an --overwrite run killed (kill -9) before its first step left set aside
+    (PATH.overwritten, PATH.overwritten.2, ...: Overwritten) where this run keeps its records."""
+    left = set()
+    for path in [*_records(cfg), os.path.join(cfg.out_dir, SETTINGS)]:
+        folder, name = os.path.split(os.path.abspath(path))
+        if os.path.isdir(folder):
+            left |= {os.path.join(folder, n) for n in os.listdir(folder)
+                     if n.startswith(name + ASIDE)}
+    return sorted(left)
+
+
+def _placed_outside(cfg, path: str):
+    """(the log setting, its value, path) when one places path outside OUT_DIR, else None."""
+    if paths.inside(path, cfg.out_dir):
+        return None
+    for name in ("log_file", "log_completions"):
+        value = getattr(cfg, name)
+        if value and path in (value, log.items_path(value)):
+            return config.flag(name), value, path
+    return None
 
 
 def check_space(out_dir: str, model: str) -> None:
@@ -329,6 +357,13 @@ def prepare(cfg, options, outs: list, evaluating: bool) -> tuple:
             lock_held.enter_context(lock(cfg.out_dir))
         if outs and main:
             paths.register(outs, lock_held)
+        left = set_aside_left(cfg) if main and not cfg.eval_only else []
+        if left and not cfg.overwrite:   # unsaid, --resume missed them, --overwrite left them
+            more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+            raise config.ConfigError(f"{left[0]}{more}: an --overwrite run set these earlier "
+                                     f"records aside and was killed before it put them back or "
+                                     f"deleted them: rename each back without {ASIDE} to keep "
+                                     f"them, or pass --overwrite to delete them")
         resume_from = None
         if cfg.resume:   # only a locked run moves damaged checkpoints aside: no one else is writing them
             resume_from = checkpoint.resolve(cfg.resume, cfg.out_dir, set_aside=main and not cfg.eval_only)
@@ -347,11 +382,17 @@ def prepare(cfg, options, outs: list, evaluating: bool) -> tuple:
             found = [p for p in (cfg.log_file, log.items_path(cfg.log_file)) if _holds_something(p)] \
                 if cfg.log_file else []
         else:
-            found = [] if _continues(resume_from, cfg.out_dir) else earlier_run(cfg)
+            found = [] if _continues(resume_from, cfg.out_dir) else earlier_run(cfg) + left
         if found and not cfg.overwrite and cfg.eval_only:   # it writes nothing in --out-dir
             raise config.ConfigError(f"--log-file {cfg.log_file} holds earlier records "
                                      f"({', '.join(found)}): --eval-only would overwrite them; "
                                      f"pass another --log-file, or --overwrite to replace them")
+        placed = next(filter(None, (_placed_outside(cfg, p) for p in found)), None)
+        if placed and not cfg.overwrite:   # another --out-dir would not help
+            setting, value, path = placed
+            raise config.ConfigError(f"{setting} {value} holds earlier records ({path}): the run "
+                                     f"would overwrite them; pass another {setting}, or "
+                                     f"--overwrite to replace them")
         if found and not cfg.overwrite:
             if cfg.resume:
                 hint = "another --out-dir for this run, which resumes a checkpoint from elsewhere"
@@ -381,12 +422,19 @@ class Overwritten:
     """--overwrite's earlier records, set aside (PATH.overwritten) only once the run has passed
     every check and loaded its model, deleted once it has written its first step (drop), and put
     back as they were if it ends before (restore: its own files there go): a failing --overwrite
-    strands no one."""
+    strands no one. A kill -9 before either leaves them as PATH.overwritten: the next run in the
+    folder finds them (set_aside_left)."""
 
     def __init__(self, found: list):
-        self.moved = [(path, _free_name(path + ".overwritten")) for path in found]
-        for path, aside in self.moved:
+        self.found, self.moved = found, []
+
+    def set_aside(self) -> None:
+        """Each moved in turn, then counted: restore() puts back those moved (one a signal stops
+        between the two stays aside, for the next run to find)."""
+        for path in self.found:
+            aside = _free_name(path + ASIDE)
             os.rename(path, aside)
+            self.moved.append((path, aside))
 
     def drop(self) -> None:
         for _, aside in self.moved:

@@ -26,8 +26,10 @@ def derived(cfg, layout) -> dict:
 def _text(value) -> str:
     if isinstance(value, bool):
         return str(value).lower()   # as the command line spells it
-    # a value of several lines (a --system-prompt) as Python writes it: one row a setting
-    return repr(value) if isinstance(value, str) and not value.isprintable() else str(value)
+    # a value of several lines (a --system-prompt) as Python writes it: one row a setting; an empty
+    # or blank one too, else it reads as no value
+    quoted = isinstance(value, str) and not (value.isprintable() and value.strip())
+    return repr(value) if quoted else str(value)
 
 
 def _cut(value, width: int = 60) -> str:

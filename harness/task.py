@@ -346,9 +346,17 @@ def _text_pair(text) -> tuple[str, str]:
 
 
 def close(task) -> None:
-    """Release what the task holds (its optional close())."""
-    if hasattr(task, "close"):
+    """Release what the task holds (its optional close()). A close() that raises is said in one
+    line and goes no further: the run's own outcome (its exit status, the error that ended it)
+    stands, and stays the last thing said."""
+    if not hasattr(task, "close"):
+        return
+    try:
         task.close()
+    except Exception as e:
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        log.warn(f"the task's close() raised {type(e).__name__}: {_first_line(e)} "
+                 f"({frame.filename} line {frame.lineno}); what it holds may not be released")
 
 
 class NotANumber(Exception):
@@ -717,6 +725,16 @@ def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature
     return texts if n is None else [texts[i:i + n] for i in range(0, len(texts), n)]
 
 
+def _listed(complete, prompts, *args, **kwargs):
+    """complete(prompts, ...) as the task calls it: prompts a list (or tuple) of them, else a
+    TaskError (a str was decoded as prompts of one character each, a generator broke the count)."""
+    if not isinstance(prompts, (list, tuple)):
+        raise TaskError(f"complete() takes a list of prompts, and the task's evaluate() gave it a "
+                        f"{type(prompts).__name__}, {_short(prompts)}: pass a list ([prompt] for "
+                        f"one)")
+    return complete(list(prompts), *args, **kwargs)
+
+
 def takes_full(evaluate) -> bool:
     """Whether a task's evaluate() takes the `full` argument (by name, or as **kwargs)."""
     try:
@@ -741,7 +759,9 @@ def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_
     another rank."""
     t0 = time.perf_counter()
     with contextlib.closing(log.EvalProgress(complete, f"eval at step {step}")) as counted:   # said, not silent
-        asked = task.evaluate(counted, full=full) if takes_full(task.evaluate) else task.evaluate(counted)
+        listed = functools.partial(_listed, counted)
+        asked = task.evaluate(listed, full=full) if takes_full(task.evaluate) else \
+            task.evaluate(listed)
         result, items = summarise_metrics(check_metrics(asked))
     record = {"kind": "eval", "step": step, **result, "eval_time_s": time.perf_counter() - t0}
     print(eval_table(record, items), flush=True)

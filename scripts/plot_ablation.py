@@ -8,23 +8,22 @@ A run that scores a whole held-out set at its ends and a part of it between (the
 kind) draws its evaluations on different items; --first 200 draws every evaluation on the same items: each metric's
 first 200 per-item scores, from the metrics.items.jsonl beside each metrics.jsonl.
 """
-import argparse
 import json
 import math
 import os
+import sys
 
 import matplotlib
 
 matplotlib.use("Agg")   # files only: no display on a server
 import matplotlib.pyplot as plt  # noqa: E402
 
-from plot_run import eval_metrics, save  # noqa: E402
+from plot_run import Parser, UsageError, check_png, eval_metrics, read_records, save  # noqa: E402
 
 
 def evals(path: str) -> dict:
     """step -> eval record of one run's metrics.jsonl."""
-    with open(path, encoding="utf-8") as f:
-        return {r["step"]: r for r in map(json.loads, filter(str.strip, f)) if r.get("kind") == "eval"}
+    return {r["step"]: r for r in read_records(path) if r.get("kind") == "eval"}
 
 
 def first_items(path: str, n: int, error) -> dict:
@@ -56,8 +55,17 @@ def load(path: str, first: int, error) -> dict:
     return records
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> int:
+    try:
+        plot(argv)
+    except UsageError as e:   # plot_run.py's checks: one line, exit 2
+        print(f"plot_ablation.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def plot(argv) -> None:
+    parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("png")
     parser.add_argument("settings", nargs="+", help='"LABEL=run-s0/metrics.jsonl,run-s1/metrics.jsonl", one per line')
     parser.add_argument("--title", default="the chess demo: held-out metrics (greedy), mean of the seeds and their range")
@@ -72,6 +80,7 @@ def main(argv=None):
         if not paths:
             parser.error(f"{item!r} is not LABEL=PATH[,PATH...]")
         settings.append((label, [load(p, args.first, parser.error) for p in paths.split(",")]))
+    check_png(args.png, [p for item in args.settings for p in item.partition("=")[2].split(",")])
     first = next(iter(settings[0][1][0].values()))
     metrics = eval_metrics([first], rates_only=True)
     cols = 3
@@ -92,4 +101,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

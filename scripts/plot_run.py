@@ -11,11 +11,15 @@ with lines and, for a metric given per item, its 95% interval. The title says wh
 import argparse
 import json
 import os
+import sys
 
 import matplotlib
 
 matplotlib.use("Agg")   # files only: no display on a server
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import places  # noqa: E402
 
 REWARD_LINES = [("reward_mean", "reward (all)"), ("reward_policy_legal", "P: share of legal B: moves"),
                 ("reward_policy_best", "P: best-move credit"), ("reward_env_format", "A: format credit")]
@@ -49,19 +53,78 @@ def what_ran(path: str) -> str:
     return os.path.basename(os.path.dirname(os.path.abspath(path)))
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("metrics", nargs="+", help="metrics.jsonl of one run, or of several (seeds) to compare")
-    parser.add_argument("png")
+class UsageError(Exception):
+    """A bad input or output: one line, exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):   # one line, without argparse's usage block
+        raise UsageError(message)
+
+
+def read_records(path: str) -> list:
+    """The records of a metrics file; a missing file, a folder or a line that is no record (a torn
+    last line, what a run being written leaves, is skipped) is a UsageError naming it."""
+    if os.path.isdir(path):
+        inside = os.path.join(path, "metrics.jsonl")
+        raise UsageError(f"{path} is a folder: pass the run's metrics file" +
+                         (f", {inside}" if os.path.isfile(inside) else " in it"))
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise UsageError(f"{path}: {e.strerror}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or number == len(lines) and not line.endswith("\n"):
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise UsageError(f"{path} line {number} is not a record of a run (a JSON object with "
+                             f"its step): {line.strip()[:40]!r}")
+        records.append(record)
+    return records
+
+
+def check_png(png: str, inputs: list) -> None:
+    """The figure's path: a format matplotlib writes, not on (or around) an input, not a folder."""
+    fmt = os.path.splitext(png)[1].lstrip(".").lower()
+    if fmt not in plt.figure().canvas.get_supported_filetypes():
+        raise UsageError(f"PNG {png}: a figure is written as .png (or .pdf, .svg, ...), not "
+                         f"{('.' + fmt) if fmt else 'a name without one'}")
+    if os.path.isdir(png):
+        raise UsageError(f"PNG {png} is a folder: pass the path of the figure to write")
+    clash = places.clash([("METRICS", path, "reads") for path in inputs], [("PNG", png)])
+    if clash:
+        raise UsageError(clash)
+
+
+def main(argv=None) -> int:
+    try:
+        plot(argv)
+    except UsageError as e:
+        print(f"plot_run.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def plot(argv) -> None:
+    parser = Parser(description=__doc__.split("\n")[0])
+    parser.add_argument("metrics", nargs="+", metavar="METRICS",
+                        help="metrics.jsonl of one run, or of several (seeds) to compare")
+    parser.add_argument("png", metavar="PNG", help="the figure to write (.png, .pdf, .svg, ...)")
     parser.add_argument("--title", help="the figure's title (default: GRPO, and what ran: --task "
                                         "and --model)")
     parser.add_argument("--window", type=int, default=10, help="steps in the reward's trailing mean")
     args = parser.parse_args(argv)
+    runs = [read_records(path) for path in args.metrics]
+    check_png(args.png, args.metrics)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = ["-", "--", ":", "-."]
-    for run, path in enumerate(args.metrics):
-        with open(path, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
+    for run, records in enumerate(runs):
         steps = [r for r in records if r.get("kind") != "eval"]
         evals = [r for r in records if r.get("kind") == "eval"]
         # one colour per quantity, one line style per run: the runs' spread is the noise
@@ -106,4 +169,4 @@ def save(fig, title: str, png: str, dpi: int = 110) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

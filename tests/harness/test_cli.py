@@ -6,7 +6,7 @@ import re
 import pytest
 
 import tasks
-from harness import cli, config
+from harness import cli, config, screen
 from harness.config import FIELDS, Config, ConfigError
 
 
@@ -95,7 +95,8 @@ def test_the_system_prompt_is_a_flag_and_a_variable_of_the_model_and_task():
     assert "system_prompt" in dict(cli.help_groups(FIELDS))["model and task"]
     flat = " ".join(cli.build_parser("toy", {}, tasks.DEFAULT).format_help().split())
     assert ("it replaces the task's own system message (the command line over the task), else "
-            "comes first; a task of str prompts is refused [default off]") in flat
+            "comes first; a task of str prompts is refused; any text is the message, none, auto "
+            "and '' too [default off]") in flat
     assert not FIELDS["system_prompt"].metadata["resume_free"]   # it changes what is trained
 
 
@@ -278,6 +279,14 @@ def test_the_chess_main_job_gets_its_pretraining_mix_with_no_flag():
     # issue 46 case 6: a task deleted earlier runs without the user asking
     ({"overwrite": True}, "names 'overwrite': only your own --overwrite (or GRPO_OVERWRITE) may"),
     ({"seed": [1]}, "trainer_settings: --seed [1] is not a value a flag takes"),
+    ({"seed": -3}, "trainer_settings: --seed -3 must be in [0, 2**32)"),   # issue 54 case 9
+    # issue 54 case 2: refused naming --out-dir, then --overwrite deleted the task's choice
+    ({"log_completions": "victim/metrics.jsonl"}, "names 'log_completions': only your own "
+     "--log-completions (or GRPO_LOG_COMPLETIONS) may place what the run writes (and --overwrite"),
+    ({"out_dir": "victim"}, "names 'out_dir': only your own --out-dir (or GRPO_OUT_DIR) may place"),
+    # issue 54 case 8: the later name won in silence, where two flags or variables are refused
+    ({"scale_rewards": "batch", "advantage": "rloo"}, "trainer_settings: 'scale_rewards' batch and "
+     "'advantage' rloo: one setting under two names that disagree: give 'advantage' alone"),
     (["ptx_coef"], "trainer_settings must be a dict"),
 ])
 def test_a_bad_declaration_is_refused_naming_the_task_and_the_setting(tmp_path, bad, message):
@@ -298,3 +307,24 @@ def test_a_bad_declaration_is_refused_naming_the_task_and_the_setting(tmp_path, 
 def test_dtype_and_compile_auto_mean_the_fast_path_on_a_gpu_only(argv, dtype, compile):
     cfg = cli.load(["--task", "toy", *argv], {}, tasks.BUILTIN).cfg
     assert (cfg.dtype, cfg.compile) == (dtype, compile)
+
+
+@pytest.mark.parametrize("argv, environ", [(["--seed", "-1"], {}), (["--seed", str(2**32)], {}),
+                                           ([], {"GRPO_SEED": "-5"})])
+def test_a_seed_outside_the_stated_range_is_refused_in_one_line(argv, environ):
+    # issue 54 case 9: numpy's own message, exit 1 (the range is --help's: [0, 2**32))
+    cfg, _ = load(argv, environ)
+    with pytest.raises(ConfigError, match=r"^--seed -?\d+ must be in \[0, 2\*\*32\)$"):
+        config.batch_layout(cfg)
+
+
+@pytest.mark.parametrize("text", ["None", "none", "auto", "off", ""])
+def test_a_system_prompt_is_the_text_given(text):
+    # issue 54 case 6: these meant "no --system-prompt" (the task's own message kept), unsaid;
+    # "" is an empty system message in place of the task's
+    for argv, environ in (["--system-prompt", text], {}), ([], {"GRPO_SYSTEM_PROMPT": text}):
+        assert load(argv, environ)[0].system_prompt == text
+    given = cli.load(["--task", "toy", "--system-prompt", text], environ={}, builtin=tasks.BUILTIN)
+    table = screen.describe(given.cfg, given.options, given.sources,
+                            config.batch_layout(given.cfg))   # settings.txt's
+    assert re.search(rf"--system-prompt +{re.escape(text or repr(text))} +cli\n", table)

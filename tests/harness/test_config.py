@@ -51,7 +51,7 @@ def test_derived_sizes():
     (["--top-k", "-2"], 1, "--top-k -2 must be >= 0"),
     (["--clip-range", "0"], 1, "--clip-range 0.0 must be > 0"),
     (["--kl-coef", "-0.1"], 1, "--kl-coef -0.1 must be >= 0"),
-    (["--learning-rate", "0"], 1, "--learning-rate 0.0 must be > 0"),
+    (["--learning-rate", "0"], 1, "--learning-rate 0.0 must be in (0, 1)"),
     (["--trace-memory", "-2"], 1, "--trace-memory -2 must be >= 0"),
     (["--trace-memory", "1"], 1, "--trace-memory 1: the evidence compares the first traced step with the last"),
     (["--lr-warmup-steps", "5", "--lr-warmup-ratio", "0.1"], 1, "--lr-warmup-steps 5 and --lr-warmup-ratio 0.1: give"),
@@ -89,7 +89,7 @@ def test_cuda_on_a_machine_without_it_is_refused():
 
 # for each range opt(..., must=...) may declare: a value just outside it, and its edge (inside)
 OUTSIDE = {"at least 1": (0, 1), ">= 0": (-1, 0), "> 0": (0.0, 1e-9), "> 1": (1.0, 1.5), "in (0, 1]": (0.0, 1.0),
-           "in [0, 1)": (1.0, 0.0)}
+           "in [0, 1)": (1.0, 0.0), "in (0, 1)": (1.0, 0.5), "in [0, 2**32)": (2**32, 2**32 - 1)}
 
 
 @pytest.mark.parametrize("name", [n for n, f in config.FIELDS.items() if f.metadata["must"]])

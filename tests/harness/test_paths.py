@@ -12,6 +12,7 @@ import tempfile
 import pytest
 
 import tasks
+import train_lean
 from harness import cli, config, paths
 from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, train
 
@@ -108,10 +109,29 @@ def test_a_running_run_locks_every_path_it_writes(tmp_path):
         paths.register(paths.check(second, None), after)
 
 
-def test_a_temp_folder_that_cannot_be_written_leaves_the_paths_unlocked_and_says_so(
+def test_the_lock_holds_under_another_tmpdir_and_through_a_relative_path(tmp_path, monkeypatch):
+    # issue 54 case 1: the registry followed TMPDIR, so a run under another one deleted (with
+    # --overwrite) the --log-completions of a running run; the same file named from another
+    # working directory through a relative path is the same file too
+    shared = tmp_path / "S" / "c.jsonl"
+    shared.parent.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmpA"))
+    with contextlib.ExitStack() as held:
+        paths.register(paths.check(load("--out-dir", str(tmp_path / "a"), "--log-completions",
+                                        str(shared)), None), held)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmpB"))
+        monkeypatch.chdir(tmp_path / "S")
+        second = load("--out-dir", str(tmp_path / "b"), "--log-completions", "c.jsonl")
+        with pytest.raises(config.ConfigError, match=f"--log-completions c.jsonl lands on "
+                                                     f"{shared}, which another run "
+                                                     f"\\(pid {os.getpid()}\\)"):
+            paths.register(paths.check(second, None), contextlib.ExitStack())
+
+
+def test_a_registry_that_cannot_be_written_leaves_the_paths_unlocked_and_says_so(
         tmp_path, monkeypatch, capsys):
     (tmp_path / "file").write_text("")
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "file" / "tmp"))
+    monkeypatch.setattr(paths, "REGISTRY", str(tmp_path / "file" / "runs"))
     with contextlib.ExitStack() as held:
         paths.register(paths.check(load("--out-dir", str(tmp_path / "a")), None), held)
     assert "cannot lock the paths this run writes" in capsys.readouterr().err
@@ -140,3 +160,39 @@ def test_two_runs_and_an_evaluation_on_one_log_file(tiny_model_dir, tmp_path):
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
+
+
+@pytest.mark.parametrize("name, make, said", [
+    ("checkpoints", "file", "is a file, where the run makes a folder, which the run keeps"),
+    ("checkpoints", "dangling", "is a dangling link, where the run makes a folder"),
+    ("model.tmp", "file", "is a file, where the run makes a folder, which the run writes its "
+                          "trained model to first"),
+    ("metrics.jsonl", "folder", "is a folder, where the run makes a file, which --out-dir writes "
+                                "the run's records to"),
+    ("metrics.items.jsonl", "dangling", "is a dangling link, where the run makes a file"),
+    ("memory", "file", "is a file, where the run makes a folder"),
+])
+def test_what_lies_where_the_run_makes_a_path_is_refused_before_the_model_loads(
+        tiny_model_dir, tmp_path, capsys, clean_env, name, make, said):
+    # issue 54 case 3: a file named checkpoints in a fresh --out-dir: every step trained, then
+    # "could not save step 3 ... the steps after the start are lost", exit 1
+    out = tmp_path / "out"
+    out.mkdir()
+    {"file": lambda p: p.write_text("x"), "folder": lambda p: p.mkdir(),
+     "dangling": lambda p: p.symlink_to(tmp_path / "gone")}[make](out / name)
+    with pytest.raises(SystemExit) as exit_:
+        train_lean.main(toy(tiny_model_dir, "--out-dir", str(out)))
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "\n" not in err, err
+    assert err.startswith(f"train_lean.py: error: --out-dir {out}: {out / name} {said}"), err
+    assert err.endswith(": move it away, or pass another --out-dir")
+    assert os.listdir(out) == [name]   # nothing written, nothing loaded
+
+
+def test_a_reporters_folder_counts_only_when_the_run_reports_there(tmp_path):
+    cfg = load("--out-dir", str(tmp_path))
+    (tmp_path / "wandb").write_text("the user's notes")   # --report-to none: never made
+    paths.check_made(cfg, paths.check(cfg, None))
+    with pytest.raises(config.ConfigError, match="wandb is a file, where the run makes a folder"):
+        cfg = load("--out-dir", str(tmp_path), "--report-to", "wandb")
+        paths.check_made(cfg, paths.check(cfg, None))

@@ -10,8 +10,10 @@ import time
 import pytest
 
 import tasks
+import train_lean
 from harness import cli, config, rundir
-from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, train
+from helpers import (EVALUATED_TASK, SMALL, TRAIN, env, line_starting, one_line_error, read_jsonl,
+                     train)
 
 pytestmark = pytest.mark.slow   # concurrent and repeated real runs in one folder
 
@@ -206,3 +208,67 @@ def test_a_local_looking_model_that_is_not_there_is_refused_at_once(tmp_path):
     line = one_line_error(train("--model", "./weights.bin", "--task", "toy", "--out-dir", "run",
                                 cwd=tmp_path))
     assert "--model ./weights.bin is a file: pass the folder that holds the model's" in line
+
+
+@pytest.mark.parametrize("flag", ["--log-file", "--log-completions"])
+def test_a_log_outside_out_dir_that_holds_something_is_named_as_its_flags(
+        tiny_model_dir, tmp_path, capsys, clean_env, flag):
+    # issue 54 case 13: "--out-dir X holds an earlier run's records (PATH): pass another --out-dir,
+    # or --overwrite": another --out-dir could not help
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    with pytest.raises(SystemExit) as exit_:
+        train_lean.main([*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(tmp_path / "out"),
+                         flag, str(notes)])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err == (
+        f"train_lean.py: error: {flag} {notes} holds earlier records ({notes}): the run would "
+        f"overwrite them; pass another {flag}, or --overwrite to replace them")
+    assert notes.read_text() == "my notes\n"
+
+
+# a held-out evaluation long enough to stop a run in, before its first step
+SLOW_EVAL_TASK = """
+import time
+from tasks.toy import ToyTask
+
+class SlowEval(ToyTask):
+    def evaluate(self, complete):
+        time.sleep(300)
+        return {"n": 1}
+"""
+
+
+def test_overwrites_set_aside_is_undone_on_sigterm_and_found_after_kill_9(tiny_model_dir, tmp_path):
+    # issue 54 case 5: SIGTERM in the step-0 evaluation of an --overwrite run died (143) unsaid,
+    # the earlier run left as *.overwritten, which a bare --resume did not find ("no checkpoint")
+    # and a later --overwrite left there
+    out = tmp_path / "out"
+    first = train(*toy(tiny_model_dir), "--steps", "2", "--save-interval", "1", "--out-dir",
+                  str(out))
+    assert first.returncode == 0, first.stderr
+    before = snapshot(out)
+    (tmp_path / "slow.py").write_text(SLOW_EVAL_TASK)
+    argv = [sys.executable, TRAIN, "--model", tiny_model_dir, *SMALL[:-4], "--task",
+            f"{tmp_path / 'slow.py'}:SlowEval", "--eval-interval", "5", "--steps", "1",
+            "--out-dir", str(out), "--overwrite"]
+    for sent in (signal.SIGTERM, signal.SIGKILL):
+        proc = subprocess.Popen(argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        line_starting(proc, "eval at step 0: evaluating", 120)
+        proc.send_signal(sent)
+        _, err = proc.communicate(timeout=60)
+        # SIGTERM: all back as it was, said; kill -9: set aside still, found by the next run
+        assert proc.returncode == (128 + sent if sent == signal.SIGTERM else -sent), err
+        if sent == signal.SIGTERM:
+            assert "stopped (SIGTERM)" in err and "are back as they were" in err, err
+            assert snapshot(out) == before
+    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "3", "--out-dir", str(out),
+                                "--resume"))
+    assert f"{out / 'checkpoints.overwritten'} (and " in line
+    assert "an --overwrite run set these earlier records aside and was killed" in line
+    assert line.endswith("or pass --overwrite to delete them")
+    again = train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out), "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert not [n for n in os.listdir(out) if ".overwritten" in n]
+    assert "checkpoints.overwritten" in again.stderr   # said among what it deleted

@@ -66,6 +66,36 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, args):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args, said", [
+    # issue 54 case 4: the summary overwrote the log it analysed (through a link too), exit 3 unsaid
+    (["--from-log", "a.jsonl", "--summary", "a.jsonl"],
+     "--summary a.jsonl lands on a.jsonl, which --from-log reads: pass another --summary"),
+    (["--from-log", "a.jsonl", "--summary", "link"], "--summary link lands on a.jsonl, which "
+                                                      "--from-log reads"),
+    (["--from-log", "a.jsonl", "--plot", "p.png", "--summary", "p.png"],
+     "--summary p.png lands on p.png, which --plot writes"),
+    (["--trainer", FAKE, "10", "--summary", "run/m.jsonl", "--", "--log-file", "run/m.jsonl"],
+     "--summary run/m.jsonl lands on run/m.jsonl, which the watched run writes"),
+    # issue 54 case 13: "no such file"
+    (["--from-log", "run"], "--from-log run is a folder: pass the run's log, run/metrics.jsonl"),
+])
+def test_an_output_on_an_input_and_a_folder_to_read_are_one_line(tmp_path, args, said):
+    (tmp_path / "a.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "link").symlink_to(tmp_path / "a.jsonl")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    r = monitor(*args, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith(f"monitor_memory.py: error: {said}"), r.stderr
+    assert r.stderr.count("\n") == 1 and (tmp_path / "a.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_the_monitors_own_failure_is_a_traceback_and_no_verdicts_code(tmp_path):
+    # Python's exit status 1 read as the verdict LEAK: a disk that fills as the summary is written
+    (tmp_path / "a.jsonl").write_text('{"step": 1}\n')
+    r = monitor("--from-log", "a.jsonl", "--summary", "/dev/full", cwd=tmp_path)
+    assert r.returncode == 4 and "Traceback" in r.stderr and "No space left" in r.stderr, r.stderr
+
+
 def test_a_sweep_takes_the_group_size_the_task_declares(tmp_path, capsys):
     """It assumed 8 unless --group-size was given."""
     (tmp_path / "four.py").write_text("from tasks.toy import ToyTask\n\nclass Four(ToyTask):\n"

@@ -16,9 +16,9 @@ def test_two_settings_of_two_seeds_make_one_png(tmp_path, capsys):
 
 
 def test_a_setting_without_its_runs_is_a_usage_error(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        plot_ablation.main([str(tmp_path / "x.png"), "no runs"])
-    assert exit_.value.code == 2 and "is not LABEL=PATH" in capsys.readouterr().err
+    assert plot_ablation.main([str(tmp_path / "x.png"), "no runs"]) == 2
+    err = capsys.readouterr().err
+    assert "is not LABEL=PATH" in err and err.count("\n") == 1   # one line, no usage block
 
 
 def write_items(metrics_path, per_step):
@@ -49,6 +49,17 @@ def test_first_without_the_items_it_needs_is_a_usage_error(tmp_path, capsys, cas
         write_items(path, {0: {"p_legal_rate": [1, 0]}, 4: {"p_legal_rate": [1, 0]}, 9: {"p_legal_rate": [1, 1]}})
     if case == "a step without":   # step 4's evaluation has no per-item scores: it would stay on other items
         write_items(path, {0: {"p_legal_rate": [1, 0]}})
-    with pytest.raises(SystemExit) as exit_:
-        plot_ablation.main([str(tmp_path / "x.png"), "--first", "2", f"a={path}"])
-    assert exit_.value.code == 2 and expected in capsys.readouterr().err
+    assert plot_ablation.main([str(tmp_path / "x.png"), "--first", "2", f"a={path}"]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_a_missing_run_or_a_figure_on_its_input_is_one_line(tmp_path, capsys):
+    # plot_run.py's checks (issue 54 case 12): each was a traceback
+    path = write_run(tmp_path / "run", 0.0)
+    (tmp_path / "l.png").symlink_to(path)
+    for argv, said in (([str(tmp_path / "x.png"), f"a={tmp_path / 'none.jsonl'}"], "No such file"),
+                       ([path.replace(".jsonl", ".txt"), f"a={path}"], "not .txt"),
+                       ([str(tmp_path / "l.png"), f"a={path}"], f"lands on {path}")):
+        assert plot_ablation.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("plot_ablation.py: error: ") and said in err, err

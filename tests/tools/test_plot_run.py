@@ -49,3 +49,29 @@ def test_it_labels_what_ran_and_draws_every_metric_with_its_interval(tmp_path, m
     bars = [c for c in right.containers if c.has_yerr]
     assert len(bars) == 1   # acc's, from acc_lo to acc_hi: at step 2, 0.0 to 0.7
     assert bars[0].lines[2][0].get_segments()[1].tolist() == [[2.0, 0.0], [2.0, 0.7]]
+
+
+def test_bad_inputs_and_outputs_are_one_line_and_exit_2(tmp_path, capsys):
+    """Issue 54 case 12: a missing input, a folder, a damaged line or an out.txt output were
+    tracebacks; the figure on its own input overwrote it."""
+    script = plot_run()
+    run = write_run(tmp_path / "run", 0.0)
+    (tmp_path / "damaged.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    (tmp_path / "link.png").symlink_to(run)
+    for argv, said in (
+            ([str(tmp_path / "none.jsonl"), "a.png"], f"{tmp_path / 'none.jsonl'}: No such file"),
+            ([str(tmp_path / "run"), "a.png"], f"{tmp_path / 'run'} is a folder: pass the run's "
+                                               f"metrics file, {run}"),
+            ([str(tmp_path / "damaged.jsonl"), "a.png"], "damaged.jsonl line 2 is not a record of "
+                                                         "a run (a JSON object with its step)"),
+            ([run, str(tmp_path / "out.txt")], "a figure is written as .png (or .pdf, .svg, ...), "
+                                               "not .txt"),
+            ([run, str(tmp_path / "link.png")], f"PNG {tmp_path / 'link.png'} lands on {run}, "
+                                                f"which METRICS reads: pass another PNG")):
+        assert script.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("plot_run.py: error: ") and said in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out.txt").exists() and os.path.getsize(run) > 0
+    torn = tmp_path / "torn.jsonl"   # a run being written: its last line unfinished
+    torn.write_text(open(run).read() + '{"step": 9, "rew')
+    assert script.main([str(torn), str(tmp_path / "torn.png")]) == 0

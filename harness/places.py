@@ -1,0 +1,34 @@
+"""Where paths lie against each other: the one rule of what a program here writes (train_lean.py's
+in harness/paths.py; monitor_memory.py's and scripts/plot_run.py's outputs against their inputs). A
+write may not land on (a link to it and a hard link included), inside or around a path the program
+reads, nor another it writes. It imports nothing heavy: the tools load it at once."""
+import os
+
+WORDS = {"on": "lands on", "inside": "lies inside", "around": "lies around"}
+
+
+def place(a: str, b: str):
+    """Where resolved path a lies against resolved path b: "on" it (the same file, under another
+    name too), "inside" it, "around" it, or None (apart)."""
+    if a == b or os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b):
+        return "on"
+    if a.startswith(b.rstrip(os.sep) + os.sep):
+        return "inside"
+    if b.startswith(a.rstrip(os.sep) + os.sep):
+        return "around"
+    return None
+
+
+def clash(others: list, writes: list):
+    """The one line that refuses a tool's outputs, or None. others: (the flag or argument that names
+    it, the path, what is done there: "reads" or "writes") of what no output may touch; writes:
+    (flag, path) of the outputs, none on another either. A path of None is left out."""
+    outs = [(name, path) for name, path in writes if path is not None]
+    for i, (name, path) in enumerate(outs):
+        for other, other_path, does in (*others, *((n, p, "writes") for n, p in outs[i + 1:])):
+            where = other_path is not None and place(os.path.realpath(path),
+                                                     os.path.realpath(other_path))
+            if where:
+                return (f"{name} {path} {WORDS[where]} {other_path}, which {other} {does}: pass "
+                        f"another {name}")
+    return None
