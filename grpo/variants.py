@@ -28,12 +28,18 @@ DEFAULTS = {
 }
 
 
+# each flag's values as the CLI takes and lists them (grpo/settings.py holds these very dicts): a
+# Table rewrites its flag's when built, so an entry added to one of train_lean.py's is a valid value
+CHOICES = {}
+
+
 class Table(dict):
     """A flag's choices, name -> function (the default's first); a name it lacks: a ValueError."""
 
     def __init__(self, flag: str, entries: dict):
         super().__init__(entries)
         self.flag = flag
+        choices(flag, self)
 
     def __missing__(self, name):
         flag = "--" + self.flag.replace("_", "-")
@@ -41,13 +47,16 @@ class Table(dict):
 
 
 def choices(flag: str, table: dict) -> dict:
-    """flag's choices for the CLI: name -> what it does, the default's first, then each variant's
-    (its docstring, or the table's words)."""
+    """flag's choices for the CLI, CHOICES[flag] made the table's: name -> what it does, the
+    default's first, then each variant's (its docstring, or the table's words)."""
     name, what = DEFAULTS[flag]
     def words(v):   # AGGREGATIONS' entries are (denominator, loss): the first's docstring
         v = v[0] if isinstance(v, tuple) else v
-        return v if isinstance(v, str) else " ".join(v.__doc__.split())
-    return {name: what, **{k: words(v) for k, v in table.items()}}
+        return v if isinstance(v, str) else " ".join((v.__doc__ or "").split())
+    shown = CHOICES.setdefault(flag, {})
+    shown.clear()   # in place: the settings' field holds this dict
+    shown.update({name: what, **{k: words(v) for k, v in table.items() if k != name}})
+    return shown
 
 
 def zero_equal_groups(adv: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

@@ -64,8 +64,9 @@ def test_batch_and_none_scaling():
 
 
 def test_unknown_scaling_is_an_error():
-    with pytest.raises(ValueError):
-        group_advantages(torch.zeros(4), 2, "rank")
+    # a name no variant could take (not "rank": that one may well become a variant some day)
+    with pytest.raises(ValueError, match="--advantage 'no such advantage' is not one of group, "):
+        group_advantages(torch.zeros(4), 2, "no such advantage")
 
 
 def test_rloo_baseline_leaves_each_completion_out():
@@ -788,3 +789,32 @@ def test_every_policy_loss_and_advantage_has_a_formula_test():
                 _, node = tests[name][0]
                 strings = {n.value for n in ast.walk(node) if isinstance(n, ast.Constant)}
                 assert choice in strings or choice == getattr(Config(), field), (name, choice)
+
+
+def test_an_entry_added_to_a_table_of_train_lean_is_a_value_of_its_flag(tiny_model_dir, tmp_path):
+    # the file that says "hack it here" takes the hack: a scratch copy of the repository whose only
+    # change is a new POLICY_LOSSES entry in train_lean.py lists it in --help and runs it
+    import os
+    import subprocess
+    import sys
+    from helpers import REPO, SMALL, TRAIN, env, read_jsonl
+    scratch = tmp_path / "repo"
+    scratch.mkdir()
+    for package in ("grpo", "harness", "tasks"):
+        os.symlink(os.path.join(REPO, package), scratch / package)
+    with open(TRAIN) as f:
+        source = f.read()
+    entry = '{"ppo": clipped_surrogate,'
+    changed = source.replace(entry, entry + ' "mine": clipped_surrogate,')
+    assert changed != source
+    (scratch / "train_lean.py").write_text(changed)
+    command = [sys.executable, str(scratch / "train_lean.py"), "--task", "toy"]
+    helped = subprocess.run([*command, "--help"], capture_output=True, text=True, env=env(),
+                            timeout=120)
+    assert "mine: PPO's -min(r A, clip(r" in " ".join(helped.stdout.split()), helped.stderr
+    out = tmp_path / "out"
+    ran = subprocess.run([*command, "--model", tiny_model_dir, "--policy-loss", "mine", "--steps",
+                          "1", *SMALL, "--out-dir", str(out)], capture_output=True, text=True,
+                         env=env(), timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1]
