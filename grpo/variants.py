@@ -10,7 +10,7 @@ import torch
 
 from grpo import distributed
 from grpo.model import sync_reference
-from grpo.rollout import informative_groups, merge, missing_groups
+from grpo.rollout import flat_groups, merge, missing_groups
 
 # what train_lean.py computes when a flag keeps its default (the CLI's help lists it first)
 DEFAULTS = {
@@ -31,6 +31,7 @@ DEFAULTS = {
 # each flag's values as the CLI takes and lists them (grpo/settings.py holds these very dicts): a
 # Table rewrites its flag's when built, so an entry added to one of train_lean.py's is a valid value
 CHOICES = {}
+TABLES = {}   # flag -> its Table (train_lean.py's): a variant built on the default calls it there
 
 
 class Table(dict):
@@ -38,7 +39,7 @@ class Table(dict):
 
     def __init__(self, flag: str, entries: dict):
         super().__init__(entries)
-        self.flag = flag
+        self.flag, TABLES[flag] = flag, self
         choices(flag, self)
 
     def __missing__(self, name):
@@ -59,27 +60,27 @@ def choices(flag: str, table: dict) -> dict:
     return shown
 
 
-def zero_equal_groups(adv: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """adv [groups, G] with exactly 0 for a group whose rewards r are all equal (set, not computed,
-    so float rounding in a mean cannot leak a tiny gradient)."""
-    return adv.masked_fill(~informative_groups(r.reshape(-1), r.shape[1])[:, None], 0.0)
+def zero_flat_groups(adv: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """adv [groups, G] with exactly 0 for a flat group, whose rewards r are all equal (set, not
+    computed, so float rounding in a mean cannot leak a tiny gradient)."""
+    return adv.masked_fill(flat_groups(r.reshape(-1), r.shape[1])[:, None], 0.0)
 
 
 # ---- advantages (--advantage): r [groups, G] float -> [groups, G] --------------------------------
 
 def batch_std(r, eps, **_):
     """(r - the group's mean) / (the whole batch's std + eps), every device's rows"""
-    return zero_equal_groups((r - r.mean(1, keepdim=True)) / (r.reshape(-1).std() + eps), r)
+    return zero_flat_groups((r - r.mean(1, keepdim=True)) / (r.reshape(-1).std() + eps), r)
 
 
 def mean_only(r, eps, **_):
     """r - the group's mean (Dr. GRPO)"""
-    return zero_equal_groups(r - r.mean(1, keepdim=True), r)
+    return zero_flat_groups(r - r.mean(1, keepdim=True), r)
 
 
 def rloo(r, eps, **_):
     """r - the mean of the group's other rewards (RLOO's leave-one-out baseline), not divided"""
-    return zero_equal_groups(r - (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1), r)
+    return zero_flat_groups(r - (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1), r)
 
 
 def reinforce_pp(r, eps, **_):
@@ -92,23 +93,21 @@ def reinforce_pp_baseline(r, eps, **_):
     """(r - the group's mean) / (the batch's std of those differences + eps)
     (REINFORCE++-baseline)"""
     adv = r - r.mean(1, keepdim=True)
-    return zero_equal_groups(adv / (adv.std() + eps), r)
+    return zero_flat_groups(adv / (adv.std() + eps), r)
 
 
 def maxrl(r, eps, **_):
     """(r - the group's mean) / (the group's mean + eps) (MaxRL): for rewards in {0, 1}, a rare
     success weighs more; a negative mean flips the sign"""
-    return zero_equal_groups((r - r.mean(1, keepdim=True)) / (r.mean(1, keepdim=True) + eps), r)
+    return zero_flat_groups((r - r.mean(1, keepdim=True)) / (r.mean(1, keepdim=True) + eps), r)
 
 
 def gdpo(r, eps, parts=None, weights=None):
     """each --reward-weights part normalised in its group as 'group' does, weighted and summed, then
     divided by the batch's std of the sums + eps (GDPO)"""
-    adv = 0
+    adv, group = 0, TABLES["advantage"]["group"]   # train_lean.py's group_normalised
     for k, w in enumerate(weights):   # apart, a part of small spread is not drowned by a large one
-        p = parts[:, k].float().view(r.shape)
-        normalised = (p - p.mean(1, keepdim=True)) / (p.std(1, keepdim=True) + eps)
-        adv = adv + w * zero_equal_groups(normalised, p)
+        adv = adv + w * group(parts[:, k].float().view(r.shape), eps)
     return adv / (adv.std() + eps)   # the sum's batch mean is 0 already
 
 
@@ -139,6 +138,14 @@ def clip_bounds(cfg) -> tuple:
     return cfg.clip_range, high
 
 
+def clipped_tokens(ratio, adv, cfg) -> tuple:
+    """(low, high) bool: the tokens past the clip on A's side, which get no gradient: ratio below
+    1 - clip-range where A < 0, above 1 + clip-range-high where A > 0 (gmpo: its CLIP_EDGES)."""
+    edges = CLIP_EDGES.get(cfg.policy_loss, lambda low, high: (1 - low, 1 + high))
+    lo, hi = edges(*clip_bounds(cfg))
+    return (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0)
+
+
 def cispo(ratio, t, cfg):
     """-sg(min(r, 1 + clip-range-high)) A logp (CISPO, MiniMax-M1): the weight is capped, not the
     update, so every token keeps a gradient; no lower bound, as in its paper"""
@@ -164,9 +171,8 @@ def gmpo(ratio, t, cfg):
 def clip_cov(ratio, t, cfg):
     """ppo, with --cov-ratio of the mini-batch's tokens, drawn among those whose (A - mean)(logp -
     mean) lies in (--clip-cov-lb, --clip-cov-ub) and the clip left alone, detached (Clip-Cov)"""
-    low, high = clip_bounds(cfg)   # the clipped surrogate (train_lean.py), chosen tokens detached
-    pg = -torch.minimum(ratio * t.adv, torch.clamp(ratio, 1 - low, 1 + high) * t.adv)
-    return torch.where(t.cov_mask, pg.detach(), pg)
+    ppo = TABLES["policy_loss"]["ppo"]   # train_lean.py's clipped surrogate
+    return ppo(torch.where(t.cov_mask, ratio.detach(), ratio), t, cfg)
 
 
 def kl_cov(ratio, t, cfg):
@@ -372,9 +378,8 @@ def covariance_tokens(logp, old_logp, advantages, cfg) -> torch.Tensor:
     if cfg.policy_loss == "kl-cov":
         chosen[torch.topk(cov, min(k, n)).indices] = True
         return chosen
-    (low, high), ratio = clip_bounds(cfg), torch.exp(logp - old_logp)
-    clipped = ((advantages > 0) & (ratio > 1 + high)) | ((advantages < 0) & (ratio < 1 - low))
-    band = torch.nonzero((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~clipped).squeeze(1)
+    low, high = clipped_tokens(torch.exp(logp - old_logp), advantages, cfg)
+    band = torch.nonzero((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~(low | high)).squeeze(1)
     band = band[torch.argsort(cov[band])]
     draw = torch.randperm(band.numel(), generator=torch.Generator().manual_seed(cfg.seed))
     chosen[band[draw[:k]]] = True
@@ -396,7 +401,7 @@ def overlong_penalty(lengths: torch.Tensor, cfg) -> torch.Tensor:
 
 def dynamic_sampling(first, draw, cfg, group_size: int, groups: int, pad_id: int):
     """--dynamic-sampling (DAPO): more rounds (draw(n), scored) while any rank lacks groups whose
-    rewards differ, then the batch of `groups` groups, informative ones first (grpo/rollout.py
+    rewards differ, then the batch of `groups` groups, those not flat first (grpo/rollout.py
     merge). Returns (batch, merge's counts for the record); off: (first, {})."""
     if not cfg.dynamic_sampling:
         return first, {}

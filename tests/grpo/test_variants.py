@@ -1,4 +1,4 @@
-"""The default step's math (train_lean.py) and grpo/variants.py, each piece against its formula: group advantages, DAPO's choice of informative groups, the
+"""The default step's math (train_lean.py) and grpo/variants.py, each piece against its formula: group advantages, DAPO's choice of groups that are not flat, the
 overlong penalty and truncated rows, every loss knob on small hand-made tensors (expected values written out or
 looped naively), and the loss on a real tiny model's completions (accumulation, the first on-policy update)."""
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo.optim import learning_rate
-from grpo.rollout import informative_groups
+from grpo.rollout import flat_groups
 from grpo.variants import covariance_tokens, kl_reward_penalty as _kl_reward_penalty, overlong_penalty, top_entropy_threshold
 from train_lean import KL_ESTIMATORS, RATIOS as RATIO_CHOICES, group_advantages, grpo_loss, k3 as k3_kl, loss_denominator
 
@@ -82,11 +82,11 @@ def test_rloo_baseline_leaves_each_completion_out():
     assert frac == 0.0
 
 
-def test_informative_groups_are_those_with_nonzero_advantages():
+def test_flat_groups_are_those_whose_advantages_are_zero():
     rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.0, 0.5, 0.5000001])
-    assert informative_groups(rewards, 2).tolist() == [False, True, False, True]
-    adv, _ = group_advantages(rewards, 2)
-    assert ((adv.view(-1, 2) != 0).any(1) == informative_groups(rewards, 2)).all()
+    assert flat_groups(rewards, 2).tolist() == [True, False, True, False]
+    adv, frac_zero_std = group_advantages(rewards, 2)
+    assert ((adv.view(-1, 2) == 0).all(1) == flat_groups(rewards, 2)).all() and frac_zero_std == 0.5
 
 
 def test_truncated_rows_by_hand():
