@@ -250,12 +250,19 @@ def throughput(times: dict, step_rows: dict) -> dict:
             "samples_per_s": rows / seconds, "tokens_per_s": step_rows["lengths"].float().sum().item() / seconds}
 
 
+FLAT_SHOWN = 0.5   # the share of flat groups (frac_zero_std) from which the console line says it
+
+
 def step_line(rec: dict, steps: int, eta_s: float = None) -> str:
     """The console line of a step; eta_s: the seconds the run is expected to go on, when known."""
     parts = [f"step {rec['step']}/{steps}"]
     parts += [fmt.format(rec[k]) for k, fmt in STEP_FIELDS if rec.get(k) is not None]
-    if rec.get("reward_errors"):   # beside the reward: failed rewards are scored, not skipped
-        parts.insert(2, f"failed {sum(rec['reward_errors'].values())}")
+    beside = []   # the reward's: failed rewards are scored, not skipped; flat groups teach nothing
+    if rec.get("reward_errors"):
+        beside.append(f"failed {sum(rec['reward_errors'].values())}")
+    if rec.get("frac_zero_std", 0.0) >= FLAT_SHOWN:
+        beside.append(f"flat {rec['frac_zero_std']:.2f}")
+    parts[2:2] = beside
     if eta_s is not None:
         parts.append(f"eta {duration(eta_s)}")
     return " | ".join(parts)

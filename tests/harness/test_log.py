@@ -165,6 +165,16 @@ def test_a_long_evaluation_off_a_terminal_says_it_is_still_going(monkeypatch, ca
     assert all(re.fullmatch(said, line) for line in lines[1:]), lines
 
 
+def test_the_console_line_says_the_share_of_flat_groups_when_half_or_more():
+    """A run whose groups were 81-87% flat for 40 steps showed nothing of it on its console line."""
+    from harness import log
+    rec = {"step": 3, "reward_mean": 0.5, "loss": 0.1, "frac_zero_std": 0.5,
+           "reward_errors": {"ValueError": 2}}
+    assert log.step_line(rec, 9).startswith("step 3/9 | reward 0.500 | failed 2 | flat 0.50 | loss")
+    rec.update(frac_zero_std=0.49, reward_errors={})
+    assert log.step_line(rec, 9) == "step 3/9 | reward 0.500 | loss +0.1000"
+
+
 def test_the_count_moves_as_each_batch_of_a_call_finishes():
     """One complete() call may decode every held-out prompt (4 minutes of chess --eval-only): a
     complete that says its batches (the trainer's) moves the count as each finishes, not at the
