@@ -4,10 +4,11 @@
     python train_lean.py --task toy --help        # every flag (each also a GRPO_<FLAG> variable)
     torchrun --nproc_per_node 2 train_lean.py ... # data-parallel: each process takes whole groups
 
-Off-by-default variants: grpo/variants.py, looked up in the tables below by flag value. Under the
-step: grpo/rollout.py, passes.py, decoders.py, model.py. The harness keeps the run safe and
-recorded, called as `run.<something>`; grpo/ never imports it. `# every rank` marks a call every
-rank makes together under torchrun. The step piece by piece, and why: docs/algorithm.md.
+Off-by-default variants: grpo/variants.py, most looked up in the tables below by flag value (an
+entry added to one is a value of its flag: no other file to touch). Under the step:
+grpo/rollout.py, passes.py, decoders.py, model.py. The harness keeps the run safe and recorded,
+called as `run.<something>`; grpo/ never imports it. `# every rank` marks a call every rank makes
+together under torchrun. The step piece by piece, and why: docs/algorithm.md.
 """
 import functools
 import math

@@ -1,7 +1,12 @@
-"""The off-by-default variants of the GRPO step (train_lean.py holds the default), each a small
-function in a table keyed by its flag value, which the step looks up. A new variant is one function,
-one entry and a formula test (tests/grpo/test_variants.py lists them); its docstring is its --help
-text, and DEFAULTS names what train_lean.py computes for each flag. Why each: docs/algorithm.md.
+"""Most off-by-default variants of the GRPO step (train_lean.py holds the default). A choice among
+several (--advantage, --policy-loss, --importance-level, --kl-estimator, --loss-agg,
+--mismatch-correction) is a small function in a table keyed by its flag value, which the step looks
+up in train_lean.py's tables; a knob that is on or off is a term that pg_terms, loss_terms or
+penalties lists when it is set. The others live where they act: DAPO's merge in grpo/rollout.py, the
+token masks in passes.py, PPO-ptx in ptx.py, LoRA in model.py, Muon and the schedules in optim.py.
+A new choice is one function, one entry (here or in train_lean.py's table) and a formula test
+(tests/grpo/test_variants.py lists them); its docstring is its --help text, and DEFAULTS names what
+train_lean.py computes for each flag. Why each: docs/algorithm.md.
 """
 import math
 import types
@@ -199,16 +204,19 @@ def top_entropy_only(pg, t, cfg):
 
 
 def mismatch_corrected(pg, t, cfg):
-    """--mismatch-correction: each token's term weighed by w = pi_trainer / pi_sampler."""
+    """--mismatch-correction: each token's term weighed by w = pi_trainer / pi_sampler (t.weight,
+    which the statistics read)."""
     t.weight = mismatch_weight(t.train_logp, t.sampler_logp, t.mask, cfg)
-    return pg if t.weight is None else pg.expand_as(t.logp) * t.weight
+    return pg.expand_as(t.logp) * t.weight
 
 
 def pg_terms(cfg, t) -> list:
-    """The terms that change the policy-gradient part of this micro-batch's loss, in order."""
+    """The terms that change the policy-gradient part of this micro-batch's loss, in order: none
+    by default (the sampler's logprobs there are measured, not corrected for)."""
+    corrected = cfg.mismatch_correction != "none" and t.sampler_logp is not None
     return [term for term, on in ((dual_clip, cfg.dual_clip is not None),
                                   (top_entropy_only, t.pg_mask is not None),
-                                  (mismatch_corrected, t.sampler_logp is not None)) if on]
+                                  (mismatch_corrected, corrected)) if on]
 
 
 def entropy_bonus(per_token, t, cfg):
@@ -341,10 +349,7 @@ MISMATCH_CORRECTIONS = {"tis": tis, "token-mask": token_mask, "sequence-mask": s
 
 
 def mismatch_weight(train_logp, sampler_logp, mask, cfg):
-    """The detached weight of each token's policy-gradient term [B, T] ([B, 1] sequence-mask), or
-    None ("none": measured only)."""
-    if cfg.mismatch_correction not in MISMATCH_CORRECTIONS:
-        return None
+    """The detached weight of each token's policy-gradient term [B, T] ([B, 1] sequence-mask)."""
     train = train_logp.detach()
     w = (sequence_ratio(train, sampler_logp, mask) if cfg.mismatch_correction == "sequence-mask"
          else torch.exp(train - sampler_logp))
