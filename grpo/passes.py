@@ -22,8 +22,8 @@ def token_logprobs(model, batch, rows, cfg, autocast, with_entropy: bool = False
 
 def no_grad_pass(model, batch, guard, cfg, autocast, rows=None, entropy: bool = False):
     """The logprobs (entropy: entropies) of the completion tokens of batch's `rows` (None: every
-    row) under model, without gradient, retried with fewer rows after an out-of-memory; a gather over
-    ranks that follows stays outside the retry."""
+    row) under model, without gradient, retried with fewer rows after an out-of-memory; a gather
+    over ranks that follows stays outside the retry."""
     return guard.fit(functools.partial(  # every rank
         _no_grad_pass, model, batch, cfg=cfg, autocast=autocast, rows=rows, entropy=entropy))
 

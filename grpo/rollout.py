@@ -121,8 +121,9 @@ class Rollout:
     # --kl-in reward)
     penalties: dict = dataclasses.field(default_factory=dict)
     shaped_rewards: torch.Tensor = None  # [B] what the advantages are made of: rewards less every penalty
-    part_means: dict = dataclasses.field(default_factory=dict)   # the reward's parts (reward_breakdown), means
-    parts: list = None   # per row, the values of its --reward-weights parts in their order (--advantage gdpo)
+    # the means of the reward's parts (the task's reward_breakdown), by name
+    part_means: dict = dataclasses.field(default_factory=dict)
+    parts: list = None   # per row, its --reward-weights parts' values in order (--advantage gdpo)
     errors: dict = dataclasses.field(default_factory=dict)       # failed rewards by kind
     ref_logp: torch.Tensor = None    # [B, T] the frozen reference's, when the run has a KL penalty
     advantages: torch.Tensor = None  # [B] on the device
@@ -143,7 +144,8 @@ class Rollout:
         return self.completion_mask.shape[1]
 
     def score(self, scorer) -> "Rollout":
-        """Fill rewards, part_means, errors and parts with scorer(prompts, completions) (harness/task.py Scorer)."""
+        """Fill rewards, part_means, errors and parts with scorer(prompts, completions)
+        (harness/task.py Scorer)."""
         rewards, self.part_means, self.errors, self.parts = scorer(self.prompts, self.texts)
         self.rewards = torch.from_numpy(rewards)
         return self
@@ -235,9 +237,9 @@ def merge_rounds(round_rewards: list, group_size: int, groups: int):
     return rows, counts
 
 
-def mean_parts(parts: list) -> dict:
-    """The reward's part means of several rounds or devices (dicts of means), averaged name by name."""
-    return {k: sum(p.get(k, 0.0) for p in parts) / len(parts) for k in parts[0]}
+def mean_parts(means: list) -> dict:
+    """The reward's part means of several rounds or devices (dicts), averaged name by name."""
+    return {k: sum(m.get(k, 0.0) for m in means) / len(means) for k in means[0]}
 
 
 def select_rows(rollouts: list, rows: torch.Tensor, pad_id: int) -> Rollout:

@@ -384,7 +384,8 @@ def covariance_tokens(logp, old_logp, advantages, cfg) -> torch.Tensor:
         chosen[torch.topk(cov, min(k, n)).indices] = True
         return chosen
     low, high = clipped_tokens(torch.exp(logp - old_logp), advantages, cfg)
-    band = torch.nonzero((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~(low | high)).squeeze(1)
+    inside = (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~(low | high)
+    band = torch.nonzero(inside).squeeze(1)
     band = band[torch.argsort(cov[band])]
     draw = torch.randperm(band.numel(), generator=torch.Generator().manual_seed(cfg.seed))
     chosen[band[draw[:k]]] = True

@@ -689,7 +689,8 @@ def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature
     temperature (default 1.0; no top-k/top-p), as one list of n per prompt. Each batch's sampling is seeded by seed
     and its first row (the same at every evaluation of a run: two evaluations differ only by the weights) inside a
     fork of torch's RNG, so training draws afterwards exactly what it would have drawn without the evaluation.
-    progress, when given, is called after each batch with how many prompts have all their completions."""
+    progress, when given, is called after each batch with the count of prompts whose completions are
+    all done."""
     if n is None and temperature is not None:
         raise TaskError(f"complete(prompts, temperature={temperature}) samples only with n, the completions per "
                         f"prompt: complete(prompts, n=8, temperature={temperature})")
@@ -722,8 +723,8 @@ def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature
 
 
 def takes(function, name: str) -> bool:
-    """Whether function takes the keyword `name` (by name, or as **kwargs): a task's evaluate() `full`, a
-    complete() `progress`."""
+    """Whether function takes the keyword `name` (by name, or as **kwargs): a task's evaluate()
+    `full`, a complete() `progress`."""
     try:
         params = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):   # a builtin or C callable without a signature: the one-argument form
@@ -747,7 +748,8 @@ def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_
     t0 = time.perf_counter()
     said = log.EvalProgress(complete, f"eval at step {step}", batched=takes(complete, "progress"))
     with contextlib.closing(said) as counted:   # not silent
-        asked = task.evaluate(counted, full=full) if takes(task.evaluate, "full") else task.evaluate(counted)
+        given = {"full": full} if takes(task.evaluate, "full") else {}
+        asked = task.evaluate(counted, **given)
         result, items = summarise_metrics(check_metrics(asked))
     record = {"kind": "eval", "step": step, **result, "eval_time_s": time.perf_counter() - t0}
     print(eval_table(record, items), flush=True)

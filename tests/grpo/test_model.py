@@ -52,8 +52,9 @@ def test_a_hub_that_cannot_be_reached_is_said_at_once(monkeypatch):
     import time
     import huggingface_hub.constants
     from grpo import model
-    for proxy in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(proxy, raising=False)
+    for scheme in ("https", "http", "all"):
+        for proxy in (f"{scheme}_proxy", f"{scheme.upper()}_PROXY"):
+            monkeypatch.delenv(proxy, raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     with socket.socket() as closed:   # a port just freed: refused
         closed.bind(("127.0.0.1", 0))

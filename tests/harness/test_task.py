@@ -974,14 +974,14 @@ def test_eval_completions_are_seeded_and_leave_torchs_rng_alone(complete_7_rows)
 
 
 def test_eval_completions_say_the_prompts_done_after_each_batch(complete_7_rows):
-    # what moves the evaluation's count (harness/log.py EvalProgress) while one call decodes them all
+    # what moves the evaluation's count (harness/log.py EvalProgress) while one call decodes all
     said = []
     assert complete_7_rows(EVAL_PROMPTS, progress=said.append) == complete_7_rows(EVAL_PROMPTS)
     assert said == [5]   # 5 rows: one batch
     said.clear()
     sampled = complete_7_rows(EVAL_PROMPTS, n=3, temperature=1.0, progress=said.append)
     assert sampled == complete_7_rows(EVAL_PROMPTS, n=3, temperature=1.0)
-    assert said == [2, 4, 5]   # 15 rows in batches of 7, 7, 1: the prompts whose 3 samples are all done
+    assert said == [2, 4, 5]   # 15 rows in batches of 7, 7, 1: prompts whose 3 samples are done
 
 
 @pytest.mark.parametrize("kw, message", [
