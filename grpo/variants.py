@@ -53,15 +53,17 @@ class Table(dict):
 
 
 def choices(flag: str, table: dict) -> dict:
-    """flag's choices for the CLI, CHOICES[flag] made the table's: name -> what it does, the
-    default's first, then each variant's (its docstring, or the table's words)."""
+    """flag's choices for the CLI, CHOICES[flag] made the table's (unless a Table of flag is built:
+    its own stand): name -> what it does, the default's first, then each variant's (its
+    docstring, or the table's words)."""
     name, what = DEFAULTS[flag]
     def words(v):   # AGGREGATIONS' entries are (denominator, loss): the first's docstring
         v = v[0] if isinstance(v, tuple) else v
         return v if isinstance(v, str) else " ".join((v.__doc__ or "").split())
     shown = CHOICES.setdefault(flag, {})
-    shown.clear()   # in place: the settings' field holds this dict
-    shown.update({name: what, **{k: words(v) for k, v in table.items() if k != name}})
+    if TABLES.get(flag, table) is table:
+        shown.clear()   # in place: the settings' field holds this dict
+        shown.update({name: what, **{k: words(v) for k, v in table.items() if k != name}})
     return shown
 
 

@@ -818,3 +818,12 @@ def test_an_entry_added_to_a_table_of_train_lean_is_a_value_of_its_flag(tiny_mod
                          env=env(), timeout=300)
     assert ran.returncode == 0, ran.stderr
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1]
+
+
+def test_the_choices_of_a_flag_are_its_tables_once_built():
+    # grpo/settings.py asks for variants.py's own tables; train_lean.py's, built on import, stand
+    import train_lean
+    from grpo import variants
+    from harness.config import FIELDS
+    variants.choices("policy_loss", {"cispo": variants.cispo})
+    assert list(FIELDS["policy_loss"].metadata["choices"]) == list(train_lean.POLICY_LOSSES)
