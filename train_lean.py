@@ -4,10 +4,11 @@
     python train_lean.py --task toy --help        # every flag (each also a GRPO_<FLAG> variable)
     torchrun --nproc_per_node 2 train_lean.py ... # data-parallel: each process takes whole groups
 
-Off-by-default variants: grpo/variants.py, looked up in the tables below by flag value. Under the
-step: grpo/rollout.py, passes.py, decoders.py, model.py. The harness keeps the run safe and
-recorded, called as `run.<something>`; grpo/ never imports it. `# every rank` marks a call every
-rank makes together under torchrun. The step piece by piece, and why: docs/algorithm.md.
+Off-by-default variants: grpo/variants.py, most looked up in the tables below by flag value (an
+entry added to one is a value of its flag: no other file to touch). Under the step:
+grpo/rollout.py, passes.py, decoders.py, model.py. The harness keeps the run safe and recorded,
+called as `run.<something>`; grpo/ never imports it. `# every rank` marks a call every rank makes
+together under torchrun. The step piece by piece, and why: docs/algorithm.md.
 """
 import functools
 import math
@@ -21,7 +22,7 @@ from grpo import distributed, ptx, variants
 from grpo.model import trainable_parameters
 from grpo.optim import learning_rate, make_optimizer
 from grpo.passes import loss_mask, reference_logprobs, token_logprobs, token_masks, trainer_logprobs
-from grpo.rollout import informative_groups, sample_groups, stream_seed
+from grpo.rollout import flat_groups, sample_groups, stream_seed
 from harness.run import Run
 
 
@@ -31,7 +32,7 @@ def group_normalised(r, eps, **_):
     """r [groups, G]: (r - the group's mean) / (the group's std + eps); 0 for a group whose rewards
     are all equal (set, not computed: float rounding in the mean cannot leak a gradient)."""
     adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
-    return variants.zero_equal_groups(adv, r)
+    return variants.zero_flat_groups(adv, r)
 
 
 ADVANTAGES = variants.Table("advantage", {"group": group_normalised, **variants.ADVANTAGES})
@@ -39,11 +40,11 @@ ADVANTAGES = variants.Table("advantage", {"group": group_normalised, **variants.
 
 def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4,
                      parts=None, weights=None):
-    """[N] advantages of the batch's rewards (groups contiguous), and the share of groups whose
-    rewards are all equal. parts [N, K], weights: the reward's parts, for --advantage gdpo."""
+    """[N] advantages of the batch's rewards (groups contiguous), and the share of flat groups,
+    whose rewards are all equal. parts [N, K], weights: the reward's parts, for --advantage gdpo."""
     r = rewards.float().view(-1, group_size)
     adv = ADVANTAGES[scale](r, eps, parts=parts, weights=weights)
-    return adv.reshape(-1), (~informative_groups(rewards, group_size)).float().mean().item()
+    return adv.reshape(-1), flat_groups(rewards, group_size).float().mean().item()
 
 
 # ---- the loss of a micro-batch: clipped surrogate + k3 KL, token-mean over the mini-batch --------
@@ -115,9 +116,7 @@ def statistics(ratio, t, ref_logp, cfg) -> dict:
     with torch.no_grad():
         ratio, adv, zeros = ratio.expand_as(t.logp), t.adv, torch.zeros_like(t.logp)
         counted = t.mask if t.pg_mask is None else t.mask * t.pg_mask   # with a policy gradient
-        edges = variants.CLIP_EDGES.get(cfg.policy_loss, lambda low, high: (1 - low, 1 + high))
-        lo, hi = edges(*variants.clip_bounds(cfg))
-        low, high = (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0)   # clamped: no gradient
+        low, high = variants.clipped_tokens(ratio, adv, cfg)   # clamped: no gradient
         dual = (adv < 0) & (ratio > (cfg.dual_clip or math.inf))
         stats = {   # the KL always by k3 (low variance), whichever estimator the loss uses
             "kl": zeros if ref_logp is None else k3(t.logp, ref_logp),
@@ -278,7 +277,7 @@ def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer
     # ---- advantages: each completion against its group, every rank's groups ---------------------
     rewards = torch.cat(distributed.gather_objects(batch.shaped_rewards))  # every rank
     parts = None if cfg.advantage != "gdpo" else torch.cat(  # GDPO: each part, weighted
-        distributed.gather_objects(torch.tensor(batch.reward_parts)))  # every rank
+        distributed.gather_objects(torch.tensor(batch.parts)))  # every rank
     adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.advantage, parts=parts,
                                                  weights=list(run.scorer.weights.values()))
     batch.advantages = adv[rank * B:(rank + 1) * B].to(run.device)

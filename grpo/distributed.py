@@ -65,7 +65,8 @@ def any_rank(flag: bool) -> bool:
 
 
 def gather_objects(obj) -> list:
-    """Every rank's picklable `obj`, in rank order (for small things: error counts, log rows)."""
+    """Every rank's picklable `obj`, in rank order, pickled: error counts, log rows, rewards, and
+    with --top-entropy-quantile or Clip-Cov / KL-Cov every loss token's values of a mini-batch."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * world_size()

@@ -6,8 +6,13 @@ Nothing here is GPT-2-specific: any AutoModelForCausalLM whose forward takes pos
 """
 import contextlib
 import copy
+import functools
 import os
+import socket
 import sys
+import threading
+import urllib.parse
+import urllib.request
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -26,6 +31,8 @@ def _from_pretrained(cls, name_or_path: str, **kwargs):
         raise ModelLoadError(f"--model {name_or_path}: no such folder (make a tiny one with "
                              f"`python scripts/make_tiny_model.py {name_or_path}` "
                              f"or give a hub id)")
+    if not looks_local and not hub_reachable():   # the cache alone, at once: no minute of retries
+        kwargs["local_files_only"] = True
     try:
         return cls.from_pretrained(name_or_path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
@@ -36,6 +43,36 @@ def _from_pretrained(cls, name_or_path: str, **kwargs):
         where = "" if looks_local else (" (a hub id needs network access; this machine may be "
                                         "offline: pass a local folder instead)")
         raise ModelLoadError(f"cannot load --model {name_or_path}: {text}{where}") from None
+
+
+HUB_PROBE_S = 5.0   # how long the hub's host has to answer one connection
+
+
+@functools.cache
+def hub_reachable() -> bool:
+    """Whether the hub (HF_ENDPOINT) takes a connection within HUB_PROBE_S, asked once a process;
+    True behind a proxy (not probed), False with HF_HUB_OFFLINE. A hub id on a machine without
+    network is then looked up in the local cache alone, and said at once, where the hub's client
+    retries for most of a minute first."""
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    if url.scheme in urllib.request.getproxies():
+        return True
+    answered, done = [], threading.Event()
+
+    def connect():   # a thread: name resolution takes no timeout
+        try:
+            socket.create_connection((url.hostname, url.port or {"http": 80}.get(url.scheme, 443)),
+                                     timeout=HUB_PROBE_S).close()
+            answered.append(True)
+        except OSError:
+            pass
+        done.set()
+    threading.Thread(target=connect, daemon=True).start()
+    done.wait(HUB_PROBE_S)
+    return bool(answered)
 
 
 def load_config(name_or_path: str):

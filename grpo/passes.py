@@ -20,6 +20,14 @@ def token_logprobs(model, batch, rows, cfg, autocast, with_entropy: bool = False
                                with_entropy=with_entropy)
 
 
+def no_grad_pass(model, batch, guard, cfg, autocast, rows=None, entropy: bool = False):
+    """The logprobs (entropy: entropies) of the completion tokens of batch's `rows` (None: every
+    row) under model, without gradient, retried with fewer rows after an out-of-memory; a gather
+    over ranks that follows stays outside the retry."""
+    return guard.fit(functools.partial(  # every rank
+        _no_grad_pass, model, batch, cfg=cfg, autocast=autocast, rows=rows, entropy=entropy))
+
+
 def _no_grad_pass(model, batch, micro: int, cfg, autocast, rows=None,
                   entropy: bool = False) -> torch.Tensor:
     """Without gradient, micro rows per forward: the logprobs of the completion tokens of batch's
@@ -38,8 +46,7 @@ def reference_logprobs(reference, batch, cfg, autocast, guard) -> torch.Tensor:
     """The reference's logprobs of every completion token, micro rows at a time. reference: a frozen
     copy, or with LoRA the PeftModel (its adapters switched off)."""
     with reference_weights(reference) as model:  # with LoRA: the policy, adapters off
-        return guard.fit(  # every rank
-            functools.partial(_no_grad_pass, model, batch, cfg=cfg, autocast=autocast))
+        return no_grad_pass(model, batch, guard, cfg, autocast)  # every rank
 
 
 def loss_mask(batch, cfg) -> torch.Tensor:
@@ -49,18 +56,10 @@ def loss_mask(batch, cfg) -> torch.Tensor:
     return batch.completion_mask * ~batch.truncated[:, None]
 
 
-def _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, entropy: bool) -> torch.Tensor:
-    """The mini-batch's logprobs (entropy: entropies) [rows, T] before its micro-batches run,
-    retried with fewer rows after an out-of-memory; the gather over ranks that follows stays
-    outside the retry."""
-    return guard.fit(functools.partial(  # every rank
-        _no_grad_pass, policy, batch, cfg=cfg, autocast=autocast, rows=rows, entropy=entropy))
-
-
 def high_entropy_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> torch.Tensor:
     """[B, T] bool: the tokens of the mini-batch `rows` among its top --top-entropy-quantile by
     entropy, the threshold taken over the mini-batch of every device before any micro-batch runs."""
-    entropy = _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, True)  # every rank
+    entropy = no_grad_pass(policy, batch, guard, cfg, autocast, rows, entropy=True)  # every rank
     carried = mask[rows].bool()
     every = distributed.gather_objects(entropy[carried].cpu())  # every rank
     threshold = top_entropy_threshold(torch.cat(every), cfg.top_entropy_quantile)
@@ -73,7 +72,7 @@ def high_covariance_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> t
     """[B, T] bool: the tokens of the mini-batch `rows` that --policy-loss clip-cov or kl-cov acts
     on, chosen over the mini-batch of every device (covariance_tokens) before any micro-batch runs.
     """
-    logp = _mini_batch_pass(policy, batch, rows, guard, cfg, autocast, False)  # every rank
+    logp = no_grad_pass(policy, batch, guard, cfg, autocast, rows)  # every rank
     carried = mask[rows].bool()
     adv = batch.advantages[rows][:, None].expand_as(logp)
     tokens = torch.stack([logp[carried], batch.old_logp[rows][carried], adv[carried]]).cpu()
@@ -104,5 +103,4 @@ def trainer_logprobs(policy, batch, cfg, layout, autocast, guard):
     several updates (each forward gives them itself until the first optimizer step); else None."""
     if cfg.mismatch_correction == "none" or layout.updates_per_step == 1:
         return None
-    return guard.fit(  # every rank
-        functools.partial(_no_grad_pass, policy, batch, cfg=cfg, autocast=autocast))
+    return no_grad_pass(policy, batch, guard, cfg, autocast)  # every rank

@@ -12,15 +12,15 @@ from grpo.decoders import as_ends, generate, is_end
 from grpo.model import context_length, end_ids
 
 
-def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[groups] bool: whether a group's rewards are not all equal (only such a group has
-    advantages).
+def flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[groups] bool: whether a group is flat, its rewards all equal (it carries no signal; the
+    record's frac_zero_std is their share, TRL's name; DAPO's groups_uninformative their count).
 
-    Rows of one group are contiguous. Exact equality, not a tolerance: a group is uninformative
-    exactly when the advantages set its advantages to 0 (grpo/variants.py zero_equal_groups).
+    Rows of one group are contiguous. Exact equality, not a tolerance: a group is flat exactly when
+    the advantages set its advantages to 0 (grpo/variants.py zero_flat_groups).
     """
     r = rewards.float().view(-1, group_size)
-    return r.max(1).values != r.min(1).values
+    return r.max(1).values == r.min(1).values
 
 
 def stream_seed(seed: int, index: int) -> int:
@@ -122,8 +122,9 @@ class Rollout:
     # --kl-in reward)
     penalties: dict = dataclasses.field(default_factory=dict)
     shaped_rewards: torch.Tensor = None  # [B] what the advantages are made of: rewards less every penalty
-    components: dict = dataclasses.field(default_factory=dict)   # the reward's parts (reward_breakdown), means
-    reward_parts: list = None   # per row, its --reward-weights parts in their order (--advantage gdpo)
+    # the means of the reward's parts (the task's reward_breakdown), by name
+    part_means: dict = dataclasses.field(default_factory=dict)
+    parts: list = None   # per row, its --reward-weights parts' values in order (--advantage gdpo)
     errors: dict = dataclasses.field(default_factory=dict)       # failed rewards by kind
     ref_logp: torch.Tensor = None    # [B, T] the frozen reference's, when the run has a KL penalty
     advantages: torch.Tensor = None  # [B] on the device
@@ -144,8 +145,9 @@ class Rollout:
         return self.completion_mask.shape[1]
 
     def score(self, scorer) -> "Rollout":
-        """Fill rewards, components, errors and reward_parts with scorer(prompts, completions) (harness/task.py Scorer)."""
-        rewards, self.components, self.errors, self.reward_parts = scorer(self.prompts, self.texts)
+        """Fill rewards, part_means, errors and parts with scorer(prompts, completions)
+        (harness/task.py Scorer)."""
+        rewards, self.part_means, self.errors, self.parts = scorer(self.prompts, self.texts)
         self.rewards = torch.from_numpy(rewards)
         return self
 
@@ -208,36 +210,37 @@ def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_
                    truncated=truncated_rows(completion_ids, completion_mask, ends))
 
 
-# ---- DAPO's dynamic sampling: the batch made of the informative groups of several rounds ---------
+# ---- DAPO's dynamic sampling: the batch made of the groups that are not flat of several rounds --
 
 def missing_groups(round_rewards: list, group_size: int, groups: int) -> int:
-    """How many informative groups the rounds so far lack for a batch of `groups` (0: enough)."""
-    found = sum(int(informative_groups(r, group_size).sum()) for r in round_rewards)
+    """How many groups that are not flat the rounds so far lack for a batch of `groups` (0:
+    enough)."""
+    found = sum(int((~flat_groups(r, group_size)).sum()) for r in round_rewards)
     return max(0, groups - found)
 
 
 def merge_rounds(round_rewards: list, group_size: int, groups: int):
     """Choose `groups` groups from rounds (round_rewards: a 1-D reward tensor per round, in draw
-    order): informative ones first, then the earliest uninformative (docs/algorithm.md, "Dynamic
+    order): those not flat first, then the earliest flat ones (docs/algorithm.md, "Dynamic
     sampling"). Returns (rows, counts): rows, LongTensor indices of the chosen groups' rows in the
     rounds' rows concatenated, in draw order; counts, groups_drawn, groups_dropped (drawn, not
-    kept), groups_uninformative (kept although uninformative). ValueError if too few were drawn.
+    kept), groups_uninformative (kept although flat). ValueError if too few were drawn.
     """
-    informative = torch.cat([informative_groups(r, group_size) for r in round_rewards])
-    drawn = informative.numel()
+    flat = torch.cat([flat_groups(r, group_size) for r in round_rewards])
+    drawn = flat.numel()
     if drawn < groups:
         raise ValueError(f"{drawn} groups drawn, fewer than the batch's {groups}")
-    order = torch.argsort((~informative).int(), stable=True)  # informative first, each in draw order
+    order = torch.argsort(flat.int(), stable=True)  # those not flat first, each in draw order
     chosen = torch.sort(order[:groups]).values
     rows = (chosen[:, None] * group_size + torch.arange(group_size)).reshape(-1)
     counts = {"groups_drawn": drawn, "groups_dropped": drawn - groups,
-              "groups_uninformative": int((~informative[chosen]).sum())}
+              "groups_uninformative": int(flat[chosen].sum())}
     return rows, counts
 
 
-def mean_components(parts: list) -> dict:
-    """The reward components of several rounds or devices (dicts of means), averaged name by name."""
-    return {k: sum(p.get(k, 0.0) for p in parts) / len(parts) for k in parts[0]}
+def mean_parts(means: list) -> dict:
+    """The reward's part means of several rounds or devices (dicts), averaged name by name."""
+    return {k: sum(m.get(k, 0.0) for m in means) / len(means) for k in means[0]}
 
 
 def select_rows(rollouts: list, rows: torch.Tensor, pad_id: int) -> Rollout:
@@ -273,10 +276,10 @@ def select_rows(rollouts: list, rows: torch.Tensor, pad_id: int) -> Rollout:
 
 def merge(rounds: list, group_size: int, groups: int, pad_id: int):
     """DAPO's dynamic sampling: the batch of `groups` groups from scored generation rounds
-    (merge_rounds chooses them, informative ones first), with the rounds' reward components averaged
+    (merge_rounds chooses them, those not flat first), with the rounds' reward part means averaged
     and errors summed; returns (batch, merge_rounds' counts)."""
     rows, counts = merge_rounds([r.rewards for r in rounds], group_size, groups)
     batch = select_rows(rounds, rows, pad_id)
-    batch.components = mean_components([r.components for r in rounds])
+    batch.part_means = mean_parts([r.part_means for r in rounds])
     batch.errors = dict(sum((Counter(r.errors) for r in rounds), Counter()))
     return batch, counts

@@ -1,7 +1,8 @@
 """The algorithm's settings: every field the GRPO step reads (train_lean.py, grpo/), with its default,
 help, choices and range. harness/config.py's Config adds the run's own (model, task, devices, output,
 checkpoints) to them, and harness/cli.py makes every field a flag --field-name and an override
-GRPO_FIELD_NAME. A variant's knob is a field here; its choices come from grpo/variants.py's tables.
+GRPO_FIELD_NAME. A variant's knob is a field here; a flag's choices are its table's, train_lean.py's
+when it is loaded (grpo/variants.py CHOICES).
 """
 import typing
 from dataclasses import dataclass, field
@@ -17,11 +18,8 @@ def opt(default, help, choices=None, const=None, path=None, auto=False, resume_f
     --resume; resume_fixed="why": may not, even if --resume-allow-change names it; choices: a dict
     name -> what it does, listed in the help; aliases: another trainer's names -> a choice; old_names:
     the field's earlier names, still read (harness/config.py OLD_NAMES); text: its value is prose,
-    taken as given (no word of it means unset)."""
-    if isinstance(choices, dict):
-        help = f"{help}: " + "; ".join(f"{k}: {v}" for k, v in choices.items())
-    if aliases:
-        help += " (also " + ", ".join(f"{k} = {v}" for k, v in aliases.items()) + ")"
+    taken as given (no word of it means unset). The help lists choices and aliases when shown
+    (harness/cli.py), so a Table's entry added later is listed too."""
     return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
                                             "auto": auto, "resume_free": resume_free,
                                             "resume_fixed": resume_fixed, "must": must, "note": note,

@@ -1,7 +1,12 @@
-"""The off-by-default variants of the GRPO step (train_lean.py holds the default), each a small
-function in a table keyed by its flag value, which the step looks up. A new variant is one function,
-one entry and a formula test (tests/grpo/test_variants.py lists them); its docstring is its --help
-text, and DEFAULTS names what train_lean.py computes for each flag. Why each: docs/algorithm.md.
+"""Most off-by-default variants of the GRPO step (train_lean.py holds the default). A choice among
+several (--advantage, --policy-loss, --importance-level, --kl-estimator, --loss-agg,
+--mismatch-correction) is a small function in a table keyed by its flag value, which the step looks
+up in train_lean.py's tables; a knob that is on or off is a term that pg_terms, loss_terms or
+penalties lists when it is set. The others live where they act: DAPO's merge in grpo/rollout.py, the
+token masks in passes.py, PPO-ptx in ptx.py, LoRA in model.py, Muon and the schedules in optim.py.
+A new choice is one function, one entry (here or in train_lean.py's table) and a formula test
+(tests/grpo/test_variants.py lists them); its docstring is its --help text, and DEFAULTS names what
+train_lean.py computes for each flag. Why each: docs/algorithm.md.
 """
 import math
 import types
@@ -10,7 +15,7 @@ import torch
 
 from grpo import distributed
 from grpo.model import sync_reference
-from grpo.rollout import informative_groups, merge, missing_groups
+from grpo.rollout import flat_groups, merge, missing_groups
 
 # what train_lean.py computes when a flag keeps its default (the CLI's help lists it first)
 DEFAULTS = {
@@ -28,12 +33,19 @@ DEFAULTS = {
 }
 
 
+# each flag's values as the CLI takes and lists them (grpo/settings.py holds these very dicts): a
+# Table rewrites its flag's when built, so an entry added to one of train_lean.py's is a valid value
+CHOICES = {}
+TABLES = {}   # flag -> its Table (train_lean.py's): a variant built on the default calls it there
+
+
 class Table(dict):
     """A flag's choices, name -> function (the default's first); a name it lacks: a ValueError."""
 
     def __init__(self, flag: str, entries: dict):
         super().__init__(entries)
-        self.flag = flag
+        self.flag, TABLES[flag] = flag, self
+        choices(flag, self)
 
     def __missing__(self, name):
         flag = "--" + self.flag.replace("_", "-")
@@ -41,36 +53,41 @@ class Table(dict):
 
 
 def choices(flag: str, table: dict) -> dict:
-    """flag's choices for the CLI: name -> what it does, the default's first, then each variant's
-    (its docstring, or the table's words)."""
+    """flag's choices for the CLI, CHOICES[flag] made the table's (unless a Table of flag is built:
+    its own stand): name -> what it does, the default's first, then each variant's (its
+    docstring, or the table's words)."""
     name, what = DEFAULTS[flag]
     def words(v):   # AGGREGATIONS' entries are (denominator, loss): the first's docstring
         v = v[0] if isinstance(v, tuple) else v
-        return v if isinstance(v, str) else " ".join(v.__doc__.split())
-    return {name: what, **{k: words(v) for k, v in table.items()}}
+        return v if isinstance(v, str) else " ".join((v.__doc__ or "").split())
+    shown = CHOICES.setdefault(flag, {})
+    if TABLES.get(flag, table) is table:
+        shown.clear()   # in place: the settings' field holds this dict
+        shown.update({name: what, **{k: words(v) for k, v in table.items() if k != name}})
+    return shown
 
 
-def zero_equal_groups(adv: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """adv [groups, G] with exactly 0 for a group whose rewards r are all equal (set, not computed,
-    so float rounding in a mean cannot leak a tiny gradient)."""
-    return adv.masked_fill(~informative_groups(r.reshape(-1), r.shape[1])[:, None], 0.0)
+def zero_flat_groups(adv: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """adv [groups, G] with exactly 0 for a flat group, whose rewards r are all equal (set, not
+    computed, so float rounding in a mean cannot leak a tiny gradient)."""
+    return adv.masked_fill(flat_groups(r.reshape(-1), r.shape[1])[:, None], 0.0)
 
 
 # ---- advantages (--advantage): r [groups, G] float -> [groups, G] --------------------------------
 
 def batch_std(r, eps, **_):
     """(r - the group's mean) / (the whole batch's std + eps), every device's rows"""
-    return zero_equal_groups((r - r.mean(1, keepdim=True)) / (r.reshape(-1).std() + eps), r)
+    return zero_flat_groups((r - r.mean(1, keepdim=True)) / (r.reshape(-1).std() + eps), r)
 
 
 def mean_only(r, eps, **_):
     """r - the group's mean (Dr. GRPO)"""
-    return zero_equal_groups(r - r.mean(1, keepdim=True), r)
+    return zero_flat_groups(r - r.mean(1, keepdim=True), r)
 
 
 def rloo(r, eps, **_):
     """r - the mean of the group's other rewards (RLOO's leave-one-out baseline), not divided"""
-    return zero_equal_groups(r - (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1), r)
+    return zero_flat_groups(r - (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1), r)
 
 
 def reinforce_pp(r, eps, **_):
@@ -83,23 +100,21 @@ def reinforce_pp_baseline(r, eps, **_):
     """(r - the group's mean) / (the batch's std of those differences + eps)
     (REINFORCE++-baseline)"""
     adv = r - r.mean(1, keepdim=True)
-    return zero_equal_groups(adv / (adv.std() + eps), r)
+    return zero_flat_groups(adv / (adv.std() + eps), r)
 
 
 def maxrl(r, eps, **_):
     """(r - the group's mean) / (the group's mean + eps) (MaxRL): for rewards in {0, 1}, a rare
     success weighs more; a negative mean flips the sign"""
-    return zero_equal_groups((r - r.mean(1, keepdim=True)) / (r.mean(1, keepdim=True) + eps), r)
+    return zero_flat_groups((r - r.mean(1, keepdim=True)) / (r.mean(1, keepdim=True) + eps), r)
 
 
 def gdpo(r, eps, parts=None, weights=None):
     """each --reward-weights part normalised in its group as 'group' does, weighted and summed, then
     divided by the batch's std of the sums + eps (GDPO)"""
-    adv = 0
+    adv, group = 0, TABLES["advantage"]["group"]   # train_lean.py's group_normalised
     for k, w in enumerate(weights):   # apart, a part of small spread is not drowned by a large one
-        p = parts[:, k].float().view(r.shape)
-        normalised = (p - p.mean(1, keepdim=True)) / (p.std(1, keepdim=True) + eps)
-        adv = adv + w * zero_equal_groups(normalised, p)
+        adv = adv + w * group(parts[:, k].float().view(r.shape), eps)
     return adv / (adv.std() + eps)   # the sum's batch mean is 0 already
 
 
@@ -130,6 +145,14 @@ def clip_bounds(cfg) -> tuple:
     return cfg.clip_range, high
 
 
+def clipped_tokens(ratio, adv, cfg) -> tuple:
+    """(low, high) bool: the tokens past the clip on A's side, which get no gradient: ratio below
+    1 - clip-range where A < 0, above 1 + clip-range-high where A > 0 (gmpo: its CLIP_EDGES)."""
+    edges = CLIP_EDGES.get(cfg.policy_loss, lambda low, high: (1 - low, 1 + high))
+    lo, hi = edges(*clip_bounds(cfg))
+    return (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0)
+
+
 def cispo(ratio, t, cfg):
     """-sg(min(r, 1 + clip-range-high)) A logp (CISPO, MiniMax-M1): the weight is capped, not the
     update, so every token keeps a gradient; no lower bound, as in its paper"""
@@ -155,9 +178,8 @@ def gmpo(ratio, t, cfg):
 def clip_cov(ratio, t, cfg):
     """ppo, with --cov-ratio of the mini-batch's tokens, drawn among those whose (A - mean)(logp -
     mean) lies in (--clip-cov-lb, --clip-cov-ub) and the clip left alone, detached (Clip-Cov)"""
-    low, high = clip_bounds(cfg)   # the clipped surrogate (train_lean.py), chosen tokens detached
-    pg = -torch.minimum(ratio * t.adv, torch.clamp(ratio, 1 - low, 1 + high) * t.adv)
-    return torch.where(t.cov_mask, pg.detach(), pg)
+    ppo = TABLES["policy_loss"]["ppo"]   # train_lean.py's clipped surrogate
+    return ppo(torch.where(t.cov_mask, ratio.detach(), ratio), t, cfg)
 
 
 def kl_cov(ratio, t, cfg):
@@ -184,16 +206,19 @@ def top_entropy_only(pg, t, cfg):
 
 
 def mismatch_corrected(pg, t, cfg):
-    """--mismatch-correction: each token's term weighed by w = pi_trainer / pi_sampler."""
+    """--mismatch-correction: each token's term weighed by w = pi_trainer / pi_sampler (t.weight,
+    which the statistics read)."""
     t.weight = mismatch_weight(t.train_logp, t.sampler_logp, t.mask, cfg)
-    return pg if t.weight is None else pg.expand_as(t.logp) * t.weight
+    return pg.expand_as(t.logp) * t.weight
 
 
 def pg_terms(cfg, t) -> list:
-    """The terms that change the policy-gradient part of this micro-batch's loss, in order."""
+    """The terms that change the policy-gradient part of this micro-batch's loss, in order: none
+    by default (the sampler's logprobs there are measured, not corrected for)."""
+    corrected = cfg.mismatch_correction != "none" and t.sampler_logp is not None
     return [term for term, on in ((dual_clip, cfg.dual_clip is not None),
                                   (top_entropy_only, t.pg_mask is not None),
-                                  (mismatch_corrected, t.sampler_logp is not None)) if on]
+                                  (mismatch_corrected, corrected)) if on]
 
 
 def entropy_bonus(per_token, t, cfg):
@@ -326,10 +351,7 @@ MISMATCH_CORRECTIONS = {"tis": tis, "token-mask": token_mask, "sequence-mask": s
 
 
 def mismatch_weight(train_logp, sampler_logp, mask, cfg):
-    """The detached weight of each token's policy-gradient term [B, T] ([B, 1] sequence-mask), or
-    None ("none": measured only)."""
-    if cfg.mismatch_correction not in MISMATCH_CORRECTIONS:
-        return None
+    """The detached weight of each token's policy-gradient term [B, T] ([B, 1] sequence-mask)."""
     train = train_logp.detach()
     w = (sequence_ratio(train, sampler_logp, mask) if cfg.mismatch_correction == "sequence-mask"
          else torch.exp(train - sampler_logp))
@@ -363,9 +385,9 @@ def covariance_tokens(logp, old_logp, advantages, cfg) -> torch.Tensor:
     if cfg.policy_loss == "kl-cov":
         chosen[torch.topk(cov, min(k, n)).indices] = True
         return chosen
-    (low, high), ratio = clip_bounds(cfg), torch.exp(logp - old_logp)
-    clipped = ((advantages > 0) & (ratio > 1 + high)) | ((advantages < 0) & (ratio < 1 - low))
-    band = torch.nonzero((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~clipped).squeeze(1)
+    low, high = clipped_tokens(torch.exp(logp - old_logp), advantages, cfg)
+    inside = (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~(low | high)
+    band = torch.nonzero(inside).squeeze(1)
     band = band[torch.argsort(cov[band])]
     draw = torch.randperm(band.numel(), generator=torch.Generator().manual_seed(cfg.seed))
     chosen[band[draw[:k]]] = True
@@ -387,7 +409,7 @@ def overlong_penalty(lengths: torch.Tensor, cfg) -> torch.Tensor:
 
 def dynamic_sampling(first, draw, cfg, group_size: int, groups: int, pad_id: int):
     """--dynamic-sampling (DAPO): more rounds (draw(n), scored) while any rank lacks groups whose
-    rewards differ, then the batch of `groups` groups, informative ones first (grpo/rollout.py
+    rewards differ, then the batch of `groups` groups, those not flat first (grpo/rollout.py
     merge). Returns (batch, merge's counts for the record); off: (first, {})."""
     if not cfg.dynamic_sampling:
         return first, {}

@@ -108,7 +108,11 @@ def _help(f, default_task: str, declared: dict = None, task_name: str = "") -> s
     """A flag's help with its default and its range: "[default 64; at least 1]". An unset default is "off",
     unless the help says what it comes to ("(default: batch)"); a value the task declares is shown as its default
     ("[default 1.0 (--task chess); >= 0]")."""
-    text = f.metadata.get("help", "")
+    text, choices = f.metadata.get("help", ""), f.metadata.get("choices")
+    if isinstance(choices, dict):   # read now: train_lean.py's tables have filled them
+        text = f"{text}: " + "; ".join(f"{k}: {v}" for k, v in choices.items())
+    if f.metadata.get("aliases"):
+        text += " (also " + ", ".join(f"{k} = {v}" for k, v in f.metadata["aliases"].items()) + ")"
     if f.name in (declared or {}):
         default = f"{_spelt(declared[f.name])} (--task {task_name})"
     elif f.name == "task":

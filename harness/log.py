@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from grpo import distributed
-from grpo.rollout import mean_components
+from grpo.rollout import mean_parts
 
 
 def open_jsonl(path: str, append: bool = False):
@@ -63,15 +63,17 @@ class EvalProgress:
     """complete(prompts, ...) of an evaluation, said: a line when it starts, and on a terminal a
     running count of the prompts completed (how many the task asks for is not known in advance); off
     a terminal (a log file, make) a line every EVERY_S seconds, so a long evaluation is not silence.
-    close() ends the count. What was asked is kept too: `asked` prompts, in order, whose digest()
-    names the held-out items (two evaluations of the same items can be compared item by item;
-    compare_runs.py refuses others)."""
+    The count moves as each of complete()'s batches finishes when complete takes `progress` (the
+    trainer's: harness/task.py eval_completions), else as each call returns. close() ends the count.
+    What was asked is kept too: `asked` prompts, in order, whose digest() names the held-out items
+    (two evaluations of the same items can be compared item by item; compare_runs.py refuses
+    others)."""
 
     EVERY_S = 60.0
 
-    def __init__(self, complete, what: str):
+    def __init__(self, complete, what: str, batched: bool = False):
         print(f"{what}: evaluating ...", flush=True)
-        self.complete, self.what = complete, what
+        self.complete, self.what, self.batched = complete, what, batched
         self.asked, self.done, self.hash = 0, 0, hashlib.sha256()
         # redrawn at every call: one call decodes a whole batch of prompts, never too often to show
         self.bar = tqdm(desc=what, unit=" prompts", disable=not sys.stderr.isatty(), file=sys.stderr, leave=False,
@@ -91,10 +93,16 @@ class EvalProgress:
             text = _hashed(prompt).encode("utf-8", "surrogatepass")
             self.hash.update(len(text).to_bytes(8, "little") + text)
         self.asked += len(prompts)
+        before = self.done
+        if self.batched:   # prompts finished so far in this call
+            kwargs["progress"] = lambda finished: self._count(before + finished)
         texts = self.complete(prompts, *args, **kwargs)
-        self.bar.update(len(prompts))
-        self.done += len(prompts)
+        self._count(before + len(prompts))
         return texts
+
+    def _count(self, done: int) -> None:
+        self.bar.update(done - self.done)
+        self.done = done
 
     def digest(self) -> str:
         return self.hash.hexdigest()
@@ -188,7 +196,7 @@ def device_part(batch, scorer, with_rows: bool) -> dict:
     rewards, lengths, reward parts and failures, and with_rows (--log-completions) every row."""
     lengths = batch.completion_mask.sum(1).cpu()
     out = {"rewards": batch.rewards, "lengths": lengths, "truncated": batch.truncated.cpu(),
-           "components": batch.components, "errors": batch.errors, **scorer.to_gather(),
+           "part_means": batch.part_means, "errors": batch.errors, **scorer.to_gather(),
            "penalties": batch.penalties}   # what reward shaping took off the rewards, by name
     if with_rows:
         out["rows"] = list(zip(batch.prompts, batch.texts, lengths.tolist(),
@@ -198,11 +206,11 @@ def device_part(batch, scorer, with_rows: bool) -> dict:
 
 def whole_step(parts: list) -> dict:
     """The step over every device, from device_part() of each in rank order: rows concatenated (the rewards and
-    each penalty reward shaping took off them), reward components averaged over the devices,
+    each penalty reward shaping took off them), the reward's part means averaged over the devices,
     errors and scored rows summed, and of each reward failure's report the lowest rank's."""
     out = {k: torch.cat([s[k] for s in parts]) for k in ("rewards", "lengths", "truncated")}
     out["penalties"] = {k: torch.cat([s["penalties"][k] for s in parts]) for k in parts[0]["penalties"]}
-    out["components"] = mean_components([s["components"] for s in parts])
+    out["part_means"] = mean_parts([s["part_means"] for s in parts])
     out["errors"] = dict(sum((Counter(s["errors"]) for s in parts), Counter()))
     out["scored"] = sum(s["scored"] for s in parts)
     out["reports"] = {k: v for s in reversed(parts) for k, v in s["reports"].items()}
@@ -220,15 +228,15 @@ def write_completions(f, step: int, step_rows: dict) -> None:
 def batch_stats(step_rows: dict, group_size: int) -> dict:
     """What a step's record says about its batch (every device's rows, whole_step()'s): the reward over the batch
     and its spread within groups (the spread the advantages are made of; the unbiased std, as the advantages
-    divide by), completion lengths (EOS included) and the share cut off at max_new_tokens, the reward's
-    components, reward errors, and each penalty reward shaping took off the rewards (overlong_penalty,
+    divide by), completion lengths (EOS included) and the share cut off at max_new_tokens, the means of
+    the reward's parts, reward errors, and each penalty reward shaping took off the rewards (overlong_penalty,
     kl_reward_penalty: the task's reward_mean is before them)."""
     rewards, lengths = step_rows["rewards"].float(), step_rows["lengths"].float()
     out = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
            "reward_std_group": rewards.view(-1, group_size).std(1).mean().item(),
            "completion_len_min": lengths.min().item(), "completion_len_mean": lengths.mean().item(),
            "completion_len_max": lengths.max().item(), "truncated_frac": step_rows["truncated"].float().mean().item(),
-           **{f"reward_{k}": v for k, v in step_rows["components"].items()}}
+           **{f"reward_{k}": v for k, v in step_rows["part_means"].items()}}
     if step_rows["errors"]:
         out["reward_errors"] = step_rows["errors"]
     out.update({name: values.float().mean().item() for name, values in step_rows["penalties"].items()})
@@ -242,12 +250,19 @@ def throughput(times: dict, step_rows: dict) -> dict:
             "samples_per_s": rows / seconds, "tokens_per_s": step_rows["lengths"].float().sum().item() / seconds}
 
 
+FLAT_SHOWN = 0.5   # the share of flat groups (frac_zero_std) from which the console line says it
+
+
 def step_line(rec: dict, steps: int, eta_s: float = None) -> str:
     """The console line of a step; eta_s: the seconds the run is expected to go on, when known."""
     parts = [f"step {rec['step']}/{steps}"]
     parts += [fmt.format(rec[k]) for k, fmt in STEP_FIELDS if rec.get(k) is not None]
-    if rec.get("reward_errors"):   # beside the reward: failed rewards are scored, not skipped
-        parts.insert(2, f"failed {sum(rec['reward_errors'].values())}")
+    beside = []   # the reward's: failed rewards are scored, not skipped; flat groups teach nothing
+    if rec.get("reward_errors"):
+        beside.append(f"failed {sum(rec['reward_errors'].values())}")
+    if rec.get("frac_zero_std", 0.0) >= FLAT_SHOWN:
+        beside.append(f"flat {rec['frac_zero_std']:.2f}")
+    parts[2:2] = beside
     if eta_s is not None:
         parts.append(f"eta {duration(eta_s)}")
     return " | ".join(parts)

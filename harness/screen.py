@@ -122,7 +122,7 @@ def _kl(cfg, sources) -> str:
     chosen = " (the default in the reward; --kl-estimator names another)" if (
         cfg.kl_in == "reward" and sources["kl_estimator"] == "default") else ""
     adaptive = f", steered toward KL {cfg.kl_target:g} (--kl-target)" if cfg.kl_target else ""
-    place = variants.choices("kl_in", variants.KL_PLACES)[cfg.kl_in]
+    place = variants.CHOICES["kl_in"][cfg.kl_in]
     return f"{cfg.kl_coef:g} x {cfg.kl_estimator}{chosen} {place}{adaptive}"
 
 

@@ -8,7 +8,7 @@ A task is any object with
                                                           1.0 / 0.0) of the prompt as prompts()
                                                           gave it and the completion's text
 and optionally
-    reward_breakdown(prompt, completion) -> dict[str, float]   the reward's components (and "reward")
+    reward_breakdown(prompt, completion) -> dict[str, float]   the reward's parts (and "reward")
     reward_parts: tuple[str, ...]         every name reward_breakdown may give: --reward-weights is then checked
                                           at start-up, and each step's parts against it (undeclared, a weight's
                                           name is checked against the first step's parts, which a mixture of
@@ -402,7 +402,7 @@ def _short(value, width: int = 40) -> str:
 
 def score(task, prompts, completions, failures: dict = None, weights: dict = None,
           rows: list = None, group_size: int = None):
-    """Score completions. Returns (rewards [n] float32, component means, error counts by kind).
+    """Score completions. Returns (rewards [n] float32, part means, error counts by kind).
 
     A reward that fails gets the task's min_reward, or where the task declares none, 1 below the
     lowest valid reward of its group (group_size rows in a row; default: all of them; 0 when none is
@@ -417,14 +417,14 @@ def score(task, prompts, completions, failures: dict = None, weights: dict = Non
     floor = 0.0 if declared is None else float(declared)
     errors, failed = Counter(), []
     breakdown = getattr(task, "reward_breakdown", None)
-    components, reported = Counter(), Counter()
+    sums, reported = Counter(), Counter()
     rewards = []
     for p, c in zip(prompts, completions):
         values = [floor] * len(weights or ())
         try:
             if breakdown is not None:
                 parts = breakdown(p, c)
-                components.update({k: _number(v) for k, v in parts.items()})
+                sums.update({k: _number(v) for k, v in parts.items()})
                 reported.update(parts.keys())
                 if weights:
                     values = [_number(parts.get(k, 0.0)) for k in weights]
@@ -443,9 +443,9 @@ def score(task, prompts, completions, failures: dict = None, weights: dict = Non
         rewards.append(r)
         if rows is not None:
             rows.append(values)
-    # Each component is averaged over the completions that report it: in a task mixture the
-    # components of one kind are means over that kind's completions, not diluted by the others.
-    means = {k: v / reported[k] for k, v in components.items() if k != "reward"}
+    # Each part is averaged over the completions that report it: in a task mixture the parts of
+    # one kind are means over that kind's completions, not diluted by the others.
+    means = {k: v / reported[k] for k, v in sums.items() if k != "reward"}
     rewards = np.asarray(rewards, dtype=np.float32)
     if failed and declared is None:   # a default of 0 gave a crash a positive advantage beside
         mask = np.zeros(len(rewards), dtype=bool)   # rewards below 0
@@ -482,7 +482,7 @@ class Scorer:
         self.scored, self.failures = 0, {}
 
     def __call__(self, prompts, completions):
-        """(rewards, component means, errors by kind, and with --reward-weights each row's parts, else None)."""
+        """(rewards, part means, errors by kind, and with --reward-weights each row's parts, else None)."""
         self.scored += len(completions)
         rows = [] if self.weights else None
         return (*score(self.task, prompts, completions, self.failures, self.weights, rows,
@@ -507,14 +507,14 @@ class Scorer:
                                 f"completions as failures and go on")
             raise error from (None if isinstance(e, NotANumber) else e.with_traceback(_from_task(e)))
         declared = getattr(self.task, "reward_parts", None)
-        undeclared = [k for k in step_rows["components"] if declared is not None and k not in declared]
+        undeclared = [k for k in step_rows["part_means"] if declared is not None and k not in declared]
         if undeclared:   # a declaration the breakdown outgrew would pass a weight's typo at start-up
             raise RewardError(f"step {step}: the task's reward_breakdown gave {', '.join(undeclared)}, which its "
                               f"reward_parts ({', '.join(declared)}) do not name: declare every part")
-        unknown = [k for k in self.weights if k != "reward" and k not in step_rows["components"]]
-        if unknown and step_rows["components"] and not self.steps and declared is None:   # a typo: 0 all run long
+        unknown = [k for k in self.weights if k != "reward" and k not in step_rows["part_means"]]
+        if unknown and step_rows["part_means"] and not self.steps and declared is None:   # a typo: 0 all run long
             raise RewardError(f"--reward-weights names {', '.join(unknown)}: no completion of step {step} reported "
-                              f"such a part (the task's reward_breakdown gave {', '.join(step_rows['components'])})")
+                              f"such a part (the task's reward_breakdown gave {', '.join(step_rows['part_means'])})")
         for kind in sorted(errors.keys() - self.shown):   # each kind new to the run, the lowest rank's first
             log.warn(f"step {step}: the task's reward {step_rows['reports'][kind]}")
             self.shown.add(kind)
@@ -689,13 +689,16 @@ def sampled_metrics(complete, prompts: list, correct, k: int, n: int = None, tem
 
 
 def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature: float = None, *, prepend_bos: bool,
-                     max_new_tokens: int, batch: int, seed: int = 0, device=None, autocast=None) -> list:
+                     max_new_tokens: int, batch: int, seed: int = 0, device=None, autocast=None,
+                     progress=None) -> list:
     """Completions for evaluation (a task's evaluate(complete)), not training, `batch` rows at a time.
 
     Without n: the greedy completion of each prompt (list[str]). With n: n completions of each prompt sampled at
     temperature (default 1.0; no top-k/top-p), as one list of n per prompt. Each batch's sampling is seeded by seed
     and its first row (the same at every evaluation of a run: two evaluations differ only by the weights) inside a
-    fork of torch's RNG, so training draws afterwards exactly what it would have drawn without the evaluation."""
+    fork of torch's RNG, so training draws afterwards exactly what it would have drawn without the evaluation.
+    progress, when given, is called after each batch with the count of prompts whose completions are
+    all done."""
     if n is None and temperature is not None:
         raise TaskError(f"complete(prompts, temperature={temperature}) samples only with n, the completions per "
                         f"prompt: complete(prompts, n=8, temperature={temperature})")
@@ -722,6 +725,8 @@ def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature
             out_ids, out_mask, _ = generate(model, row_ids, mask, end_ids=ends, max_new_tokens=max_new_tokens,
                                             temperature=sample_at, autocast=autocast)
             texts += decode_completions(tokenizer, out_ids, out_mask, ends)
+            if progress is not None:
+                progress(len(texts) // (n or 1))
     return texts if n is None else [texts[i:i + n] for i in range(0, len(texts), n)]
 
 
@@ -735,13 +740,14 @@ def _listed(complete, prompts, *args, **kwargs):
     return complete(list(prompts), *args, **kwargs)
 
 
-def takes_full(evaluate) -> bool:
-    """Whether a task's evaluate() takes the `full` argument (by name, or as **kwargs)."""
+def takes(function, name: str) -> bool:
+    """Whether function takes the keyword `name` (by name, or as **kwargs): a task's evaluate()
+    `full`, a complete() `progress`."""
     try:
-        params = inspect.signature(evaluate).parameters.values()
+        params = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):   # a builtin or C callable without a signature: the one-argument form
         return False
-    return any(p.name == "full" or p.kind is p.VAR_KEYWORD for p in params)
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_path: str = None,
@@ -755,13 +761,13 @@ def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_
     (harness/log.py items_path: what compare_runs.py pairs), with a hash of the prompts the evaluation asked for,
     which says whether two evaluations scored the same items, and the task's identity
     (identity). full (the run's first and last evaluation, --eval-only) is passed on to a task whose
-    evaluate() takes it (takes_full). Rank 0 alone calls it: nothing here waits on
+    evaluate() takes it (takes). Rank 0 alone calls it: nothing here waits on
     another rank."""
     t0 = time.perf_counter()
-    with contextlib.closing(log.EvalProgress(complete, f"eval at step {step}")) as counted:   # said, not silent
-        listed = functools.partial(_listed, counted)
-        asked = task.evaluate(listed, full=full) if takes_full(task.evaluate) else \
-            task.evaluate(listed)
+    said = log.EvalProgress(complete, f"eval at step {step}", batched=takes(complete, "progress"))
+    with contextlib.closing(said) as counted:   # said, not silent
+        given = {"full": full} if takes(task.evaluate, "full") else {}
+        asked = task.evaluate(functools.partial(_listed, counted), **given)
         result, items = summarise_metrics(check_metrics(asked))
     record = {"kind": "eval", "step": step, **result, "eval_time_s": time.perf_counter() - t0}
     print(eval_table(record, items), flush=True)

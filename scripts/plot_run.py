@@ -3,7 +3,7 @@
     python scripts/plot_run.py out/default-run/metrics.jsonl docs/default_run.png
     python scripts/plot_run.py out/run-s0/metrics.jsonl out/run-s1/metrics.jsonl docs/two_seeds.png
 
-Step records give the mean reward (and its P:/A: components where logged); records with
+Step records give the mean reward (and its P:/A: parts where logged); records with
 "kind": "eval" (from --eval-interval) give the task's held-out metrics, every one, drawn as points
 with lines and, for a metric given per item, its 95% interval. The title says what ran (--task and
 --model, from the settings.txt beside a metrics file) unless --title names it.

@@ -15,7 +15,7 @@ A: (computed with python-chess alone)
     truncated   0.1
     Gate: a completion that fails a format check earns its format credit only (at most 0.08), less
     than any well-formed completion (at least 0.1). Any single wrong character lowers at least one
-    component, so only the exact completion scores 1.0.
+    part, so only the exact completion scores 1.0.
 
 P: (scored against Stockfish: fixed depth, multi-PV 5)
     best move   0.5   rank among the engine's top 5: 1.0, 0.8, 0.65, 0.55, 0.45; another legal
@@ -67,7 +67,7 @@ def reached_boards(board: chess.Board) -> set[str]:
     return out
 
 
-def env_components(expected: str, completion: str, start: chess.Board,
+def env_parts(expected: str, completion: str, start: chess.Board,
                    similarity_share: float = FEN_SIMILARITY_SHARE) -> dict[str, float]:
     """Credits in [0, 1] for an A: completion against the exact one (trailing whitespace ignored);
     `start` is the prompt's position, `similarity_share` what a near miss's FEN can earn at most."""
@@ -87,13 +87,13 @@ def env_components(expected: str, completion: str, start: chess.Board,
 
 
 def env_reward(parts: dict[str, float]) -> float:
-    """The A: reward from its components, with the format gate."""
+    """The A: reward from its parts, with the format gate."""
     if parts["format"] < 1.0:
         return ENV_WEIGHTS["format"] * parts["format"]
     return sum(ENV_WEIGHTS[k] * parts[k] for k in ENV_WEIGHTS)
 
 
-def policy_components(board, analysis, completion: str) -> tuple[dict[str, float], bool]:
+def policy_parts(board, analysis, completion: str) -> tuple[dict[str, float], bool]:
     """Credits in [0, 1] for a P: completion, and whether its B: move is legal."""
     answer = parse_policy_completion(completion[:MAX_COMPLETION_CHARS])
     moves = answer.moves or []
@@ -122,7 +122,7 @@ def policy_components(board, analysis, completion: str) -> tuple[dict[str, float
 
 
 def policy_reward(parts: dict[str, float], legal: bool) -> float:
-    """The P: reward from its components, with the illegal-move and format gates."""
+    """The P: reward from its parts, with the illegal-move and format gates."""
     if not legal:
         return POLICY_WEIGHTS["format"] * parts["format"]
     if parts["format"] < 1.0:

@@ -21,8 +21,8 @@ from tasks.rookworld.format import (env_prompt, expected_env_completion, parse_b
                                     policy_answer, policy_prompt, position_key, prompt_fen)
 from tasks.rookworld.positions import history, random_board, random_transition
 from tasks.rookworld.evaluate import EVAL_FULL, EVAL_SUBSET
-from tasks.rookworld.rewards import (ENV_WEIGHTS, FEN_SIMILARITY_SHARE, POLICY_WEIGHTS, env_components, env_reward,
-                                     policy_components, policy_reward)
+from tasks.rookworld.rewards import (ENV_WEIGHTS, FEN_SIMILARITY_SHARE, POLICY_WEIGHTS, env_parts, env_reward,
+                                     policy_parts, policy_reward)
 
 
 @dataclass
@@ -190,7 +190,7 @@ class ChessEnvTask:
     def reward_breakdown(self, prompt: str, completion: str) -> dict[str, float]:
         expected = self.expected(prompt)
         fields = parse_env_prompt(prompt)
-        parts = env_components(expected, completion, parse_board(fields.fen), self.fen_similarity) if expected \
+        parts = env_parts(expected, completion, parse_board(fields.fen), self.fen_similarity) if expected \
             else dict.fromkeys(ENV_WEIGHTS, 0.0)
         out = {f"env_{k}": v for k, v in parts.items()}
         out["env_exact"] = float(expected is not None and completion.rstrip() == expected)
@@ -279,7 +279,7 @@ class ChessPolicyTask:
             except Exception:
                 pool.forget(fen)   # a later call re-analyses instead of re-raising forever
                 raise
-            parts, legal = policy_components(board, analysis, completion)
+            parts, legal = policy_parts(board, analysis, completion)
         out = {f"policy_{k}": v for k, v in parts.items()}
         out["policy_legal"] = float(legal)
         out["reward"] = policy_reward(parts, legal)

@@ -53,6 +53,15 @@ def test_the_mismatch_statistics_by_formula():
     assert "mismatch_weight" not in stats
 
 
+def test_no_policy_gradient_term_runs_by_default():
+    # train_lean.py's "none by default: see pg_terms", kept true: the default step's first update
+    # has the sampler's logprobs (measured), and no term of grpo/variants.py acts on its loss
+    from grpo import variants
+    t = variants.tokens(logp=LOGP, old_logp=OLD, adv=ADV[:, None], mask=MASK, pg_mask=None,
+                        sampler_logp=SAMPLER, train_logp=LOGP)
+    assert variants.pg_terms(loss_config(), t) == []
+
+
 def test_no_correction_leaves_the_loss_and_gradient_as_they_were():
     loss, grad, _ = run()
     logp = LOGP.clone().requires_grad_(True)

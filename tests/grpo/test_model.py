@@ -45,6 +45,40 @@ def test_unreachable_hub_id_says_the_machine_may_be_offline(monkeypatch):
         load_tokenizer("no-such-org/no-such-model-lean-grpo")
 
 
+def test_a_hub_that_cannot_be_reached_is_said_at_once(monkeypatch):
+    # not offline mode: the hub's host does not answer (nothing listens there), as on a machine
+    # without network, where the hub's client retried for 52 s before the same error
+    import socket
+    import time
+    import huggingface_hub.constants
+    from grpo import model
+    for scheme in ("https", "http", "all"):
+        for proxy in (f"{scheme}_proxy", f"{scheme.upper()}_PROXY"):
+            monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    with socket.socket() as closed:   # a port just freed: refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    model.hub_reachable.cache_clear()
+    try:
+        start = time.perf_counter()
+        with pytest.raises(ModelLoadError, match="may be offline"):
+            load_tokenizer("no-such-org/no-such-model-lean-grpo")
+        assert time.perf_counter() - start < 10 and not model.hub_reachable()
+        with socket.create_server(("127.0.0.1", 0)) as listening:   # a host that answers
+            monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT",
+                                f"http://127.0.0.1:{listening.getsockname()[1]}")
+            model.hub_reachable.cache_clear()
+            assert model.hub_reachable()
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{port}")   # behind a proxy: not probed
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"https://127.0.0.1:{port}")
+        model.hub_reachable.cache_clear()
+        assert model.hub_reachable()
+    finally:
+        model.hub_reachable.cache_clear()
+
+
 def test_folder_without_a_model_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="cannot load --model"):
         load_policy(str(tmp_path), "cpu")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import train_lean
-from grpo.rollout import informative_groups
+from grpo.rollout import flat_groups
 from grpo.decoders import completion_mask, generate, sample_token
 from grpo.model import (completion_logprobs, declared_end_ids, end_ids, load_policy, load_tokenizer,
                         position_ids_from_mask, turn_end)
@@ -265,7 +265,7 @@ def test_a_prompt_and_its_completion_may_fill_the_context_exactly(tiny_model_dir
 
 # ---- dynamic sampling: which groups of several rounds make the batch -------------------------------------
 
-def test_merge_rounds_takes_informative_groups_in_draw_order():
+def test_merge_rounds_takes_the_groups_that_are_not_flat_in_draw_order():
     # group size 2; round 0: [equal, differ], round 1: [differ, equal, differ]
     rounds = [torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0.0, 2.0, 3.0, 3.0, 1.0, 0.0])]
     assert missing_groups(rounds[:1], 2, 2) == 1
@@ -277,16 +277,16 @@ def test_merge_rounds_takes_informative_groups_in_draw_order():
     rows, counts = merge_rounds(rounds, 2, 3)
     assert rows.tolist() == [2, 3, 4, 5, 8, 9]
     assert counts == {"groups_drawn": 5, "groups_dropped": 2, "groups_uninformative": 0}
-    # whatever is picked, every picked group is informative when enough were drawn
+    # whatever is picked, no picked group is flat when enough were drawn
     all_rewards = torch.cat(rounds)
-    assert informative_groups(all_rewards[rows], 2).all()
+    assert not flat_groups(all_rewards[rows], 2).any()
 
 
-def test_merge_rounds_fills_with_the_earliest_uninformative_groups_when_rounds_run_out():
+def test_merge_rounds_fills_with_the_earliest_flat_groups_when_rounds_run_out():
     rounds = [torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([2.0, 2.0, 5.0, 5.0])]
     assert missing_groups(rounds, 2, 3) == 2
     rows, counts = merge_rounds(rounds, 2, 3)
-    assert rows.tolist() == [0, 1, 2, 3, 4, 5]  # the informative group, then uninformative ones by draw order
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5]  # the group not flat, then flat ones by draw order
     assert counts == {"groups_drawn": 4, "groups_dropped": 1, "groups_uninformative": 2}
     with pytest.raises(ValueError, match="fewer than the batch"):
         merge_rounds(rounds, 2, 5)
@@ -311,7 +311,7 @@ def test_a_field_added_to_the_rollout_survives_dynamic_sampling():
                     bonus=rows.float(), per_token=full[:, width:] + 0.5, per_position=full * 2)
 
     a, b = round_of(0, 3, 2, [1.0, 1.0, 0.0, 1.0]), round_of(4, 2, 4, [0.0, 1.0, 1.0, 1.0])
-    batch, counts = merge([a, b], group_size=2, groups=2, pad_id=-1)   # informative: a's second group, b's first
+    batch, counts = merge([a, b], group_size=2, groups=2, pad_id=-1)   # not flat: a's second group, b's first
     assert type(batch) is Mine and counts["groups_uninformative"] == 0
     assert batch.prompts == ["p2", "p3", "p4", "p5"] and batch.tags == ["tag2", "tag3", "tag4", "tag5"]
     assert batch.bonus.tolist() == [2.0, 3.0, 4.0, 5.0] and batch.truncated.tolist() == [True, False, True, False]

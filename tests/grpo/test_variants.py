@@ -1,4 +1,4 @@
-"""The default step's math (train_lean.py) and grpo/variants.py, each piece against its formula: group advantages, DAPO's choice of informative groups, the
+"""The default step's math (train_lean.py) and grpo/variants.py, each piece against its formula: group advantages, DAPO's choice of groups that are not flat, the
 overlong penalty and truncated rows, every loss knob on small hand-made tensors (expected values written out or
 looped naively), and the loss on a real tiny model's completions (accumulation, the first on-policy update)."""
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo.optim import learning_rate
-from grpo.rollout import informative_groups
+from grpo.rollout import flat_groups
 from grpo.variants import covariance_tokens, kl_reward_penalty as _kl_reward_penalty, overlong_penalty, top_entropy_threshold
 from train_lean import KL_ESTIMATORS, RATIOS as RATIO_CHOICES, group_advantages, grpo_loss, k3 as k3_kl, loss_denominator
 
@@ -64,8 +64,9 @@ def test_batch_and_none_scaling():
 
 
 def test_unknown_scaling_is_an_error():
-    with pytest.raises(ValueError):
-        group_advantages(torch.zeros(4), 2, "rank")
+    # a name no variant could take (not "rank": that one may well become a variant some day)
+    with pytest.raises(ValueError, match="--advantage 'no such advantage' is not one of group, "):
+        group_advantages(torch.zeros(4), 2, "no such advantage")
 
 
 def test_rloo_baseline_leaves_each_completion_out():
@@ -81,11 +82,11 @@ def test_rloo_baseline_leaves_each_completion_out():
     assert frac == 0.0
 
 
-def test_informative_groups_are_those_with_nonzero_advantages():
+def test_flat_groups_are_those_whose_advantages_are_zero():
     rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.0, 0.5, 0.5000001])
-    assert informative_groups(rewards, 2).tolist() == [False, True, False, True]
-    adv, _ = group_advantages(rewards, 2)
-    assert ((adv.view(-1, 2) != 0).any(1) == informative_groups(rewards, 2)).all()
+    assert flat_groups(rewards, 2).tolist() == [True, False, True, False]
+    adv, frac_zero_std = group_advantages(rewards, 2)
+    assert ((adv.view(-1, 2) == 0).all(1) == flat_groups(rewards, 2)).all() and frac_zero_std == 0.5
 
 
 def test_truncated_rows_by_hand():
@@ -788,3 +789,41 @@ def test_every_policy_loss_and_advantage_has_a_formula_test():
                 _, node = tests[name][0]
                 strings = {n.value for n in ast.walk(node) if isinstance(n, ast.Constant)}
                 assert choice in strings or choice == getattr(Config(), field), (name, choice)
+
+
+def test_an_entry_added_to_a_table_of_train_lean_is_a_value_of_its_flag(tiny_model_dir, tmp_path):
+    # the file that says "hack it here" takes the hack: a scratch copy of the repository whose only
+    # change is a new POLICY_LOSSES entry in train_lean.py lists it in --help and runs it
+    import os
+    import subprocess
+    import sys
+    from helpers import REPO, SMALL, TRAIN, env, read_jsonl
+    scratch = tmp_path / "repo"
+    scratch.mkdir()
+    for package in ("grpo", "harness", "tasks"):
+        os.symlink(os.path.join(REPO, package), scratch / package)
+    with open(TRAIN) as f:
+        source = f.read()
+    entry = '{"ppo": clipped_surrogate,'
+    changed = source.replace(entry, entry + ' "mine": clipped_surrogate,')
+    assert changed != source
+    (scratch / "train_lean.py").write_text(changed)
+    command = [sys.executable, str(scratch / "train_lean.py"), "--task", "toy"]
+    helped = subprocess.run([*command, "--help"], capture_output=True, text=True, env=env(),
+                            timeout=120)
+    assert "mine: PPO's -min(r A, clip(r" in " ".join(helped.stdout.split()), helped.stderr
+    out = tmp_path / "out"
+    ran = subprocess.run([*command, "--model", tiny_model_dir, "--policy-loss", "mine", "--steps",
+                          "1", *SMALL, "--out-dir", str(out)], capture_output=True, text=True,
+                         env=env(), timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1]
+
+
+def test_the_choices_of_a_flag_are_its_tables_once_built():
+    # grpo/settings.py asks for variants.py's own tables; train_lean.py's, built on import, stand
+    import train_lean
+    from grpo import variants
+    from harness.config import FIELDS
+    variants.choices("policy_loss", {"cispo": variants.cispo})
+    assert list(FIELDS["policy_loss"].metadata["choices"]) == list(train_lean.POLICY_LOSSES)

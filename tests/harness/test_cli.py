@@ -212,7 +212,7 @@ def test_the_advantage_is_also_read_under_its_earlier_name_scale_rewards(tmp_pat
     cfg, sources = load(["--task", "toy", "--advantage", "maxrl"], {"GRPO_SCALE_REWARDS": "rloo"})
     assert (cfg.advantage, sources["advantage"]) == ("maxrl", "cli")
     for argv, environ, said in (
-            (["--scale-rewards", "rank"], {}, "--scale-rewards 'rank' is not one of group, batch"),
+            (["--scale-rewards", "no-such"], {}, "--scale-rewards 'no-such' is not one of group, batch"),
             (["--advantage", "batch", "--scale-rewards", "rloo"], {},
              "--advantage batch and --scale-rewards rloo: one setting under two names that disagree: "
              "give --advantage alone"),

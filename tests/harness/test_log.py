@@ -13,10 +13,10 @@ from harness.log import ReportError, batch_stats, open_reporter, scalars, whole_
 from helpers import SMALL, read_jsonl, train
 
 
-def part(rewards, lengths, truncated, components, errors, reports, penalties=None):
+def part(rewards, lengths, truncated, part_means, errors, reports, penalties=None):
     """One device's log.device_part(), as the gather hands it to whole_step()."""
     return {"rewards": torch.tensor(rewards), "penalties": penalties or {}, "lengths": torch.tensor(lengths),
-            "truncated": torch.tensor(truncated), "components": components, "errors": errors,
+            "truncated": torch.tensor(truncated), "part_means": part_means, "errors": errors,
             "scored": len(rewards), "reports": reports}
 
 
@@ -163,6 +163,39 @@ def test_a_long_evaluation_off_a_terminal_says_it_is_still_going(monkeypatch, ca
     assert lines[0] == "eval at step 0: evaluating ..." and len(lines) >= 3
     said = r"eval at step 0: still evaluating, \ds so far, [02] prompts completed"
     assert all(re.fullmatch(said, line) for line in lines[1:]), lines
+
+
+def test_the_console_line_says_the_share_of_flat_groups_when_half_or_more():
+    """A run whose groups were 81-87% flat for 40 steps showed nothing of it on its console line."""
+    from harness import log
+    rec = {"step": 3, "reward_mean": 0.5, "loss": 0.1, "frac_zero_std": 0.5,
+           "reward_errors": {"ValueError": 2}}
+    assert log.step_line(rec, 9).startswith("step 3/9 | reward 0.500 | failed 2 | flat 0.50 | loss")
+    rec.update(frac_zero_std=0.49, reward_errors={})
+    assert log.step_line(rec, 9) == "step 3/9 | reward 0.500 | loss +0.1000"
+
+
+def test_the_count_moves_as_each_batch_of_a_call_finishes():
+    """One complete() call may decode every held-out prompt (4 minutes of chess --eval-only): a
+    complete that says its batches (the trainer's) moves the count as each finishes, not at the
+    end; one that does not is called as before."""
+    from harness import log
+    seen = []
+
+    def complete(prompts, progress):
+        for done in range(1, len(prompts) + 1):
+            progress(done)
+            seen.append(counted.done)
+        return list(prompts)
+    counted = log.EvalProgress(complete, "eval at step 0", batched=True)
+    counted(["a", "b", "c"])
+    counted(["d"])
+    counted.close()
+    assert seen == [1, 2, 3, 4] and counted.done == counted.asked == 4
+    plain = log.EvalProgress(lambda prompts: list(prompts), "eval at step 0")
+    plain(["a", "b"])
+    plain.close()
+    assert plain.done == 2
 
 
 def test_an_evaluations_conversations_name_its_items_whatever_the_order_of_their_keys():

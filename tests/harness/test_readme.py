@@ -113,6 +113,15 @@ def test_the_readme_is_short_and_starts_with_the_two_commands():
     assert [line.split()[:2] for line in first_block.strip().splitlines()] == [["make", "train"], ["make", "test"]]
 
 
+def test_the_readme_says_how_many_steps_make_train_runs_and_how_long():
+    """It gave no duration for `make train` (700 steps: 1 h 45 min on a quiet AMD EPYC); the step
+    count it quotes is the default --steps that `make train` runs."""
+    from grpo.settings import Settings
+    text = " ".join(open(README, encoding="utf-8").read().split())
+    assert f"(`python train_lean.py`, {Settings.steps} steps;" in text
+    assert "takes over an hour on 2 vCPUs" in text
+
+
 def training_commands() -> list:
     """The README's shell commands that train, in order, as (the command, its --out-dir, whether it continues or
     only evaluates the run there, the logs it names). `make train` is train_lean.py with the defaults."""

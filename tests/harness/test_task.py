@@ -21,7 +21,7 @@ from grpo.model import load_policy, load_tokenizer
 from grpo.rollout import decode_completions, encode_prompts, left_pad
 from harness.task import (CheckedTask, RewardError, Scorer, TaskError, build, check_metrics,
                           complete_with_system, draw_prompts, eval_completions, evaluate, pass_at_k,
-                          resolve, sampled_metrics, score, takes_full)
+                          resolve, sampled_metrics, score, takes)
 from tasks import get_task
 from tasks.toy import ToyTask
 
@@ -112,7 +112,7 @@ def test_reward_weights_sum_the_parts_and_keep_each_rows():
 
 def test_a_weighted_part_no_completion_reported_stops_the_first_step():
     scorer = Scorer(Parts(), tolerate=False, weights={"lenght": 1.0})
-    step_rows = {"errors": {}, "scored": 2, "reports": {}, "components": {"format": 1.0, "length": 3.0}}
+    step_rows = {"errors": {}, "scored": 2, "reports": {}, "part_means": {"format": 1.0, "length": 3.0}}
     with pytest.raises(RewardError, match="--reward-weights names lenght: no completion of step 1 reported such a "
                                           "part .the task's reward_breakdown gave format, length."):
         scorer.after_step(1, step_rows, 0.0)
@@ -124,10 +124,10 @@ class DeclaredParts(Parts):
 
 
 def test_declared_parts_stand_for_the_first_steps_and_every_part_given_must_be_declared():
-    step_rows = {"errors": {}, "scored": 2, "reports": {}, "components": {"format": 1.0}}
+    step_rows = {"errors": {}, "scored": 2, "reports": {}, "part_means": {"format": 1.0}}
     # a declared part no completion of this step gave (another kind of a mixture): checked at start-up instead
     Scorer(DeclaredParts(), tolerate=False, weights={"length": 1.0}).after_step(1, step_rows, 0.0)
-    step_rows["components"]["lenght"] = 2.0   # a breakdown that outgrew its declaration
+    step_rows["part_means"]["lenght"] = 2.0   # a breakdown that outgrew its declaration
     with pytest.raises(RewardError, match="step 3: the task's reward_breakdown gave lenght, which its reward_parts "
                                           ".reward, format, length. do not name: declare every part"):
         Scorer(DeclaredParts(), tolerate=False, weights={"length": 1.0}).after_step(3, step_rows, 0.0)
@@ -616,7 +616,8 @@ def test_evaluate_passes_full_only_to_a_task_that_takes_it(capsys):
     assert evaluate(Sized(), echo, step=0)["n"] == 3 and evaluate(Sized(), echo, step=5, full=False)["n"] == 1
     assert evaluate(Keywords(), echo, step=5, full=False)["full"] == 0
     assert evaluate(Plain(), echo, step=0)["n"] == 1 and evaluate(Plain(), echo, step=5, full=False)["n"] == 1
-    assert takes_full(Sized().evaluate) and not takes_full(Plain().evaluate) and not takes_full(len)
+    assert takes(Sized().evaluate, "full") and not takes(Plain().evaluate, "full")
+    assert not takes(len, "full")
     capsys.readouterr()
 
 
@@ -970,6 +971,17 @@ def test_eval_completions_are_seeded_and_leave_torchs_rng_alone(complete_7_rows)
     assert torch.equal(torch.get_rng_state(), before)   # training draws next what it would have drawn
     assert complete_7_rows(EVAL_PROMPTS, n=4, temperature=1.0) == first   # the same at every evaluation
     assert complete_7_rows(EVAL_PROMPTS, seed=1, n=4, temperature=1.0) != first   # another --seed, other samples
+
+
+def test_eval_completions_say_the_prompts_done_after_each_batch(complete_7_rows):
+    # what moves the evaluation's count (harness/log.py EvalProgress) while one call decodes all
+    said = []
+    assert complete_7_rows(EVAL_PROMPTS, progress=said.append) == complete_7_rows(EVAL_PROMPTS)
+    assert said == [5]   # 5 rows: one batch
+    said.clear()
+    sampled = complete_7_rows(EVAL_PROMPTS, n=3, temperature=1.0, progress=said.append)
+    assert sampled == complete_7_rows(EVAL_PROMPTS, n=3, temperature=1.0)
+    assert said == [2, 4, 5]   # 15 rows in batches of 7, 7, 1: prompts whose 3 samples are done
 
 
 @pytest.mark.parametrize("kw, message", [

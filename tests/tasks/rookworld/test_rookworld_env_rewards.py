@@ -13,7 +13,7 @@ from helpers import REPO
 from tasks.rookworld.format import env_prompt, parse_env_prompt
 from tasks.rookworld.positions import history, random_transition
 from tasks.rookworld.format import position_key
-from tasks.rookworld.rewards import env_components
+from tasks.rookworld.rewards import env_parts
 from tasks.rookworld.task import ChessEnvTask
 
 N_TRANSITIONS = 1000
@@ -130,9 +130,9 @@ def test_fen_similarity_counts_only_for_a_valid_position():
     near = "rnbqkbnr/pppppppp/8/8/8/4P3/PPPP1PPP/RNBQKBNR b KQkq - 0 1+0.001+0+0"
     broken = "rnbqkbnr/pppppppp/8/8/4P2/8/PPPP1PPP/RNBQKBNR b KQkq - 0 1+0.001+0+0"
     start = chess.Board()
-    assert env_components(want, want, start)["fen"] == 1.0
-    assert 0.7 < env_components(want, near, start)["fen"] < 0.8   # e2e3 is legal: the board of a real move
-    assert env_components(want, broken, start)["fen"] == 0.0
+    assert env_parts(want, want, start)["fen"] == 1.0
+    assert 0.7 < env_parts(want, near, start)["fen"] < 0.8   # e2e3 is legal: the board of a real move
+    assert env_parts(want, broken, start)["fen"] == 0.0
     task = ChessEnvTask()
     prompt = env_prompt(chess.STARTING_FEN, "e2e4", ["e2e4"])
     assert task.reward(prompt, broken) < task.reward(prompt, near) - 0.3

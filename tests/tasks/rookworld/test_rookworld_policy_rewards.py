@@ -153,7 +153,7 @@ def test_a_mostly_p_mixture_weighs_the_a_parts_a_step_did_not_draw():
     # --task-mix 0.95 draws steps of P: alone; --reward-weights env_fen=1 is still a part of the reward
     mix = ChessMixTask(task_mix=0.95, stockfish_path="/nonexistent/stockfish")
     assert mix.reward_parts == ChessPolicyTask.reward_parts + ChessEnvTask.reward_parts[:-1]
-    p_only = {"errors": {}, "scored": 8, "reports": {}, "components": {"policy_best": 0.5, "policy_legal": 1.0}}
+    p_only = {"errors": {}, "scored": 8, "reports": {}, "part_means": {"policy_best": 0.5, "policy_legal": 1.0}}
     Scorer(mix, tolerate=False, weights={"env_fen": 1.0, "policy_best": 1.0}).after_step(1, p_only, 0.0)
     p_alone = ChessMixTask(task_mix=1.0, stockfish_path="/nonexistent/stockfish")
     assert p_alone.reward_parts == ChessPolicyTask.reward_parts   # P: alone: an A: weight is refused at start-up
