@@ -66,12 +66,12 @@ def model_dir(name: str, root: str) -> str:
 
 
 def build(path: str, vocab_size: int = 320, tie: bool = None, **shape):
-    """build_tiny_model's folder; a vocabulary above the tokenizer's 320 or tie (the head tied to the
-    embeddings, as Qwen2.5's small models have it) rebuilds its weights in that config."""
+    """build_tiny_model's folder; a vocabulary above the tokenizer's 320 or tie (the head
+    tied to the embeddings, as Qwen2.5's small models have it) rebuilds its weights."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     from make_tiny_model import build_tiny_model
     build_tiny_model(path, seed=0, **shape)
-    if vocab_size > 320 or tie is not None:  # the tokenizer stays small; the model gets the full vocabulary
+    if vocab_size > 320 or tie is not None:  # the tokenizer stays small, the vocabulary full
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
         config = AutoConfig.from_pretrained(path)

@@ -19,15 +19,14 @@ and at its peak one of these phases on top:
              a GPU), the prefill cache, a decode step's [rows, V] logits and sampling temporaries;
              under bf16 the matmul weights' bf16 copies, 2 x the weights a token passes through
   reference  no gradient, a micro-batch at a time: its K/V cache over every layer and a head chunk
-             (rows x V fp32, three at once)
+             (2.2 [chunk, V] fp32 at once, 2.5 under bf16, measured on this CPU)
   update     per micro-batch: the tensors autograd saves in the layers (counted, not guessed: a 1-
              and a 2-layer copy of the model run the trainer's own completion_logprobs under
              saved_tensors_hooks, at the micro-batch's shape, on this CPU; the layers' part is
-             their difference), the head's (its logits are recomputed in backward when the micro-
-             batch has more token rows than --logprob-chunk-size, else two [rows, V] fp32 saved),
-             the bf16 weight casts autocast keeps for backward, and in backward a chunk's
-             gradients (six [chunk, V] fp32) and the head's gradient; with accumulation (micro <
-             mini) all gradients already exist
+             their difference), the bf16 weight casts autocast keeps for backward, the head's
+             backward (5 [chunk, V] fp32, measured) and gradient; or, at backward's end, a new
+             gradient of every weight (4P) and a tied head's two contributions beside their sum
+             (8 V E, measured); with accumulation (micro < mini) the gradients held already
   optimizer  AdamW's temporaries (a GPU's foreach: one fp32 copy of every weight, 4P; a CPU's per
              tensor: two of the largest), and, while harness/guards.py Guard.step copies the
              weights and the optimizer's state before each update, 12P more
@@ -38,7 +37,6 @@ model: a 24 GB card's budget is taken as 22 GiB of tensors.
 """
 import argparse
 import inspect
-import math
 import os
 import sys
 
@@ -179,8 +177,10 @@ def predict(s: dict, a) -> dict:
               "bf16 weight casts": casts,
               "head backward": min(rows, a.logprob_chunk_size) * V * 4 * 5,
               "head gradient": 4 * s["head"]}
-    if a.gradient_checkpointing:   # one layer recomputed at a time in backward
-        update["recomputed layer"] = layer
+    if a.gradient_checkpointing:   # a layer recomputed in backward: whole rows (no shared prompt)
+        full = [saved_bytes(a.config, n, probe_rows, G, W, T, a.dtype, False) for n in (1, 2)]
+        tokens = (W + T) * probe_rows / (T * probe_rows + W * max(1, probe_rows // G))
+        update["recomputed layer"] = (full[1] - full[0]) * scale * tokens
     optim = {"AdamW temporaries": 4 * P if gpu else 2 * 4 * s["largest"],
              "guard copies": 12 * P if a.guard == "copies" else 0}
     base = sum(part.values())
@@ -247,7 +247,9 @@ def parser():
     ap.add_argument("--reference", choices=["fp32", "bf16", "none"], default="fp32",
                     help="the reference's weights (bf16: what a bf16 reference would save)")
     ap.add_argument("--logprob-chunk-size", type=int, default=2048)
-    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="checkpointed layers (caution: its probe ran out of this machine's memory "
+                         "at the 1.5B shape, 14-21 GB, not understood yet; 0.5B ran)")
     ap.add_argument("--guard", choices=["auto", "copies", "none"], default="auto",
                     help="Guard.step's per-update copies (auto: as harness/guards.py does now)")
     ap.add_argument("--runtime-mb", type=float, default=RUNTIME_MB)
