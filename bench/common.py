@@ -46,6 +46,12 @@ MODELS = {
     # byte-level tokenizer knows 320 of the ids; the others decode to nothing, which changes no cost
     # that matters here (the reward only sees text).
     "gpt2-124m": {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257},
+    # Qwen2.5-0.5B's and 1.5B's configurations (query heads on 2 K/V heads, gated MLP, q/k/v biases,
+    # the head tied to the 151,936-token embeddings), random weights: 494M and 1.54B parameters
+    "qwen2.5-0.5b": {"arch": "qwen2", "n_layer": 24, "n_embd": 896, "n_head": 14, "n_kv_head": 2,
+                     "intermediate": 4864, "n_positions": 1024, "vocab_size": 151936, "tie": True},
+    "qwen2.5-1.5b": {"arch": "qwen2", "n_layer": 28, "n_embd": 1536, "n_head": 12, "n_kv_head": 2,
+                     "intermediate": 8960, "n_positions": 1024, "vocab_size": 151936, "tie": True},
 }
 
 
@@ -59,17 +65,21 @@ def model_dir(name: str, root: str) -> str:
     return path
 
 
-def build(path: str, vocab_size: int = 320, **shape):
+def build(path: str, vocab_size: int = 320, tie: bool = None, **shape):
+    """build_tiny_model's folder; a vocabulary above the tokenizer's 320 or tie (the head
+    tied to the embeddings, as Qwen2.5's small models have it) rebuilds its weights."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     from make_tiny_model import build_tiny_model
     build_tiny_model(path, seed=0, **shape)
-    if vocab_size > 320:  # the tokenizer stays small; the model gets the full vocabulary (and its head cost)
+    if vocab_size > 320 or tie is not None:  # the tokenizer stays small, the vocabulary full
         import torch
-        from transformers import GPT2Config, GPT2LMHeadModel
-        gpt2 = GPT2Config.from_pretrained(path)
+        from transformers import AutoConfig, AutoModelForCausalLM
+        config = AutoConfig.from_pretrained(path)
         torch.manual_seed(0)
-        gpt2.vocab_size = vocab_size
-        GPT2LMHeadModel(gpt2).save_pretrained(path)
+        config.vocab_size = vocab_size
+        if tie is not None:
+            config.tie_word_embeddings = tie
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
 
 
 def weights_per_token(path: str) -> int:

@@ -26,11 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from bench.common import MODELS, model_dir, task_flag  # noqa: E402
+from bench.common import model_dir, task_flag  # noqa: E402
 
-# Qwen2.5-0.5B's configuration (24 x 896, 14 query heads on 2 K/V heads, MLP 4864, tied 151936 vocabulary)
-MODELS.setdefault("qwen2.5-0.5b", {"arch": "qwen2", "n_layer": 24, "n_embd": 896, "n_head": 14, "n_kv_head": 2,
-                                   "intermediate": 4864, "n_positions": 1024, "vocab_size": 151936})
 LEAKY_TASK = '''
 import torch
 KEPT = []
