@@ -28,8 +28,8 @@ and at its peak one of these phases on top:
              gradient of every weight (4P) and a tied head's two contributions beside their sum
              (8 V E, measured); with accumulation (micro < mini) the gradients held already
   optimizer  AdamW's temporaries (a GPU's foreach: one fp32 copy of every weight, 4P; a CPU's per
-             tensor: two of the largest), and, while harness/guards.py Guard.step copies the
-             weights and the optimizer's state before each update, 12P more
+             tensor: two of the largest), and with --guard copies 12P more: the weights and the
+             optimizer's state that Guard.step copied before each update until d04604d
 
 A CPU process also holds its runtime (python, torch, transformers, the task: --runtime-mb, measured
 here as the RSS before the model loads). A GPU's CUDA context and allocator slack are not in the
@@ -135,12 +135,6 @@ def _saved_bytes(config, layers, rows, group, prompt, new, dtype, checkpointing)
         completion_logprobs(model, ids, torch.ones_like(ids), new, 1.0, 2 ** 40, autocast,
                             with_entropy=True)
     return sum(seen.values())
-
-
-def guard_copies() -> bool:
-    """Whether harness/guards.py's Guard.step copies the weights and optimizer state each update."""
-    from harness import guards
-    return "deepcopy" in inspect.getsource(guards.Guard.step)
 
 
 def predict(s: dict, a) -> dict:
@@ -250,8 +244,9 @@ def parser():
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="checkpointed layers (caution: its probe ran out of this machine's memory "
                          "at the 1.5B shape, 14-21 GB, not understood yet; 0.5B ran)")
-    ap.add_argument("--guard", choices=["auto", "copies", "none"], default="auto",
-                    help="Guard.step's per-update copies (auto: as harness/guards.py does now)")
+    ap.add_argument("--guard", choices=["none", "copies"], default="none",
+                    help="none: Guard.step as it is; copies: as it was until d04604d (the rows "
+                         "BENCHMARKS.md measured on that trainer)")
     ap.add_argument("--runtime-mb", type=float, default=RUNTIME_MB)
     ap.add_argument("--largest", type=float, metavar="GIB",
                     help="also the largest batch whose predicted peak fits in GIB")
@@ -260,8 +255,6 @@ def parser():
 
 def main(argv=None):
     a = parser().parse_args(argv)
-    if a.guard == "auto":
-        a.guard = "copies" if guard_copies() else "none"
     a.config = config_of(a.model)
     s = sizes(a.config)
     out = predict(s, a)
