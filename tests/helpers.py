@@ -132,8 +132,9 @@ def line_starting(proc, prefix: str, timeout: float) -> str:
     raise AssertionError(f"no line starting with {prefix!r}: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
 
 
-# a deadline for a whole process that only stops a hung one: generous enough for start-up and a few steps on a
-# loaded machine (load 6 on 2 vCPUs, torch's import from a cold page cache); a test never times its subject
+# a deadline for a whole process that only stops a hung one: generous enough for start-up and a few
+# steps on a loaded machine (load 6 on 2 vCPUs, torch's import from a cold page cache); a test never
+# times its subject
 PROCESS_DEADLINE_S = 900
 
 
@@ -144,15 +145,16 @@ def train(*args, timeout=PROCESS_DEADLINE_S, extra_env=None, **kw):
 
 
 def usage_error(argv, capsys) -> str:
-    """The one stderr line of train_lean.main(argv) run in this process, checked to exit 2 with just that line
-    (the command line's own path, without the seconds a process takes to start)."""
+    """The one stderr line of train_lean.main(argv) run in this process, checked to exit 2 with just
+    that line (the command line's own path, without the seconds a process takes to start)."""
     import pytest
     import train_lean
     with pytest.raises(SystemExit) as exit_:
         train_lean.main(argv)
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2, (argv, err[-500:])
-    assert err.count("\n") == 0 and "Traceback" not in err and err.startswith("train_lean.py: error: "), err
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert err.startswith("train_lean.py: error: "), err
     return err
 
 

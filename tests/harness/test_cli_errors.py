@@ -1,6 +1,6 @@
-"""Bad input: each case exits with code 2 and one line naming the problem and the fix, before heavy work.
-train_lean.main runs in this process (helpers.usage_error), as the command line runs it; the real command line
-in a process of its own where the process's start matters (the hub read offline)."""
+"""Bad input: each case exits with code 2 and one line naming the problem and the fix, before heavy
+work. train_lean.main runs in this process (helpers.usage_error), as the command line runs it; the real
+command line in a process of its own where the process's start matters (the hub read offline)."""
 import dataclasses
 import os
 
@@ -16,7 +16,8 @@ from harness import config, rundir
     (["--micro-batch-size", "3"], "--micro-batch-size 3 does not divide the per-device mini-batch 8"),
 ])
 def test_unknown_flag_or_bad_value(tiny_model_dir, tmp_path, args, expected, capsys, clean_env):
-    line = usage_error(["--model", tiny_model_dir, *SMALL, "--out-dir", str(tmp_path), *args], capsys)
+    line = usage_error(["--model", tiny_model_dir, *SMALL, "--out-dir", str(tmp_path), *args],
+                       capsys)
     assert expected in line
 
 
@@ -39,20 +40,22 @@ def test_env_values_are_validated_like_flags(tmp_path, capsys, clean_env, monkey
 
 
 def test_a_model_folder_that_does_not_exist(tmp_path, capsys, clean_env):
-    line = usage_error(["--model", str(tmp_path / "no-model"), *SMALL, "--out-dir", str(tmp_path)], capsys)
+    line = usage_error(["--model", str(tmp_path / "no-model"), *SMALL, "--out-dir", str(tmp_path)],
+                       capsys)
     assert "no-model: no such folder" in line
 
 
 def test_a_hub_id_that_cannot_be_fetched_says_the_machine_may_be_offline(tmp_path):
-    # the real command line, in a process of its own: what a user runs, with the hub offline (HF_HUB_OFFLINE=1:
-    # huggingface_hub reads it when it is imported)
+    # the real command line, in a process of its own: what a user runs, with the hub offline
+    # (HF_HUB_OFFLINE=1: huggingface_hub reads it when it is imported)
     line = one_line_error(train("--model", "no-such-org/no-such-model", *SMALL, "--out-dir", str(tmp_path)))
     assert "cannot load --model no-such-org/no-such-model" in line and "offline" in line
 
 
 def test_an_output_folder_that_cannot_be_written(tiny_model_dir, tmp_path, capsys, clean_env):
     (tmp_path / "a-file").write_text("")
-    line = usage_error(["--model", tiny_model_dir, *SMALL, "--out-dir", str(tmp_path / "a-file" / "out")], capsys)
+    out = tmp_path / "a-file" / "out"
+    line = usage_error(["--model", tiny_model_dir, *SMALL, "--out-dir", str(out)], capsys)
     assert "--out-dir" in line and "cannot write to" in line and "pass a writable folder" in line
 
 
@@ -63,8 +66,8 @@ def test_resume_without_a_checkpoint(tiny_model_dir, tmp_path, capsys, clean_env
     assert "nothing-here" in usage_error([*args, str(tmp_path / "nothing-here")], capsys)
 
 
-def test_an_output_folder_with_an_earlier_runs_checkpoints_needs_resume(tiny_model_dir, tmp_path, capsys,
-                                                                        clean_env):
+def test_an_output_folder_with_an_earlier_runs_checkpoints_needs_resume(tiny_model_dir, tmp_path,
+                                                                        capsys, clean_env):
     (tmp_path / "checkpoints" / "step_000003").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_000003" / "trainer_state.pt").write_bytes(b"")
     line = usage_error(["--model", tiny_model_dir, *SMALL, "--out-dir", str(tmp_path)], capsys)
