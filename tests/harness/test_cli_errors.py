@@ -1,6 +1,6 @@
 """Bad input: each case exits with code 2 and one line naming the problem and the fix, before heavy
 work. train_lean.main runs in this process (helpers.usage_error), as the command line runs it; the
-real command line in a process of its own where the process's start matters (the hub read offline)."""
+real command line in a process of its own where its start matters (the hub read offline)."""
 import dataclasses
 import os
 
