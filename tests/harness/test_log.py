@@ -10,7 +10,7 @@ import torch
 
 from harness.config import Config, ConfigError, batch_layout
 from harness.log import ReportError, batch_stats, open_reporter, scalars, whole_step
-from helpers import SMALL, read_jsonl, train
+from helpers import SMALL, read_jsonl
 
 
 def part(rewards, lengths, truncated, components, errors, reports, penalties=None):
@@ -51,21 +51,23 @@ def test_each_penalty_taken_off_the_reward_is_its_own_statistic_and_the_reward_i
 
 
 @pytest.mark.slow
-def test_torn_and_damaged_lines_are_dropped_on_resume_and_said(tiny_model_dir, tmp_path):
+def test_torn_and_damaged_lines_are_dropped_on_resume_and_said(tiny_model_dir, tmp_path, capsys,
+                                                               clean_env):
+    import train_lean   # in this process: three runs' start-ups saved
     out = tmp_path / "out"
     metrics, completions = out / "metrics.jsonl", out / "completions.jsonl"
     args = ["--model", tiny_model_dir, *SMALL, "--task", "toy", "--save-interval", "1", "--out-dir", str(out),
-            "--log-completions", str(completions)]
-    first = train(*args, "--steps", "2")
-    assert first.returncode == 0, first.stderr
+            "--log-completions", str(completions), "--save-final", "false"]
+    train_lean.main([*args, "--steps", "2"])
     for path in (metrics, completions):   # a record cut off mid-write: no newline, not JSON
         with open(path, "ab") as f:
             f.write(b'{"step": 3, "reward_mean": 0.2, "comp')
 
-    resumed = train(*args, "--steps", "3", "--resume")
-    assert resumed.returncode == 0, resumed.stderr
+    capsys.readouterr()
+    train_lean.main([*args, "--steps", "3", "--resume"])
+    err = capsys.readouterr().err
     for path in (metrics, completions):
-        assert f"{path}: dropped its torn last line" in resumed.stderr
+        assert f"{path}: dropped its torn last line" in err
     assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3]   # every line parses again
     assert sorted({r["step"] for r in read_jsonl(completions)}) == [1, 2, 3] and len(read_jsonl(completions)) == 24
 
@@ -73,9 +75,8 @@ def test_torn_and_damaged_lines_are_dropped_on_resume_and_said(tiny_model_dir, t
     lines = metrics.read_bytes().splitlines(keepends=True)
     damaged = lines[0] + b"\x00\x00\x00 not a record\n" + b"".join(lines[1:])
     metrics.write_bytes(damaged)
-    again = train(*args, "--steps", "4", "--resume")
-    assert again.returncode == 0, again.stderr
-    assert f"{metrics}: line(s) 2 of 4 hold no JSON record" in again.stderr
+    train_lean.main([*args, "--steps", "4", "--resume"])
+    assert f"{metrics}: line(s) 2 of 4 hold no JSON record" in capsys.readouterr().err
     assert (out / "metrics.jsonl.damaged").read_bytes() == damaged
     assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3, 4]
 
