@@ -126,7 +126,7 @@ def test_the_saved_folder_loads_and_is_the_trained_policy(lora_run):
     assert ours.keys() == saved.keys() and all(torch.equal(ours[k], saved[k]) for k in ours)
 
 
-def test_a_lora_run_resumes_exactly(tiny_model_dir, tmp_path, clean_env):
+def test_a_lora_run_resumes_exactly(tiny_model_dir, tmp_path, clean_env, user_threads):
     args = ["--model", tiny_model_dir, *SMALL, *LORA, "--steps", "4", "--log-level", "warning",
             "--save-final", "false"]
     train_lean.main([*args, "--out-dir", str(tmp_path / "straight"), "--save-interval", "4"])

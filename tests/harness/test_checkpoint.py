@@ -135,7 +135,7 @@ def test_rng_states_round_trip_through_a_saved_file(tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
 
 
-def test_a_dynamic_sampling_run_resumes_exactly(tiny_model_dir, tmp_path, clean_env):
+def test_a_dynamic_sampling_run_resumes_exactly(tiny_model_dir, tmp_path, clean_env, user_threads):
     # the extra rounds draw from the step's own seeded prompt stream, so a resumed run redoes them exactly
     import train_lean
     args = ["--model", tiny_model_dir, "--task", "toy", "--batch-size", "8", "--group-size", "4",
@@ -150,7 +150,8 @@ def test_a_dynamic_sampling_run_resumes_exactly(tiny_model_dir, tmp_path, clean_
 
 
 
-def test_a_scheduled_run_with_a_moving_reference_resumes_exactly(tiny_model_dir, tmp_path, clean_env, capsys):
+def test_a_scheduled_run_with_a_moving_reference_resumes_exactly(tiny_model_dir, tmp_path,
+                                                                 clean_env, capsys, user_threads):
     # the learning rate is a function of the step; the reference that --ref-sync-steps moves is in the checkpoint
     import train_lean
     args = ["--model", tiny_model_dir, "--task", "toy", "--batch-size", "8", "--group-size", "4", "--max-new-tokens",

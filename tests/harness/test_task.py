@@ -887,7 +887,8 @@ def test_the_toy_task_reports_greedy_and_sampled_metrics(tiny_complete):
     assert set(ToyTask().evaluate(tiny_complete)) == {"acc", "reward"}   # greedy only by default
 
 
-def test_a_sampled_evaluation_leaves_training_bit_identical(tiny_model_dir, tmp_path, capsys, clean_env):
+def test_a_sampled_evaluation_leaves_training_bit_identical(tiny_model_dir, tmp_path, capsys,
+                                                            clean_env, user_threads):
     # the evaluation samples from its own seed in a fork of torch's RNG: the steps, the weights and the RNG
     # states a checkpoint keeps are those of a run without it
     args = ["--model", tiny_model_dir, "--task", "toy", *SMALL, "--steps", "2", "--save-interval", "2"]
