@@ -1,10 +1,11 @@
-"""Time both test tiers on a fresh clone, as a new user runs them: `make test-fast`, then `make test`.
+"""Time both test tiers on a fresh clone, as a new user runs them: `make test-fast`, then
+`make test`.
 Prints each tier's wall time and pytest's summary with the machine, the date and the commit, in the
 form the README and BENCHMARKS.md quote.
 
-    python scripts/time_tests.py                      # a clone of this repository's HEAD, its own .venv
-    python scripts/time_tests.py --venv .venv         # reuse an installed venv (offline machines)
-    python scripts/time_tests.py --tier fast          # only `make test-fast`
+    python scripts/time_tests.py                # a clone of this repository's HEAD, its own .venv
+    python scripts/time_tests.py --venv .venv   # reuse an installed venv (offline machines)
+    python scripts/time_tests.py --tier fast    # only `make test-fast`
 
 The clone is made in a temporary folder (--workdir to choose one) with `shared` beside it when this
 repository has one (the tests that read ../shared/data run, as they do here). Without --venv, the
@@ -52,7 +53,8 @@ def clock(seconds: float) -> str:
 
 
 def fresh_clone(workdir: str) -> str:
-    """A clone of this repository's HEAD in workdir/lean-grpo, with ../shared linked when REPO has one."""
+    """A clone of this repository's HEAD in workdir/lean-grpo, with ../shared linked when REPO has
+    one."""
     clone = os.path.join(workdir, "lean-grpo")
     subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", REPO, clone], check=True)
     shared = os.path.join(os.path.dirname(REPO), "shared")
@@ -76,9 +78,11 @@ def run_tier(clone: str, target: str, make_flags: list) -> tuple:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--venv", help="an installed venv to use as the clone's .venv (not reinstalled)")
+    parser.add_argument("--venv", help="an installed venv to use as the clone's .venv (not "
+                                       "reinstalled)")
     parser.add_argument("--tier", choices=["fast", "full", "both"], default="both")
-    parser.add_argument("--workdir", help="where to clone (default: a temporary folder, removed after)")
+    parser.add_argument("--workdir", help="where to clone (default: a temporary folder, removed "
+                                          "after)")
     args = parser.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="time-tests-")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
@@ -86,7 +90,7 @@ def main(argv=None) -> int:
     try:
         clone = fresh_clone(workdir)
         make_flags = []
-        if args.venv:   # the venv as it is: make must not install into it (its stamps are the clone's)
+        if args.venv:   # as it is: make must not install into it (its stamps are the clone's)
             os.symlink(os.path.abspath(args.venv), os.path.join(clone, ".venv"))
             make_flags = ["-o", ".venv/.installed", "-o", ".venv/.installed-test"]
         else:
@@ -95,8 +99,8 @@ def main(argv=None) -> int:
             print(f"set-up (.venv from requirements*.txt, not in the times below): "
                   f"{clock(time.perf_counter() - start)}")
         print(f"machine: {machine()}")
-        print(f"commit {commit}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-              f"Python {platform.python_version()}")
+        now = datetime.datetime.now(datetime.timezone.utc)
+        print(f"commit {commit}, {now:%Y-%m-%d %H:%M} UTC, Python {platform.python_version()}")
         failed = 0
         for tier in (["fast", "full"] if args.tier == "both" else [args.tier]):
             before = load()

@@ -6,8 +6,12 @@ import torch
 
 from helpers import build_tiny_model
 
-# the user's CPU threads: every core, or their OMP_NUM_THREADS (torch reads it when it starts)
+# the user's CPU threads: every core, or their OMP_NUM_THREADS (torch reads it when it starts). This
+# process runs on one (the session's fixtures too), as the subprocesses of helpers.env do: on a busy
+# machine OpenMP's idle threads spin (at load 10 on 2 vCPUs a tiny model's gradient took 20 times
+# the CPU and 50 times the wall time on 2 threads that it took on 1)
 USER_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)
 
 
 def pytest_configure(config):
@@ -50,17 +54,13 @@ def clean_env(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Every test in this process on one CPU thread, as the subprocesses of helpers.env: on a busy
-    machine OpenMP's idle threads spin (at load 10 on 2 vCPUs a tiny model's gradient took 20 times
-    the CPU and 50 times the wall time on 2 threads that it took on 1). A test of a promise users
-    rely on asks for user_threads."""
-    torch.set_num_threads(1)
+    """One CPU thread again after each test, whatever it set."""
     yield
-    torch.set_num_threads(USER_THREADS)
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
-def user_threads(one_thread):
+def user_threads():
     """The user's CPU threads (every core by default) for a test in this process of what a user
     relies on: a run that resumes, or repeats, bit for bit."""
     torch.set_num_threads(USER_THREADS)

@@ -158,6 +158,23 @@ def usage_error(argv, capsys) -> str:
     return err
 
 
+def trained_in_process(*argv) -> str:
+    """train_lean.main(argv) in this process without the caller's GRPO_ variables, for a fixture
+    wider than a test (where capsys and monkeypatch are not): its stdout. A run several tests
+    share."""
+    import contextlib
+    import io
+    import train_lean
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("GRPO_")}
+    stdout = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout):
+            train_lean.main(list(argv))
+    finally:
+        os.environ.update(saved)
+    return stdout.getvalue()
+
+
 def one_line_error(result) -> str:
     """The one stderr line of a run that exited 2 (a usage error), checked to be just that."""
     lines = result.stderr.strip().splitlines()

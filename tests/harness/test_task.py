@@ -7,6 +7,7 @@ import shutil
 import sys
 from fractions import Fraction
 from math import comb
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -754,10 +755,17 @@ def test_tolerated_reward_errors_train_on_and_show_the_traceback_once(rewards_fi
     assert [r["reward_errors"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [{"NameError": 8}] * 3
 
 
-def test_a_step_without_signal_is_named_once_with_what_to_try(rewards_file, tiny_model_dir, tmp_path):
-    proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:Flat", *SMALL, "--steps", "3",
-                 "--log-level", "warning", "--out-dir", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def in_process(capsys, *argv):
+    """train_lean.main(argv) in this process, as train() runs it in its own: (stdout, stderr)."""
+    capsys.readouterr()
+    train_lean.main(list(argv))
+    return SimpleNamespace(**dict(zip(("stdout", "stderr"), capsys.readouterr())))
+
+
+def test_a_step_without_signal_is_named_once_with_what_to_try(rewards_file, tiny_model_dir,
+                                                              tmp_path, capsys, clean_env):
+    proc = in_process(capsys, "--model", tiny_model_dir, "--task", f"{rewards_file}:Flat", *SMALL,
+                      "--steps", "3", "--log-level", "warning", "--out-dir", str(tmp_path))
     notes = [line for line in proc.stderr.splitlines() if "frac_zero_std 1.0" in line]   # --log-level keeps it
     assert len(notes) == 1 and notes[0].startswith("train_lean.py: step 1: every group's completions got equal "
                                                    "rewards"), proc.stderr
@@ -769,13 +777,13 @@ def test_a_step_without_signal_is_named_once_with_what_to_try(rewards_file, tiny
         "--temperature, a larger --group-size, a reward with partial credit, or a model that sometimes solves the task")
 
 
-def test_a_run_whose_steps_mostly_learned_nothing_ends_saying_so(rewards_file, tiny_model_dir, tmp_path):
+def test_a_run_whose_steps_mostly_learned_nothing_ends_saying_so(rewards_file, tiny_model_dir,
+                                                                 tmp_path, capsys, clean_env):
     # it ended with "saved the trained model" and nothing else, the one note at step 1 far above
     runs = {"MostlyFlat": [0.0, 1.0, 1.0], "Alternating": [0.0, 0.0, 0.0]}
     for name, flat in runs.items():
-        proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:{name}", *SMALL, "--steps", "3",
-                     "--out-dir", str(tmp_path / name))
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        proc = in_process(capsys, "--model", tiny_model_dir, "--task", f"{rewards_file}:{name}",
+                          *SMALL, "--steps", "3", "--out-dir", str(tmp_path / name))
         assert [r["frac_zero_std"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")] == flat
         summary = [line for line in proc.stderr.splitlines() if "had only flat groups" in line]
         assert summary == (["train_lean.py: 2 of 3 steps had only flat groups (every advantage 0): the model barely "
