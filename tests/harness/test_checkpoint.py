@@ -11,11 +11,14 @@ import time
 import pytest
 import torch
 
-from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, records, train, user_env, weights
+from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, one_line_error,
+                     read_jsonl, records, train, user_env, weights)
 from harness import checkpoint
 
 
-def wait_for(predicate, proc, timeout=90):
+def wait_for(predicate, proc, timeout=PROCESS_DEADLINE_S):
+    """Polls predicate while proc runs; the deadline (from the process's start, so generous) only
+    stops a hung run."""
     deadline = time.time() + timeout
     while not predicate():
         assert proc.poll() is None, f"the run ended early:\n{proc.communicate()[1][-2000:]}"
@@ -76,7 +79,7 @@ def test_a_signal_finishes_the_step_saves_and_exits_0(tiny_model_dir, tmp_path, 
     metrics = os.path.join(out, "metrics.jsonl")
     wait_for(lambda: os.path.exists(metrics) and len(open(metrics).readlines()) >= 2, proc)
     proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=PROCESS_DEADLINE_S)
     assert proc.returncode == 0, stderr
     done = len(records(metrics))
     assert done < 1000 and saved_steps(out) == [done]  # the step in flight was finished, logged and saved
@@ -105,7 +108,7 @@ def test_a_signal_during_the_final_save_waits_for_it(tiny_model_dir, tmp_path, w
     out = tmp_path / "out"
     args = [*run_args(tiny_model_dir, "toy"), "--steps", "1", "--out-dir", str(out)]
     result = subprocess.run([sys.executable, "-c", SIGNAL_IN_WRITE, write, sig, *args], env=env(),
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=PROCESS_DEADLINE_S)
     assert result.returncode == 0, result.stderr
     assert checkpoint.model_step(str(out / "model")) == 1 and not (out / "model.tmp").exists()
     # the step, whole, for --resume
@@ -319,7 +322,8 @@ def test_a_run_that_failed_at_its_last_step_finishes_on_resume(evaluated, tiny_m
     assert "nothing to train" in one_line_error(train(*args, "--resume"))   # nothing is owed now
     # killed in the final save (SIGKILL waits for nothing): the step's checkpoint was written first
     killed = subprocess.run([sys.executable, "-c", SIGNAL_IN_WRITE, "save_model", "SIGKILL", *args,
-                             "--overwrite"], env=env(), capture_output=True, text=True, timeout=120)
+                             "--overwrite"], env=env(), capture_output=True, text=True,
+                            timeout=PROCESS_DEADLINE_S)
     assert killed.returncode == -signal.SIGKILL and not (out / "model").exists()
     finished = train(*args, "--resume")
     assert finished.returncode == 0, finished.stderr
@@ -361,7 +365,7 @@ def test_a_full_disk_at_the_final_save_is_said_beside_the_traceback(tiny_model_d
     # the logs fit, the weights (600 KB) do not: the final save fails, and so does the checkpoint after it
     result = subprocess.run([sys.executable, TRAIN, *run_args(tiny_model_dir, "toy", "--steps", "2",
                                                               "--out-dir", str(tmp_path))],
-                            env=env(), capture_output=True, text=True, timeout=120,
+                            env=env(), capture_output=True, text=True, timeout=PROCESS_DEADLINE_S,
                             preexec_fn=no_bigger_files_than(100_000))
     assert result.returncode == 1 and "Traceback" in result.stderr
     said = [line for line in result.stderr.splitlines() if line.startswith("train_lean.py: could not save step 2")]

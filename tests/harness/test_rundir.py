@@ -11,7 +11,8 @@ import pytest
 
 import tasks
 from harness import cli, config, rundir
-from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, train
+from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, one_line_error,
+                     read_jsonl, train)
 
 pytestmark = pytest.mark.slow   # concurrent and repeated real runs in one folder
 
@@ -36,7 +37,7 @@ def test_a_second_run_in_a_running_runs_folder_exits_2_naming_its_pid(tiny_model
     first = subprocess.Popen([sys.executable, TRAIN, *toy(tiny_model_dir), "--steps", "1000", "--out-dir", str(out)],
                              env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 90
+        deadline = time.time() + PROCESS_DEADLINE_S   # from its start: only a hung run stops it
         while not (out / "metrics.jsonl").exists() or not read_jsonl(out / "metrics.jsonl"):
             assert first.poll() is None, first.communicate()[1][-2000:]
             assert time.time() < deadline, "the first run wrote no record"
