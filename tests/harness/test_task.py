@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import train_lean
-from helpers import (CHAT_TASK, EVALUATED_TASK, SMALL, means, one_line_error, read_jsonl, records,
-                     train, usage_error, weights)
+from helpers import (CHAT_TASK, EVALUATED_TASK, SMALL, means, read_jsonl, records, train,
+                     usage_error, weights)
 
 from grpo.decoders import generate
 from grpo.model import load_policy, load_tokenizer
