@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, one_line_error,
-                     read_jsonl, records, train, user_env, weights)
+from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, read_jsonl, records,
+                     train, usage_error, user_env, weights)
 from harness import checkpoint
 
 
@@ -206,24 +206,25 @@ def copy_of(out, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_refuses_other_settings_and_allows_the_named_ones(two_saved_steps, evaluated, tiny_model_dir,
-                                                                 tiny_rotary_dir, tmp_path):
+def test_resume_refuses_other_settings_and_allows_the_named_ones(two_saved_steps, evaluated,
+                                                                 tiny_model_dir, tiny_rotary_dir,
+                                                                 tmp_path, capsys, clean_env):
     out = copy_of(two_saved_steps, tmp_path)
     ckpt = out / "checkpoints" / "step_000002"
     resume = ["--steps", "3", "--out-dir", str(out), "--resume"]
-    line = one_line_error(train(*run_args(tiny_model_dir, evaluated, *resume, "--batch-size", "16",
-                                          "--group-size", "4", "--learning-rate", "5e-4")))
+    line = usage_error([*run_args(tiny_model_dir, evaluated, *resume, "--batch-size", "16",
+                                  "--group-size", "4", "--learning-rate", "5e-4")], capsys)
     assert f"--resume: {ckpt} was trained with other settings: --batch-size 8 -> 16; --group-size 2 -> 4; " \
            f"--learning-rate 0.001 -> 0.0005" in line
     assert "--resume-allow-change batch_size,group_size,learning_rate" in line
-    line = one_line_error(train(*run_args(tiny_rotary_dir, evaluated, *resume)))
+    line = usage_error([*run_args(tiny_rotary_dir, evaluated, *resume)], capsys)
     assert f"--model {tiny_model_dir} -> {tiny_rotary_dir}" in line   # it would be the KL reference, silently
-    line = one_line_error(train(*run_args(tiny_model_dir, "chess-env", *resume)))
+    line = usage_error([*run_args(tiny_model_dir, "chess-env", *resume)], capsys)
     assert f"--task {evaluated} -> chess-env" in line
-    line = one_line_error(train(*run_args(tiny_model_dir, evaluated, *resume, "--width", "4")))
+    line = usage_error([*run_args(tiny_model_dir, evaluated, *resume, "--width", "4")], capsys)
     assert "--width 10 -> 4" in line   # a task's option defines the run too
-    line = one_line_error(train(*run_args(tiny_model_dir, evaluated, "--steps", "2", "--out-dir", str(out),
-                                          "--resume")))
+    line = usage_error([*run_args(tiny_model_dir, evaluated, "--steps", "2", "--out-dir", str(out),
+                                  "--resume")], capsys)
     assert f"--steps 2: the checkpoint {ckpt} is at step 2 already" in line   # it would train nothing, silently
 
     # on purpose: the named change is said; settings that do not define the run change freely
@@ -237,7 +238,9 @@ def test_resume_refuses_other_settings_and_allows_the_named_ones(two_saved_steps
 
 
 @pytest.mark.slow
-def test_a_checkpoint_without_a_manifest_or_a_setting_is_refused(two_saved_steps, evaluated, tiny_model_dir, tmp_path):
+def test_a_checkpoint_without_a_manifest_or_a_setting_is_refused(two_saved_steps, evaluated,
+                                                                 tiny_model_dir, tmp_path, capsys,
+                                                                 clean_env):
     # not what this trainer writes: a manifest is the last file of every checkpoint, the settings every field
     out = copy_of(two_saved_steps, tmp_path)
     ckpt = out / "checkpoints" / "step_000002"
@@ -247,23 +250,24 @@ def test_a_checkpoint_without_a_manifest_or_a_setting_is_refused(two_saved_steps
     del state["config"]["top_p"]
     torch.save(state, ckpt / checkpoint.STATE)
     checkpoint.write_manifest(ckpt)   # intact, as files go
-    line = one_line_error(train(*args, "--resume", str(ckpt)))
+    line = usage_error([*args, "--resume", str(ckpt)], capsys)
     assert "was trained with other settings: --top-p (not recorded) -> 1.0" in line
     os.remove(ckpt / checkpoint.MANIFEST)
-    line = one_line_error(train(*args, "--resume", str(ckpt)))
+    line = usage_error([*args, "--resume", str(ckpt)], capsys)
     assert f"the checkpoint is damaged ({checkpoint.MANIFEST} is missing)" in line
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", checkpoint.STATE])
 @pytest.mark.slow
-def test_a_damaged_newest_checkpoint_is_said_and_the_intact_one_used(two_saved_steps, evaluated, tiny_model_dir,
-                                                                     tmp_path, name):
+def test_a_damaged_newest_checkpoint_is_said_and_the_intact_one_used(two_saved_steps, evaluated,
+                                                                     tiny_model_dir, tmp_path, name,
+                                                                     capsys, clean_env):
     out = copy_of(two_saved_steps, tmp_path)
     newest = out / "checkpoints" / "step_000002"
     os.truncate(newest / name, os.path.getsize(newest / name) // 2)   # what a full disk or a bad copy leaves
     args = run_args(tiny_model_dir, evaluated, "--steps", "3", "--out-dir", str(out),
                     "--log-completions", str(out / "completions.jsonl"))
-    line = one_line_error(train(*args, "--resume", str(newest)))   # named itself, it is refused
+    line = usage_error([*args, "--resume", str(newest)], capsys)   # named itself, it is refused
     assert "the checkpoint is damaged" in line and name in line
 
     # the finished run's model is of step 2, newer than the intact checkpoint: a bare --resume would refuse to go
@@ -279,7 +283,7 @@ def test_a_damaged_newest_checkpoint_is_said_and_the_intact_one_used(two_saved_s
 
     for ckpt in (out / "checkpoints").glob("step_*"):   # no intact checkpoint left: exit 2, one line
         os.truncate(ckpt / name, 10)
-    line = one_line_error(train(*args, "--resume"))
+    line = usage_error([*args, "--resume"], capsys)
     assert "no intact checkpoint in" in line and "damaged" in line
 
 
@@ -305,7 +309,8 @@ def test_a_failure_after_a_completed_step_keeps_it_for_resume(evaluated, tiny_mo
 
 
 @pytest.mark.slow
-def test_a_run_that_failed_at_its_last_step_finishes_on_resume(evaluated, tiny_model_dir, tmp_path):
+def test_a_run_that_failed_at_its_last_step_finishes_on_resume(evaluated, tiny_model_dir, tmp_path,
+                                                               capsys, clean_env):
     # issue 46 case 13: "continue with --resume", which then refused: "nothing to train"; the final
     # model and the evaluation after the last step were never written
     out = tmp_path / "out"
@@ -319,7 +324,7 @@ def test_a_run_that_failed_at_its_last_step_finishes_on_resume(evaluated, tiny_m
     a, b = weights(out / "model"), weights(out / "checkpoints" / "step_000002")
     assert checkpoint.model_step(str(out / "model")) == 2
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert "nothing to train" in one_line_error(train(*args, "--resume"))   # nothing is owed now
+    assert "nothing to train" in usage_error([*args, "--resume"], capsys)   # nothing is owed now
     # killed in the final save (SIGKILL waits for nothing): the step's checkpoint was written first
     killed = subprocess.run([sys.executable, "-c", SIGNAL_IN_WRITE, "save_model", "SIGKILL", *args,
                              "--overwrite"], env=env(), capture_output=True, text=True,
@@ -421,7 +426,7 @@ def test_a_checkpoint_under_another_steps_name_is_damaged(two_saved_steps, tmp_p
 
 @pytest.mark.slow
 def test_a_checkpoint_set_aside_resumes_as_a_new_run(two_saved_steps, evaluated, tiny_model_dir,
-                                                     tmp_path):
+                                                     tmp_path, capsys, clean_env):
     # issue 46 case 14: --resume OUT/checkpoints/abandoned-step_N called an intact checkpoint
     # damaged (AttributeError: 'NoneType'): its name was not step_N
     out = copy_of(two_saved_steps, tmp_path)
@@ -434,7 +439,7 @@ def test_a_checkpoint_set_aside_resumes_as_a_new_run(two_saved_steps, evaluated,
         str(tmp_path / "best"))
     args = run_args(tiny_model_dir, evaluated, "--steps", "2", "--resume",
                     str(ckpts / "abandoned-step_000001.2"))
-    line = one_line_error(train(*args, "--out-dir", str(out)))   # not in the run's line
+    line = usage_error([*args, "--out-dir", str(out)], capsys)   # not in the run's line
     assert "which --resume reads: pass another --out-dir" in line
     branch = train(*args, "--out-dir", str(tmp_path / "branch"))
     assert branch.returncode == 0, branch.stderr
@@ -443,8 +448,8 @@ def test_a_checkpoint_set_aside_resumes_as_a_new_run(two_saved_steps, evaluated,
 
 
 @pytest.mark.slow
-def test_a_resume_behind_a_finished_model_is_refused_or_branches_keeping_it(two_saved_steps, evaluated,
-                                                                           tiny_model_dir, tmp_path):
+def test_a_resume_behind_a_finished_model_is_refused_or_branches_keeping_it(
+        two_saved_steps, evaluated, tiny_model_dir, tmp_path, capsys, clean_env):
     # the run is resumed to step 3 at another learning rate, and the checkpoint at its end is lost
     # (deleted, or set aside as damaged): its model and record of step 3 are newer than the newest
     # checkpoint (step 2), and a later bare --resume would replace them unsaid
@@ -457,8 +462,8 @@ def test_a_resume_behind_a_finished_model_is_refused_or_branches_keeping_it(two_
     assert checkpoint.model_step(str(out / "model")) == 3
     assert checkpoints_in(ckpts) == ["step_000002"]
     finished = weights(out / "model")
-    line = one_line_error(train(*run_args(tiny_model_dir, evaluated, "--steps", "4", "--out-dir", str(out),
-                                          "--resume", *logs)))
+    line = usage_error([*run_args(tiny_model_dir, evaluated, "--steps", "4", "--out-dir", str(out),
+                                          "--resume", *logs)], capsys)
     assert f"{out / 'model'} was trained to step 3, but the newest checkpoint, {ckpts / 'step_000002'}, is at " \
            f"step 2: resuming would replace step 3 and that model" in line
     assert f"--resume {ckpts / 'step_000002'} to branch off step 2" in line
