@@ -368,6 +368,7 @@ def test_the_exponential_race_draws_the_distribution_multinomial_draws(monkeypat
         assert float(((counts[target > 0] - expected) ** 2 / expected).sum()) < 31.3
 
 
+@pytest.mark.slow   # 400 million float64 clocks: 18 s on one quiet thread, minutes on a busy one
 def test_the_exponential_race_gives_a_long_tail_its_mass():
     """One likely token and 20,000 rare ones (each 2e-5 of the head's probability, 0.29 of the mass
     together): the tail is drawn at its rate (within 4 standard errors over 20,000 draws)."""
