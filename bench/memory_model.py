@@ -36,7 +36,6 @@ here as the RSS before the model loads). A GPU's CUDA context and allocator slac
 model: a 24 GB card's budget is taken as 22 GiB of tensors.
 """
 import argparse
-import inspect
 import os
 import sys
 
@@ -139,7 +138,7 @@ def _saved_bytes(config, layers, rows, group, prompt, new, dtype, checkpointing)
 
 def predict(s: dict, a) -> dict:
     """The parts (bytes) and the phases' peaks of one step; s: sizes(), a: the arguments."""
-    P, L, V, kv, E = s["P"], s["layers"], s["vocab"], s["kv"], s["width"]
+    P, L, V, kv = s["P"], s["layers"], s["vocab"], s["kv"]
     W, T, B, G = a.prompt_tokens, a.max_new_tokens, a.batch_size, a.group_size
     micro, bf16, gpu = min(a.micro_batch_size or B, B), a.dtype == "bf16", a.device == "cuda"
     ref_bytes = {"fp32": 4, "bf16": 2, "none": 0}[a.reference]

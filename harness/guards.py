@@ -9,7 +9,6 @@ import torch
 
 from grpo import distributed
 from grpo.model import completion_logprobs, logprob_temperature, trainable_parameters
-from harness import log
 
 
 def is_oom(e: BaseException) -> bool:

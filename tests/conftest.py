@@ -2,8 +2,16 @@
 import os
 
 import pytest
+import torch
 
 from helpers import build_tiny_model
+
+# the user's CPU threads: every core, or their OMP_NUM_THREADS (torch reads it when it starts). This
+# process runs on one (the session's fixtures too), as the subprocesses of helpers.env do: on a busy
+# machine OpenMP's idle threads spin (at load 10 on 2 vCPUs a tiny model's gradient took 20 times
+# the CPU and 50 times the wall time on 2 threads that it took on 1)
+USER_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)
 
 
 def pytest_configure(config):
@@ -42,3 +50,17 @@ def clean_env(monkeypatch):
     """No GRPO_ variable of the caller's shell reaches an in-process train_lean.main()."""
     for name in [k for k in os.environ if k.startswith("GRPO_")]:
         monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One CPU thread again after each test, whatever it set."""
+    yield
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def user_threads():
+    """The user's CPU threads (every core by default) for a test in this process of what a user
+    relies on: a run that resumes, or repeats, bit for bit."""
+    torch.set_num_threads(USER_THREADS)

@@ -132,10 +132,47 @@ def line_starting(proc, prefix: str, timeout: float) -> str:
     raise AssertionError(f"no line starting with {prefix!r}: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
 
 
-def train(*args, timeout=120, extra_env=None, **kw):
+# a deadline for a whole process that only stops a hung one: generous enough for start-up and a few
+# steps on a loaded machine (load 6 on 2 vCPUs, torch's import from a cold page cache); a test never
+# times its subject
+PROCESS_DEADLINE_S = 900
+
+
+def train(*args, timeout=PROCESS_DEADLINE_S, extra_env=None, **kw):
     """train_lean.py in a subprocess, one thread, no GRPO_ variables from the caller's environment."""
     return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, env=env(**(extra_env or {})),
                           timeout=timeout, **kw)
+
+
+def usage_error(argv, capsys) -> str:
+    """The one stderr line of train_lean.main(argv) run in this process, checked to exit 2 with just
+    that line (the command line's own path, without the seconds a process takes to start)."""
+    import pytest
+    import train_lean
+    with pytest.raises(SystemExit) as exit_:
+        train_lean.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2, (argv, err[-500:])
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert err.startswith("train_lean.py: error: "), err
+    return err
+
+
+def trained_in_process(*argv) -> str:
+    """train_lean.main(argv) in this process without the caller's GRPO_ variables, for a fixture
+    wider than a test (where capsys and monkeypatch are not): its stdout. A run several tests
+    share."""
+    import contextlib
+    import io
+    import train_lean
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("GRPO_")}
+    stdout = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout):
+            train_lean.main(list(argv))
+    finally:
+        os.environ.update(saved)
+    return stdout.getvalue()
 
 
 def one_line_error(result) -> str:

@@ -35,7 +35,8 @@ def test_the_coefficient_rises_above_the_target_and_falls_below_it_by_at_most_20
     assert adaptive_kl_coef(1.0, 0.1, 64, cfg) == 1.0
 
 
-def test_an_adaptive_kl_run_logs_its_coefficient_and_resumes_it_exactly(tiny_model_dir, tmp_path, clean_env):
+def test_an_adaptive_kl_run_logs_its_coefficient_and_resumes_it_exactly(tiny_model_dir, tmp_path,
+                                                                        clean_env, user_threads):
     import train_lean
     args = ["--model", tiny_model_dir, "--task", "toy", "--batch-size", "8", "--group-size", "4", "--max-new-tokens",
             "8", "--learning-rate", "1e-2", "--kl-coef", "0.1", "--kl-target", "1e-4", "--kl-horizon", "16",

@@ -12,6 +12,11 @@ from grpo.decoders import generate, sample_token
 from grpo.rollout import encode_prompts, left_pad
 
 
+# the compiled decode step (torch.compile's inductor builds C++ on the CPU: tens of seconds a
+# shape) in the slow tier; the eager one in both
+EAGER_AND_COMPILED = [False, pytest.param(True, marks=pytest.mark.slow)]
+
+
 def _group_batch(tok, group=4):
     """Two prompts of different lengths (the shorter one left-padded), `group` rows each, groups contiguous."""
     prompts = encode_prompts(tok, ["Repeat a: ", "Repeat d: and a longer prompt"], prepend_bos=True)
@@ -283,7 +288,7 @@ def test_inverse_cdf_sampling_never_draws_a_zero_probability_token():
     assert 2 not in banned.tolist() and set(banned.tolist()) == {0, 1, 3}
 
 
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", EAGER_AND_COMPILED)
 def test_a_decoder_is_freed_without_the_cycle_collector(tiny_model_dir, compile):
     """No reference cycle: a step's K/V buffers go when generate() returns, not at the next full collection
     (a cycle let a run's RSS climb by a step's buffers at a time between collections)."""
@@ -363,6 +368,7 @@ def test_the_exponential_race_draws_the_distribution_multinomial_draws(monkeypat
         assert float(((counts[target > 0] - expected) ** 2 / expected).sum()) < 31.3
 
 
+@pytest.mark.slow   # 400 million float64 clocks: 18 s on one quiet thread, minutes on a busy one
 def test_the_exponential_race_gives_a_long_tail_its_mass():
     """One likely token and 20,000 rare ones (each 2e-5 of the head's probability, 0.29 of the mass
     together): the tail is drawn at its rate (within 4 standard errors over 20,000 draws)."""
@@ -375,7 +381,7 @@ def test_the_exponential_race_gives_a_long_tail_its_mass():
     assert abs(rate - tail) < 4 * se, (rate, tail)
 
 
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", EAGER_AND_COMPILED)
 def test_a_padded_decode_head_samples_what_the_plain_one_does(tiny_model_dir, tmp_path, monkeypatch, compile):
     """The decode step's head padded to 64 rows (a GPU's default) on the CPU, a vocabulary of 300: the same
     greedy tokens and logprobs within float rounding; never a padding row's token."""
@@ -393,7 +399,7 @@ def test_a_padded_decode_head_samples_what_the_plain_one_does(tiny_model_dir, tm
     assert (plain_logp - padded_logp).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", EAGER_AND_COMPILED)
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_bf16_copies_of_the_weights_decode_what_autocast_does(arch, tiny_model_dir, tiny_rotary_dir, monkeypatch,
                                                               compile):
@@ -425,6 +431,7 @@ def test_bf16_copies_of_the_weights_decode_what_autocast_does(arch, tiny_model_d
                 p.add_(torch.randn_like(p), alpha=0.05)
 
 
+@pytest.mark.slow   # compiles the decode step
 def test_past_the_compile_limit_decoding_says_so_and_goes_on_eagerly(tiny_model_dir, monkeypatch, capsys):
     """A process that compiles the decode step for more models and shapes than RECOMPILE_LIMIT: a note,
     then the eager step's tokens (a fullgraph compile past torch's limit raised before)."""

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from helpers import SMALL, TRAIN, env, one_line_error, records, train
+from helpers import SMALL, TRAIN, env, records, train, trained_in_process, usage_error
 
 peft = pytest.importorskip("peft")
 
@@ -93,21 +93,21 @@ def test_the_trainable_share_is_the_adapters(tiny_model_dir):
 def lora_run(request, tiny_model_dir, tiny_rotary_dir, tmp_path_factory):
     model = tiny_model_dir if request.param == "gpt2" else tiny_rotary_dir
     out = tmp_path_factory.mktemp("lora") / "out"
-    proc = train("--model", model, *SMALL, *LORA, "--steps", "3", "--save-interval", "3", "--out-dir", str(out))
-    assert proc.returncode == 0, proc.stderr
-    return model, out, proc
+    stdout = trained_in_process("--model", model, *SMALL, *LORA, "--steps", "3",
+                                "--save-interval", "3", "--out-dir", str(out))
+    return model, out, stdout
 
 
 def test_every_step_starts_on_policy_and_the_kl_is_against_the_base(lora_run):
     # one update per step: each step's update is its first, exactly on-policy (ratio 1, nothing clipped), with
     # adapters that moved after step 1 (a KL above 0 against the base model)
-    model, out, proc = lora_run
+    model, out, stdout = lora_run
     recs = records(out / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:
         assert abs(r["ratio_mean"] - 1) < 1e-5 and r["clip_frac"] == 0, r
     assert recs[0]["kl"] == 0 and recs[-1]["kl"] > 0
-    assert "parameters train (" in proc.stdout and "MiB saved)" in proc.stdout
+    assert "parameters train (" in stdout and "MiB saved)" in stdout
 
 
 def test_the_saved_folder_loads_and_is_the_trained_policy(lora_run):
@@ -126,7 +126,7 @@ def test_the_saved_folder_loads_and_is_the_trained_policy(lora_run):
     assert ours.keys() == saved.keys() and all(torch.equal(ours[k], saved[k]) for k in ours)
 
 
-def test_a_lora_run_resumes_exactly(tiny_model_dir, tmp_path, clean_env):
+def test_a_lora_run_resumes_exactly(tiny_model_dir, tmp_path, clean_env, user_threads):
     args = ["--model", tiny_model_dir, *SMALL, *LORA, "--steps", "4", "--log-level", "warning",
             "--save-final", "false"]
     train_lean.main([*args, "--out-dir", str(tmp_path / "straight"), "--save-interval", "4"])
@@ -145,13 +145,14 @@ def test_lora_settings_are_checked_where_they_enter(tiny_model_dir):
         add_lora(load_policy(tiny_model_dir, "cpu"), 4, 16.0, "nope")
 
 
-def test_without_peft_lora_is_one_line_naming_the_package(tiny_model_dir, tmp_path):
-    # peft hidden from the process, as on a machine without it: exit 2 before any model loads
-    hide = ("import runpy, sys; sys.modules['peft'] = None; sys.argv = sys.argv[1:]; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
-    result = subprocess.run([sys.executable, "-c", hide, TRAIN, "--model", tiny_model_dir, *SMALL, *LORA, "--steps",
-                             "1", "--out-dir", str(tmp_path)], capture_output=True, text=True, env=env(), timeout=120)
-    assert "--lora-rank 4 needs the peft package, which is not installed: pip install peft" in one_line_error(result)
+def test_without_peft_lora_is_one_line_naming_the_package(tiny_model_dir, tmp_path, monkeypatch,
+                                                          capsys, clean_env):
+    # peft hidden, as on a machine without it (a None in sys.modules fails its import): exit 2
+    # before any model loads
+    monkeypatch.setitem(sys.modules, "peft", None)
+    line = usage_error(["--model", tiny_model_dir, *SMALL, *LORA, "--steps", "1",
+                        "--out-dir", str(tmp_path)], capsys)
+    assert "--lora-rank 4 needs the peft package, which is not installed: pip install peft" in line
 
 
 @pytest.mark.slow

@@ -62,7 +62,7 @@ def test_the_composite_state_dict_round_trips(tiny_model_dir):
     assert all("momentum_buffer" in s for s in muon_state.values())
 
 
-def test_a_muon_run_trains_and_resumes_exactly(tiny_model_dir, tmp_path, clean_env):
+def test_a_muon_run_trains_and_resumes_exactly(tiny_model_dir, tmp_path, clean_env, user_threads):
     import train_lean
     args = ["--model", tiny_model_dir, "--task", "toy", "--batch-size", "8", "--group-size", "4", "--max-new-tokens",
             "8", "--learning-rate", "1e-2", "--optimizer", "muon", "--steps", "4",

@@ -151,7 +151,8 @@ def ptx_run(model, text_file, out, *extra):
             "--save-final", "false", "--out-dir", str(out), *extra]
 
 
-def test_a_run_learns_the_text_and_resumes_exactly(tiny_model_dir, tmp_path, clean_env):
+def test_a_run_learns_the_text_and_resumes_exactly(tiny_model_dir, tmp_path, clean_env,
+                                                   user_threads):
     import train_lean
     text = tmp_path / "text.txt"
     text.write_text("the same sentence again\nthe same sentence again, and more\n")

@@ -91,27 +91,30 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path, two_steps):
         [[r[k] for k in keys] for r in steps(first / "metrics.jsonl")]
 
 
-def test_rotary_model_with_accumulation_and_env_overrides(tiny_rotary_dir, tmp_path):
-    proc = run(["--model", tiny_rotary_dir, "--task", "toy", "--steps", "1", "--batch-size", "16", "--group-size", "4",
-                "--mini-batch-size", "8", "--ppo-epochs", "2", "--eval-interval", "0", "--out-dir", str(tmp_path)],
-               cwd=tmp_path,
-               env={"GRPO_MICRO_BATCH_SIZE": "4", "GRPO_MAX_NEW_TOKENS": "8", "GRPO_DTYPE": "bf16"})
-    assert proc.returncode == 0, proc.stderr
+def test_rotary_model_with_accumulation_and_env_overrides(tiny_rotary_dir, tmp_path, clean_env,
+                                                         monkeypatch, capsys):
+    overrides = {"GRPO_MICRO_BATCH_SIZE": "4", "GRPO_MAX_NEW_TOKENS": "8", "GRPO_DTYPE": "bf16"}
+    for name, value in overrides.items():
+        monkeypatch.setenv(name, value)
+    train_lean.main(["--model", tiny_rotary_dir, "--task", "toy", "--steps", "1", "--batch-size",
+                     "16", "--group-size", "4", "--mini-batch-size", "8", "--ppo-epochs", "2",
+                     "--eval-interval", "0", "--out-dir", str(tmp_path)])
+    stdout = capsys.readouterr().out
     # the header's batch line: 16 completions, 2 updates of 8 a step, each 2 micro-batches of 4
-    assert "micro-batch 4 (2 accumulation steps)" in proc.stdout and "cpu, bf16" in proc.stdout
+    assert "micro-batch 4 (2 accumulation steps)" in stdout and "cpu, bf16" in stdout
     rows = [line.split() for line in (tmp_path / "settings.txt").read_text().splitlines()]
     assert ["--micro-batch-size", "4", "env"] in rows and ["--dtype", "bf16", "env"] in rows
     rec = records(tmp_path / "metrics.jsonl")[0]
     assert rec["completion_len_mean"] <= 8
 
 
-def test_user_task_file_on_the_command_line(tiny_model_dir, tmp_path):
+def test_user_task_file_on_the_command_line(tiny_model_dir, tmp_path, clean_env):
     (tmp_path / "short.py").write_text(
         "class Short:\n    name = 'short'\n    def prompts(self, n, rng): return ['Say: '] * n\n"
         "    def reward(self, p, c): return -float(len(c))\n")
-    proc = run(["--model", tiny_model_dir, "--task", f"{tmp_path / 'short.py'}:Short", "--steps", "1",
-                "--batch-size", "8", "--max-new-tokens", "4", "--out-dir", str(tmp_path)], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    train_lean.main(["--model", tiny_model_dir, "--task", f"{tmp_path / 'short.py'}:Short",
+                     "--steps", "1", "--batch-size", "8", "--max-new-tokens", "4",
+                     "--out-dir", str(tmp_path)])
     assert records(tmp_path / "metrics.jsonl")[0]["reward_mean"] < 0
 
 

@@ -5,6 +5,7 @@ The batch is real: 64 completions sampled from the tiny GPT-2 (rollout64), with 
 off-policy so that ratios spread out and every clip (low, high, sequence, dual) binds somewhere.
 """
 import copy
+import functools
 import os
 import subprocess
 import sys
@@ -39,15 +40,22 @@ def batch(rollout64, tiny_model_dir):
             "sampler": logp + 0.3 * torch.randn_like(logp) * cmask}
 
 
+@pytest.fixture(scope="module")
+def gradient(rollout64, batch):
+    """gradient(knobs' name, micro): minibatch_gradient of the batch on rollout64's model, each
+    computed once (the accumulation tests, the ranks' test and the every-knob control ask for the
+    same ones)."""
+    return functools.cache(
+        lambda name, micro: minibatch_gradient(rollout64[0], batch, KNOBS[name], micro=micro))
+
+
 def relative(a, b):
     return ((a - b).norm() / a.norm()).item()
 
 
 @pytest.mark.parametrize("name", list(KNOBS))
-def test_eight_micro_batches_give_the_gradient_of_one_batch(rollout64, batch, name):
-    model = rollout64[0]
-    whole = minibatch_gradient(model, batch, KNOBS[name], micro=64)
-    accumulated = minibatch_gradient(model, batch, KNOBS[name], micro=8)
+def test_eight_micro_batches_give_the_gradient_of_one_batch(gradient, name):
+    whole, accumulated = gradient(name, 64), gradient(name, 8)
     assert whole.norm() > 0
     assert relative(whole, accumulated) <= 1e-5
 
@@ -78,12 +86,11 @@ def test_the_batch_exercises_every_clip(rollout64, batch):
     assert ((seq - 1).abs() < 0.02).any() and ((seq - 1).abs() > 0.03).any()
 
 
-def test_a_threshold_per_micro_batch_is_a_different_gradient(rollout64, batch):
+def test_a_threshold_per_micro_batch_is_a_different_gradient(rollout64, batch, gradient):
     """The trap: the top-entropy threshold must come from the whole mini-batch, not each micro-batch."""
-    model = rollout64[0]
-    knobs = KNOBS["top entropy token-mean"]
-    whole = minibatch_gradient(model, batch, knobs, micro=64)
-    wrong = minibatch_gradient(model, batch, knobs, micro=8, threshold_per_micro_batch=True)
+    whole = gradient("top entropy token-mean", 64)
+    wrong = minibatch_gradient(rollout64[0], batch, KNOBS["top entropy token-mean"], micro=8,
+                               threshold_per_micro_batch=True)
     assert relative(whole, wrong) > 1e-3
 
 
@@ -134,7 +141,7 @@ def test_dr_grpo_denominator_is_the_same_whatever_the_lengths(batch):
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_sum_to_the_one_process_gradient(rollout64, batch, tiny_model_dir, tmp_path):
+def test_two_gloo_ranks_sum_to_the_one_process_gradient(batch, gradient, tiny_model_dir, tmp_path):
     batch_file, out_file, init_file = tmp_path / "batch.pt", tmp_path / "grads.pt", tmp_path / "rendezvous"
     torch.save(batch, batch_file)
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grad_worker.py")
@@ -146,15 +153,13 @@ def test_two_gloo_ranks_sum_to_the_one_process_gradient(rollout64, batch, tiny_m
         assert p.returncode == 0, err[-3000:]
     summed = torch.load(out_file)
     assert set(summed) == set(KNOBS)
-    for name, knobs in KNOBS.items():
-        one = minibatch_gradient(rollout64[0], batch, knobs, micro=8)
-        assert relative(one, summed[name]) <= 1e-5, name
+    for name in KNOBS:
+        assert relative(gradient(name, 8), summed[name]) <= 1e-5, name
 
 
-def test_every_knob_changes_the_gradient(rollout64, batch):
+def test_every_knob_changes_the_gradient(gradient):
     """Another control: no knob is silently ignored (each gives a gradient of its own)."""
-    model = rollout64[0]
-    grads = {name: minibatch_gradient(model, batch, knobs, micro=64) for name, knobs in KNOBS.items()}
+    grads = {name: gradient(name, 64) for name in KNOBS}
     names = list(grads)
     for i, a in enumerate(names):
         for b in names[i + 1:]:

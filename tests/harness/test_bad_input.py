@@ -8,9 +8,8 @@ import shutil
 
 import pytest
 
-import train_lean
 from harness import cli, config, rundir
-from helpers import small_vocab_model, without_tokenizer
+from helpers import small_vocab_model, usage_error, without_tokenizer
 from tasks.rookworld.task import MixOptions
 
 pytestmark = pytest.mark.slow   # the full bad-input table
@@ -211,12 +210,7 @@ FILE_CASES = len(file_cases(pathlib.Path("unused")))
 
 
 def expect_usage_error(argv, needle, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        train_lean.main(argv)
-    out = capsys.readouterr()
-    err = out.err.strip()
-    assert exit_.value.code == 2, (argv, out.err[-500:])
-    assert err.count("\n") == 0 and "Traceback" not in err and err.startswith("train_lean.py: error: "), err
+    err = usage_error(argv, capsys)
     assert needle in err, (needle, err)
 
 

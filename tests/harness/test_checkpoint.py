@@ -11,11 +11,14 @@ import time
 import pytest
 import torch
 
-from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, records, train, user_env, weights
+from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, read_jsonl, records,
+                     train, usage_error, user_env, weights)
 from harness import checkpoint
 
 
-def wait_for(predicate, proc, timeout=90):
+def wait_for(predicate, proc, timeout=PROCESS_DEADLINE_S):
+    """Polls predicate while proc runs; the deadline (from the process's start, so generous) only
+    stops a hung run."""
     deadline = time.time() + timeout
     while not predicate():
         assert proc.poll() is None, f"the run ended early:\n{proc.communicate()[1][-2000:]}"
@@ -76,7 +79,7 @@ def test_a_signal_finishes_the_step_saves_and_exits_0(tiny_model_dir, tmp_path, 
     metrics = os.path.join(out, "metrics.jsonl")
     wait_for(lambda: os.path.exists(metrics) and len(open(metrics).readlines()) >= 2, proc)
     proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=PROCESS_DEADLINE_S)
     assert proc.returncode == 0, stderr
     done = len(records(metrics))
     assert done < 1000 and saved_steps(out) == [done]  # the step in flight was finished, logged and saved
@@ -105,7 +108,7 @@ def test_a_signal_during_the_final_save_waits_for_it(tiny_model_dir, tmp_path, w
     out = tmp_path / "out"
     args = [*run_args(tiny_model_dir, "toy"), "--steps", "1", "--out-dir", str(out)]
     result = subprocess.run([sys.executable, "-c", SIGNAL_IN_WRITE, write, sig, *args], env=env(),
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=PROCESS_DEADLINE_S)
     assert result.returncode == 0, result.stderr
     assert checkpoint.model_step(str(out / "model")) == 1 and not (out / "model.tmp").exists()
     # the step, whole, for --resume
@@ -135,7 +138,7 @@ def test_rng_states_round_trip_through_a_saved_file(tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
 
 
-def test_a_dynamic_sampling_run_resumes_exactly(tiny_model_dir, tmp_path, clean_env):
+def test_a_dynamic_sampling_run_resumes_exactly(tiny_model_dir, tmp_path, clean_env, user_threads):
     # the extra rounds draw from the step's own seeded prompt stream, so a resumed run redoes them exactly
     import train_lean
     args = ["--model", tiny_model_dir, "--task", "toy", "--batch-size", "8", "--group-size", "4",
@@ -150,7 +153,8 @@ def test_a_dynamic_sampling_run_resumes_exactly(tiny_model_dir, tmp_path, clean_
 
 
 
-def test_a_scheduled_run_with_a_moving_reference_resumes_exactly(tiny_model_dir, tmp_path, clean_env, capsys):
+def test_a_scheduled_run_with_a_moving_reference_resumes_exactly(tiny_model_dir, tmp_path,
+                                                                 clean_env, capsys, user_threads):
     # the learning rate is a function of the step; the reference that --ref-sync-steps moves is in the checkpoint
     import train_lean
     args = ["--model", tiny_model_dir, "--task", "toy", "--batch-size", "8", "--group-size", "4", "--max-new-tokens",
@@ -202,24 +206,25 @@ def copy_of(out, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_refuses_other_settings_and_allows_the_named_ones(two_saved_steps, evaluated, tiny_model_dir,
-                                                                 tiny_rotary_dir, tmp_path):
+def test_resume_refuses_other_settings_and_allows_the_named_ones(two_saved_steps, evaluated,
+                                                                 tiny_model_dir, tiny_rotary_dir,
+                                                                 tmp_path, capsys, clean_env):
     out = copy_of(two_saved_steps, tmp_path)
     ckpt = out / "checkpoints" / "step_000002"
     resume = ["--steps", "3", "--out-dir", str(out), "--resume"]
-    line = one_line_error(train(*run_args(tiny_model_dir, evaluated, *resume, "--batch-size", "16",
-                                          "--group-size", "4", "--learning-rate", "5e-4")))
+    line = usage_error([*run_args(tiny_model_dir, evaluated, *resume, "--batch-size", "16",
+                                  "--group-size", "4", "--learning-rate", "5e-4")], capsys)
     assert f"--resume: {ckpt} was trained with other settings: --batch-size 8 -> 16; --group-size 2 -> 4; " \
            f"--learning-rate 0.001 -> 0.0005" in line
     assert "--resume-allow-change batch_size,group_size,learning_rate" in line
-    line = one_line_error(train(*run_args(tiny_rotary_dir, evaluated, *resume)))
+    line = usage_error([*run_args(tiny_rotary_dir, evaluated, *resume)], capsys)
     assert f"--model {tiny_model_dir} -> {tiny_rotary_dir}" in line   # it would be the KL reference, silently
-    line = one_line_error(train(*run_args(tiny_model_dir, "chess-env", *resume)))
+    line = usage_error([*run_args(tiny_model_dir, "chess-env", *resume)], capsys)
     assert f"--task {evaluated} -> chess-env" in line
-    line = one_line_error(train(*run_args(tiny_model_dir, evaluated, *resume, "--width", "4")))
+    line = usage_error([*run_args(tiny_model_dir, evaluated, *resume, "--width", "4")], capsys)
     assert "--width 10 -> 4" in line   # a task's option defines the run too
-    line = one_line_error(train(*run_args(tiny_model_dir, evaluated, "--steps", "2", "--out-dir", str(out),
-                                          "--resume")))
+    line = usage_error([*run_args(tiny_model_dir, evaluated, "--steps", "2", "--out-dir", str(out),
+                                  "--resume")], capsys)
     assert f"--steps 2: the checkpoint {ckpt} is at step 2 already" in line   # it would train nothing, silently
 
     # on purpose: the named change is said; settings that do not define the run change freely
@@ -233,7 +238,9 @@ def test_resume_refuses_other_settings_and_allows_the_named_ones(two_saved_steps
 
 
 @pytest.mark.slow
-def test_a_checkpoint_without_a_manifest_or_a_setting_is_refused(two_saved_steps, evaluated, tiny_model_dir, tmp_path):
+def test_a_checkpoint_without_a_manifest_or_a_setting_is_refused(two_saved_steps, evaluated,
+                                                                 tiny_model_dir, tmp_path, capsys,
+                                                                 clean_env):
     # not what this trainer writes: a manifest is the last file of every checkpoint, the settings every field
     out = copy_of(two_saved_steps, tmp_path)
     ckpt = out / "checkpoints" / "step_000002"
@@ -243,23 +250,24 @@ def test_a_checkpoint_without_a_manifest_or_a_setting_is_refused(two_saved_steps
     del state["config"]["top_p"]
     torch.save(state, ckpt / checkpoint.STATE)
     checkpoint.write_manifest(ckpt)   # intact, as files go
-    line = one_line_error(train(*args, "--resume", str(ckpt)))
+    line = usage_error([*args, "--resume", str(ckpt)], capsys)
     assert "was trained with other settings: --top-p (not recorded) -> 1.0" in line
     os.remove(ckpt / checkpoint.MANIFEST)
-    line = one_line_error(train(*args, "--resume", str(ckpt)))
+    line = usage_error([*args, "--resume", str(ckpt)], capsys)
     assert f"the checkpoint is damaged ({checkpoint.MANIFEST} is missing)" in line
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", checkpoint.STATE])
 @pytest.mark.slow
-def test_a_damaged_newest_checkpoint_is_said_and_the_intact_one_used(two_saved_steps, evaluated, tiny_model_dir,
-                                                                     tmp_path, name):
+def test_a_damaged_newest_checkpoint_is_said_and_the_intact_one_used(two_saved_steps, evaluated,
+                                                                     tiny_model_dir, tmp_path, name,
+                                                                     capsys, clean_env):
     out = copy_of(two_saved_steps, tmp_path)
     newest = out / "checkpoints" / "step_000002"
     os.truncate(newest / name, os.path.getsize(newest / name) // 2)   # what a full disk or a bad copy leaves
     args = run_args(tiny_model_dir, evaluated, "--steps", "3", "--out-dir", str(out),
                     "--log-completions", str(out / "completions.jsonl"))
-    line = one_line_error(train(*args, "--resume", str(newest)))   # named itself, it is refused
+    line = usage_error([*args, "--resume", str(newest)], capsys)   # named itself, it is refused
     assert "the checkpoint is damaged" in line and name in line
 
     # the finished run's model is of step 2, newer than the intact checkpoint: a bare --resume would refuse to go
@@ -275,7 +283,7 @@ def test_a_damaged_newest_checkpoint_is_said_and_the_intact_one_used(two_saved_s
 
     for ckpt in (out / "checkpoints").glob("step_*"):   # no intact checkpoint left: exit 2, one line
         os.truncate(ckpt / name, 10)
-    line = one_line_error(train(*args, "--resume"))
+    line = usage_error([*args, "--resume"], capsys)
     assert "no intact checkpoint in" in line and "damaged" in line
 
 
@@ -301,7 +309,8 @@ def test_a_failure_after_a_completed_step_keeps_it_for_resume(evaluated, tiny_mo
 
 
 @pytest.mark.slow
-def test_a_run_that_failed_at_its_last_step_finishes_on_resume(evaluated, tiny_model_dir, tmp_path):
+def test_a_run_that_failed_at_its_last_step_finishes_on_resume(evaluated, tiny_model_dir, tmp_path,
+                                                               capsys, clean_env):
     # issue 46 case 13: "continue with --resume", which then refused: "nothing to train"; the final
     # model and the evaluation after the last step were never written
     out = tmp_path / "out"
@@ -315,10 +324,11 @@ def test_a_run_that_failed_at_its_last_step_finishes_on_resume(evaluated, tiny_m
     a, b = weights(out / "model"), weights(out / "checkpoints" / "step_000002")
     assert checkpoint.model_step(str(out / "model")) == 2
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert "nothing to train" in one_line_error(train(*args, "--resume"))   # nothing is owed now
+    assert "nothing to train" in usage_error([*args, "--resume"], capsys)   # nothing is owed now
     # killed in the final save (SIGKILL waits for nothing): the step's checkpoint was written first
     killed = subprocess.run([sys.executable, "-c", SIGNAL_IN_WRITE, "save_model", "SIGKILL", *args,
-                             "--overwrite"], env=env(), capture_output=True, text=True, timeout=120)
+                             "--overwrite"], env=env(), capture_output=True, text=True,
+                            timeout=PROCESS_DEADLINE_S)
     assert killed.returncode == -signal.SIGKILL and not (out / "model").exists()
     finished = train(*args, "--resume")
     assert finished.returncode == 0, finished.stderr
@@ -360,7 +370,7 @@ def test_a_full_disk_at_the_final_save_is_said_beside_the_traceback(tiny_model_d
     # the logs fit, the weights (600 KB) do not: the final save fails, and so does the checkpoint after it
     result = subprocess.run([sys.executable, TRAIN, *run_args(tiny_model_dir, "toy", "--steps", "2",
                                                               "--out-dir", str(tmp_path))],
-                            env=env(), capture_output=True, text=True, timeout=120,
+                            env=env(), capture_output=True, text=True, timeout=PROCESS_DEADLINE_S,
                             preexec_fn=no_bigger_files_than(100_000))
     assert result.returncode == 1 and "Traceback" in result.stderr
     said = [line for line in result.stderr.splitlines() if line.startswith("train_lean.py: could not save step 2")]
@@ -416,7 +426,7 @@ def test_a_checkpoint_under_another_steps_name_is_damaged(two_saved_steps, tmp_p
 
 @pytest.mark.slow
 def test_a_checkpoint_set_aside_resumes_as_a_new_run(two_saved_steps, evaluated, tiny_model_dir,
-                                                     tmp_path):
+                                                     tmp_path, capsys, clean_env):
     # issue 46 case 14: --resume OUT/checkpoints/abandoned-step_N called an intact checkpoint
     # damaged (AttributeError: 'NoneType'): its name was not step_N
     out = copy_of(two_saved_steps, tmp_path)
@@ -429,7 +439,7 @@ def test_a_checkpoint_set_aside_resumes_as_a_new_run(two_saved_steps, evaluated,
         str(tmp_path / "best"))
     args = run_args(tiny_model_dir, evaluated, "--steps", "2", "--resume",
                     str(ckpts / "abandoned-step_000001.2"))
-    line = one_line_error(train(*args, "--out-dir", str(out)))   # not in the run's line
+    line = usage_error([*args, "--out-dir", str(out)], capsys)   # not in the run's line
     assert "which --resume reads: pass another --out-dir" in line
     branch = train(*args, "--out-dir", str(tmp_path / "branch"))
     assert branch.returncode == 0, branch.stderr
@@ -438,8 +448,8 @@ def test_a_checkpoint_set_aside_resumes_as_a_new_run(two_saved_steps, evaluated,
 
 
 @pytest.mark.slow
-def test_a_resume_behind_a_finished_model_is_refused_or_branches_keeping_it(two_saved_steps, evaluated,
-                                                                           tiny_model_dir, tmp_path):
+def test_a_resume_behind_a_finished_model_is_refused_or_branches_keeping_it(
+        two_saved_steps, evaluated, tiny_model_dir, tmp_path, capsys, clean_env):
     # the run is resumed to step 3 at another learning rate, and the checkpoint at its end is lost
     # (deleted, or set aside as damaged): its model and record of step 3 are newer than the newest
     # checkpoint (step 2), and a later bare --resume would replace them unsaid
@@ -452,8 +462,8 @@ def test_a_resume_behind_a_finished_model_is_refused_or_branches_keeping_it(two_
     assert checkpoint.model_step(str(out / "model")) == 3
     assert checkpoints_in(ckpts) == ["step_000002"]
     finished = weights(out / "model")
-    line = one_line_error(train(*run_args(tiny_model_dir, evaluated, "--steps", "4", "--out-dir", str(out),
-                                          "--resume", *logs)))
+    line = usage_error([*run_args(tiny_model_dir, evaluated, "--steps", "4", "--out-dir", str(out),
+                                          "--resume", *logs)], capsys)
     assert f"{out / 'model'} was trained to step 3, but the newest checkpoint, {ckpts / 'step_000002'}, is at " \
            f"step 2: resuming would replace step 3 and that model" in line
     assert f"--resume {ckpts / 'step_000002'} to branch off step 2" in line

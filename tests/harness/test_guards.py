@@ -19,15 +19,6 @@ from harness.task import score
 from tasks import get_task
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Like the subprocess tests: on a busy machine, idle OpenMP threads spinning cost more than they give."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def run(tiny_model_dir, out, *extra):
     # the toy task: a random tiny model's rewards vary there, so every step has a gradient to skip or apply
     train_lean.main(["--model", tiny_model_dir, *SMALL, "--task", "toy", "--kl-coef", "0", "--out-dir", str(out),
@@ -50,7 +41,9 @@ def fake_allocator(monkeypatch, rows_that_fit: int, let_through: int = 0):
     monkeypatch.setattr(harness.guards, "completion_logprobs", completion_logprobs)   # the probe's forward
 
 
-def test_out_of_memory_halves_the_micro_batch_and_redoes_the_step_exactly(tiny_model_dir, tmp_path, monkeypatch):
+def test_out_of_memory_halves_the_micro_batch_and_redoes_the_step_exactly(tiny_model_dir, tmp_path,
+                                                                          monkeypatch,
+                                                                          user_threads):
     steps = ["--steps", "2", "--save-interval", "2"]
     plain = run(tiny_model_dir, tmp_path / "plain", "--micro-batch-size", "2", *steps)
     # micro-batch 4 of a mini-batch of 8: the first micro-batch's backward runs, the second runs out of

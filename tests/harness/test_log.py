@@ -10,7 +10,7 @@ import torch
 
 from harness.config import Config, ConfigError, batch_layout
 from harness.log import ReportError, batch_stats, open_reporter, scalars, whole_step
-from helpers import SMALL, read_jsonl, train
+from helpers import SMALL, read_jsonl
 
 
 def part(rewards, lengths, truncated, part_means, errors, reports, penalties=None):
@@ -51,21 +51,23 @@ def test_each_penalty_taken_off_the_reward_is_its_own_statistic_and_the_reward_i
 
 
 @pytest.mark.slow
-def test_torn_and_damaged_lines_are_dropped_on_resume_and_said(tiny_model_dir, tmp_path):
+def test_torn_and_damaged_lines_are_dropped_on_resume_and_said(tiny_model_dir, tmp_path, capsys,
+                                                               clean_env):
+    import train_lean   # in this process: three runs' start-ups saved
     out = tmp_path / "out"
     metrics, completions = out / "metrics.jsonl", out / "completions.jsonl"
     args = ["--model", tiny_model_dir, *SMALL, "--task", "toy", "--save-interval", "1", "--out-dir", str(out),
-            "--log-completions", str(completions)]
-    first = train(*args, "--steps", "2")
-    assert first.returncode == 0, first.stderr
+            "--log-completions", str(completions), "--save-final", "false"]
+    train_lean.main([*args, "--steps", "2"])
     for path in (metrics, completions):   # a record cut off mid-write: no newline, not JSON
         with open(path, "ab") as f:
             f.write(b'{"step": 3, "reward_mean": 0.2, "comp')
 
-    resumed = train(*args, "--steps", "3", "--resume")
-    assert resumed.returncode == 0, resumed.stderr
+    capsys.readouterr()
+    train_lean.main([*args, "--steps", "3", "--resume"])
+    err = capsys.readouterr().err
     for path in (metrics, completions):
-        assert f"{path}: dropped its torn last line" in resumed.stderr
+        assert f"{path}: dropped its torn last line" in err
     assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3]   # every line parses again
     assert sorted({r["step"] for r in read_jsonl(completions)}) == [1, 2, 3] and len(read_jsonl(completions)) == 24
 
@@ -73,9 +75,8 @@ def test_torn_and_damaged_lines_are_dropped_on_resume_and_said(tiny_model_dir, t
     lines = metrics.read_bytes().splitlines(keepends=True)
     damaged = lines[0] + b"\x00\x00\x00 not a record\n" + b"".join(lines[1:])
     metrics.write_bytes(damaged)
-    again = train(*args, "--steps", "4", "--resume")
-    assert again.returncode == 0, again.stderr
-    assert f"{metrics}: line(s) 2 of 4 hold no JSON record" in again.stderr
+    train_lean.main([*args, "--steps", "4", "--resume"])
+    assert f"{metrics}: line(s) 2 of 4 hold no JSON record" in capsys.readouterr().err
     assert (out / "metrics.jsonl.damaged").read_bytes() == damaged
     assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3, 4]
 
@@ -155,13 +156,22 @@ def test_a_long_evaluation_off_a_terminal_says_it_is_still_going(monkeypatch, ca
     import time
     from harness import log
     monkeypatch.setattr(log.EvalProgress, "EVERY_S", 0.1)
-    progress = log.EvalProgress(lambda prompts: time.sleep(0.35) or list(prompts), "eval at step 0")
+    lines = []
+
+    def complete(prompts):   # busy until the ticker spoke twice, however late it runs
+        deadline = time.monotonic() + 120   # only a ticker that never speaks ends it
+        while sum("still" in line for line in lines) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            lines.extend(capsys.readouterr().out.splitlines())
+        return list(prompts)
+    progress = log.EvalProgress(complete, "eval at step 0")
     progress(["a", "b"])
     progress.close()
+    lines.extend(capsys.readouterr().out.splitlines())
     time.sleep(0.15)   # closed: no line after it
-    lines = capsys.readouterr().out.splitlines()
+    assert not capsys.readouterr().out
     assert lines[0] == "eval at step 0: evaluating ..." and len(lines) >= 3
-    said = r"eval at step 0: still evaluating, \ds so far, [02] prompts completed"
+    said = r"eval at step 0: still evaluating, \S+ so far, [02] prompts completed"
     assert all(re.fullmatch(said, line) for line in lines[1:]), lines
 
 

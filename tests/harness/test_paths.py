@@ -14,7 +14,8 @@ import pytest
 import tasks
 import train_lean
 from harness import cli, config, paths
-from helpers import EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, train
+from helpers import (EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, train,
+                     usage_error)
 
 
 def toy(model, *extra):
@@ -36,13 +37,13 @@ def load(*argv):
 
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
 def test_a_log_on_a_file_of_the_model_is_refused_and_nothing_deleted(tiny_model_dir, tmp_path,
-                                                                     name):
+                                                                     name, capsys, clean_env):
     # issue 46 case 2: --overwrite deleted the model's file, then the run failed to load it
     model = tmp_path / "tC"
     shutil.copytree(tiny_model_dir, model)
     before = snapshot(model)
-    line = one_line_error(train(*toy(str(model), "--out-dir", str(tmp_path / "out"), "--log-file",
-                                     str(model / name), "--overwrite")))
+    line = usage_error(toy(str(model), "--out-dir", str(tmp_path / "out"), "--log-file",
+                           str(model / name), "--overwrite"), capsys)
     assert f"--log-file {model / name} lies inside {model}, which --model reads: pass another " \
            f"--log-file" in line
     assert snapshot(model) == before and not (tmp_path / "out").exists()
@@ -50,10 +51,10 @@ def test_a_log_on_a_file_of_the_model_is_refused_and_nothing_deleted(tiny_model_
 
 @pytest.mark.parametrize("flag", ["--log-file", "--log-completions"])
 def test_a_log_inside_the_folder_the_final_model_replaces_is_refused(tiny_model_dir, tmp_path,
-                                                                     flag):
+                                                                     flag, capsys, clean_env):
     # issue 46 case 3: the log vanished when the final model replaced OUT/model (exit 0)
     out, log = tmp_path / "A1", tmp_path / "A1" / "model" / "x.jsonl"
-    line = one_line_error(train(*toy(tiny_model_dir, "--out-dir", str(out), flag, str(log))))
+    line = usage_error(toy(tiny_model_dir, "--out-dir", str(out), flag, str(log)), capsys)
     assert f"{flag} {log} lies inside {out / 'model'}, which the run replaces with its trained " \
            f"model at its end: pass another {flag}" in line
 

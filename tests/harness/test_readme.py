@@ -47,6 +47,7 @@ def test_the_task_example_trains_and_evaluates_as_printed(tiny_model_dir, tmp_pa
     assert add.reward("3+4=", "") == add.reward("3+4=", "seven") == 0.0
 
 
+@pytest.mark.slow   # 50 steps: the README's claim that it learns, in the tier with the long runs
 def test_the_task_example_learns_on_the_model_the_readme_makes(tiny_model_dir, tmp_path):
     """The README's command on the tiny model of scripts/make_tiny_model.py (the fixture's, seed 0): the
     reward rises within a few dozen steps (it stays 0 with a reward of 1 or 0 only, where no group differs)."""

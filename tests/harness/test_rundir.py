@@ -12,8 +12,8 @@ import pytest
 import tasks
 import train_lean
 from harness import cli, config, rundir
-from helpers import (EVALUATED_TASK, SMALL, TRAIN, env, line_starting, one_line_error, read_jsonl,
-                     train)
+from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting,
+                     one_line_error, read_jsonl, train, usage_error)
 
 pytestmark = pytest.mark.slow   # concurrent and repeated real runs in one folder
 
@@ -33,32 +33,35 @@ def snapshot(folder) -> dict:
     return out
 
 
-def test_a_second_run_in_a_running_runs_folder_exits_2_naming_its_pid(tiny_model_dir, tmp_path):
+def test_a_second_run_in_a_running_runs_folder_exits_2_naming_its_pid(tiny_model_dir, tmp_path,
+                                                                      capsys, clean_env):
     out = tmp_path / "out"
     first = subprocess.Popen([sys.executable, TRAIN, *toy(tiny_model_dir), "--steps", "1000", "--out-dir", str(out)],
                              env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 90
+        deadline = time.time() + PROCESS_DEADLINE_S   # from its start: only a hung run stops it
         while not (out / "metrics.jsonl").exists() or not read_jsonl(out / "metrics.jsonl"):
             assert first.poll() is None, first.communicate()[1][-2000:]
             assert time.time() < deadline, "the first run wrote no record"
             time.sleep(0.05)
         # a second run, fresh or resuming, must not train into the folder while the first one does
         for extra in ([], ["--overwrite"], ["--resume"]):
-            line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out), *extra))
+            line = usage_error([*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out),
+                                *extra], capsys)
             assert f"--out-dir {out} is in use by another run (pid {first.pid})" in line, line
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
     # the kernel released the killed run's lock: the folder is free again (and still holds its records)
-    refused = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out)))
+    refused = usage_error([*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out)], capsys)
     assert "earlier run's records" in refused and "in use" not in refused
     again = train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out), "--overwrite")
     assert again.returncode == 0, again.stderr
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1]
 
 
-def test_a_finished_runs_folder_is_refused_and_overwrite_starts_over(tiny_model_dir, tmp_path):
+def test_a_finished_runs_folder_is_refused_and_overwrite_starts_over(tiny_model_dir, tmp_path,
+                                                                     capsys, clean_env):
     out = tmp_path / "out"
     first = train(*toy(tiny_model_dir), "--steps", "2", "--save-interval", "1", "--out-dir", str(out),
                   "--log-completions", str(out / "completions.jsonl"))
@@ -67,20 +70,21 @@ def test_a_finished_runs_folder_is_refused_and_overwrite_starts_over(tiny_model_
     assert {"metrics.jsonl", "completions.jsonl", "model/model.safetensors",
             "checkpoints/step_000002/trainer_state.pt"} <= before.keys()
     # the default --save-interval 0 and the default log paths: the case the default out/ makes normal
-    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out)))
+    line = usage_error([*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out)], capsys)
     assert f"--out-dir {out} holds an earlier run's records" in line
     assert "metrics.jsonl" in line and "model" in line and "--resume" in line and "--overwrite" in line
-    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(tmp_path / "other"),
-                                "--log-completions", str(out / "completions.jsonl")))
+    line = usage_error([*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(tmp_path / "other"),
+                        "--log-completions", str(out / "completions.jsonl")], capsys)
     assert "completions.jsonl" in line   # another folder, but the same completions log
     (tmp_path / "nockpt").mkdir()   # a finished run that kept no checkpoint: --resume could not continue it
     (tmp_path / "nockpt" / "metrics.jsonl").write_text('{"step": 1}\n')
-    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(tmp_path / "nockpt")))
+    line = usage_error([*toy(tiny_model_dir), "--steps", "1", "--out-dir",
+                        str(tmp_path / "nockpt")], capsys)
     assert "pass --resume" not in line and "kept no checkpoint" in line and "--overwrite" in line
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "metrics.jsonl").write_text('{"step": 1}\n')
-    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "3", "--out-dir", str(tmp_path / "used"),
-                                "--resume", str(out / "checkpoints" / "step_000002")))
+    line = usage_error([*toy(tiny_model_dir), "--steps", "3", "--out-dir", str(tmp_path / "used"),
+                        "--resume", str(out / "checkpoints" / "step_000002")], capsys)
     assert "holds an earlier run's records" in line and "resumes a checkpoint from elsewhere" in line
     assert snapshot(out) == before   # not a byte of the earlier run changed
 
@@ -94,7 +98,8 @@ def test_a_finished_runs_folder_is_refused_and_overwrite_starts_over(tiny_model_
     assert os.listdir(out / "checkpoints") == ["step_000001"]   # the new run's last step
 
 
-def test_eval_only_works_on_a_finished_runs_folder_and_overwrites_no_log(tiny_model_dir, tmp_path):
+def test_eval_only_works_on_a_finished_runs_folder_and_overwrites_no_log(tiny_model_dir, tmp_path,
+                                                                         capsys, clean_env):
     (tmp_path / "evaluated.py").write_text(EVALUATED_TASK)
     task = ["--model", tiny_model_dir, *SMALL, "--task", f"{tmp_path / 'evaluated.py'}:Evaluated"]
     out = tmp_path / "out"
@@ -107,7 +112,8 @@ def test_eval_only_works_on_a_finished_runs_folder_and_overwrites_no_log(tiny_mo
         assert "first_letter_rate" in result.stdout and "step 1/" not in result.stdout
     assert snapshot(out) == before
     # asked to log into the run's own metrics: that would overwrite them
-    line = one_line_error(train(*task, "--eval-only", "--out-dir", str(out), "--log-file", str(out / "metrics.jsonl")))
+    line = usage_error([*task, "--eval-only", "--out-dir", str(out), "--log-file",
+                        str(out / "metrics.jsonl")], capsys)
     assert "metrics.jsonl" in line and "--overwrite" in line
     # the log is to blame, not --out-dir, which --eval-only does not write
     log = out / "metrics.jsonl"
@@ -116,14 +122,15 @@ def test_eval_only_works_on_a_finished_runs_folder_and_overwrites_no_log(tiny_mo
     assert snapshot(out) == before
 
 
-def test_a_disk_too_small_for_a_checkpoint_and_the_model_is_refused_before_loading(tiny_model_dir, tmp_path):
+def test_a_disk_too_small_for_a_checkpoint_and_the_model_is_refused_before_loading(
+        tiny_model_dir, tmp_path, capsys, clean_env):
     # a model folder whose weights file claims as many bytes as the disk has free (a sparse file: it takes
     # none): one checkpoint and the trained model need about four times that
     big = tmp_path / "big-model"
     shutil.copytree(tiny_model_dir, big)
     os.truncate(big / "model.safetensors", shutil.disk_usage(tmp_path).free)
-    line = one_line_error(train("--model", str(big), *SMALL, "--task", "toy", "--steps", "1",
-                                "--out-dir", str(tmp_path / "out")))
+    line = usage_error(["--model", str(big), *SMALL, "--task", "toy", "--steps", "1",
+                        "--out-dir", str(tmp_path / "out")], capsys)
     assert "free on its disk" in line and "pass an --out-dir on another disk" in line
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
@@ -156,25 +163,28 @@ def test_a_checkpoint_that_recorded_an_earlier_name_resumes_under_the_new_one():
     assert "--advantage group -> rloo" in rundir.check_resume(saved, allowed, None, "ckpt")[0]
 
 
-def test_overwrite_refuses_to_delete_what_the_run_reads(tiny_model_dir, tmp_path):
+def test_overwrite_refuses_to_delete_what_the_run_reads(tiny_model_dir, tmp_path, capsys,
+                                                        clean_env):
     # train on from a finished run's model into the same folder: --overwrite would delete that model first
     out = tmp_path / "x"
     first = train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out))
     assert first.returncode == 0, first.stderr
     before = snapshot(out)
-    line = one_line_error(train(*toy(str(out / "model")), "--steps", "1", "--out-dir", str(out), "--overwrite"))
+    line = usage_error([*toy(str(out / "model")), "--steps", "1", "--out-dir", str(out),
+                        "--overwrite"], capsys)
     assert f"--out-dir {out}: {out / 'model'} lands on {out / 'model'}, which --model reads: " \
            f"pass another --out-dir" in line
     # a file inside the doomed records (a path="in" setting): the same
-    line = one_line_error(train(*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out), "--overwrite",
-                                "--ptx-coef", "1", "--ptx-file", str(out / "metrics.jsonl")))
+    line = usage_error([*toy(tiny_model_dir), "--steps", "1", "--out-dir", str(out), "--overwrite",
+                        "--ptx-coef", "1", "--ptx-file", str(out / "metrics.jsonl")], capsys)
     metrics = out / "metrics.jsonl"
     assert f"{metrics} lands on {metrics}, which --ptx-file reads" in line
     assert snapshot(out) == before   # nothing was deleted
 
 
 def test_overwrite_sets_the_earlier_run_aside_only_when_the_new_one_can_start(tiny_model_dir,
-                                                                             tmp_path):
+                                                                              tmp_path, capsys,
+                                                                              clean_env):
     # issue 46 case 6: --overwrite deleted the earlier run first, then failed (--device tpu, a
     # typo in --model): nothing replaced it
     (tmp_path / "evaluated.py").write_text(EVALUATED_TASK)
@@ -184,7 +194,7 @@ def test_overwrite_sets_the_earlier_run_aside_only_when_the_new_one_can_start(ti
     assert first.returncode == 0, first.stderr
     before = snapshot(out)
     for bad in (["--device", "tpu"], ["--model", str(tmp_path / "typo")]):
-        one_line_error(train(*task, "--steps", "1", "--out-dir", str(out), "--overwrite", *bad))
+        usage_error([*task, "--steps", "1", "--out-dir", str(out), "--overwrite", *bad], capsys)
         assert snapshot(out) == before
     # set aside once the model loaded, the run fails at its evaluation before step 1: put back
     failed = train(*task, "--steps", "1", "--out-dir", str(out), "--overwrite", "--eval-interval",

@@ -7,14 +7,15 @@ import shutil
 import sys
 from fractions import Fraction
 from math import comb
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 import train_lean
-from helpers import (CHAT_TASK, EVALUATED_TASK, SMALL, means, one_line_error, read_jsonl, records,
-                     train, weights)
+from helpers import (CHAT_TASK, EVALUATED_TASK, SMALL, means, read_jsonl, records, train,
+                     usage_error, weights)
 
 from grpo.decoders import generate
 from grpo.model import load_policy, load_tokenizer
@@ -443,6 +444,13 @@ def test_a_malformed_conversation_exits_2_with_one_line_before_the_model_loads(
     assert err.startswith(said) and message in err, err
 
 
+def in_process(capsys, *argv):
+    """train_lean.main(argv) in this process, as train() runs it in its own: (stdout, stderr)."""
+    capsys.readouterr()
+    train_lean.main(list(argv))
+    return SimpleNamespace(**dict(zip(("stdout", "stderr"), capsys.readouterr())))
+
+
 @pytest.fixture
 def chat_task(tmp_path):
     (tmp_path / "chat_toy.py").write_text(CHAT_TASK)
@@ -461,8 +469,8 @@ def test_a_system_prompt_for_a_task_of_str_prompts_exits_2_with_one_line(
     # --eval-only draws no training prompts: an evaluation that asks for str prompts is refused
     (tmp_path / "evaluated.py").write_text(EVALUATED_TASK)
     task = f"{tmp_path / 'evaluated.py'}:Evaluated"
-    line = one_line_error(train("--model", tiny_model_dir, "--task", task, "--eval-only",
-                                "--system-prompt", "Be brief."))
+    line = usage_error(["--model", tiny_model_dir, "--task", task, "--eval-only",
+                        "--system-prompt", "Be brief."], capsys)
     assert line == (f"train_lean.py: error: the task's evaluation at step 0: --system-prompt "
                     f"'Be brief.': --task {task} asks complete() in its evaluation for str prompts "
                     f"('Repeat a: '); a system prompt needs conversations (docs/chat.md)")
@@ -472,18 +480,17 @@ def test_a_system_prompt_for_a_task_of_str_prompts_exits_2_with_one_line(
 # them with the chat template, grpo/model.py end_ids ends a completion at <|im_end|> too)
 
 def test_a_conversational_task_trains_and_evaluates_on_an_instruct_model(
-        chat_task, tiny_chat_model_dir, tmp_path):
+        chat_task, tiny_chat_model_dir, tmp_path, capsys, clean_env, monkeypatch):
     """The issue's "tried as a new user would": a conversational task of your own on the tiny chat
     model, with --system-prompt over the task's own system message, trains and evaluates with
     intervals; its reward and the logged completions see the conversation with that system
     message, and the assistant's text alone."""
     system = "Answer with one letter, ten times."
     run = tmp_path / "run"
-    proc = train("--model", tiny_chat_model_dir, "--task", chat_task, *SMALL, "--steps", "2",
-                 "--eval-interval", "1", "--system-prompt", system, "--log-completions",
-                 str(run / "completions.jsonl"), "--out-dir", str(run),
-                 extra_env={"EXPECT_SYSTEM": system})   # else its reward raises
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("EXPECT_SYSTEM", system)   # else its reward raises
+    train_lean.main(["--model", tiny_chat_model_dir, "--task", chat_task, *SMALL, "--steps", "2",
+                     "--eval-interval", "1", "--system-prompt", system, "--log-completions",
+                     str(run / "completions.jsonl"), "--out-dir", str(run)])
     assert "reward_errors" not in (run / "metrics.jsonl").read_text()
     recs = read_jsonl(run / "metrics.jsonl")
     evals = [r for r in recs if r.get("kind") == "eval"]
@@ -503,33 +510,33 @@ def test_a_conversational_task_trains_and_evaluates_on_an_instruct_model(
 
 
 def test_a_conversational_task_on_a_tokenizer_without_a_chat_template_exits_2(
-        chat_task, tiny_model_dir, tmp_path):
-    line = one_line_error(train("--model", tiny_model_dir, "--task", chat_task, *SMALL,
-                                "--steps", "1", "--out-dir", str(tmp_path / "run")))
+        chat_task, tiny_model_dir, tmp_path, capsys, clean_env):
+    line = usage_error(["--model", tiny_model_dir, "--task", chat_task, *SMALL,
+                        "--steps", "1", "--out-dir", str(tmp_path / "run")], capsys)
     assert "chat template" in line and "conversations" in line, line
 
 
-def test_an_end_of_turn_the_models_files_forget_ends_completions_and_is_said(chat_task, tiny_chat_model_dir,
-                                                                             tmp_path):
+def test_an_end_of_turn_the_models_files_forget_ends_completions_and_is_said(
+        chat_task, tiny_chat_model_dir, tmp_path, capsys, clean_env):
     # an instruct model whose tokenizer and generation config name <|endoftext|> alone (as some do)
     model = shutil.copytree(tiny_chat_model_dir, tmp_path / "undeclared")
     for name, key, value in (("generation_config.json", "eos_token_id", 0), ("config.json", "eos_token_id", 0),
                              ("tokenizer_config.json", "eos_token", "<|endoftext|>")):
         settings = json.loads((model / name).read_text())
         (model / name).write_text(json.dumps({**settings, key: value}))
-    done = train("--model", str(model), "--task", chat_task, *SMALL, "--steps", "1",
-                 "--out-dir", str(tmp_path / "run"), "--log-completions", str(tmp_path / "rows.jsonl"))
-    assert done.returncode == 0, done.stderr
+    done = in_process(capsys, "--model", str(model), "--task", chat_task, *SMALL, "--steps", "1",
+                      "--out-dir", str(tmp_path / "run"), "--log-completions",
+                      str(tmp_path / "rows.jsonl"))
     assert ("the chat template ends a turn with <|im_end|> (id 2), which neither the tokenizer's EOS nor the "
             "model's generation_config.json eos_token_id declares: completions end there too") in done.stderr
     assert not any("<|im_end|>" in row["completion"] for row in read_jsonl(tmp_path / "rows.jsonl"))
-    done = train("--model", tiny_chat_model_dir, "--task", chat_task, *SMALL, "--steps", "1",
-                 "--out-dir", str(tmp_path / "declared"))
-    assert done.returncode == 0 and "chat template ends a turn" not in done.stderr
+    done = in_process(capsys, "--model", tiny_chat_model_dir, "--task", chat_task, *SMALL,
+                      "--steps", "1", "--out-dir", str(tmp_path / "declared"))
+    assert "chat template ends a turn" not in done.stderr
 
 
 def test_the_evaluation_renders_its_conversations_with_the_system_prompt(
-        chat_task, tiny_chat_model_dir, tmp_path):
+        chat_task, tiny_chat_model_dir, tmp_path, capsys, clean_env, monkeypatch):
     """With --eval-only no training prompt is drawn: a system prompt too long for the model is found
     in the evaluation's conversations, in as many tokens as the chat template renders with it."""
     from transformers import AutoTokenizer
@@ -537,8 +544,9 @@ def test_the_evaluation_renders_its_conversations_with_the_system_prompt(
     asked = [{"role": "system", "content": system}, {"role": "user", "content": "Repeat a: "}]
     ids = AutoTokenizer.from_pretrained(tiny_chat_model_dir).apply_chat_template(
         asked, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    line = one_line_error(train("--model", tiny_chat_model_dir, "--task", chat_task, "--eval-only",
-                                "--system-prompt", system, extra_env={"EXPECT_SYSTEM": system}))
+    monkeypatch.setenv("EXPECT_SYSTEM", system)
+    line = usage_error(["--model", tiny_chat_model_dir, "--task", chat_task, "--eval-only",
+                        "--system-prompt", system], capsys)
     assert line.startswith("train_lean.py: error: the task's evaluation at step 0: "), line
     assert f"{len(ids)} tokens" in line, line
 
@@ -755,10 +763,10 @@ def test_tolerated_reward_errors_train_on_and_show_the_traceback_once(rewards_fi
     assert [r["reward_errors"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [{"NameError": 8}] * 3
 
 
-def test_a_step_without_signal_is_named_once_with_what_to_try(rewards_file, tiny_model_dir, tmp_path):
-    proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:Flat", *SMALL, "--steps", "3",
-                 "--log-level", "warning", "--out-dir", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_a_step_without_signal_is_named_once_with_what_to_try(rewards_file, tiny_model_dir,
+                                                              tmp_path, capsys, clean_env):
+    proc = in_process(capsys, "--model", tiny_model_dir, "--task", f"{rewards_file}:Flat", *SMALL,
+                      "--steps", "3", "--log-level", "warning", "--out-dir", str(tmp_path))
     notes = [line for line in proc.stderr.splitlines() if "frac_zero_std 1.0" in line]   # --log-level keeps it
     assert len(notes) == 1 and notes[0].startswith("train_lean.py: step 1: every group's completions got equal "
                                                    "rewards"), proc.stderr
@@ -770,13 +778,13 @@ def test_a_step_without_signal_is_named_once_with_what_to_try(rewards_file, tiny
         "--temperature, a larger --group-size, a reward with partial credit, or a model that sometimes solves the task")
 
 
-def test_a_run_whose_steps_mostly_learned_nothing_ends_saying_so(rewards_file, tiny_model_dir, tmp_path):
+def test_a_run_whose_steps_mostly_learned_nothing_ends_saying_so(rewards_file, tiny_model_dir,
+                                                                 tmp_path, capsys, clean_env):
     # it ended with "saved the trained model" and nothing else, the one note at step 1 far above
     runs = {"MostlyFlat": [0.0, 1.0, 1.0], "Alternating": [0.0, 0.0, 0.0]}
     for name, flat in runs.items():
-        proc = train("--model", tiny_model_dir, "--task", f"{rewards_file}:{name}", *SMALL, "--steps", "3",
-                     "--out-dir", str(tmp_path / name))
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        proc = in_process(capsys, "--model", tiny_model_dir, "--task", f"{rewards_file}:{name}",
+                          *SMALL, "--steps", "3", "--out-dir", str(tmp_path / name))
         assert [r["frac_zero_std"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")] == flat
         summary = [line for line in proc.stderr.splitlines() if "had only flat groups" in line]
         assert summary == (["train_lean.py: 2 of 3 steps had only flat groups (every advantage 0): the model barely "
@@ -888,7 +896,8 @@ def test_the_toy_task_reports_greedy_and_sampled_metrics(tiny_complete):
     assert set(ToyTask().evaluate(tiny_complete)) == {"acc", "reward"}   # greedy only by default
 
 
-def test_a_sampled_evaluation_leaves_training_bit_identical(tiny_model_dir, tmp_path, capsys, clean_env):
+def test_a_sampled_evaluation_leaves_training_bit_identical(tiny_model_dir, tmp_path, capsys,
+                                                            clean_env, user_threads):
     # the evaluation samples from its own seed in a fork of torch's RNG: the steps, the weights and the RNG
     # states a checkpoint keeps are those of a run without it
     args = ["--model", tiny_model_dir, "--task", "toy", *SMALL, "--steps", "2", "--save-interval", "2"]

@@ -1,7 +1,8 @@
 """bench/real_positions.py and bench/engine_agreement.py: the agreement shares against a direct count,
-a real run on a few real lines with a tiny model and real Stockfish, and a clean skip without the data."""
+a real run on a few real lines with a tiny model and real Stockfish, and a clean skip without the
+data. Their main() runs in this process, on the command line given in sys.argv."""
+import importlib
 import os
-import subprocess
 import sys
 
 import pytest
@@ -10,7 +11,7 @@ from bench.engine_agreement import agreement
 from bench.real_positions import METRICS, tables
 from tasks.rookworld.engine import find_stockfish
 
-from helpers import REPO, ROOK_VAL, env
+from helpers import ROOK_VAL
 
 
 def row(*moves):
@@ -42,30 +43,43 @@ def test_the_tables_give_each_rate_its_interval_and_pair_later_models_with_the_f
     assert tables([("only", before)]).count("\n") == 2               # one model: no paired table
 
 
+def bench(script, *args, monkeypatch, capsys):
+    """bench/SCRIPT's main() in this process, as `python bench/SCRIPT ARGS` runs it (it reads
+    sys.argv): (its exit code, its stdout)."""
+    main = importlib.import_module(f"bench.{script[:-3]}").main
+    monkeypatch.setattr(sys, "argv", [script, *map(str, args)])
+    capsys.readouterr()
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) or e.code is None else 1
+    return code or 0, capsys.readouterr().out
+
+
 @pytest.mark.parametrize("script", ["real_positions.py", "engine_agreement.py"])
-def test_without_the_data_file_it_says_so_and_exits_0(script, tmp_path):
-    args = [sys.executable, os.path.join(REPO, "bench", script), "--data", str(tmp_path / "absent.txt"),
-            "--cache-dir", str(tmp_path)]
+def test_without_the_data_file_it_says_so_and_exits_0(script, tmp_path, monkeypatch, capsys):
+    args = ["--data", tmp_path / "absent.txt", "--cache-dir", tmp_path]
     if script == "real_positions.py":
         args.append("unused-model")
-    r = subprocess.run(args, capture_output=True, text=True, env=env(), timeout=120)
-    assert r.returncode == 0 and "not found: skipped" in r.stdout, r.stderr
+    code, out = bench(script, *args, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0 and "not found: skipped" in out, out
 
 
 @pytest.mark.skipif(not os.path.exists(ROOK_VAL), reason="no ../shared/data/rook_val_400.txt")
 @pytest.mark.skipif(find_stockfish() is None, reason="needs Stockfish")
-def test_a_tiny_model_on_real_lines_gets_a_table_row_and_cached_analyses(tiny_model_dir, tmp_path):
-    cmd = [sys.executable, os.path.join(REPO, "bench", "real_positions.py"), tiny_model_dir, tiny_model_dir,
-           "--limit", "6", "--depth", "4", "--cache-dir", str(tmp_path), "--batch", "3"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "6 real P: positions" in r.stdout and r.stdout.count(f"| {tiny_model_dir} | ") == 3
-    assert r.stdout.count("+0.0 [+0.0, +0.0] no detectable difference") == 4   # a model against itself
+def test_a_tiny_model_on_real_lines_gets_a_table_row_and_cached_analyses(tiny_model_dir, tmp_path,
+                                                                         monkeypatch, capsys):
+    args = [tiny_model_dir, tiny_model_dir, "--limit", "6", "--depth", "4", "--cache-dir", tmp_path,
+            "--batch", "3"]
+    code, out = bench("real_positions.py", *args, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0, out
+    assert "6 real P: positions" in out and out.count(f"| {tiny_model_dir} | ") == 3
+    assert out.count("+0.0 [+0.0, +0.0] no detectable difference") == 4   # a model against itself
     cache = (tmp_path / "analysis_d4.jsonl").read_text().splitlines()
     assert len(cache) == 6
-    again = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)   # from the cache
-    assert again.stdout == r.stdout and len((tmp_path / "analysis_d4.jsonl").read_text().splitlines()) == 6
-    agree = subprocess.run([sys.executable, os.path.join(REPO, "bench", "engine_agreement.py"), "--limit", "6",
-                            "--depths", "4", "--deep", "4", "--cache-dir", str(tmp_path)],
-                           capture_output=True, text=True, env=env(), timeout=300)
-    assert agree.returncode == 0 and "| 4 | 100.0% | 100.0% | 100.0% |" in agree.stdout, agree.stderr[-2000:]
+    again = bench("real_positions.py", *args, monkeypatch=monkeypatch, capsys=capsys)   # cached
+    assert again == (0, out) and len((tmp_path / "analysis_d4.jsonl").read_text().splitlines()) == 6
+    code, agree = bench("engine_agreement.py", "--limit", "6", "--depths", "4", "--deep", "4",
+                        "--cache-dir", tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0 and "| 4 | 100.0% | 100.0% | 100.0% |" in agree, agree

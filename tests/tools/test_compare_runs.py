@@ -4,13 +4,14 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import compare_runs
 import train_lean
-from helpers import REPO, SMALL, env
+from helpers import PROCESS_DEADLINE_S, REPO, SMALL, env
 
 SCRIPT = os.path.join(REPO, "compare_runs.py")
 SHA = "ab" * 32
@@ -29,9 +30,19 @@ def write_items(folder, evaluations: dict, sha: str = SHA, prompts: int = 200,
     return str(folder)
 
 
-def compare(*args):
+def compare(capsys, *args):
+    """compare_runs.py's main in this process, as its command line calls it: its exit code and
+    output."""
+    capsys.readouterr()
+    code = compare_runs.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+
+def script(*args):
+    """compare_runs.py as a shell or CI runs it, in a process of its own."""
     return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True, env=env(),
-                          timeout=120)
+                          timeout=PROCESS_DEADLINE_S)
 
 
 @pytest.fixture
@@ -53,35 +64,35 @@ def lines_of(out: str) -> dict:
     return {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
 
 
-def test_a_clear_gain_is_b_higher_and_identical_runs_show_no_difference(runs):
+def test_a_clear_gain_is_b_higher_and_identical_runs_show_no_difference(runs, capsys):
     a, b, c = runs
-    gain = compare(a, b)
+    gain = compare(capsys, a, b)
     assert gain.returncode == 0, gain.stderr
     rows = lines_of(gain.stdout)
     assert rows["acc"].endswith("n=200  B higher (40 only B, 0 only A; McNemar p=1.8e-12)")
     assert "+0.20 [" in rows["acc"] and rows["credit"].endswith("n=200  B higher")
-    same = compare(a, c)
+    same = compare(capsys, a, c)
     assert same.returncode == 0 and all(r.endswith("no detectable difference") or "no detectable difference (" in r
                                         for r in lines_of(same.stdout).values())
     assert len(lines_of(same.stdout)) == 2
-    worse = compare(b, a)
+    worse = compare(capsys, b, a)
     assert worse.returncode == 0 and "A higher" in lines_of(worse.stdout)["acc"]
 
 
-def test_one_run_compares_its_first_evaluation_with_its_last(runs):
+def test_one_run_compares_its_first_evaluation_with_its_last(runs, capsys):
     a, b, _ = runs
-    out = compare(b)
+    out = compare(capsys, b)
     assert out.returncode == 0 and f"A: {b} step 0\nB: {b} step 10" in out.stdout
     assert "B higher (40 only B, 0 only A" in lines_of(out.stdout)["acc"]
-    swapped = compare(b, "--step-a", 10, "--step-b", 0)   # after against before
+    swapped = compare(capsys, b, "--step-a", 10, "--step-b", 0)   # after against before
     assert "A higher (0 only B, 40 only A" in lines_of(swapped.stdout)["acc"]
 
 
-def test_fail_if_lower_exits_1_when_b_is_detectably_lower(runs):
+def test_fail_if_lower_exits_1_when_b_is_detectably_lower(runs, capsys):
     a, b, _ = runs
-    assert compare(b, a, "--fail-if-lower").returncode == 1
-    assert compare(a, b, "--fail-if-lower").returncode == 0
-    only_credit = compare(b, a, "--fail-if-lower", "--metrics", "credit")
+    assert script(b, a, "--fail-if-lower").returncode == 1   # the exit code a CI job sees
+    assert compare(capsys, a, b, "--fail-if-lower").returncode == 0
+    only_credit = compare(capsys, b, a, "--fail-if-lower", "--metrics", "credit")
     assert only_credit.returncode == 1 and list(lines_of(only_credit.stdout)) == ["credit"]
 
 
@@ -104,9 +115,9 @@ def test_fail_if_lower_exits_1_when_b_is_detectably_lower(runs):
      "scored 'acc' with items too large to compare"),
     (lambda t, a: str(t), "holds no per-item scores"),
 ])
-def test_what_cannot_be_paired_is_refused_in_one_line(runs, tmp_path, make, message):
+def test_what_cannot_be_paired_is_refused_in_one_line(runs, tmp_path, make, message, capsys):
     a = runs[0]
-    out = compare(a, make(tmp_path, a))
+    out = compare(capsys, a, make(tmp_path, a))
     assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith("compare_runs.py: error: ") and message in out.stderr, out.stderr
 
@@ -152,7 +163,8 @@ def test_bad_arguments_exit_2_with_one_line(runs, args, message, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
-def test_two_real_runs_of_one_seed_show_no_detectable_difference(tiny_model_dir, tmp_path, capsys, clean_env):
+def test_two_real_runs_of_one_seed_show_no_detectable_difference(tiny_model_dir, tmp_path, capsys,
+                                                                 clean_env, user_threads):
     args = ["--model", tiny_model_dir, "--task", "toy", *SMALL[:-4], "--steps", "2", "--eval-interval", "2",
             "--eval-k", "2", "--eval-n", "4"]
     for name in ("one", "two"):

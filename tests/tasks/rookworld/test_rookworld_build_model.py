@@ -96,6 +96,7 @@ def test_the_readmes_before_column_is_the_shipped_model_on_the_whole_set(shipped
     assert all(abs(100 * got[k] - v) <= 1.0 for k, v in before.items()), (got, before)
 
 
+@pytest.mark.slow   # 200 greedy decodings of 144 tokens by the shipped model
 def test_the_first_100_items_score_what_docs_chess_md_reports(shipped):
     tok, model = shipped
     items = evaluate.select(evaluate.load_eval_set(), ("P", "A"), 100)
@@ -185,6 +186,7 @@ def test_training_text_lists_candidates_in_uci_order_each_with_its_evaluation():
     assert len(ordered) == len(ranked)   # the column layout is kept
 
 
+@pytest.mark.slow   # four builds (Stockfish's labels, training) on the script's own threads
 def test_a_build_is_reproducible_from_its_seed_and_reuses_its_data(tmp_path, capsys):
     from tasks.rookworld.engine import find_stockfish
     if find_stockfish() is None:
