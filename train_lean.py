@@ -200,7 +200,7 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
             # --max-grad-norm 0 is no clipping: an infinite bound scales by exactly 1
             bound = cfg.max_grad_norm or math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(params, bound).item()
-            skipped += not guard.step(optimizer, params, sums["loss"], grad_norm)   # not finite
+            skipped += not guard.step(optimizer, sums["loss"], grad_norm)   # not finite
             totals.update(sums)
             grad_norms.append(grad_norm)
     return record(totals, grad_norms, skipped, peaks, mix)

@@ -84,7 +84,7 @@ class Guard:
             self.info(self.notes[-1])
             self.micro = smaller
 
-    def step(self, optimizer, params, loss: float, grad_norm: float) -> bool:
+    def step(self, optimizer, loss: float, grad_norm: float) -> bool:
         """Step the optimizer unless its summed loss or gradient norm is not finite (the update is
         then skipped: weights and optimizer state untouched). From finite gradients at a
         --learning-rate below 1, an AdamW or Muon step cannot make a weight non-finite, so nothing
