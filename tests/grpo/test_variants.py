@@ -791,6 +791,7 @@ def test_every_policy_loss_and_advantage_has_a_formula_test():
                 assert choice in strings or choice == getattr(Config(), field), (name, choice)
 
 
+@pytest.mark.slow   # a process of its own (or a traced run): seconds
 def test_an_entry_added_to_a_table_of_train_lean_is_a_value_of_its_flag(tiny_model_dir, tmp_path):
     # the file that says "hack it here" takes the hack: a scratch copy of the repository whose only
     # change is a new POLICY_LOSSES entry in train_lean.py lists it in --help and runs it

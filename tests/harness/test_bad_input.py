@@ -40,7 +40,7 @@ RANGES = [
     ("--temperature", "-0.5", ">= 0"), ("--top-k", "-1", ">= 0"), ("--top-p", "0", "(0, 1]"), ("--top-p", "1.5", "(0, 1]"),
     ("--learning-rate", "0", "(0, 1)"), ("--learning-rate", "-0.0001", "(0, 1)"),
     ("--learning-rate", "1e308", "no AdamW or Muon update can make a weight non-finite"),
-    ("--weight-decay", "-1", ">= 0"), ("--weight-decay", "2000", "keep their product below 1"),
+    ("--weight-decay", "-1", ">= 0"), ("--weight-decay", "20000", "keep their product below 1"),
     ("--max-grad-norm", "-1", ">= 0"), ("--clip-range", "0", "> 0"), ("--clip-range-high", "-0.1", "> 0"),
     ("--kl-coef", "-0.1", ">= 0"), ("--loss-agg", "mean", "not one of"), ("--dual-clip", "1", "> 1"),
     ("--dual-clip", "0.5", "> 1"), ("--entropy-coef", "-1", ">= 0"), ("--top-entropy-quantile", "0", "(0, 1]"),

@@ -101,6 +101,7 @@ train_lean.main(sys.argv[3:])
 """
 
 
+@pytest.mark.slow   # a process of its own (or a traced run): seconds
 @pytest.mark.parametrize("write,sig", [("save_model", "SIGTERM"), ("save_model", "SIGINT"),
                                        ("save", "SIGTERM")])
 def test_a_signal_during_the_final_save_waits_for_it(tiny_model_dir, tmp_path, write, sig):

@@ -80,6 +80,7 @@ def run_steps(phases, steps, kept):
         phases.record()
 
 
+@pytest.mark.slow   # a process of its own (or a traced run): seconds
 def test_a_trace_names_the_leaking_line_and_the_tensors_that_pile_up(tmp_path):
     said, kept = [], []
     # the process's steps 2-5 traced: the end of step 2 against the end of step 5, three steps of leak
@@ -97,6 +98,7 @@ def test_a_trace_names_the_leaking_line_and_the_tensors_that_pile_up(tmp_path):
     assert any("tracing steps 2-5" in s for s in said) and any("written to" in s for s in said)
 
 
+@pytest.mark.slow   # a process of its own (or a traced run): seconds
 def test_a_run_that_ends_inside_the_window_still_writes_its_evidence(tmp_path):
     kept = []
     with memory.Phases(CPU, 0, settings(tmp_path, trace=10, after=1), print) as phases:

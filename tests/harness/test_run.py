@@ -31,6 +31,7 @@ class Interrupted(ToyTask):
 """
 
 
+@pytest.mark.slow   # a process of its own (or a traced run): seconds
 def test_ctrl_c_during_the_evaluation_before_training_is_a_clean_stop(tiny_model_dir, tmp_path):
     """It was a KeyboardInterrupt traceback and exit 130; nothing is trained yet, so the run stops
     at once, with one line."""
@@ -111,6 +112,7 @@ class Closing(ToyTask):
 """
 
 
+@pytest.mark.slow   # a process of its own (or a traced run): seconds
 def test_a_close_that_raises_is_one_line_and_the_runs_outcome_stands(tiny_model_dir, tmp_path):
     """Issue 54 case 11: a traceback and exit 1 after a fully saved run; after a failed one the
     close() error came last, burying the cause."""
