@@ -344,9 +344,12 @@ def head_multiple(device) -> int:
     return 64 if torch.device(device).type == "cuda" else 1
 
 
-def _chosen_logprobs(hidden, targets, weight, bias, temperature, with_entropy=False, vocab=None):
+def _chosen_logprobs(hidden, targets, weight, bias, temperature, with_entropy=False, vocab=None,
+                     entropy_grad=True):
     """(logprob of each row's target,) or with_entropy (logprob, entropy of the row's distribution);
-    vocab: the head's real rows, when weight has padding rows after them."""
+    vocab: the head's real rows, when weight has padding rows after them. entropy_grad False: the
+    entropy without a graph (a statistic: autograd would keep its [rows, vocab] softmax to the
+    micro-batch's end, and a recomputed chunk would run it again)."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
     # only a padded head's: a slice's backward zero-fills
     if vocab is not None and logits.shape[-1] != vocab:
@@ -357,7 +360,8 @@ def _chosen_logprobs(hidden, targets, weight, bias, temperature, with_entropy=Fa
     if not with_entropy:
         return (logp,)
     # H = -sum p log p = logsumexp(z) - sum p z, from the chunk's logits already in memory
-    return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
 @contextlib.contextmanager
@@ -409,12 +413,14 @@ def _completion_hidden(model, input_ids, attention_mask, n_completion: int, shar
 
 def completion_logprobs(model, input_ids, attention_mask, n_completion: int, temperature: float,
                         chunk_rows: int, autocast=None, share_prompts: bool = True,
-                        with_entropy: bool = False, head_rows: int = None):
+                        with_entropy: bool = False, head_rows: int = None,
+                        entropy_grad: bool = True):
     """Logprobs [B, n_completion] of input_ids' last n_completion tokens under `model`, at the
     positions the attention mask gives; a group's rows share a prompt forward (_completion_hidden).
     The head takes chunk_rows token rows at a time (recomputed in backward when chunked), never the
     whole [B, T, vocab]. with_entropy: (logprobs, entropies) of the temperature-scaled distribution,
-    with gradients. head_rows: pad the head to a multiple of it (default head_multiple: GPU only).
+    with gradients (entropy_grad False: the entropies without). head_rows: pad the head to a
+    multiple of it (default head_multiple: GPU only).
     """
     autocast = autocast or torch.autocast(input_ids.device.type, enabled=False)
     with autocast, _checkpointed_layers(model, torch.is_grad_enabled()) as checkpointing:
@@ -430,7 +436,7 @@ def completion_logprobs(model, input_ids, attention_mask, n_completion: int, tem
         parts = []
         for s in range(0, hidden.shape[0], chunk_rows):
             args = (hidden[s:s + chunk_rows], targets[s:s + chunk_rows], weight, bias, temperature,
-                    with_entropy, head.weight.shape[0])
+                    with_entropy, head.weight.shape[0], entropy_grad)
             parts.append(checkpoint(_chosen_logprobs, *args, use_reentrant=False) if recompute
                          else _chosen_logprobs(*args))
         out = [torch.cat(p).view(batch, n_completion) for p in zip(*parts)]

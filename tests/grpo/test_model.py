@@ -148,6 +148,43 @@ def test_a_padded_head_gives_the_logprobs_entropies_and_gradients_of_the_plain_o
     assert grad64.shape == grad.shape and torch.allclose(grad, grad64, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("chunk_rows", [64, 16])   # the whole head at once, and chunks recomputed
+def test_a_logged_entropy_keeps_no_graph_and_changes_no_number(tiny_model_dir, chunk_rows):
+    """entropy_grad False (the default step: the entropy is a statistic unless --entropy-coef):
+    the same logprobs, entropies and gradients bit for bit, and autograd saves no [rows, vocab]
+    tensor but the logits, where a graph adds the softmax's output."""
+    from grpo.model import completion_logprobs
+    model = load_policy(tiny_model_dir, "cpu")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    torch.manual_seed(0)
+    ids = torch.randint(1, 300, (4, 20))
+    mask = torch.ones_like(ids)
+    mask[:2, :5] = 0   # left padding
+    results = []
+    for grad in (True, False):
+        model.zero_grad()
+        saved = []
+
+        def pack(t):
+            if t.dim() == 2 and t.shape == (48, vocab):
+                saved.append(t.untyped_storage().data_ptr())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp, entropy = completion_logprobs(model, ids, mask, 12, 0.7, chunk_rows=chunk_rows,
+                                                with_entropy=True, entropy_grad=grad)
+        assert entropy.requires_grad is grad
+        logp.sum().backward()
+        results.append((logp.detach(), entropy.detach(),
+                        [p.grad.clone() for p in model.parameters()], saved))
+    (logp, entropy, grads, saved), (logp2, entropy2, grads2, saved2) = results
+    assert torch.equal(logp, logp2) and torch.equal(entropy, entropy2)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    if chunk_rows == 64:   # recomputed chunks save in backward, under checkpoint's own hooks
+        # the logits (logsumexp's input) and, with a graph, softmax's output: distinct storages
+        assert len(set(saved2)) == 1 and len(set(saved)) == 2
+
+
+
 # one rank of a 2-process gloo group (as under torchrun, after the trainer joins it) asking for
 # bf16 on a CPU taken to have no native bf16, whatever this machine's
 BF16_RANK = """
