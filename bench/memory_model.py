@@ -24,7 +24,8 @@ and at its peak one of these phases on top:
              and a 2-layer copy of the model run the trainer's own completion_logprobs under
              saved_tensors_hooks, at the micro-batch's shape, on this CPU; the layers' part is
              their difference), the bf16 weight casts autocast keeps for backward, the head's
-             backward (5 [chunk, V] fp32, measured) and gradient; or, at backward's end, a new
+             backward (5 [chunk, V] fp32: 4.6 measured for one chunk of 2,048 rows, 4.9-5.0
+             chunked and recomputed) and gradient; or, at backward's end, a new
              gradient of every weight (4P) and a tied head's two contributions beside their sum
              (8 V E, measured); with accumulation (micro < mini) the gradients held already
   optimizer  AdamW's temporaries (a GPU's foreach: one fp32 copy of every weight, 4P; a CPU's per
@@ -132,7 +133,7 @@ def _saved_bytes(config, layers, rows, group, prompt, new, dtype, checkpointing)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         completion_logprobs(model, ids, torch.ones_like(ids), new, 1.0, 2 ** 40, autocast,
-                            with_entropy=True)
+                            with_entropy=True, entropy_grad=False)   # as the default step
     return sum(seen.values())
 
 
