@@ -8,17 +8,17 @@ import functools
 import torch
 
 from grpo import distributed
-from grpo.variants import covariance_tokens, top_entropy_threshold
+from grpo.variants import covariance_tokens, entropy_in_loss, top_entropy_threshold
 from grpo.model import completion_logprobs, logprob_temperature, reference_weights
 
 
 def token_logprobs(model, batch, rows, cfg, autocast, with_entropy: bool = False):
     """The logprobs of the completion tokens of batch's `rows` under model, at the sampling
     temperature [rows, T]; with_entropy also the entropy of each position's distribution, with a
-    gradient only when the loss has it (--entropy-coef; else it is a logged statistic)."""
+    gradient only when the loss reads it (variants.entropy_in_loss; else a logged statistic)."""
     return completion_logprobs(model, batch.input_ids[rows], batch.attention[rows], batch.completion_len,
                                logprob_temperature(cfg.temperature), cfg.logprob_chunk_size, autocast,
-                               with_entropy=with_entropy, entropy_grad=bool(cfg.entropy_coef))
+                               with_entropy=with_entropy, entropy_grad=entropy_in_loss(cfg))
 
 
 def no_grad_pass(model, batch, guard, cfg, autocast, rows=None, entropy: bool = False):

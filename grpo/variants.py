@@ -231,6 +231,13 @@ def loss_terms(cfg) -> list:
     return [entropy_bonus] if cfg.entropy_coef else []
 
 
+def entropy_in_loss(cfg) -> bool:
+    """Whether the loss reads t.entropy, which then needs its gradient; else the update computes
+    it without a graph, a logged statistic (grpo/passes.py token_logprobs). A new term that reads
+    t.entropy must be counted here, or its entropy carries no gradient."""
+    return entropy_bonus in loss_terms(cfg)
+
+
 # ---- the KL estimator (--kl-estimator) and where it goes (--kl-in) -------------------------------
 
 def k1(logp, ref_logp):

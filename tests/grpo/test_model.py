@@ -184,7 +184,6 @@ def test_a_logged_entropy_keeps_no_graph_and_changes_no_number(tiny_model_dir, c
         assert len(set(saved2)) == 1 and len(set(saved)) == 2
 
 
-
 # one rank of a 2-process gloo group (as under torchrun, after the trainer joins it) asking for
 # bf16 on a CPU taken to have no native bf16, whatever this machine's
 BF16_RANK = """

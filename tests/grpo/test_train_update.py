@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from grad_worker import (GROUP, KNOBS, MAX_NEW_TOKENS, TEMPERATURE, as_rollout, config_for,
-                         minibatch_gradient)
+from grad_worker import (CHUNK_ROWS, GROUP, KNOBS, MAX_NEW_TOKENS, TEMPERATURE, as_rollout,
+                         config_for, minibatch_gradient)
 import train_lean as update
 from grpo import passes
 from train_lean import RATIOS, group_advantages, grpo_loss, loss_denominator
@@ -58,6 +58,21 @@ def test_eight_micro_batches_give_the_gradient_of_one_batch(gradient, name):
     whole, accumulated = gradient(name, 64), gradient(name, 8)
     assert whole.norm() > 0
     assert relative(whole, accumulated) <= 1e-5
+
+
+def test_the_entropy_bonus_reaches_the_gradient(rollout64, batch, gradient):
+    """--entropy-coef through the trainer's own update: the defaults' gradient less the coefficient
+    times the gradient of the token-mean entropy, taken here directly with the entropy's graph (the
+    update computes the entropy without one unless the loss reads it)."""
+    model, cmask = rollout64[0], batch["cmask"]
+    model.zero_grad()
+    _, entropy = completion_logprobs(model, batch["inputs"], batch["attention"], cmask.shape[1],
+                                     TEMPERATURE, CHUNK_ROWS, with_entropy=True)
+    ((entropy * cmask).sum() / cmask.sum()).backward()
+    direct = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+    model.zero_grad()
+    bonus = KNOBS["entropy bonus"]["entropy_coef"]
+    assert relative(gradient("defaults", 64) - bonus * direct, gradient("entropy bonus", 64)) <= 1e-5
 
 
 def test_the_batch_exercises_every_clip(rollout64, batch):
