@@ -17,7 +17,7 @@ import urllib.request
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from grpo import distributed
+from grpo import distributed, packing
 
 
 class ModelLoadError(RuntimeError):
@@ -414,30 +414,49 @@ def _completion_hidden(model, input_ids, attention_mask, n_completion: int, shar
 def completion_logprobs(model, input_ids, attention_mask, n_completion: int, temperature: float,
                         chunk_rows: int, autocast=None, share_prompts: bool = True,
                         with_entropy: bool = False, head_rows: int = None,
-                        entropy_grad: bool = True):
+                        entropy_grad: bool = True, predict=None, pack: bool = True):
     """Logprobs [B, n_completion] of input_ids' last n_completion tokens under `model`, at the
-    positions the attention mask gives; a group's rows share a prompt forward (_completion_hidden).
-    The head takes chunk_rows token rows at a time (recomputed in backward when chunked), never the
-    whole [B, T, vocab]. with_entropy: (logprobs, entropies) of the temperature-scaled distribution,
-    with gradients (entropy_grad False: the entropies without). head_rows: pad the head to a
-    multiple of it (default head_multiple: GPU only).
+    positions the attention mask gives (0 where predict is not set: default, the masked-out
+    completion columns). pack (where the model takes it, grpo/packing.py): only the real tokens
+    run, a group's prompt once, the head only at predict; else the padded forward, where a group's
+    rows share a prompt forward through a KV cache (_completion_hidden). The head takes chunk_rows
+    token rows at a time (recomputed in backward when chunked), never the whole [B, T, vocab].
+    with_entropy: (logprobs, entropies) of the temperature-scaled distribution, with gradients
+    (entropy_grad False: the entropies without). head_rows: pad the head to a multiple of it
+    (default head_multiple: GPU only).
     """
     autocast = autocast or torch.autocast(input_ids.device.type, enabled=False)
+    batch, width = input_ids.shape
+    pack = pack and packing.packs(model)
     with autocast, _checkpointed_layers(model, torch.is_grad_enabled()) as checkpointing:
-        # a checkpointed layer drops its KV cache (Hugging Face), so prompts are not shared then
-        hidden = _completion_hidden(model, input_ids, attention_mask, n_completion,
-                                    share_prompts and not checkpointing)
-        batch = hidden.shape[0]
-        hidden = hidden.reshape(batch * n_completion, -1)
-        targets = input_ids[:, -n_completion:].reshape(-1)
+        if pack:
+            predict = (attention_mask[:, -n_completion:] if predict is None else predict).bool()
+            hidden, colmap = packing.packed_hidden(model, input_ids, attention_mask,
+                                                   width - n_completion if share_prompts else 0)
+            hidden = hidden[colmap[:, width - n_completion - 1:width - 1][predict]]
+            targets = input_ids[:, -n_completion:][predict]
+        else:
+            # a checkpointed layer drops its KV cache (Hugging Face), so prompts are not shared
+            hidden = _completion_hidden(model, input_ids, attention_mask, n_completion,
+                                        share_prompts and not checkpointing)
+            hidden = hidden.reshape(batch * n_completion, -1)
+            targets = input_ids[:, -n_completion:].reshape(-1)
         head = model.get_output_embeddings()
         weight, bias = padded_head(head, head_rows or head_multiple(input_ids.device))
         recompute = torch.is_grad_enabled() and hidden.shape[0] > chunk_rows
         parts = []
-        for s in range(0, hidden.shape[0], chunk_rows):
+        for s in range(0, hidden.shape[0] or 1, chunk_rows):   # no row: one empty chunk, a graph
             args = (hidden[s:s + chunk_rows], targets[s:s + chunk_rows], weight, bias, temperature,
                     with_entropy, head.weight.shape[0], entropy_grad)
             parts.append(checkpoint(_chosen_logprobs, *args, use_reentrant=False) if recompute
                          else _chosen_logprobs(*args))
-        out = [torch.cat(p).view(batch, n_completion) for p in zip(*parts)]
+        out = [_placed(torch.cat(p), predict, batch, n_completion) if pack
+               else torch.cat(p).view(batch, n_completion) for p in zip(*parts)]
     return tuple(out) if with_entropy else out[0]
+
+
+def _placed(values, predict, batch: int, n_completion: int):
+    """values of the predicted positions at their place in [batch, n_completion], 0 elsewhere."""
+    out = values.new_zeros(batch, n_completion)
+    out[predict] = values
+    return out

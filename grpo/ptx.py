@@ -93,7 +93,8 @@ def backward(policy, mix, micro: int, cfg, autocast, sums) -> None:
     for s in range(0, mix.input_ids.shape[0], micro):
         part = slice(s, s + micro)
         logp = completion_logprobs(policy, mix.input_ids[part], mix.attention[part], mix.target.shape[1], 1.0,
-                                   cfg.logprob_chunk_size, autocast, share_prompts=False)
+                                   cfg.logprob_chunk_size, autocast, share_prompts=False,
+                                   predict=mix.target[part])   # the head only at learned tokens
         loss, nll = ptx_loss(logp, mix.target[part], mix.tokens, cfg.ptx_coef)
         loss.backward()
         sums.update(loss=loss.item(), ptx_nll=nll.item(), ptx_tokens=mix.target[part].sum().item())

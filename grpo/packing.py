@@ -1,0 +1,189 @@
+"""Real tokens only: a batch's rows laid end to end, without their padding, through the ordinary
+transformers model (docs/algorithm.md, "Real tokens only").
+
+Every projection and MLP runs on the rows' real tokens alone ([1, real tokens, width]); attention,
+the one place tokens meet, is an attention function registered with transformers
+(AttentionInterface; a model that packs keeps it as its implementation, and every forward without
+a layout goes on to SDPA as before) that lays each layer's queries, keys and values out as dense
+rows again:
+each distinct prompt once (causal), each completion over its prompt's keys and its own (causal),
+trimmed to the longest real row. A group's rows thus share one prompt forward, as the padded path's
+KV cache did, and the padding never enters a matmul outside attention.
+"""
+import dataclasses
+import weakref
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "lean_packed"
+
+
+class NotPackable(RuntimeError):
+    """A model whose attention asks for something the packed function does not do (a sliding
+    window, logit soft-capping, sinks): its forwards stay padded."""
+
+
+@dataclasses.dataclass
+class Layout:
+    """Where each packed token goes in the dense attention rows: heads (distinct prompts, or whole
+    rows) [S, Wh] and tails (completions, each after its head `parent`) [R, Wt], as indices into
+    the packed tokens with a validity mask, and each block's boolean attention mask."""
+    head_index: torch.Tensor
+    head_valid: torch.Tensor
+    head_mask: torch.Tensor
+    tail_index: torch.Tensor = None
+    tail_valid: torch.Tensor = None
+    tail_mask: torch.Tensor = None
+    parent: torch.Tensor = None
+
+
+def _dense(lengths: torch.Tensor, start: int, total: int):
+    """(index [S, W], valid [S, W]) of S segments of `lengths` laid end to end from `start` in the
+    packed tokens, W the longest; an invalid slot points at a real token (its value is unused)."""
+    width = int(lengths.max()) if lengths.numel() else 0
+    offsets = start + torch.cumsum(lengths, 0) - lengths
+    cols = torch.arange(width, device=lengths.device)
+    valid = cols < lengths[:, None]
+    return (offsets[:, None] + cols).clamp_max(total - 1), valid
+
+
+def _causal(valid: torch.Tensor) -> torch.Tensor:
+    """[S, 1, W, W]: a query sees the valid keys at or before it; a padding query sees every key
+    (its output is dropped, and a row with no key would be NaN)."""
+    width = valid.shape[1]
+    tril = torch.ones(width, width, dtype=torch.bool, device=valid.device).tril()
+    return ((tril & valid[:, None, :]) | ~valid[:, :, None])[:, None]
+
+
+def layout(head_len, tail_len=None, parent=None) -> Layout:
+    """The Layout of heads of head_len [S] real tokens packed first, then tails of tail_len [R]
+    (None: no tails), tail r attending to head parent[r] before itself."""
+    total = int(head_len.sum()) + (0 if tail_len is None else int(tail_len.sum()))
+    index, valid = _dense(head_len, 0, total)
+    out = Layout(index, valid, _causal(valid))
+    if tail_len is not None and tail_len.numel() and int(tail_len.max()) > 0:
+        t_index, t_valid = _dense(tail_len, int(head_len.sum()), total)
+        own = _causal(t_valid)
+        prompt = valid[parent][:, None, None, :].expand(-1, 1, t_valid.shape[1], -1)
+        prompt = prompt | ~t_valid[:, None, :, None]
+        out.tail_index, out.tail_valid, out.parent = t_index, t_valid, parent
+        out.tail_mask = torch.cat([prompt, own], -1)
+    return out
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     lean_layout: Layout = None, **kwargs):
+    """query [1, H, N, D], key and value [1, H_kv, N, D] of N packed tokens -> [1, N, H, D]: each
+    head row causal over itself, each tail row over its head's keys then its own. Without a layout
+    (sampling, evaluation: padded rows and their mask): SDPA, the model's own."""
+    if lean_layout is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    for name in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotPackable(f"the model's attention takes {name}")
+    lo = lean_layout
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [N, heads, D]
+    if k.shape[1] != q.shape[1]:   # grouped-query attention: each K/V head serves rep query heads
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+
+    def attend(index, mask, keys=None, values=None):
+        qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))   # [S, heads, W, D]
+        if keys is not None:
+            ks, vs = torch.cat([keys, ks], 2), torch.cat([values, vs], 2)
+        out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                                               scale=scaling)
+        return out.transpose(1, 2), ks, vs   # [S, W, heads, D]
+
+    out, head_k, head_v = attend(lo.head_index, lo.head_mask)
+    parts = [out[lo.head_valid]]
+    if lo.tail_index is not None:
+        tail, _, _ = attend(lo.tail_index, lo.tail_mask, head_k[lo.parent], head_v[lo.parent])
+        parts.append(tail[lo.tail_valid])
+    return torch.cat(parts)[None], None
+
+
+AttentionInterface.register(NAME, packed_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)   # a padded forward's mask, as under SDPA
+# given as the attention mask of a packed forward: transformers passes a 4-D mask on as it is (the
+# layout carries the real one), where it would otherwise build one over every packed token
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
+def packed_hidden(model, input_ids, attention_mask, split: int):
+    """The last hidden states of every real token of the rows, packed: (hidden [N, width], colmap
+    [B, W]), colmap the packed index of each row's column (-1 on padding). Columns before `split`
+    are the prompt, each distinct one run once (the rows' heads); split 0: every row whole."""
+    valid = attention_mask.bool()
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    B, W = input_ids.shape
+    if split > 0:
+        prompts, parent = torch.unique(torch.cat([input_ids[:, :split], attention_mask[:, :split]], 1),
+                                       dim=0, return_inverse=True)
+        head_ids, head_valid = prompts[:, :split], prompts[:, split:].bool()
+        head_pos = (prompts[:, split:].cumsum(-1) - 1).clamp_min(0)
+        tail_valid, tail_ids, tail_pos = valid[:, split:], input_ids[:, split:], positions[:, split:]
+        head_len, tail_len = head_valid.sum(1), tail_valid.sum(1)
+        lo = layout(head_len, tail_len, parent)
+        ids = torch.cat([head_ids[head_valid], tail_ids[tail_valid]])
+        pos = torch.cat([head_pos[head_valid], tail_pos[tail_valid]])
+        n_head = int(head_len.sum())
+        head_map = torch.full(head_valid.shape, -1, dtype=torch.long, device=ids.device)
+        head_map[head_valid] = torch.arange(n_head, device=ids.device)
+        tail_map = torch.full(tail_valid.shape, -1, dtype=torch.long, device=ids.device)
+        tail_map[tail_valid] = torch.arange(n_head, ids.shape[0], device=ids.device)
+        colmap = torch.cat([head_map[parent], tail_map], 1)
+    else:
+        lo = layout(valid.sum(1))
+        ids, pos = input_ids[valid], positions[valid]
+        colmap = torch.full((B, W), -1, dtype=torch.long, device=ids.device)
+        colmap[valid] = torch.arange(ids.shape[0], device=ids.device)
+    hidden = model.base_model(input_ids=ids[None], position_ids=pos[None], attention_mask=_NO_MASK,
+                              lean_layout=lo).last_hidden_state[0]
+    return hidden, colmap
+
+
+_FITS = weakref.WeakKeyDictionary()
+
+
+def packs(model) -> bool:
+    """Whether the model's forward takes packed rows, checked once per model: its attention is
+    SDPA's (then the packed function's, which is SDPA without a layout) and the packed forward
+    gives the padded one's hidden states on a small probe (a prompt shared by two rows of
+    different lengths, and a row alone). Else the model keeps its own attention."""
+    if model not in _FITS:
+        config = model.config
+        before = config._attn_implementation
+        fits = before in ("sdpa", NAME)
+        if fits:
+            padded = _probe(model, None)
+            config._attn_implementation = NAME
+            fits = _probe(model, padded)
+        config._attn_implementation = NAME if fits else before
+        _FITS[model] = fits
+    return _FITS[model]
+
+
+def _probe(model, padded):
+    """The probe's padded hidden states (padded None), or whether the packed ones equal them."""
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 6, 0], [0, 0, 7, 8, 9, 1]],
+                       device=device) % vocab
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]],
+                        device=device)
+    real = mask.bool()
+    with torch.no_grad():
+        if padded is None:
+            return model.base_model(input_ids=ids, attention_mask=mask,
+                                    position_ids=(mask.cumsum(-1) - 1).clamp_min(0)
+                                    ).last_hidden_state[real]
+        try:
+            hidden, colmap = packed_hidden(model, ids, mask, 3)
+        except NotPackable:
+            return False
+    return bool(torch.allclose(hidden[colmap[real]], padded, atol=1e-4, rtol=1e-4))
