@@ -173,7 +173,7 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
     the step's record entries. A non-finite update is skipped (guard.step), the weights kept."""
     params, kl_coef = trainable_parameters(policy), cfg.kl_coef if kl_coef is None else kl_coef
     B, mini = batch.input_ids.shape[0], layout.mini_batch_per_device
-    lengths, mask = batch.attention.sum(1).cpu(), loss_mask(batch, cfg)   # sorted on the host
+    mask = loss_mask(batch, cfg)
     totals, grad_norms, skipped, peaks = Counter(), [], 0, []
     old_trainer = trainer_logprobs(policy, batch, cfg, layout, autocast, guard)  # every rank
     for _ in range(cfg.ppo_epochs):
@@ -182,8 +182,8 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
             # the mismatch is measured where the trainer's logprobs at the sampling weights are
             # known
             sampler = None if old_trainer is None and grad_norms else batch.sampler_logp
-            # micro-batches of similar length waste less compute on padding
-            rows = rows[torch.argsort(lengths[rows], stable=True)].to(batch.input_ids.device)
+            # in batch order: a group's rows in one micro-batch share their prompt's forward
+            rows = rows.sort().values.to(batch.input_ids.device)
             # the denominator is global: gradients summed over ranks are the one-process gradient
             count = loss_denominator(mask[rows], cfg)
             denominator = max(distributed.all_sum([count])[0], 1)  # every rank

@@ -147,7 +147,7 @@ def packed_hidden(model, input_ids, attention_mask, split: int):
     return hidden, colmap
 
 
-_FITS = weakref.WeakKeyDictionary()
+_FITS = weakref.WeakKeyDictionary()   # model -> (packs, why not)
 
 
 def packs(model) -> bool:
@@ -158,18 +158,26 @@ def packs(model) -> bool:
     if model not in _FITS:
         config = model.config
         before = config._attn_implementation
-        fits = before in ("sdpa", NAME)
-        if fits:
+        why = None if before in ("sdpa", NAME) else f"its attention is {before}, not SDPA"
+        if why is None:
             padded = _probe(model, None)
             config._attn_implementation = NAME
-            fits = _probe(model, padded)
-        config._attn_implementation = NAME if fits else before
-        _FITS[model] = fits
-    return _FITS[model]
+            why = _probe(model, padded)
+        config._attn_implementation = NAME if why is None else before
+        _FITS[model] = (why is None, why)
+    return _FITS[model][0]
+
+
+def describe(model) -> str:
+    """How the update's forwards run on `model`, in words (the run's header)."""
+    if packs(model):
+        return "real tokens only (packed: each prompt once, no padding in a matmul)"
+    return f"padded rows ({_FITS[model][1]}: the packed forward does not fit)"
 
 
 def _probe(model, padded):
-    """The probe's padded hidden states (padded None), or whether the packed ones equal them."""
+    """The probe's padded hidden states (padded None), or why the packed ones differ (None: they
+    are equal)."""
     device = next(model.parameters()).device
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 6, 0], [0, 0, 7, 8, 9, 1]],
@@ -184,6 +192,8 @@ def _probe(model, padded):
                                     ).last_hidden_state[real]
         try:
             hidden, colmap = packed_hidden(model, ids, mask, 3)
-        except NotPackable:
-            return False
-    return bool(torch.allclose(hidden[colmap[real]], padded, atol=1e-4, rtol=1e-4))
+        except NotPackable as e:
+            return str(e)
+    if not torch.allclose(hidden[colmap[real]], padded, atol=1e-4, rtol=1e-4):
+        return "its packed hidden states differ from its padded ones"
+    return None

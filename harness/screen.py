@@ -10,7 +10,7 @@ import textwrap
 
 import torch
 
-from grpo import decoders, variants
+from grpo import decoders, packing, variants
 from grpo import model as model_lib
 from harness import checkpoint, config, log, rundir
 
@@ -147,6 +147,7 @@ def header(loaded, layout, device, model, resume_from, lora=None) -> str:
     rows = [("model", f"{cfg.model}: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.3g}M "
                       f"parameters" + (f", the weights of {resume_from}" if resume_from else "")),
             ("decoder", decoder),
+            *([] if cfg.eval_only else [("update", packing.describe(model))]),
             *([("lora", model_lib.lora_summary(lora, cfg.kl_coef > 0 and not cfg.eval_only))] if lora else []),
             ("task", cfg.task),
             ("device", f"{where}, {cfg.dtype}" + (" autocast over fp32 weights" if cfg.dtype == "bf16" else "") +

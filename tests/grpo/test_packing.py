@@ -92,6 +92,7 @@ def test_a_model_with_a_sliding_window_stays_padded(tmp_path):
     MistralForCausalLM(config).save_pretrained(tmp_path)
     model = load_policy(str(tmp_path), "cpu")
     assert not packing.packs(model)
+    assert "padded rows (the model's attention takes sliding_window" in packing.describe(model)
     assert model.config._attn_implementation == "sdpa"   # its own, kept
     ids, mask = group_batch(64)
     with torch.no_grad():
