@@ -18,9 +18,14 @@ from grpo.model import (head_multiple, logprob_temperature, padded_head,
 _BUFFERS = weakref.WeakKeyDictionary()
 
 
-def _zeros(model, name, shape, dtype, device, keep: bool):
-    """A zeroed tensor; with keep, the same one for the same model, name and shape at every call."""
+def _zeros(model, name, shape, dtype, device, keep: bool, reuse=None):
+    """A zeroed tensor; with keep, the same one for the same model, name and shape at every call;
+    else in reuse's memory where it is large enough (a tensor about to be dropped: zeroing memory
+    already touched costs a fraction of fresh memory's page faults)."""
     if not keep:
+        size = torch.Size(shape).numel()
+        if reuse is not None and reuse.dtype == dtype and reuse.numel() >= size:
+            return reuse.view(-1)[:size].view(shape).zero_()
         return torch.zeros(shape, dtype=dtype, device=device)
     kept = _BUFFERS.setdefault(model, {})
     key = (name, tuple(shape), dtype, str(device))
@@ -42,7 +47,13 @@ class Decoder:
 
     def advance(self, draws, step: int, banned):
         """Feed the token drawn at column `step`; draw column step + 1 from the logits it gives."""
-        draws.draw(self(draws.tokens[:, step], step), draws.columns[step + 1:step + 2], banned)
+        draws.draw(self(draws.last(draws.columns[step:step + 1]), step),
+                   draws.columns[step + 1:step + 2], banned)
+
+    def select(self, rows, prefill, step: int):
+        """This decoder for its `rows` alone (indices of its own rows), the columns before `step`
+        written; prefill: generate()'s own prompt cache."""
+        raise NotImplementedError
 
 
 class PreallocatedDecoder(Decoder):
@@ -66,8 +77,9 @@ class PreallocatedDecoder(Decoder):
     NEW_MULTIPLE = 16
 
     def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int,
-                 compile: bool = False, group_size: int = None):
-        self.model = model
+                 compile: bool = False, group_size: int = None, reuse: dict = None):
+        self.model, self.inverse, self.prompt_mask = model, inverse, prompt_mask
+        reuse = reuse or {}
         batch, width = prompt_mask.shape
         device = prompt_mask.device
         # a group: the rows of one prompt; compiled, the caller's group size, so that a step whose
@@ -98,9 +110,9 @@ class PreallocatedDecoder(Decoder):
             self.prompt_k[i, ..., :width] = layer.keys[first].transpose(-1, -2)
             self.prompt_v[i, ..., :width, :] = layer.values[first]
         self.new_k = _zeros(model, "new_k", (n_layers, groups, kv_heads, group, head_dim, T), dtype,
-                            device, compile)
+                            device, compile, reuse.get("new_k"))
         self.new_v = _zeros(model, "new_v", (n_layers, groups, kv_heads, group, T, head_dim), dtype,
-                            device, compile)
+                            device, compile, reuse.get("new_v"))
         self.prompt_ks, self.prompt_vs = self.prompt_k.unbind(0), self.prompt_v.unbind(0)
         self._step_tables(prompt_mask, groups, group, width, padded, T, dtype, device)
         # the buffers a layer writes into: its scaled queries, and its attention output as rows
@@ -123,6 +135,21 @@ class PreallocatedDecoder(Decoder):
                                                        RECOMPILE_LIMIT)
             self.compiled = torch.compile(type(self)._advance_traced, fullgraph=True, dynamic=False,
                                           mode="reduce-overhead" if device.type == "cuda" else None)
+
+    def select(self, rows, prefill, step: int):
+        """A decoder of the same class for `rows` (its prompts' keys from the prefill, the new
+        columns before `step` copied), laid out by row unless the rows are whole groups."""
+        # [layers, groups, K/V heads, group, ...] -> by row: the chosen rows' written columns
+        written = [old.narrow(dim + 1, 0, step).transpose(2, 3).flatten(1, 2)[:, rows]
+                   for old, dim in ((self.new_k, 4), (self.new_v, 3))]
+        compiled = self.compiled is not None   # eager, the new buffers reuse this one's memory
+        new = type(self)(self.model, prefill, self.inverse[rows], self.prompt_mask[rows],
+                         self.new_k.shape[-1], compile=compiled,
+                         reuse=None if compiled else {"new_k": self.new_k, "new_v": self.new_v})
+        for by_row, kept, dim in zip(written, (new.new_k, new.new_v), (4, 3)):
+            kept.transpose(2, 3).narrow(dim + 1, 0, step).copy_(   # regrouped as the new layout
+                by_row.view(kept.shape[0], kept.shape[1], kept.shape[3], *by_row.shape[2:]))
+        return new
 
     def _step_tables(self, prompt_mask, groups, group, width, padded, T, dtype, device):
         """Per step: self.bias, the additive mask over a group's prompt columns and the new ones
@@ -166,7 +193,7 @@ class PreallocatedDecoder(Decoder):
         """advance() as one compiled step: the model's step, the sampling and the bookkeeping of the
         draw (on CUDA one graph, replayed). It reads the last token from draws and writes the next
         there."""
-        token = draws.tokens.index_select(1, column).squeeze(1)
+        token = draws.last(column)
         draws.draw(self._forward(token, column, position, bias), column + 1, banned)
 
     def _forward(self, token, step, position, bias):
@@ -427,6 +454,11 @@ class HFDecoder(Decoder):
         self.width = prompt_mask.shape[1]
         self.position = prompt_mask.sum(-1, keepdim=True)
 
+    def select(self, rows, prefill, step: int):
+        self.cache.batch_select_indices(rows)
+        self.attention, self.position = self.attention[rows], self.position[rows]
+        return self
+
     def __call__(self, token, step: int):
         out = self.model(input_ids=token[:, None],
                          attention_mask=self.attention[:, :self.width + step + 1],
@@ -488,37 +520,50 @@ def completion_mask(completion_ids: torch.Tensor, end_ids) -> torch.Tensor:
     return (torch.arange(width, device=completion_ids.device)[None, :] <= first[:, None]).long()
 
 
-def sample_index(probs: torch.Tensor) -> torch.Tensor:
+def sample_index(probs: torch.Tensor, rows=None, batch: int = None) -> torch.Tensor:
     """One index per row with probability probs[row, index] (rows need not sum to exactly 1): on a
     GPU by race_index (no running sum: about half the time there), elsewhere by inverse CDF (the
-    bits of before)."""
-    return race_index(probs) if probs.is_cuda else inverse_cdf_index(probs)
+    bits of before). rows: which of a batch of `batch` rows probs' rows are; the random numbers
+    are drawn for the whole batch and each row reads its own, so a row draws what it would with
+    every row there."""
+    return (race_index if probs.is_cuda else inverse_cdf_index)(probs, rows, batch)
 
 
-def inverse_cdf_index(probs: torch.Tensor) -> torch.Tensor:
+def _noise(rows, batch: int, shape, draw):
+    """draw(shape) for every row of the batch, then the chosen rows' (rows None: all)."""
+    if rows is None:
+        return draw(shape)
+    return draw((batch, *shape[1:]))[rows]
+
+
+def inverse_cdf_index(probs: torch.Tensor, rows=None, batch: int = None) -> torch.Tensor:
     """The first index whose running sum exceeds a uniform draw scaled to the row's total. Only an
     index with probability > 0 can be that first one. The same distribution as torch.multinomial,
     which on CPU costs ~10x more (158 ms vs 13 ms for 64 x 50257 per token)."""
     cdf = probs.cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+    u = _noise(rows, batch, (probs.shape[0], 1),
+               lambda shape: torch.rand(shape, device=probs.device, dtype=cdf.dtype))
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_max(
+        probs.shape[-1] - 1)
 
 
-def race_index(probs: torch.Tensor) -> torch.Tensor:
+def race_index(probs: torch.Tensor, rows=None, batch: int = None) -> torch.Tensor:
     """The exponential race: argmax of p_i / E_i over E_i ~ Exp(1) drawn independently, which index
     i wins with probability p_i / sum(p) (the first of exponential clocks of rates p_i to ring). E
     is drawn in float64: in float32 its smallest values, which decide the rarest tokens' chances,
     are coarse (2^-24 apart)."""
-    clocks = torch.empty(probs.shape, dtype=torch.float64, device=probs.device).exponential_()
+    clocks = _noise(rows, batch, probs.shape, lambda shape: torch.empty(
+        shape, dtype=torch.float64, device=probs.device).exponential_())
     return (probs / clocks.clamp_min_(torch.finfo(torch.float64).tiny)).argmax(-1)  # never 0 / 0
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                 banned=None, with_sampler: bool = False):
+                 banned=None, with_sampler: bool = False, rows=None, batch: int = None):
     """Draw one token per row of logits [B, V]: (token, logprob), each [B]. The logprob is the
     policy's own, as the training forward computes it: temperature-scaled, before top-k/top-p and
     `banned` (an id or a tuple of ids not drawable now). with_sampler: a third, the logprob under
     the truncated distribution drawn from (grpo/variants.py mismatch_weight; docs/algorithm.md).
+    rows, batch: sample_index's.
     """
     if logits.dtype != torch.float32:
         logits = logits.float()
@@ -543,7 +588,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
             drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
             filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = logprobs.exp() if filtered is logits else torch.softmax(filtered, dim=-1)
-        token = sample_index(probs)
+        token = sample_index(probs, rows, batch)
     logprob = logprobs.gather(-1, token[:, None]).squeeze(-1)
     if not with_sampler:
         return token, logprob
@@ -553,16 +598,23 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     return token, logprob, torch.log_softmax(filtered, -1).gather(-1, token[:, None]).squeeze(-1)
 
 
-# rows that have all finished are noticed only every this many steps: a check reads a flag back
-# from the device (a host synchronisation); the steps past the end are trimmed off (same outputs)
+# on a GPU, rows that have finished are noticed only every this many steps: a check reads a flag
+# back from the device (a host synchronisation); the steps past the end are trimmed off (same
+# outputs). On a CPU, where a check costs nothing, every step.
 DONE_CHECK_EVERY = 8
+
+
+def done_check_every(device) -> int:
+    return DONE_CHECK_EVERY if device.type == "cuda" else 1
 
 
 class Draws:
     """What generate() records of each row, one column per step, in place: the tokens drawn (EOS
     from a row's first on), their logprobs, the sampler's logprobs (with_sampler) and which rows
-    have finished. Compiled, the buffers are kept from call to call (a replayed graph writes where
-    it was recorded)."""
+    have finished. rows: the rows the decoder still runs (None: all), the others' columns left as
+    they are (EOS, logprob 0). Compiled, the buffers are kept from call to call (a replayed graph
+    writes where it was recorded)."""
+    rows = None
 
     def __init__(self, model, batch: int, max_new_tokens: int, end_ids: tuple, sampling: tuple,
                  with_sampler: bool, device, keep: bool):
@@ -576,17 +628,47 @@ class Draws:
         self.done = _zeros(model, "done", (batch,), torch.bool, device, keep)
         self.columns = torch.arange(max_new_tokens, device=device)
 
+    def last(self, column):
+        """The tokens at `column` (a one-element index) of the rows the decoder runs."""
+        token = self.tokens.index_select(1, column).squeeze(1)
+        return token if self.rows is None else token[self.rows]
+
     def draw(self, logits, column, banned):
-        """Sample each row's token at `column` (a one-element index) from logits; a finished row
-        gets EOS."""
-        token, logprob, *sampler = sample_token(logits, self.temperature, self.top_k, self.top_p,
-                                                banned=banned, with_sampler=self.with_sampler)
-        token = token.masked_fill(self.done, self.end_ids[0])
-        self.tokens.index_copy_(1, column, token[:, None])
-        self.logprobs.index_copy_(1, column, logprob[:, None])
+        """Sample the token at `column` (a one-element index) of each row the decoder runs from
+        logits; a finished row gets EOS."""
+        token, logprob, *sampler = sample_token(
+            logits, self.temperature, self.top_k, self.top_p, banned=banned,
+            with_sampler=self.with_sampler, rows=self.rows, batch=self.done.shape[0])
+        done = self.done if self.rows is None else self.done[self.rows]
+        token = token.masked_fill(done, self.end_ids[0])
+        if self.rows is None:
+            self.tokens.index_copy_(1, column, token[:, None])
+            self.logprobs.index_copy_(1, column, logprob[:, None])
+            if self.with_sampler:
+                self.sampled.index_copy_(1, column, sampler[0][:, None])
+            self.done |= is_end(token, self.end_ids)
+            return
+        self.tokens[self.rows, column] = token
+        self.logprobs[self.rows, column] = logprob
         if self.with_sampler:
-            self.sampled.index_copy_(1, column, sampler[0][:, None])
-        self.done |= is_end(token, self.end_ids)
+            self.sampled[self.rows, column] = sampler[0]
+        self.done[self.rows] = done | is_end(token, self.end_ids)
+
+    def compact(self, decoder, prefill, step: int, compiled: bool):
+        """The decoder for the rows still running once at most half of those it runs are: the live
+        rows (compiled: with finished ones up to a power of two, one compiled step per size);
+        else the decoder as it is. A host synchronisation."""
+        running = self.done.shape[0] if self.rows is None else self.rows.shape[0]
+        live = (~self.done).nonzero().squeeze(1)
+        size = 1 << max(0, (live.shape[0] - 1).bit_length()) if compiled else live.shape[0]
+        if size > running // 2 or not live.shape[0]:
+            return decoder
+        if size > live.shape[0]:   # finished rows fill the bucket: they draw EOS, unrecorded
+            done = self.done.nonzero().squeeze(1)
+            live = torch.cat([live, done[:size - live.shape[0]]]).sort().values
+        own = live if self.rows is None else torch.searchsorted(self.rows, live)
+        self.rows = live
+        return decoder.select(own, prefill, step)
 
 
 @torch.no_grad()
@@ -618,15 +700,20 @@ def _generate(model, prompt_ids, prompt_mask, ends, max_new_tokens, temperature,
     out = model(input_ids=prompts[:, :width], attention_mask=prompts[:, width:],
                 position_ids=position_ids_from_mask(prompts[:, width:]), use_cache=True,
                 logits_to_keep=1)
-    decoder = decoder_for(model, out.past_key_values, inverse, prompt_mask, max_new_tokens,
-                          compile=compile, group_size=group_size)
+    prefill = out.past_key_values
+    decoder = decoder_for(model, prefill, inverse, prompt_mask, max_new_tokens, compile=compile,
+                          group_size=group_size)
     draws = Draws(model, batch, max_new_tokens, ends, (temperature, top_k, top_p), with_sampler,
                   prompt_ids.device, keep=decoder.compiled is not None)
     draws.draw(out.logits[inverse, -1], draws.columns[:1], ends if min_new_tokens > 0 else None)
     last = 0  # the last column drawn
+    every = done_check_every(prompt_ids.device)
     for step in range(max_new_tokens - 1):
-        if (step + 1) % DONE_CHECK_EVERY == 0 and bool(draws.done.all()):
-            break
+        if (step + 1) % every == 0:
+            if bool(draws.done.all()):
+                break
+            # rows that finished leave the decoder once half of it has: no step for them
+            decoder = draws.compact(decoder, prefill, step, decoder.compiled is not None)
         decoder.advance(draws, step, ends if step + 1 < min_new_tokens else None)
         last = step + 1
     mask = completion_mask(draws.tokens[:, :last + 1], ends)
