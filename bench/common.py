@@ -1,5 +1,6 @@
 """What every system in the benchmark shares: the task, the per-step prompt stream, the models."""
 import argparse
+import math
 import os
 import random
 import sys
@@ -93,9 +94,40 @@ def weights_per_token(path: str) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D)))
 
 
+def row_lengths(step: int, rows: int, cap: int) -> list:
+    """The varied workload's completion lengths of a step's rows, the same for every system: a fixed
+    long-tailed distribution, 16 x e^X tokens with X exponential of mean 0.8 (median 28), at most cap:
+    most rows short, a few to the cap, as a reasoning task's are."""
+    rng = random.Random(f"lengths {step}")
+    return [min(cap, int(16 * math.exp(rng.expovariate(1 / 0.8)))) for _ in range(rows)]
+
+
+def length_processor(step: int, cap: int, eos: int):
+    """A Hugging Face logits processor that ends each row of a generate() call at its row_lengths(step)
+    length: EOS impossible before it, the only token at it (TRL and the floor)."""
+    import torch
+    from transformers import LogitsProcessor
+
+    class Lengths(LogitsProcessor):
+        def __init__(self):
+            self.start = None
+
+        def __call__(self, input_ids, scores):
+            self.start = input_ids.shape[1] if self.start is None else self.start
+            drawn = input_ids.shape[1] - self.start
+            lengths = torch.tensor(row_lengths(step, scores.shape[0], cap), device=scores.device)
+            scores[lengths > drawn + 1, eos] = float("-inf")
+            scores[lengths == drawn + 1] = torch.where(
+                torch.arange(scores.shape[1], device=scores.device) == eos, 0.0, float("-inf"))
+            return scores
+    return Lengths()
+
+
 def workload_parser() -> argparse.ArgumentParser:
     """The flags every system's runner takes: the same workload for ours, TRL and the floor."""
     ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", choices=["fixed", "varied"], default="fixed",
+                    help="fixed: every completion --new-tokens long; varied: row_lengths, at most --new-tokens")
     ap.add_argument("--model", required=True)
     ap.add_argument("--task", default="chess-a")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")

@@ -15,7 +15,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.common import get_bench_task, step_prompts, workload_parser  # noqa: E402
+from bench.common import get_bench_task, length_processor, row_lengths, step_prompts, workload_parser  # noqa: E402
 from grpo.model import load_policy, load_tokenizer, position_ids_from_mask  # noqa: E402
 from grpo.rollout import encode_prompts, left_pad  # noqa: E402
 
@@ -38,9 +38,11 @@ def main():
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         with torch.no_grad(), autocast:
+            lengths = ({"min_new_tokens": args.new_tokens} if args.lengths == "fixed" else
+                       {"logits_processor": [length_processor(step, args.new_tokens, tok.eos_token_id)]})
             seq = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
-                                 temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                 pad_token_id=tok.eos_token_id)
+                                 temperature=1.0, max_new_tokens=args.new_tokens, pad_token_id=tok.eos_token_id,
+                                 **lengths)
         t1 = time.perf_counter()
         full_mask = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1]:])], 1)
         with autocast:
@@ -53,7 +55,8 @@ def main():
         t2 = time.perf_counter()
         rec = {"step": step, "step_time_s": t2 - t0, "gen_time_s": t1 - t0, "score_time_s": 0.0, "ref_time_s": 0.0,
                "train_time_s": t2 - t1, "samples_per_s": args.batch_size / (t2 - t0),
-               "tokens_per_s": args.batch_size * args.new_tokens / (t2 - t0),
+               "tokens_per_s": (seq.shape[1] - ids.shape[1]) * args.batch_size / (t2 - t0) if args.lengths == "fixed"
+               else sum(row_lengths(step, args.batch_size, args.new_tokens)) / (t2 - t0),
                "rss_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         if device.type == "cuda":
             rec["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20

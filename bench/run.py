@@ -36,15 +36,17 @@ COLUMNS = ("gen_time_s", "score_time_s", "ref_time_s", "train_time_s", "step_tim
 def command(system, args, model, dtype, n_steps, out, work):
     common = ["--model", model, "--dtype", dtype, "--steps", str(n_steps)]
     if system == "ours":
-        return [sys.executable, os.path.join(REPO, "train_lean.py"), *common, "--task", task_flag(args.task),
+        script = "train_lean.py" if args.lengths == "fixed" else os.path.join("bench", "varied_ours.py")
+        fixed = ["--min-new-tokens", str(args.new_tokens)] if args.lengths == "fixed" else []
+        return [sys.executable, os.path.join(REPO, script), *common, "--task", task_flag(args.task),
                 "--batch-size", "64", "--group-size", "8", "--max-new-tokens", str(args.new_tokens),
-                "--min-new-tokens", str(args.new_tokens), "--kl-coef", "0.02", "--seed", "0",
+                *fixed, "--kl-coef", "0.02", "--seed", "0",
                 "--eval-interval", "0", "--out-dir", work, "--log-file", out, "--log-level", "warning",
                 *args.ours_args.split()]
     script = {"trl": "trl_run.py", "floor": "floor_run.py"}[system]
     python = args.trl_python if system == "trl" else sys.executable
     return [python, os.path.join(HERE, script), *common, "--task", args.task,
-            "--new-tokens", str(args.new_tokens), "--out", out]
+            "--new-tokens", str(args.new_tokens), "--lengths", args.lengths, "--out", out]
 
 
 def run_once(system, args, model, dtype, env):
@@ -111,6 +113,9 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for every system (default: torch's)")
     ap.add_argument("--task", default="chess-a")
     ap.add_argument("--new-tokens", type=int, default=144)
+    ap.add_argument("--lengths", choices=["fixed", "varied"], default="fixed",
+                    help="fixed: every completion --new-tokens long; varied: each row's length from one "
+                         "long-tailed distribution (bench/common.py row_lengths), the same rows for every system")
     ap.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", sys.executable),
                     help="interpreter of a venv with requirements-bench.txt (TRL) [TRL_PYTHON]")
     ap.add_argument("--ours-args", default="", help="extra flags for train_lean.py, e.g. --gradient-checkpointing")

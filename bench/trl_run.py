@@ -22,7 +22,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.common import get_bench_task, step_prompts, workload_parser  # noqa: E402
+from bench.common import get_bench_task, length_processor, row_lengths, step_prompts, workload_parser  # noqa: E402
 
 
 def main():
@@ -31,7 +31,7 @@ def main():
     args = ap.parse_args()
 
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, LogitsProcessorList, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     task = get_bench_task(args.task)
@@ -83,7 +83,8 @@ def main():
             if cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - self.t
-            tokens = args.batch_size * args.new_tokens
+            tokens = (args.batch_size * args.new_tokens if args.lengths == "fixed"
+                      else sum(row_lengths(len(records) + 1, args.batch_size, args.new_tokens)))
             rec = {"step": len(records) + 1, "step_time_s": dt, "gen_time_s": timers["gen"],
                    "score_time_s": timers["score"], "ref_time_s": timers["ref"],
                    "train_time_s": dt - timers["gen"] - timers["score"] - timers["ref"],
@@ -97,7 +98,8 @@ def main():
         output_dir=tempfile.mkdtemp(prefix="trl-bench-"), max_steps=args.steps, seed=args.seed,
         per_device_train_batch_size=args.batch_size, num_generations=args.group_size,
         gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-        max_completion_length=args.new_tokens, generation_kwargs={"min_new_tokens": args.new_tokens},
+        max_completion_length=args.new_tokens,
+        generation_kwargs={"min_new_tokens": args.new_tokens} if args.lengths == "fixed" else {},
         temperature=1.0, top_p=1.0, top_k=0, beta=args.kl_coef, epsilon=0.2, loss_type="dapo",
         scale_rewards="group", learning_rate=1e-5, weight_decay=0.0, max_grad_norm=1.0,
         lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
@@ -107,6 +109,14 @@ def main():
     )
     trainer = Timed(model=args.model, reward_funcs=reward, args=config, processing_class=tok,
                     train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Clock()])
+    if args.lengths == "varied":   # each generate() call is a step's: its rows end at their lengths
+        generate, calls = trainer.model.generate, []
+
+        def varied(*a, **k):
+            calls.append(1)
+            return generate(*a, **k, logits_processor=LogitsProcessorList(
+                [length_processor(len(calls), args.new_tokens, tok.eos_token_id)]))
+        trainer.model.generate = varied
     trainer.train()
     with open(args.out, "w") as f:
         for r in records:
