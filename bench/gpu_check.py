@@ -5,7 +5,8 @@
 
 Sections, each a subprocess or a call with its own time limit (one failing is reported, the others go on):
 the whole GRPO step at the 124M shape (bench/run.py's workload: 64 = 8 x 8 completions of 144 tokens, KL on)
-with no speed flags, with --compile off, TRL's GRPOTrainer (when trl imports) and the floor; decode tokens/s
+with no speed flags, with --compile off, TRL's GRPOTrainer (when trl imports) and the floor; ours and TRL on
+the varied workload (bench/run.py --lengths varied), with the compacted decoder's compilations; decode tokens/s
 and ops (CUDA: kernels) per token; recompilations after the first step; peak memory; same seed, same bits;
 monitor_memory.py's clean (exit 0) and leaking (exit 1) verdicts; an out-of-memory snapshot provoked and
 found where the console says (CUDA only); the same step at Qwen2.5-0.5B's shape (random weights, built
@@ -51,11 +52,14 @@ def shape(smoke: bool) -> dict:
                 budget_gb=24)
 
 
-def train_command(path, s, out, extra=()):
-    """train_lean.py on bench/run.py's workload, with no speed flag unless `extra` names one."""
-    return [sys.executable, os.path.join(REPO, "train_lean.py"), "--model", path, "--task", task_flag("chess-a"),
+def train_command(path, s, out, extra=(), varied: bool = False):
+    """train_lean.py on bench/run.py's workload, with no speed flag unless `extra` names one; varied: its
+    varied lengths (bench/varied_ours.py), else every completion s["tokens"] long."""
+    script = os.path.join(HERE, "varied_ours.py") if varied else os.path.join(REPO, "train_lean.py")
+    fixed = [] if varied else ["--min-new-tokens", str(s["tokens"])]
+    return [sys.executable, script, "--model", path, "--task", task_flag("chess-a"),
             "--batch-size", str(s["batch"]), "--group-size", "8", "--max-new-tokens", str(s["tokens"]),
-            "--min-new-tokens", str(s["tokens"]), "--kl-coef", "0.02", "--seed", "0", "--eval-interval", "0",
+            *fixed, "--kl-coef", "0.02", "--seed", "0", "--eval-interval", "0",
             "--steps", str(s["warmup"] + s["steps"]), "--out-dir", out, "--log-level", "warning", *extra]
 
 
@@ -64,10 +68,11 @@ def run(cmd, timeout, **kw):
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def step_section(path, s, work, name, extra=(), timeout=300):
-    """The whole step: median samples/s over the measured steps, their max/min, peak memory, recompiles."""
+def step_section(path, s, work, name, extra=(), timeout=300, varied=False):
+    """The whole step: median samples/s over the measured steps, their max/min, peak memory, the decode
+    step's compilations (varied: one per live-row bucket and prompt width) and those after step 1."""
     out = os.path.join(work, name)
-    code, text = run(train_command(path, s, out, extra), timeout)
+    code, text = run(train_command(path, s, out, extra, varied), timeout)
     if code:
         raise RuntimeError(f"exit {code}: {text.strip().splitlines()[-1] if text.strip() else ''}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -76,16 +81,17 @@ def step_section(path, s, work, name, extra=(), timeout=300):
     peak = max(r.get("cuda_peak_mb", r["rss_peak_mb"]) for r in recs)
     later = sum(r.get("decode_compiles", 0) for r in recs[1:])
     return {"samples/s": statistics.median(measured), "max/min": max(measured) / min(measured), "peak MB": peak,
-            "recompiles after step 1": later, "out": out}
+            "compilations": sum(r.get("decode_compiles", 0) for r in recs), "recompiles after step 1": later,
+            "out": out}
 
 
-def peer_section(system, path, s, work, dtype, timeout=300):
+def peer_section(system, path, s, work, dtype, timeout=300, lengths="fixed"):
     """TRL's GRPOTrainer or the floor on the same workload (bench/trl_run.py, bench/floor_run.py)."""
-    out = os.path.join(work, f"{system}.jsonl")
+    out = os.path.join(work, f"{system}-{lengths}.jsonl")
     script = {"trl": "trl_run.py", "floor": "floor_run.py"}[system]
     code, text = run([sys.executable, os.path.join(HERE, script), "--model", path, "--dtype", dtype, "--steps",
                       str(s["warmup"] + s["steps"]), "--task", "chess-a", "--new-tokens", str(s["tokens"]),
-                      "--out", out], timeout)
+                      "--lengths", lengths, "--out", out], timeout)
     if code:
         raise RuntimeError(f"exit {code}: {text.strip().splitlines()[-1] if text.strip() else ''}")
     with open(out) as f:
@@ -189,6 +195,9 @@ def main(argv=None):
                 ("TRL GRPOTrainer", lambda: peer_section("trl", path, s, work, dtype)
                  if importlib.util.find_spec("trl") else {"skipped": "trl does not import"}),
                 ("floor", lambda: peer_section("floor", path, s, work, dtype)),
+                ("ours, varied lengths", lambda: step_section(path, s, work, "varied", varied=True)),
+                ("TRL, varied lengths", lambda: peer_section("trl", path, s, work, dtype, lengths="varied")
+                 if importlib.util.find_spec("trl") else {"skipped": "trl does not import"}),
                 ("decode", lambda: decode_section(path, s, device)),
                 ("same seed, same bits", lambda: bits_section(path, s, work)),
                 ("memory monitor", lambda: monitor_section(s, work)),
@@ -208,9 +217,10 @@ def main(argv=None):
         print(f"[{name}] {results[name]}", flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "smoke": args.smoke,
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "model": s["model"]}
-    ours, trl = results["ours, defaults"].get("samples/s"), results["TRL GRPOTrainer"].get("samples/s")
-    if ours and trl:
-        results["ours, defaults"]["vs TRL"] = ours / trl
+    for mine, peer in (("ours, defaults", "TRL GRPOTrainer"), ("ours, varied lengths", "TRL, varied lengths")):
+        ours, trl = results[mine].get("samples/s"), results[peer].get("samples/s")
+        if ours and trl:
+            results[mine]["vs TRL"] = ours / trl
     print(f"\n{meta}\n\n| section | results |\n|---|---|")
     for name, r in results.items():
         text = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if k != "out")

@@ -16,7 +16,7 @@ import torch
 from grad_worker import (CHUNK_ROWS, GROUP, KNOBS, MAX_NEW_TOKENS, TEMPERATURE, as_rollout,
                          config_for, minibatch_gradient)
 import train_lean as update
-from grpo import passes
+from grpo import packing, passes
 from train_lean import RATIOS, group_advantages, grpo_loss, loss_denominator
 from grpo.model import completion_logprobs, load_tokenizer, trainable_parameters
 from grpo.ptx import encode
@@ -49,8 +49,30 @@ def gradient(rollout64, batch):
         lambda name, micro: minibatch_gradient(rollout64[0], batch, KNOBS[name], micro=micro))
 
 
+@pytest.fixture(scope="module")
+def padded_gradient(rollout64, batch):
+    """gradient's, through the padded forward (every row at the batch's width; grpo/packing.py)."""
+    def compute(name, micro):
+        packs, packing.packs = packing.packs, lambda model: False
+        try:
+            return minibatch_gradient(rollout64[0], batch, KNOBS[name], micro=micro)
+        finally:
+            packing.packs = packs
+    return functools.cache(compute)
+
+
 def relative(a, b):
     return ((a - b).norm() / a.norm()).item()
+
+
+@pytest.mark.parametrize("name", list(KNOBS))
+def test_the_packed_forward_gives_the_padded_gradient(gradient, padded_gradient, name):
+    """Real tokens only changes no gradient: packed micro-batches of 8 and one packed batch of 64 give
+    the padded path's accumulated gradient, for every knob (the token-mean exact across micro-batches)."""
+    padded = padded_gradient(name, 8)
+    assert padded.norm() > 0
+    assert relative(padded, gradient(name, 8)) <= 1e-5
+    assert relative(padded, gradient(name, 64)) <= 1e-5
 
 
 @pytest.mark.parametrize("name", list(KNOBS))
@@ -156,7 +178,8 @@ def test_dr_grpo_denominator_is_the_same_whatever_the_lengths(batch):
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_sum_to_the_one_process_gradient(batch, gradient, tiny_model_dir, tmp_path):
+def test_two_gloo_ranks_sum_to_the_one_process_gradient(batch, gradient, padded_gradient, tiny_model_dir,
+                                                        tmp_path):
     batch_file, out_file, init_file = tmp_path / "batch.pt", tmp_path / "grads.pt", tmp_path / "rendezvous"
     torch.save(batch, batch_file)
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grad_worker.py")
@@ -168,8 +191,9 @@ def test_two_gloo_ranks_sum_to_the_one_process_gradient(batch, gradient, tiny_mo
         assert p.returncode == 0, err[-3000:]
     summed = torch.load(out_file)
     assert set(summed) == set(KNOBS)
-    for name in KNOBS:
+    for name in KNOBS:   # the ranks' packed forwards, and the padded one-process gradient
         assert relative(gradient(name, 8), summed[name]) <= 1e-5, name
+        assert relative(padded_gradient(name, 64), summed[name]) <= 1e-5, name
 
 
 def test_every_knob_changes_the_gradient(gradient):
