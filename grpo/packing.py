@@ -28,16 +28,17 @@ class NotPackable(RuntimeError):
 
 @dataclasses.dataclass
 class Layout:
-    """Where each packed token goes in the dense attention rows: heads (distinct prompts, or whole
-    rows) [S, Wh] and tails (completions, each after its head `parent`) [R, Wt], as indices into
-    the packed tokens with a validity mask, and each block's boolean attention mask."""
-    head_index: torch.Tensor
-    head_valid: torch.Tensor
+    """Where each packed token goes in the dense attention rows, as indices into the packed tokens:
+    heads (distinct prompts, or whole rows) [S, Wh], their queries' rows; tails (completions) [R,
+    Wt], whose keys and values are their head's then their own [R, Wh + Wt]; each block's boolean
+    attention mask; and `back`, where each packed token's output lies in the blocks' outputs laid
+    end to end."""
+    head: torch.Tensor
     head_mask: torch.Tensor
-    tail_index: torch.Tensor = None
-    tail_valid: torch.Tensor = None
+    back: torch.Tensor
+    tail: torch.Tensor = None
+    tail_keys: torch.Tensor = None
     tail_mask: torch.Tensor = None
-    parent: torch.Tensor = None
 
 
 def _dense(lengths: torch.Tensor, start: int, total: int):
@@ -61,17 +62,23 @@ def _causal(valid: torch.Tensor) -> torch.Tensor:
 def layout(head_len, tail_len=None, parent=None) -> Layout:
     """The Layout of heads of head_len [S] real tokens packed first, then tails of tail_len [R]
     (None: no tails), tail r attending to head parent[r] before itself."""
-    total = int(head_len.sum()) + (0 if tail_len is None else int(tail_len.sum()))
+    n_head = int(head_len.sum())
+    total = n_head + (0 if tail_len is None else int(tail_len.sum()))
     index, valid = _dense(head_len, 0, total)
-    out = Layout(index, valid, _causal(valid))
+    out = Layout(index, _causal(valid), valid.flatten().nonzero().squeeze(1))
     if tail_len is not None and tail_len.numel() and int(tail_len.max()) > 0:
-        t_index, t_valid = _dense(tail_len, int(head_len.sum()), total)
-        own = _causal(t_valid)
+        t_index, t_valid = _dense(tail_len, n_head, total)
         prompt = valid[parent][:, None, None, :].expand(-1, 1, t_valid.shape[1], -1)
         prompt = prompt | ~t_valid[:, None, :, None]
-        out.tail_index, out.tail_valid, out.parent = t_index, t_valid, parent
-        out.tail_mask = torch.cat([prompt, own], -1)
+        out.tail, out.tail_keys = t_index, torch.cat([index[parent], t_index], 1)
+        out.tail_mask = torch.cat([prompt, _causal(t_valid)], -1)
+        out.back = torch.cat([out.back, index.numel() + t_valid.flatten().nonzero().squeeze(1)])
     return out
+
+
+def _rows(t, index):
+    """t [N, heads, D] at index [S, W], as attention reads it: [S, heads, W, D]."""
+    return t.index_select(0, index.flatten()).view(*index.shape, *t.shape[1:]).transpose(1, 2)
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -90,21 +97,13 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if k.shape[1] != q.shape[1]:   # grouped-query attention: each K/V head serves rep query heads
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-
-    def attend(index, mask, keys=None, values=None):
-        qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))   # [S, heads, W, D]
-        if keys is not None:
-            ks, vs = torch.cat([keys, ks], 2), torch.cat([values, vs], 2)
-        out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
-                                                               scale=scaling)
-        return out.transpose(1, 2), ks, vs   # [S, W, heads, D]
-
-    out, head_k, head_v = attend(lo.head_index, lo.head_mask)
-    parts = [out[lo.head_valid]]
-    if lo.tail_index is not None:
-        tail, _, _ = attend(lo.tail_index, lo.tail_mask, head_k[lo.parent], head_v[lo.parent])
-        parts.append(tail[lo.tail_valid])
-    return torch.cat(parts)[None], None
+    blocks = [(lo.head, lo.head, lo.head_mask)]
+    if lo.tail is not None:
+        blocks.append((lo.tail, lo.tail_keys, lo.tail_mask))
+    outs = [torch.nn.functional.scaled_dot_product_attention(
+        _rows(q, queries), _rows(k, keys), _rows(v, keys), attn_mask=mask, scale=scaling
+    ).transpose(1, 2).flatten(0, 1) for queries, keys, mask in blocks]   # [S x W, heads, D]
+    return torch.cat(outs).index_select(0, lo.back)[None], None
 
 
 AttentionInterface.register(NAME, packed_attention)
