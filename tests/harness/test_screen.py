@@ -25,6 +25,7 @@ def test_the_header_says_what_runs_and_where_its_results_go(tiny_model_dir, tmp_
     assert header.startswith("train_lean.py: GRPO, steps 1-1\n") and len(header.splitlines()) <= 20
     flat = " ".join(header.split())   # long paths wrap
     for row in (f"model {tiny_model_dir}: GPT2LMHeadModel, 0.153M parameters", "decoder GPT2Decoder (fast GPT-2 path)",
+                "update real tokens only (packed: each prompt once, no padding in a matmul)",
                 "task toy", "device cpu, fp32",
                 "batch 4 prompts x 2 = 8 completions per step; 1 update of 8, micro-batch 8 (no accumulation)",
                 "evaluation off (--eval-interval 0)", f"out dir {out}", f"metrics {out / 'metrics.jsonl'}",
