@@ -30,8 +30,9 @@ def main(argv=None):
         for i in range(pairs):
             for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
                 out = os.path.join(work, f"{name}{i}")
-                subprocess.run([sys.executable, "train_lean.py", *flags, "--out-dir", out], cwd=trees[name],
-                               check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                subprocess.run([sys.executable, "train_lean.py", *flags, "--out-dir", out],
+                               cwd=trees[name], check=True, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
                 with open(os.path.join(out, "metrics.jsonl")) as f:
                     runs[name].append([json.loads(line) for line in f if line.strip()])
     medians = {}

@@ -23,7 +23,8 @@ _calls = [0]   # generate() calls so far: with --eval-interval 0, one per step a
 def init(self, model, batch, max_new_tokens, *args, **kwargs):
     _init(self, model, batch, max_new_tokens, *args, **kwargs)
     _calls[0] += 1
-    self.lengths = torch.tensor(row_lengths(_calls[0], batch, max_new_tokens), device=self.done.device)
+    self.lengths = torch.tensor(row_lengths(_calls[0], batch, max_new_tokens),
+                                device=self.done.device)
 
 
 def draw(self, logits, column, banned):
@@ -31,7 +32,8 @@ def draw(self, logits, column, banned):
     lengths = self.lengths if rows is None else self.lengths[rows]
     eos, logits = self.end_ids[0], logits.clone()
     logits[:, eos] = logits[:, eos].masked_fill(lengths > column + 1, float("-inf"))
-    last = torch.where(torch.arange(logits.shape[1], device=logits.device) == eos, 0.0, float("-inf"))
+    columns = torch.arange(logits.shape[1], device=logits.device)
+    last = torch.where(columns == eos, 0.0, float("-inf"))
     logits = torch.where((lengths == column + 1)[:, None], last, logits)
     _draw(self, logits, column, None)
 

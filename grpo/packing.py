@@ -121,11 +121,13 @@ def packed_hidden(model, input_ids, attention_mask, split: int):
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     B, W = input_ids.shape
     if split > 0:
-        prompts, parent = torch.unique(torch.cat([input_ids[:, :split], attention_mask[:, :split]], 1),
-                                       dim=0, return_inverse=True)
+        prompts, parent = torch.unique(
+            torch.cat([input_ids[:, :split], attention_mask[:, :split]], 1), dim=0,
+            return_inverse=True)
         head_ids, head_valid = prompts[:, :split], prompts[:, split:].bool()
         head_pos = (prompts[:, split:].cumsum(-1) - 1).clamp_min(0)
-        tail_valid, tail_ids, tail_pos = valid[:, split:], input_ids[:, split:], positions[:, split:]
+        tail_valid, tail_ids = valid[:, split:], input_ids[:, split:]
+        tail_pos = positions[:, split:]
         head_len, tail_len = head_valid.sum(1), tail_valid.sum(1)
         lo = layout(head_len, tail_len, parent)
         ids = torch.cat([head_ids[head_valid], tail_ids[tail_valid]])

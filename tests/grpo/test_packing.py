@@ -10,8 +10,8 @@ T = 6   # completion columns
 
 
 def group_batch(vocab: int, seed: int = 0):
-    """Two groups of three rows (one prompt each) and two rows alone, prompts of 3-9 tokens left-padded
-    to 9; completions of 0 (all padding), 1, T (at the cap) and between; the mask."""
+    """Two groups of three rows (one prompt each) and two rows alone, prompts of 3-9 tokens
+    left-padded to 9; completions of 0 (all padding), 1, T (at the cap) and between; the mask."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, vocab, (n,), generator=g) for n in (9, 4, 3, 7)]
     rows, lengths = [], [T, 1, 3, 2, 0, T, 5, 4]
@@ -78,7 +78,8 @@ def test_rows_whole_with_chosen_positions_equal_padded(any_model_dir):
     with torch.no_grad():
         packed = completion_logprobs(model, ids, mask, T, 1.0, 4096, share_prompts=False,
                                      predict=predict)
-        padded = completion_logprobs(model, ids, mask, T, 1.0, 4096, share_prompts=False, pack=False)
+        padded = completion_logprobs(model, ids, mask, T, 1.0, 4096, share_prompts=False,
+                                     pack=False)
     assert (packed[predict == 0] == 0).all()
     torch.testing.assert_close(packed, padded * predict, atol=2e-5, rtol=1e-5)
 
