@@ -113,13 +113,20 @@ AttentionMaskInterface.register(NAME, sdpa_mask)   # a padded forward's mask, as
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
+def _packed_index(valid, start: int):
+    """[S, W]: the packed index of each valid slot, its tokens packed row by row from `start`; -1
+    elsewhere."""
+    index = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)
+    index[valid] = torch.arange(start, start + int(valid.sum()), device=valid.device)
+    return index
+
+
 def packed_hidden(model, input_ids, attention_mask, split: int):
     """The last hidden states of every real token of the rows, packed: (hidden [N, width], colmap
     [B, W]), colmap the packed index of each row's column (-1 on padding). Columns before `split`
     are the prompt, each distinct one run once (the rows' heads); split 0: every row whole."""
     valid = attention_mask.bool()
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    B, W = input_ids.shape
     if split > 0:
         prompts, parent = torch.unique(
             torch.cat([input_ids[:, :split], attention_mask[:, :split]], 1), dim=0,
@@ -132,17 +139,12 @@ def packed_hidden(model, input_ids, attention_mask, split: int):
         lo = layout(head_len, tail_len, parent)
         ids = torch.cat([head_ids[head_valid], tail_ids[tail_valid]])
         pos = torch.cat([head_pos[head_valid], tail_pos[tail_valid]])
-        n_head = int(head_len.sum())
-        head_map = torch.full(head_valid.shape, -1, dtype=torch.long, device=ids.device)
-        head_map[head_valid] = torch.arange(n_head, device=ids.device)
-        tail_map = torch.full(tail_valid.shape, -1, dtype=torch.long, device=ids.device)
-        tail_map[tail_valid] = torch.arange(n_head, ids.shape[0], device=ids.device)
+        head_map = _packed_index(head_valid, 0)
+        tail_map = _packed_index(tail_valid, int(head_len.sum()))
         colmap = torch.cat([head_map[parent], tail_map], 1)
     else:
         lo = layout(valid.sum(1))
-        ids, pos = input_ids[valid], positions[valid]
-        colmap = torch.full((B, W), -1, dtype=torch.long, device=ids.device)
-        colmap[valid] = torch.arange(ids.shape[0], device=ids.device)
+        ids, pos, colmap = input_ids[valid], positions[valid], _packed_index(valid, 0)
     hidden = model.base_model(input_ids=ids[None], position_ids=pos[None], attention_mask=_NO_MASK,
                               lean_layout=lo).last_hidden_state[0]
     return hidden, colmap
