@@ -141,15 +141,16 @@ def statistics(ratio, t, ref_logp, cfg) -> dict:
 
 # ---- the update: mini-batches of micro-batches, gradients summed over devices -------------------
 
-def accumulate(policy, optimizer, batch, rows, micro: int, mask, denominator: float, cfg, autocast,
+def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, cfg, autocast,
                kl_coef: float, mix=None, sampler=None, old_trainer=None, **masks) -> Counter:
-    """Forward and backward of one mini-batch (rows), micro rows at a time, then of the pretraining
+    """Forward and backward of one mini-batch (rows), cut into micro-batches by micro (rows or
+    --micro-batch-tokens, harness/guards.py Micro), then of the pretraining
     mix (--ptx-coef); returns the summed statistics. sampler: the sampler's logprobs, measured
     against old_trainer (the trainer's at the sampling weights; None: each forward's own), or
     None (not measured)."""
     optimizer.zero_grad(set_to_none=True)
     sums = Counter()
-    for part in rows.split(micro):
+    for part in micro.split(batch, rows):
         def pick(x):
             return None if x is None else x[part]
         logp, entropy = token_logprobs(policy, batch, part, cfg, autocast, with_entropy=True)

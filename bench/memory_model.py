@@ -5,6 +5,7 @@ cuda_peak_mb (GPU), as BENCHMARKS.md does.
     python bench/memory_model.py --model gpt2-124m --batch-size 8 --max-new-tokens 8 --device cpu
     python bench/memory_model.py --model qwen2.5-0.5b --dtype bf16 --device cuda      # 64 x 144
     python bench/memory_model.py --model qwen2.5-1.5b --dtype bf16 --device cuda --largest 22
+    python bench/memory_model.py --model gpt2-124m --micro-batch-tokens 4096
 
 --model: a bench/common.py shape (gpt2-124m, qwen2.5-0.5b, qwen2.5-1.5b; no weights are built) or
 a model folder. P: parameters (a tied head once). A step (the second on: every state exists) holds
@@ -27,7 +28,9 @@ and at its peak one of these phases on top:
              backward (5 [chunk, V] fp32: 4.6 measured for one chunk of 2,048 rows, 4.9-5.0
              chunked and recomputed) and gradient; or, at backward's end, a new
              gradient of every weight (4P) and a tied head's two contributions beside their sum
-             (8 V E, measured); with accumulation (micro < mini) the gradients held already
+             (8 V E, measured); with accumulation (micro < mini) the gradients held already.
+             With --micro-batch-tokens N a micro-batch is N real tokens (a group's prompt
+             once): the probe's saved tensors per token times N, the head's chunk at most N
   optimizer  AdamW's temporaries (a GPU's foreach: one fp32 copy of every weight, 4P; a CPU's per
              tensor: two of the largest), and with --guard copies 12P more: the weights and the
              optimizer's state that Guard.step copied before each update until d04604d
@@ -109,6 +112,7 @@ def _saved_bytes(config, layers, rows, group, prompt, new, dtype, checkpointing)
     import torch
     from transformers import AutoModelForCausalLM
     from grpo.model import completion_logprobs
+    from harness.guards import saved_bytes as count   # what --micro-batch-tokens auto counts
     config = copy.deepcopy(config)
     config.num_hidden_layers = layers
     if hasattr(config, "n_layer"):
@@ -117,24 +121,12 @@ def _saved_bytes(config, layers, rows, group, prompt, new, dtype, checkpointing)
     model = AutoModelForCausalLM.from_config(config).eval()
     if checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
-    weights = {p.untyped_storage().data_ptr(): p.numel() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        # a weight, or its bf16 cast (counted apart, as weights)
-        cast = t.dtype == torch.bfloat16 and t.numel() in weights.values() and t.dim() == 2
-        logits = t.dim() and t.shape[-1] == config.vocab_size   # the head's: counted apart
-        if s.data_ptr() not in weights and not cast and not logits:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
     prompts = max(1, rows // group)
     ids = torch.randint(3, 300, (prompts, prompt + new)).repeat_interleave(rows // prompts, 0)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        completion_logprobs(model, ids, torch.ones_like(ids), new, 1.0, 2 ** 40, autocast,
-                            with_entropy=True, entropy_grad=False)   # as the default step
-    return sum(seen.values())
+    return count(model, lambda: completion_logprobs(   # as the default step
+        model, ids, torch.ones_like(ids), new, 1.0, 2 ** 40, autocast, with_entropy=True,
+        entropy_grad=False))
 
 
 def predict(s: dict, a) -> dict:
@@ -155,8 +147,12 @@ def predict(s: dict, a) -> dict:
                "prefill cache": 2 * L * kv * kv_b * (gen // G) * W,
                "decode logits": gen * V * 24, "bf16 weight copies": casts}
     # the reference pass: one micro-batch's K/V over every layer, one head chunk
-    rows_ref = min(a.logprob_chunk_size, micro * T)
-    reference = {"K/V cache": 2 * L * kv * kv_b * micro * (W + T),
+    # --micro-batch-tokens: a micro-batch of that many real tokens (a group's prompt once), at most
+    # the mini-batch's; the probe's saved tensors scaled per token
+    mini = a.mini_batch_size or B
+    tokens = min(a.micro_batch_tokens, mini * T + mini // G * W) if a.micro_batch_tokens else None
+    rows_ref = min(a.logprob_chunk_size, tokens or micro * T)
+    reference = {"K/V cache": 2 * L * kv * kv_b * (tokens or micro * (W + T)),
                  "head chunk": rows_ref * V * 4 * (2.5 if bf16 else 2.2),
                  "head cast": 2 * s["head"] if bf16 else 0} if part["reference"] else {}
     # the update: saved tensors of the layers (counted on 1- and 2-layer copies), head, casts
@@ -164,8 +160,10 @@ def predict(s: dict, a) -> dict:
     one = saved_bytes(a.config, 1, probe_rows, G, W, T, a.dtype, a.gradient_checkpointing)
     two = saved_bytes(a.config, 2, probe_rows, G, W, T, a.dtype, a.gradient_checkpointing)
     scale = micro / probe_rows
+    if tokens:
+        scale = tokens / (probe_rows * T + max(1, probe_rows // G) * W)
     layer = (two - one) * scale
-    rows = micro * T
+    rows = tokens or micro * T
     update = {"layers' saved tensors": layer * L,
               "other saved tensors": (one - (two - one)) * scale,
               "bf16 weight casts": casts,
@@ -179,7 +177,7 @@ def predict(s: dict, a) -> dict:
              "guard copies": 12 * P if a.guard == "copies" else 0}
     base = sum(part.values())
     without_grads = base - part["gradients"]
-    acc = micro < (a.mini_batch_size or B)
+    acc = tokens < mini * T + mini // G * W if tokens else micro < mini
     held = sum(update.values()) - update["head gradient"]
     # backward's start (every saved tensor, the head's gradient) or its end: a new gradient of
     # every weight (4P), and a tied head's two contributions beside their sum (measured on this
@@ -194,10 +192,16 @@ def predict(s: dict, a) -> dict:
             "optimizer": optim, "peaks": peaks, "peak": max(peaks.values())}
 
 
+def micro_text(a) -> str:
+    if a.micro_batch_tokens:
+        return f"{a.micro_batch_tokens:,} tokens"
+    return str(min(a.micro_batch_size or a.batch_size, a.batch_size))
+
+
 def report(s, a, out) -> str:
     lines = [f"{a.model}: {s['P'] / 1e6:,.1f}M parameters, {s['layers']} layers, vocabulary "
              f"{s['vocab']:,}; batch {a.batch_size} ({a.group_size} a prompt), micro-batch "
-             f"{min(a.micro_batch_size or a.batch_size, a.batch_size)}, {a.prompt_tokens} prompt + "
+             f"{micro_text(a)}, {a.prompt_tokens} prompt + "
              f"{a.max_new_tokens} new tokens, {a.dtype} on {a.device}, guard {a.guard}",
              "prediction (MiB):"]
     for name in ("resident", "sampler", "reference", "update", "optimizer"):
@@ -230,6 +234,8 @@ def parser():
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--micro-batch-size", type=int, default=None)
     ap.add_argument("--mini-batch-size", type=int, default=None)
+    ap.add_argument("--micro-batch-tokens", type=int, default=None,
+                    help="micro-batches of this many real tokens (the trainer's flag)")
     ap.add_argument("--generation-batch", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=144)
     ap.add_argument("--prompt-tokens", type=int, default=120,

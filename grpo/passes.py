@@ -29,14 +29,13 @@ def no_grad_pass(model, batch, guard, cfg, autocast, rows=None, entropy: bool = 
         _no_grad_pass, model, batch, cfg=cfg, autocast=autocast, rows=rows, entropy=entropy))
 
 
-def _no_grad_pass(model, batch, micro: int, cfg, autocast, rows=None,
+def _no_grad_pass(model, batch, micro, cfg, autocast, rows=None,
                   entropy: bool = False) -> torch.Tensor:
-    """Without gradient, micro rows per forward: the logprobs of the completion tokens of batch's
+    """Without gradient, a micro-batch per forward (micro.split): the logprobs of the completion tokens of batch's
     `rows` (None: every row), or with entropy each position's entropy. guard.fit runs it, retried
     with fewer rows after an out-of-memory: so no collective call in it (a rank out of memory would
     leave the others waiting in it)."""
-    parts = rows.split(micro) if rows is not None else \
-        [slice(s, s + micro) for s in range(0, batch.input_ids.shape[0], micro)]
+    parts = micro.split(batch, rows)
     with torch.no_grad():
         out = [token_logprobs(model, batch, part, cfg, autocast, with_entropy=entropy)
                for part in parts]

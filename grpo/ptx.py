@@ -83,15 +83,14 @@ def ptx_loss(logp: torch.Tensor, target: torch.Tensor, denominator: float, coef:
     return coef * nll / denominator, nll.detach()
 
 
-def backward(policy, mix, micro: int, cfg, autocast, sums) -> None:
+def backward(policy, mix, micro, cfg, autocast, sums) -> None:
     """Forward and backward of this device's share of an update's texts (mix, a PtxBatch, or None:
-    nothing), micro rows at a time; adds loss, ptx_nll and ptx_tokens to sums (every device reports
-    them, zero too)."""
+    nothing), in micro-batches (micro.split, each text whole); adds loss, ptx_nll and ptx_tokens
+    to sums (every device reports them, zero too)."""
     if mix is None:
         return
     sums.update(ptx_nll=0.0, ptx_tokens=0)
-    for s in range(0, mix.input_ids.shape[0], micro):
-        part = slice(s, s + micro)
+    for part in micro.split(mix, shared=0):
         logp = completion_logprobs(policy, mix.input_ids[part], mix.attention[part], mix.target.shape[1], 1.0,
                                    cfg.logprob_chunk_size, autocast, share_prompts=False,
                                    predict=mix.target[part])   # the head only at learned tokens

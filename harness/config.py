@@ -82,6 +82,11 @@ class Config(Settings):
         None, "completions per forward/backward on one device (default: mini / devices, no accumulation; "
         "auto: the largest that fits in memory, probed before training)", auto=True, must="at least 1",
         resume_free=True)
+    micro_batch_tokens: typing.Optional[typing.Union[int, str]] = opt(
+        None, "cut each mini-batch into micro-batches by real tokens instead of rows: as many rows, in "
+        "order, as hold at most N prompt and completion tokens (a group's prompt counted once; a row "
+        "over N runs alone); auto: N from the memory the device has free, checked before training "
+        "(default: off, --micro-batch-size rows)", auto=True, must="at least 1", resume_free=True)
     update_threads: int = opt(
         1, "CPU threads of the update's forward and backward passes: 1 gives a seed the same bits "
         "run after run on one thread count (sampling uses every thread: its last bits follow "
@@ -211,6 +216,8 @@ class Layout:
     mini_batch_per_device: int
     micro_batch: int                # completions per forward/backward on one device (auto: where probing starts)
     micro_batch_auto: bool
+    micro_tokens: int               # --micro-batch-tokens's budget (0: cut by rows; auto: set later)
+    micro_tokens_auto: bool
     grad_accum_steps: int
     updates_per_step: int
     generation_batch: int           # completions sampled at once on one device
@@ -267,6 +274,10 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     mini_per_device = mini // world
     # auto: the whole per-device mini-batch to start; harness/run.py probes it down before training
     micro_auto = cfg.micro_batch_size == "auto"
+    if cfg.micro_batch_tokens is not None and cfg.micro_batch_size is not None:
+        raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} and --micro-batch-tokens "
+                          f"{cfg.micro_batch_tokens}: cut the mini-batch one way, leave one out")
+    tokens_auto = cfg.micro_batch_tokens == "auto"
     micro = (None if micro_auto else cfg.micro_batch_size) or mini_per_device
     if mini_per_device % micro:
         raise ConfigError(f"--micro-batch-size {micro} does not divide the per-device mini-batch "
@@ -355,5 +366,7 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     return Layout(devices=world, prompts_per_step=prompts, prompts_per_device=prompts // world,
                   completions_per_step=cfg.batch_size, completions_per_device=per_device, mini_batch=mini,
                   mini_batch_per_device=mini_per_device, micro_batch=micro, micro_batch_auto=micro_auto,
+                  micro_tokens=0 if tokens_auto else cfg.micro_batch_tokens or 0,
+                  micro_tokens_auto=tokens_auto,
                   grad_accum_steps=mini_per_device // micro, updates_per_step=cfg.batch_size // mini * cfg.ppo_epochs,
                   generation_batch=min(cfg.generation_batch_size or per_device, per_device))

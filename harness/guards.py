@@ -3,6 +3,7 @@ import contextlib
 import functools
 import gc
 import math
+import os
 import signal
 
 import torch
@@ -32,6 +33,61 @@ def smaller_micro(micro: int, mini: int):
     return None
 
 
+class Micro:
+    """How the update cuts a mini-batch into forwards: `rows` rows at a time, or with a token budget
+    (--micro-batch-tokens) as many rows, in order, as hold at most `tokens` real tokens (a run of rows
+    sharing a prompt counts it once, as the packed forward runs it once; a row over the budget runs
+    alone). Every cut gives the same gradient: each micro-batch's loss is divided by the whole
+    mini-batch's denominator. most: the largest micro-batch's rows since Guard.fit's try began."""
+
+    def __init__(self, rows: int, tokens: int = 0):
+        self.rows, self.tokens, self.most = rows, tokens, 0
+
+    def __str__(self):
+        return f"{self.tokens} tokens" if self.tokens else str(self.rows)
+
+    def split(self, batch, rows=None, shared=None) -> list:
+        """batch's rows (None: every row) in micro-batches: index tensors (slices of every row when
+        cut by rows). shared: the prompt's columns (default: those before the completion; 0 when
+        the rows share nothing)."""
+        n = batch.input_ids.shape[0]
+        if not self.tokens:
+            self.most = max(self.most, min(self.rows, n if rows is None else len(rows)))
+            if rows is None:
+                return [slice(s, s + self.rows) for s in range(0, n, self.rows)]
+            return list(rows.split(self.rows))
+        rows = torch.arange(n, device=batch.input_ids.device) if rows is None else rows
+        parts, start, used = [], 0, 0
+        for i, (head, tail, same) in enumerate(zip(*row_tokens(batch, rows, shared))):
+            cost = tail + (0 if same and i > start else head)
+            if i > start and used + cost > self.tokens:
+                parts.append(rows[start:i])
+                start, cost = i, tail + head
+            used = cost if i == start else used + cost
+        parts.append(rows[start:])
+        self.most = max(self.most, *(len(p) for p in parts))
+        return parts
+
+    def smaller(self, mini: int):
+        """The cut after an out-of-memory (None: none smaller): the rows halved to a divisor of the
+        mini-batch, or the token budget halved while a micro-batch still held several rows."""
+        if self.tokens:
+            return Micro(self.rows, self.tokens // 2) if self.most > 1 else None
+        rows = smaller_micro(self.rows, mini)
+        return None if rows is None else Micro(rows)
+
+
+def row_tokens(batch, rows, shared=None):
+    """Per row of batch's `rows`: its prompt's real tokens, its completion's, and whether its prompt
+    is the row before's (lists)."""
+    ids, att = batch.input_ids[rows], batch.attention[rows]
+    w = ids.shape[1] - batch.completion_len if shared is None else shared
+    same = torch.zeros(len(rows), dtype=torch.bool, device=ids.device)
+    if w and len(rows) > 1:
+        same[1:] = (ids[1:, :w] == ids[:-1, :w]).all(1) & (att[1:, :w] == att[:-1, :w]).all(1)
+    return att[:, :w].sum(1).tolist(), att[:, w:].sum(1).tolist(), same.tolist()
+
+
 @contextlib.contextmanager
 def cpu_threads(n: int):
     """PyTorch's CPU threads set to n (0: left as they are) inside, restored after."""
@@ -50,14 +106,15 @@ class Guard:
     (fit), and the optimizer's step, skipped when not finite, with the count of such updates in a
     row (step). notes: this step's retries, said as they happen and counted in the step's record."""
 
-    def __init__(self, micro: int, mini: int, info, nonfinite_streak: int = 0, threads: int = 0):
-        self.micro, self.mini, self.info = micro, mini, info
+    def __init__(self, micro: int, mini: int, info, nonfinite_streak: int = 0, threads: int = 0,
+                 tokens: int = 0):
+        self.cut, self.mini, self.info = Micro(micro, tokens), mini, info
         self.nonfinite_streak, self.notes = nonfinite_streak, []
         self.threads = threads   # --update-threads: the CPU threads fit's passes run on (0: all)
 
     def fit(self, run):
-        """run(micro), with micro halved (to a divisor of the mini-batch) until it fits in memory; self.micro keeps
-        the size that fitted. `run` must start from a clean slate (zeroed gradients) each call. All ranks agree on
+        """run(cut), a Micro, made smaller (cut.smaller) until it fits in memory; self.cut keeps
+        the one that fitted. `run` must start from a clean slate (zeroed gradients) each call. All ranks agree on
         each retry, so no rank waits in a collective for one that ran out of memory.
 
         On --update-threads (1 by default) CPU threads: on several, PyTorch's backward gave gradients that differed
@@ -65,8 +122,9 @@ class Guard:
         resumed run did not end where the straight one did; on one thread they are the same bits every time."""
         while True:
             try:
+                self.cut.most = 0
                 with cpu_threads(self.threads):
-                    result, oom = run(self.micro), False
+                    result, oom = run(self.cut), False
             except Exception as e:  # noqa: BLE001 - anything but an out-of-memory is re-raised
                 if not is_oom(e):
                     raise
@@ -76,13 +134,13 @@ class Guard:
             # the exception (and its frames' tensors) is released by now
             result = None
             free_memory()
-            smaller = smaller_micro(self.micro, self.mini)
+            smaller = self.cut.smaller(self.mini)
             if smaller is None:
                 raise torch.OutOfMemoryError("out of memory with a micro-batch of 1: lower --max-new-tokens, "
                                              "use --dtype bf16 or a smaller model")
-            self.notes.append(f"out of memory at micro-batch {self.micro}: freed memory, retrying with {smaller}")
+            self.notes.append(f"out of memory at micro-batch {self.cut}: freed memory, retrying with {smaller}")
             self.info(self.notes[-1])
-            self.micro = smaller
+            self.cut = smaller
 
     def step(self, optimizer, loss: float, grad_norm: float) -> bool:
         """Step the optimizer unless its summed loss or gradient norm is not finite (the update is
@@ -99,26 +157,101 @@ class Guard:
         return ok
 
 
-def _fit_test(policy, optimizer, moments: int, longest: int, eos: int, micro: int, cfg, autocast):
-    """One forward and backward of micro rows of the longest sequence, with AdamW's moments' memory held."""
+def _fit_test(policy, optimizer, moments: int, longest: int, eos: int, cut: Micro, cfg, autocast):
+    """One forward and backward of a micro-batch of rows of the longest sequence, each run whole (cut's
+    rows, or as many as its token budget holds), with AdamW's moments' memory held."""
     stand_in = torch.empty(moments, device=next(policy.parameters()).device)
-    ids = torch.full((micro, longest), eos, device=stand_in.device)
+    rows = max(1, cut.tokens // longest) if cut.tokens else cut.rows
+    cut.most = rows
+    ids = torch.full((rows, longest), eos, device=stand_in.device)
     logp = completion_logprobs(policy, ids, torch.ones_like(ids), cfg.max_new_tokens,
-                               logprob_temperature(cfg.temperature), cfg.logprob_chunk_size, autocast)
+                               logprob_temperature(cfg.temperature), cfg.logprob_chunk_size, autocast,
+                               share_prompts=False)
     logp.sum().backward()
     optimizer.zero_grad(set_to_none=True)
     del stand_in
 
 
+def _moments(policy, optimizer) -> int:
+    """AdamW's two moments' elements before they exist (none once the optimizer has state)."""
+    return 0 if optimizer.state else sum(2 * p.numel() for p in trainable_parameters(policy))
+
+
 def probe_micro_batch(guard: Guard, policy, optimizer, longest: int, eos: int, cfg, autocast) -> int:
-    """Set guard.micro to the largest micro-batch (a divisor of the per-device mini-batch) whose forward and
+    """Set guard.cut to the largest micro-batch (a divisor of the per-device mini-batch) whose forward and
     backward fit at the longest sequence; AdamW's two moments do not exist before the first update, so a stand-in
     holds their place."""
-    moments = 0 if optimizer.state else sum(2 * p.numel() for p in trainable_parameters(policy))
-    guard.fit(functools.partial(_fit_test, policy, optimizer, moments, longest, eos,  # every rank
-                                cfg=cfg, autocast=autocast))
+    guard.fit(functools.partial(_fit_test, policy, optimizer, _moments(policy, optimizer),  # every rank
+                                longest, eos, cfg=cfg, autocast=autocast))
     guard.notes.clear()
-    return guard.micro
+    return guard.cut.rows
+
+
+def saved_bytes(model, forward) -> int:
+    """Bytes autograd saves for backward in forward(), less the model's weights, their bf16 casts
+    and the head's vocabulary-wide tensors (a chunk at a time, counted apart)."""
+    weights = {p.untyped_storage().data_ptr(): p.numel() for p in model.parameters()}
+    vocab, seen = model.config.vocab_size, {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        cast = t.dtype == torch.bfloat16 and t.numel() in weights.values() and t.dim() == 2
+        logits = t.dim() and t.shape[-1] == vocab
+        if s.data_ptr() not in weights and not cast and not logits:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(seen.values())
+
+
+def free_bytes(device: torch.device) -> int:
+    """What the process may still allocate: CUDA's free memory, or the host's available memory
+    (Linux's MemAvailable, within the cgroup's limit when one is set)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    with contextlib.suppress(OSError, ValueError):
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                free = min(free, int(limit) - int(g.read()))
+    return free
+
+
+# of the free memory, what a budget may fill: the rest is the allocator's and the runtime's slack
+FILL = 0.8
+
+
+def token_budget(free: int, fixed: int, per_token: float, longest: int, mini: int) -> int:
+    """The tokens of per_token bytes in FILL of the free bytes less fixed ones, down to a power of
+    two (the same budget from one start to the next as free memory wavers: the cut orders the
+    gradient's sums, so decides its last bits); at least one row of the longest sequence, at most
+    the mini-batch's rows of it."""
+    tokens = max(int((FILL * free - fixed) // per_token), 1)
+    return min(max(2 ** (tokens.bit_length() - 1), longest), mini * longest)
+
+
+def probe_token_budget(guard: Guard, policy, optimizer, longest: int, eos: int, cfg, autocast):
+    """Set guard.cut's token budget (--micro-batch-tokens auto) from the memory free now: what
+    autograd saves per token (counted on two rows of the longest sequence), the rest held by the
+    gradients, AdamW's moments and the head's backward (a chunk); then one forward and backward at
+    it, halved until it fits. Returns (budget, bytes saved per token, bytes free)."""
+    device = next(policy.parameters()).device
+    ids = torch.full((2, longest), eos, device=device)
+    per_token = saved_bytes(policy, lambda: completion_logprobs(
+        policy, ids, torch.ones_like(ids), cfg.max_new_tokens, logprob_temperature(cfg.temperature),
+        cfg.logprob_chunk_size, autocast, share_prompts=False)) / ids.numel()
+    grads = sum(p.numel() for p in trainable_parameters(policy) if p.grad is None)
+    head = 5 * min(cfg.logprob_chunk_size, guard.mini * cfg.max_new_tokens) * policy.config.vocab_size
+    free = free_bytes(device)
+    fixed = 4 * (_moments(policy, optimizer) + grads + head)
+    guard.cut = Micro(guard.mini, token_budget(free, fixed, per_token, longest, guard.mini))
+    probe_micro_batch(guard, policy, optimizer, longest, eos, cfg, autocast)   # every rank
+    return guard.cut.tokens, per_token, free
 
 
 def nonfinite_abort(step: int, streak: int, path: str) -> str:

@@ -254,14 +254,19 @@ class Run:
             checkpoint.set_rng_states(state["rng"][self.rank] if len(state["rng"]) == self.world else state["rng"][0])
             self.info(f"resumed from {self.resume_from} after step {self.start_step}")
         self.guard = guards.Guard(layout.micro_batch, layout.mini_batch_per_device, self.info, streak,
-                                  cfg.update_threads if self.device.type == "cpu" else 0)
+                                  cfg.update_threads if self.device.type == "cpu" else 0,
+                                  tokens=layout.micro_tokens)
+        longest = max(map(len, self.first_ids)) + cfg.max_new_tokens
+        probe = (self.guard, self.policy, optimizer, longest, self.tokenizer.eos_token_id, cfg, self.autocast)
         if layout.micro_batch_auto:
-            longest = max(map(len, self.first_ids)) + cfg.max_new_tokens
-            micro = guards.probe_micro_batch(  # every rank
-                self.guard, self.policy, optimizer, longest, self.tokenizer.eos_token_id, cfg,
-                self.autocast)
+            micro = guards.probe_micro_batch(*probe)  # every rank
             self.info(f"micro-batch auto: {micro} per device ({micro * self.world} global) fits at {longest} tokens, "
                       f"{layout.mini_batch_per_device // micro} gradient-accumulation steps")
+        if layout.micro_tokens_auto:
+            tokens, per_token, free = guards.probe_token_budget(*probe)  # every rank
+            self.info(f"micro-batch tokens auto: {tokens:,} real tokens per forward/backward on this device "
+                      f"({free / 2 ** 30:.1f} GiB free, {per_token / 1024:.0f} KiB saved for backward a token; "
+                      f"a row of the longest sequence is {longest} tokens)")
         settings = config.settings(cfg, self.loaded.options)
         rundir.branch_off(cfg, self.resume_from)   # a resume from an older checkpoint: the later ones aside, kept
         self._set_aside_doomed()
@@ -366,7 +371,9 @@ class Run:
         self.phases.end("train")
         rec.update(log.batch_stats(rows, cfg.group_size))
         if self.guard.notes:
-            rec.update(oom_retries=len(self.guard.notes), micro_batch=self.guard.micro)
+            cut = self.guard.cut   # what the update ended with
+            rec.update(oom_retries=len(self.guard.notes),
+                       **({"micro_batch_tokens": cut.tokens} if cut.tokens else {"micro_batch": cut.rows}))
         rec.update(log.throughput(self.phases.times(), rows), **self.phases.record())
         if cfg.compile == "on":   # each is seconds to minutes of the step's generation time
             now = decoders.compilations()

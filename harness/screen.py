@@ -18,7 +18,9 @@ from harness import checkpoint, config, log, rundir
 def derived(cfg, layout) -> dict:
     """What an unset (None) setting comes to in this run, by field name: a size of the batch layout (config.Layout),
     the other clip range, the default metrics file. An unset setting not named here is off."""
-    return {"mini_batch_size": layout.mini_batch, "micro_batch_size": layout.micro_batch,
+    return {"mini_batch_size": layout.mini_batch,
+            **({} if layout.micro_tokens or layout.micro_tokens_auto else   # else cut by tokens
+               {"micro_batch_size": layout.micro_batch}),
             "generation_batch_size": layout.generation_batch, "clip_range_high": cfg.clip_range,
             "log_file": log.metrics_path(cfg)}
 
@@ -61,14 +63,18 @@ def describe(cfg, options, sources: dict, layout) -> str:
     lines.append("batch layout (per device | global)")
     d = layout
     auto = d.micro_batch_auto
+    micro = (("auto", "auto") if auto else (d.micro_batch, d.micro_batch * d.devices))
+    accum = ("auto", "auto") if auto else (d.grad_accum_steps, d.grad_accum_steps)
+    if d.micro_tokens or d.micro_tokens_auto:   # --micro-batch-tokens: the lengths decide the rows
+        micro = (f"{d.micro_tokens or 'auto'} tokens", "-")
+        accum = ("lengths", "lengths")
     table = [
         ("devices", "", d.devices),
         ("prompts (groups) per step", d.prompts_per_device, d.prompts_per_step),
         ("completions per step", d.completions_per_device, d.completions_per_step),
         ("mini-batch (completions per update)", d.mini_batch_per_device, d.mini_batch),
-        ("micro-batch (per forward/backward)",
-         *(("auto", "auto") if auto else (d.micro_batch, d.micro_batch * d.devices))),
-        ("gradient-accumulation steps", *(("auto", "auto") if auto else (d.grad_accum_steps, d.grad_accum_steps))),
+        ("micro-batch (per forward/backward)", *micro),
+        ("gradient-accumulation steps", *accum),
         ("optimizer updates per step", d.updates_per_step, d.updates_per_step),
         ("generation batch", d.generation_batch, d.generation_batch * d.devices),
     ]
@@ -96,6 +102,9 @@ def batch_line(cfg, layout) -> str:
         f" ({cfg.ppo_epochs} epochs)" if cfg.ppo_epochs > 1 else "")
     if d.micro_batch_auto:
         line += ", micro-batch auto (probed before training)"
+    elif d.micro_tokens or d.micro_tokens_auto:
+        line += (", micro-batches by real tokens, the budget from the free memory" if d.micro_tokens_auto
+                 else f", micro-batches of at most {d.micro_tokens:,} real tokens{each}")
     else:
         accum = "no accumulation" if d.grad_accum_steps == 1 else f"{d.grad_accum_steps} accumulation steps"
         line += f", micro-batch {d.micro_batch}{each} ({accum})"

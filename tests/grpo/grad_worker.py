@@ -92,8 +92,10 @@ def per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg):
     return torch.cat(parts)
 
 
-def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold_per_micro_batch=False):
-    """The flat gradient of this rank's rows of the mini-batch `batch`, micro rows per forward/backward,
+def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold_per_micro_batch=False,
+                       tokens=0):
+    """The flat gradient of this rank's rows of the mini-batch `batch`, micro rows per forward/backward
+    (tokens: as many as hold that many real tokens, --micro-batch-tokens),
     through the trainer's own update functions (train_lean.py, grpo/passes.py): the denominator summed over ranks, the
     top-entropy threshold over every rank's tokens, the micro-batches accumulated, the ranks summed."""
     cfg = config_for(knobs)
@@ -101,7 +103,7 @@ def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold
     rows = torch.arange(rollout.input_ids.shape[0])
     mask = passes.loss_mask(rollout, cfg)
     denominator = distributed.all_sum([loss_denominator(mask, cfg)])[0]
-    guard = Guard(micro, rows.shape[0], print)   # the token selections' out-of-memory retry
+    guard = Guard(micro, rows.shape[0], print, tokens=tokens)   # the cut and its out-of-memory retry
     pg_mask = None
     if threshold_per_micro_batch:
         pg_mask = per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg)
@@ -114,7 +116,7 @@ def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold
     texts = PtxBatch(**batch["ptx"]).for_device(rank, world) if cfg.ptx_coef else None
     params = [p for p in model.parameters() if p.requires_grad]
     sampler = rollout.old_logp if rollout.sampler_logp is None else rollout.sampler_logp
-    update.accumulate(model, torch.optim.SGD(params, lr=0.0), rollout, rows, micro, mask, denominator, cfg,
+    update.accumulate(model, torch.optim.SGD(params, lr=0.0), rollout, rows, guard.cut, mask, denominator, cfg,
                       None, cfg.kl_coef, mix=texts, sampler=sampler, pg_mask=pg_mask, cov_mask=cov_mask)
     distributed.sum_gradients(params)
     return torch.cat([p.grad.reshape(-1) for p in params])

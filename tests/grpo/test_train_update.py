@@ -75,6 +75,19 @@ def test_the_packed_forward_gives_the_padded_gradient(gradient, padded_gradient,
     assert relative(padded, gradient(name, 64)) <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["defaults", "loss_agg seq-mean", "loss_agg dr-grpo",
+                                  "top entropy token-mean", "clip-cov wide band", "pretraining mix",
+                                  "all at once"])
+def test_micro_batches_cut_by_tokens_give_the_padded_gradient(rollout64, batch, padded_gradient, name):
+    """--micro-batch-tokens 100: micro-batches of 1, 3 and 4 rows, groups cut across them (the
+    mix's texts cut by their own tokens), give the padded path's gradient."""
+    cut = Guard(64, 64, print, tokens=100).cut
+    sizes = [len(p) for p in cut.split(as_rollout(batch, config_for(KNOBS[name]), 0, 1), torch.arange(64))]
+    assert set(sizes) == {1, 3, 4}
+    tokens = minibatch_gradient(rollout64[0], batch, KNOBS[name], micro=64, tokens=100)
+    assert relative(padded_gradient(name, 8), tokens) <= 1e-5
+
+
 @pytest.mark.parametrize("name", list(KNOBS))
 def test_eight_micro_batches_give_the_gradient_of_one_batch(gradient, name):
     whole, accumulated = gradient(name, 64), gradient(name, 8)
@@ -165,7 +178,7 @@ def test_an_out_of_memory_in_a_token_selection_pass_retries_it_with_fewer_rows(
     monkeypatch.setattr(passes, "completion_logprobs", completion_logprobs)
     hit = one_update(rollout64[0], batch, KNOBS[name], micro=16)
     assert raised == [entropy]   # the pass under test ran out of memory, once
-    assert hit[2].micro == 8
+    assert hit[2].cut.rows == 8
     assert hit[2].notes == ["out of memory at micro-batch 16: freed memory, retrying with 8"]
     assert hit[0] == plain[0]
     assert all(torch.equal(a, b) for a, b in zip(hit[1], plain[1]))

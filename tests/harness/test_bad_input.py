@@ -34,6 +34,7 @@ RANGES = [
     ("--batch-size", "0", "at least 1"), ("--batch-size", "-8", "at least 1"), ("--group-size", "1", "at least 2"),
     ("--group-size", "0", "at least 1"), ("--mini-batch-size", "0", "at least 1"), ("--mini-batch-size", "48", "multiple"),
     ("--micro-batch-size", "0", "at least 1"), ("--micro-batch-size", "5", "does not divide"),
+    ("--micro-batch-tokens", "0", "at least 1"),
     ("--generation-batch-size", "0", "at least 1"), ("--ppo-epochs", "0", "at least 1"),
     ("--logprob-chunk-size", "0", "at least 1"), ("--max-new-tokens", "0", "at least 1"),
     ("--min-new-tokens", "-1", "must be in"), ("--min-new-tokens", "999", "must be in"),

@@ -34,6 +34,11 @@ def test_derived_sizes():
     assert d.updates_per_step == 4 and d.grad_accum_steps == 4 and d.micro_batch == 8
     d = layout(["--batch-size", "64", "--micro-batch-size", "8"], world=2)
     assert d.completions_per_device == 32 and d.grad_accum_steps == 4 and d.prompts_per_device == 4
+    assert d.micro_tokens == 0 and not d.micro_tokens_auto   # cut by rows unless asked
+    d = layout(["--batch-size", "64", "--micro-batch-tokens", "2048"])
+    assert d.micro_tokens == 2048 and not d.micro_tokens_auto and d.micro_batch == 64
+    d = layout(["--batch-size", "64", "--micro-batch-tokens", "auto"])
+    assert d.micro_tokens == 0 and d.micro_tokens_auto
 
 
 @pytest.mark.parametrize("argv, world, message", [
@@ -44,6 +49,9 @@ def test_derived_sizes():
     (["--mini-batch-size", "48"], 1, "--batch-size 64 is not a multiple of --mini-batch-size 48"),
     (["--micro-batch-size", "24"], 1, "--micro-batch-size 24 does not divide the per-device mini-batch 64"),
     (["--micro-batch-size", "0"], 1, "--micro-batch-size 0 must be at least 1"),
+    (["--micro-batch-tokens", "0"], 1, "--micro-batch-tokens 0 must be at least 1"),
+    (["--micro-batch-tokens", "512", "--micro-batch-size", "8"], 1,
+     "--micro-batch-size 8 and --micro-batch-tokens 512: cut the mini-batch one way, leave one out"),
     (["--batch-size", "0"], 1, "--batch-size 0 must be at least 1"),
     (["--steps", "-1"], 1, "--steps -1 must be at least 1"),
     (["--temperature", "-1"], 1, "--temperature -1.0 must be >= 0"),

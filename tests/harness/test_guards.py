@@ -215,7 +215,7 @@ def test_the_update_runs_on_update_threads_and_the_rest_on_every_thread(threads,
     torch.set_num_threads(2)
     seen = []
     guard = harness.guards.Guard(4, 8, print, threads=threads)
-    assert guard.fit(lambda micro: seen.append(torch.get_num_threads()) or micro) == 4
+    assert guard.fit(lambda cut: seen.append(torch.get_num_threads()) or cut.rows) == 4
     assert seen == [inside] and torch.get_num_threads() == 2
     with pytest.raises(ValueError):   # given back on a failure too
         guard.fit(lambda micro: (_ for _ in ()).throw(ValueError("boom")))
@@ -237,3 +237,92 @@ def test_the_updates_passes_give_the_same_bits_on_any_thread_count(tiny_model_di
             model, ids, torch.ones_like(ids), 24, 1.0, 2048, None).sum().backward())
         grads.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def cut_batch(prompts, completions):
+    """A batch of left-padded prompts (token counts) and right-padded completions (token counts),
+    each prompt's ids its own, as a Rollout lays them out."""
+    P, T = max(prompts), max(completions)
+    ids = torch.zeros(len(prompts), P + T, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, P - p:P] = 100 + p   # a prompt's tokens name it: equal counts, the same prompt
+        att[i, P - p:P], att[i, P:P + c] = 1, 1
+    return SimpleNamespace(input_ids=ids, attention=att, completion_len=T)
+
+
+def direct_cost(prompts, completions, part):
+    """Real tokens of a micro-batch as the packed forward runs it: each distinct prompt once."""
+    return sum({prompts[i] for i in part}) + sum(completions[i] for i in part)
+
+
+def test_a_token_budget_cuts_rows_in_order_each_micro_batch_as_full_as_it_may_be():
+    """--micro-batch-tokens: rows in order, a group's prompt counted once, each micro-batch the
+    longest run of rows within the budget (a row over it alone); every row once."""
+    prompts = [12] * 4 + [7] * 4 + [30] * 2 + [9] * 3
+    completions = [5, 17, 1, 40, 3, 3, 8, 60, 2, 9, 11, 4, 90]
+    batch = cut_batch(prompts, completions)
+    rows = torch.arange(len(prompts))
+    for budget in (1, 40, 64, 100, 1000):
+        cut = harness.guards.Micro(13, budget)
+        parts = [p.tolist() for p in cut.split(batch, rows)]
+        assert sum(parts, []) == rows.tolist()
+        for a, b in zip(parts, parts[1:] + [None]):
+            assert len(a) == 1 or direct_cost(prompts, completions, a) <= budget
+            assert b is None or direct_cost(prompts, completions, a + b[:1]) > budget
+        assert cut.most == max(map(len, parts))
+    assert [p.tolist() for p in harness.guards.Micro(13, 1000).split(batch, rows)] == [rows.tolist()]
+    # a subset in the update's order, and every row when rows is None
+    sub = torch.tensor([1, 2, 3, 8, 9, 12])
+    assert [p.tolist() for p in harness.guards.Micro(13, 60).split(batch, sub)] == [[1, 2], [3], [8, 9], [12]]
+    assert sum((p.tolist() for p in harness.guards.Micro(13, 64).split(batch)), []) == rows.tolist()
+    # rows: slices of every row, or the order's pieces
+    assert harness.guards.Micro(5).split(batch) == [slice(0, 5), slice(5, 10), slice(10, 15)]
+
+
+def test_out_of_memory_halves_the_token_budget_until_a_micro_batch_holds_one_row():
+    cut = harness.guards.Micro(8, 1000)
+    cut.most = 3
+    assert cut.smaller(8).tokens == 500 and str(cut.smaller(8)) == "500 tokens"
+    cut.most = 1
+    assert cut.smaller(8) is None   # one row a forward already: nothing smaller to try
+    assert harness.guards.Micro(8).smaller(8).rows == 4 and harness.guards.Micro(3).smaller(6).rows == 1
+
+
+def test_out_of_memory_halves_the_token_budget_and_redoes_the_step_exactly(tiny_model_dir, tmp_path,
+                                                                          monkeypatch):
+    steps = ["--steps", "2", "--save-interval", "2"]
+    # the toy's rows here are 5 + 12 tokens: 100 tokens hold 6 rows, 50 three
+    plain = run(tiny_model_dir, tmp_path / "plain", "--micro-batch-tokens", "50", *steps)
+    fake_allocator(monkeypatch, rows_that_fit=3)
+    hit = run(tiny_model_dir, tmp_path / "hit", "--micro-batch-tokens", "100", *steps)
+    assert hit[0]["oom_retries"] == 1 and hit[0]["micro_batch_tokens"] == 50
+    assert "micro_batch" not in hit[0] and "oom_retries" not in hit[1]
+    same = ("reward_mean", "loss", "kl", "grad_norm")
+    assert [[r[k] for k in same] for r in hit] == [[r[k] for k in same] for r in plain]
+    a = weights(tmp_path / "plain" / "checkpoints" / "step_000002")
+    b = weights(tmp_path / "hit" / "checkpoints" / "step_000002")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_auto_budget_is_what_the_free_memory_holds():
+    budget = harness.guards.token_budget   # (free, fixed, per token, longest row, mini-batch rows)
+    fill = harness.guards.FILL
+    assert budget(10_000 / fill + 2_000, 2_000, 1.0, 17, 1000) == 8192   # 10,000 down to a power of 2
+    assert budget(10_000 / fill + 2_000, 2_000, 1.0, 17, 8) == 136       # at most the mini-batch
+    assert budget(1_000, 2_000, 1.0, 17, 8) == 17                        # at least one row
+    assert budget(4_096 * 300 / fill, 0, 300.0, 17, 1000) == 4096
+
+
+def test_micro_batch_tokens_auto_takes_the_budget_from_the_free_memory(tiny_model_dir, tmp_path,
+                                                                      monkeypatch, capsys):
+    """auto on a roomy machine: the whole mini-batch in one forward (the default's cut, so its
+    bits); the probe's out-of-memory halves it before training."""
+    plain = run(tiny_model_dir, tmp_path / "plain", "--steps", "1")
+    roomy = run(tiny_model_dir, tmp_path / "roomy", "--micro-batch-tokens", "auto", "--steps", "1")
+    assert "micro-batch tokens auto: 136 real tokens" in capsys.readouterr().out   # 8 x (5 + 12)
+    assert roomy[0]["loss"] == plain[0]["loss"] and roomy[0]["grad_norm"] == plain[0]["grad_norm"]
+    fake_allocator(monkeypatch, rows_that_fit=2)
+    recs = run(tiny_model_dir, tmp_path / "probed", "--micro-batch-tokens", "auto", "--steps", "1")
+    assert "micro-batch tokens auto: 34 real tokens" in capsys.readouterr().out   # 136 halved twice
+    assert "oom_retries" not in recs[0]
