@@ -30,7 +30,8 @@ and at its peak one of these phases on top:
              gradient of every weight (4P) and a tied head's two contributions beside their sum
              (8 V E, measured); with accumulation (micro < mini) the gradients held already.
              With --micro-batch-tokens N a micro-batch is N real tokens (a group's prompt
-             once): the probe's saved tensors per token times N, the head's chunk at most N
+             once): the probe's saved tensors per token times N, the head at N's completion
+             tokens (T G / (T G + W) of them) at most
   optimizer  AdamW's temporaries (a GPU's foreach: one fp32 copy of every weight, 4P; a CPU's per
              tensor: two of the largest), and with --guard copies 12P more: the weights and the
              optimizer's state that Guard.step copied before each update until d04604d
@@ -151,7 +152,9 @@ def predict(s: dict, a) -> dict:
     # the mini-batch's; the probe's saved tensors scaled per token
     mini = a.mini_batch_size or B
     tokens = min(a.micro_batch_tokens, mini * T + mini // G * W) if a.micro_batch_tokens else None
-    rows_ref = min(a.logprob_chunk_size, tokens or micro * T)
+    # the head runs at completion tokens: a budget's share of them (a group's prompt once)
+    scored = tokens * T * G // (T * G + W) if tokens else micro * T
+    rows_ref = min(a.logprob_chunk_size, scored)
     reference = {"K/V cache": 2 * L * kv * kv_b * (tokens or micro * (W + T)),
                  "head chunk": rows_ref * V * 4 * (2.5 if bf16 else 2.2),
                  "head cast": 2 * s["head"] if bf16 else 0} if part["reference"] else {}
@@ -163,7 +166,7 @@ def predict(s: dict, a) -> dict:
     if tokens:
         scale = tokens / (probe_rows * T + max(1, probe_rows // G) * W)
     layer = (two - one) * scale
-    rows = tokens or micro * T
+    rows = scored
     update = {"layers' saved tensors": layer * L,
               "other saved tensors": (one - (two - one)) * scale,
               "bf16 weight casts": casts,
