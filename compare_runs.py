@@ -18,7 +18,6 @@ metric's item count does), of different tasks, or one evaluation with itself.
 """
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -54,33 +53,6 @@ def items_file(run: str) -> str:
                      f"evaluated")
 
 
-def _finite(x) -> bool:
-    try:
-        return isinstance(x, (int, float)) and math.isfinite(x)
-    except OverflowError:   # an int such as 10**400
-        return False
-
-
-def problem(record) -> str | None:
-    """What makes a line no record of per-item scores (a hand-edited or damaged file), else None."""
-    if not isinstance(record, dict):
-        return f"it is a {type(record).__name__}, not a record"
-    kinds = {"step": (int, "an int"), "prompts": (int, "an int"), "prompts_sha256": (str, "a str"),
-             "items": (dict, "a dict")}
-    for key, (kind, name) in kinds.items():
-        if not isinstance(record.get(key), kind):
-            return f"its {key!r} is not {name}"
-    if not isinstance(record.get("task", ""), str):
-        return "its 'task' is not a str"
-    for name, scores in record["items"].items():
-        if not isinstance(scores, list) or not scores:
-            return f"its scores of {name!r} are not a list of items"
-        bad = next((i for i, x in enumerate(scores) if not _finite(x)), None)
-        if bad is not None:
-            return f"item {bad} of {name!r}, {str(scores[bad])[:40]}, is not a finite number"
-    return None
-
-
 def evaluations(run: str) -> dict:
     """step -> the evaluation's per-item record ({"prompts", "prompts_sha256", "task", "items"}), in
     step order; each record checked (problem)."""
@@ -94,7 +66,7 @@ def evaluations(run: str) -> dict:
                 record = json.loads(line)
             except ValueError:
                 record = line
-            wrong = "it is not JSON" if record is line else problem(record)
+            wrong = "it is not JSON" if record is line else log.items_problem(record)
             if wrong:
                 raise UsageError(f"{path} line {number} is not a record of per-item scores: "
                                  f"{wrong}")
@@ -131,23 +103,6 @@ def check_same_items(a: dict, b: dict, where_a: str, where_b: str) -> None:
         if intervals.overflows(a["items"][name] + b["items"][name]):
             raise UsageError(f"{where_a} and {where_b} scored {name!r} with items too large to "
                              f"compare: sums of their differences overflow a float")
-
-
-def signed(x: float, d: int) -> str:
-    return f"{x:+.{d}f}"
-
-
-def row(name: str, a: list, b: list) -> tuple:
-    """(the line of one metric, its verdict)."""
-    sa, sb, c = intervals.summarise(a), intervals.summarise(b), intervals.paired(a, b)
-    d = max(intervals.decimals(c["lo"], c["hi"]), intervals.decimals(sa["lo"], sa["hi"]),
-            intervals.decimals(sb["lo"], sb["hi"]))
-    value = lambda s: f"{s['value']:.{d}f} [{s['lo']:.{d}f}, {s['hi']:.{d}f}]"
-    text = (f"{value(sa)}  {value(sb)}  {signed(c['diff'], d)} [{signed(c['lo'], d)}, {signed(c['hi'], d)}]  "
-            f"n={c['n']}  {c['verdict']}")
-    if "p" in c:   # a rate: the items only one side got right, and the exact test on them
-        text += f" ({c['b_only']} only B, {c['a_only']} only A; McNemar p={c['p']:.2g})"
-    return text, c["verdict"]
 
 
 def main(argv=None) -> int:
@@ -191,7 +146,7 @@ def main(argv=None) -> int:
     width = max(map(len, names))
     verdicts = {}
     for name in names:
-        text, verdicts[name] = row(name, a["items"][name], b["items"][name])
+        text, verdicts[name] = intervals.paired_row(a["items"][name], b["items"][name])
         print(f"  {name:<{width}}  {text}")
     for side, only in (("A", a["items"].keys() - b["items"].keys()), ("B", b["items"].keys() - a["items"].keys())):
         if only and not args.metrics:

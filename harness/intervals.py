@@ -131,3 +131,40 @@ def paired(a, b, resamples: int = RESAMPLES, seed: int = SEED, level: float = LE
             side = None
     out["verdict"] = side or "no detectable difference"
     return out
+
+
+def signed(x: float, d: int) -> str:
+    return f"{x:+.{d}f}"
+
+
+def paired_row(a, b) -> tuple:
+    """One metric's A and B [95% interval], B - A [paired 95% interval], items and verdict, as
+    compare_runs.py and the run's before-and-after table show it: (the text, the verdict)."""
+    sa, sb, c = summarise(a), summarise(b), paired(a, b)
+    d = max(decimals(c["lo"], c["hi"]), decimals(sa["lo"], sa["hi"]), decimals(sb["lo"], sb["hi"]))
+    value = lambda s: f"{s['value']:.{d}f} [{s['lo']:.{d}f}, {s['hi']:.{d}f}]"
+    text = (f"{value(sa)}  {value(sb)}  {signed(c['diff'], d)} [{signed(c['lo'], d)}, "
+            f"{signed(c['hi'], d)}]  n={c['n']}  {c['verdict']}")
+    if "p" in c:   # a rate: the items only one side got right, and the exact test on them
+        text += f" ({c['b_only']} only B, {c['a_only']} only A; McNemar p={c['p']:.2g})"
+    return text, c["verdict"]
+
+
+TREND_WINDOW = 20   # steps in the console's running mean of the reward
+
+
+def trend(values, window: int = TREND_WINDOW) -> dict | None:
+    """The mean of the last `window` values (of half of them while there are fewer than twice as
+    many) and its change since as many first values, with a percentile bootstrap 95% interval
+    (each end resampled apart) and a verdict, "up" / "down" when the interval leaves 0; None below
+    4 values. Steps are not independent draws (the policy moves): a guide, not a test."""
+    n = len(values)
+    if n < 4:
+        return None
+    w = min(window, n // 2)
+    first, last = values[:w], values[-w:]
+    diffs = bootstrap_means(last, seed=SEED) - bootstrap_means(first, seed=SEED + 1)
+    tail = (1 - LEVEL) / 2 * 100
+    lo, hi = (float(x) for x in np.percentile(diffs, [tail, 100 - tail]))
+    return {"mean": mean(last), "window": w, "diff": mean(last) - mean(first), "lo": lo, "hi": hi,
+            "verdict": "up" if lo > 0 else "down" if hi < 0 else ""}

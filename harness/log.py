@@ -126,6 +126,33 @@ def _hashed(prompt) -> str:
         return str(prompt)
 
 
+def _finite(x) -> bool:
+    try:
+        return isinstance(x, (int, float)) and math.isfinite(x)
+    except OverflowError:   # an int such as 10**400
+        return False
+
+
+def items_problem(record) -> str | None:
+    """What makes a line no record of per-item scores (a hand-edited or damaged file), else None."""
+    if not isinstance(record, dict):
+        return f"it is a {type(record).__name__}, not a record"
+    kinds = {"step": (int, "an int"), "prompts": (int, "an int"), "prompts_sha256": (str, "a str"),
+             "items": (dict, "a dict")}
+    for key, (kind, name) in kinds.items():
+        if not isinstance(record.get(key), kind):
+            return f"its {key!r} is not {name}"
+    if not isinstance(record.get("task", ""), str):
+        return "its 'task' is not a str"
+    for name, scores in record["items"].items():
+        if not isinstance(scores, list) or not scores:
+            return f"its scores of {name!r} are not a list of items"
+        bad = next((i for i, x in enumerate(scores) if not _finite(x)), None)
+        if bad is not None:
+            return f"item {bad} of {name!r}, {str(scores[bad])[:40]}, is not a finite number"
+    return None
+
+
 def open_run_logs(metrics_path: str, completions_path, resume_step, stack) -> tuple:
     """The metrics and completions JSONL files, closed by stack. A resumed run first drops the records of
     steps after its checkpoint: they belong to the killed run's lost future, and the resumed run redoes them."""
@@ -253,10 +280,13 @@ def throughput(times: dict, step_rows: dict) -> dict:
 FLAT_SHOWN = 0.5   # the share of flat groups (frac_zero_std) from which the console line says it
 
 
-def step_line(rec: dict, steps: int, eta_s: float = None) -> str:
-    """The console line of a step; eta_s: the seconds the run is expected to go on, when known."""
+def step_line(rec: dict, steps: int, eta_s: float = None, trend: str = "") -> str:
+    """The console line of a step; eta_s: the seconds the run is expected to go on, when known;
+    trend: the reward's running mean and its change (harness/progress.py)."""
     parts = [f"step {rec['step']}/{steps}"]
     parts += [fmt.format(rec[k]) for k, fmt in STEP_FIELDS if rec.get(k) is not None]
+    if trend and rec.get("reward_mean") is not None:
+        parts[1] += " " + trend
     beside = []   # the reward's: failed rewards are scored, not skipped; flat groups teach nothing
     if rec.get("reward_errors"):
         beside.append(f"failed {sum(rec['reward_errors'].values())}")

@@ -31,7 +31,7 @@ from grpo import decoders, distributed, ptx
 from grpo.model import (ModelLoadError, context_length, declared_end_ids, end_ids, frozen_copy, load_config,
                         load_policy, load_tokenizer, load_trainable, model_autocast)
 from grpo.rollout import encode_prompts, stream_seed, wants_bos
-from harness import checkpoint, cli, config, guards, log, memory, paths, rundir, screen
+from harness import checkpoint, cli, config, guards, log, memory, paths, progress, rundir, screen
 from harness import task as task_lib
 
 
@@ -82,7 +82,7 @@ class Run:
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
         self.stack.push(distributed.close)   # every rank, on the way out (told of an exception)
         self.exit_code, self.cut_said, self.no_tokens_said, self.overwritten = 0, False, False, None
-        self.first_done = None   # (step, time) at the end of this process's first step: ETA's start
+        self.progress, self.started = None, time.perf_counter()   # the console's (start_training)
 
     def __enter__(self):
         return self
@@ -216,7 +216,11 @@ class Run:
         held-out prompt too long for the model, a metric that is no number) loses nothing yet: one
         line, exit 2, as at start-up. Nor does Ctrl-C: one line, exit 0."""
         try:
-            task_lib.evaluate(self.task, self.complete, self.start_step, metrics_file, reporter, items_path)
+            record, entry = task_lib.evaluate(self.task, self.complete, self.start_step, metrics_file,
+                                              reporter, items_path)
+            if self.progress:
+                self.progress.evaluated(self.start_step, record["eval_time_s"], full=True)
+                self.progress.compare(self.start_step, entry)
         except task_lib.TaskError as e:
             usage_error(f"the task's evaluation at step {self.start_step}: {e}")
         except KeyboardInterrupt:   # nothing trained yet: the clean stop is at once, not after it
@@ -286,6 +290,11 @@ class Run:
         self.items_path = log.items_path(log.metrics_path(cfg))
         if self.resume_from and self.main:   # like the records: those of steps after the checkpoint are redone
             log.keep_until(self.items_path, self.start_step)
+        # the console's "is it learning?" and time left (rank 0)
+        self.progress = progress.Progress(cfg, self.start_step, self.evaluating, log.metrics_path(cfg),
+                                          self.items_path) if self.main else None
+        if self.progress:
+            self.info(self.progress.legend())
         if self.evaluating and self.start_step == 0 and self.main:  # where the run starts from
             self._first_evaluation(self.metrics_file, self.reporter, self.items_path)
         self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate",
@@ -337,18 +346,6 @@ class Run:
         if summary:
             log.warn(summary)
 
-    def _eta(self, step: int):
-        """Seconds left at this process's pace since its first step (the first is slower: warm-up,
-        compiling), evaluations between included; None until a second step is timed, and at the
-        last."""
-        now = time.perf_counter()
-        if self.first_done is None:
-            self.first_done = (step, now)
-        if self.first_done[0] == step or step == self.cfg.steps:
-            return None
-        first, then = self.first_done
-        return (now - then) / (step - first) * (self.cfg.steps - step)
-
     def phase_done(self, name: str) -> None:
         """The step's phase `name` ended: its time and the memory at its end (harness/memory.py)."""
         self.phases.end(name)
@@ -399,11 +396,23 @@ class Run:
         log.write(self.metrics_file, rec)
         self._drop_overwritten()   # its first step on record: --overwrite's earlier run goes
         self.reporter.log(rec, step)
+        pace = self.progress.pace(step)
         if cfg.log_level != "warning":
-            self.print_line(log.step_line(rec, cfg.steps, self._eta(step)))
+            self.print_line(log.step_line(rec, cfg.steps, self.progress.eta(step, pace),
+                                          self.progress.reward(rec)))
+        job = self.progress.job(step, pace)
+        if job:
+            self.info(job)
         if self.evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):  # the last: "after"
             self._evaluate(step)
 
     def _evaluate(self, step: int) -> None:
-        task_lib.evaluate(self.task, self.complete, step, self.metrics_file, self.reporter,
-                          self.items_path, full=step == self.cfg.steps)   # whole: before vs after
+        full = step == self.cfg.steps   # whole: before vs after
+        record, entry = task_lib.evaluate(self.task, self.complete, step, self.metrics_file,
+                                          self.reporter, self.items_path, full=full)
+        self.progress.evaluated(step, record["eval_time_s"], full)
+        for line in self.progress.compare(step, entry):
+            self.print_line(line)
+        share = self.progress.share(record["eval_time_s"], time.perf_counter() - self.started)
+        if share:
+            self.info(share)

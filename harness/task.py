@@ -761,8 +761,8 @@ def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_
     (harness/log.py items_path: what compare_runs.py pairs), with a hash of the prompts the evaluation asked for,
     which says whether two evaluations scored the same items, and the task's identity
     (identity). full (the run's first and last evaluation, --eval-only) is passed on to a task whose
-    evaluate() takes it (takes). Rank 0 alone calls it: nothing here waits on
-    another rank."""
+    evaluate() takes it (takes). Returns (the record, the per-item line or None). Rank 0 alone
+    calls it: nothing here waits on another rank."""
     t0 = time.perf_counter()
     said = log.EvalProgress(complete, f"eval at step {step}", batched=takes(complete, "progress"))
     with contextlib.closing(said) as counted:   # said, not silent
@@ -773,14 +773,14 @@ def evaluate(task, complete, step: int, metrics_file=None, reporter=None, items_
     print(eval_table(record, items), flush=True)
     if metrics_file is not None:
         log.write(metrics_file, record)
-    if items_path is not None and items:
+    entry = {"step": step, "prompts": counted.asked, "prompts_sha256": counted.digest(),
+             "task": identity(task), "items": items} if items else None
+    if items_path is not None and entry:
         with log.open_jsonl(items_path, append=True) as f:
-            log.write(f, {"step": step, "prompts": counted.asked,
-                          "prompts_sha256": counted.digest(), "task": identity(task),
-                          "items": items})
+            log.write(f, entry)
     if reporter is not None:
         reporter.log(record, step)
-    return record
+    return record, entry
 
 
 def eval_table(record: dict, items: dict = ()) -> str:

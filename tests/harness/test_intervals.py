@@ -229,3 +229,22 @@ def test_the_items_file_follows_the_records_on_resume_and_in_a_new_run(tiny_mode
     with pytest.raises(SystemExit):   # a new run into the folder: refused, the items named with the records
         train_lean.main(args)
     assert "metrics.items.jsonl" in capsys.readouterr().err
+
+
+def test_the_trend_is_the_last_window_against_the_first():
+    """The console's running mean: the last w steps' mean, its change since the first w (w = 20,
+    or half the steps while fewer than 40), its bootstrap interval; up / down only when it
+    leaves 0."""
+    assert intervals.trend([0.1, 0.2, 0.3]) is None   # too few to say
+    rising = [0.1 + 0.01 * i for i in range(50)]
+    t = intervals.trend(rising)
+    assert t["window"] == 20 and t["mean"] == pytest.approx(np.mean(rising[-20:]))
+    assert t["diff"] == pytest.approx(np.mean(rising[-20:]) - np.mean(rising[:20]))
+    assert t["lo"] > 0 and t["verdict"] == "up"
+    t = intervals.trend(rising[:10])   # half the steps a side
+    assert t["window"] == 5 and t["diff"] == pytest.approx(np.mean(rising[5:10]) - np.mean(rising[:5]))
+    noisy = [0.2, 0.6] * 10
+    t = intervals.trend(noisy)
+    assert t["lo"] < 0 < t["hi"] and t["verdict"] == ""
+    assert intervals.trend([0.5 - x for x in rising])["verdict"] == "down"
+    assert intervals.trend(noisy) == intervals.trend(noisy)   # seeded: the same line every run

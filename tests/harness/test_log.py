@@ -183,6 +183,8 @@ def test_the_console_line_says_the_share_of_flat_groups_when_half_or_more():
     assert log.step_line(rec, 9).startswith("step 3/9 | reward 0.500 | failed 2 | flat 0.50 | loss")
     rec.update(frac_zero_std=0.49, reward_errors={})
     assert log.step_line(rec, 9) == "step 3/9 | reward 0.500 | loss +0.1000"
+    assert log.step_line(rec, 9, 75, trend="~0.4 (+0.1 [+0.0, +0.2])") == \
+        "step 3/9 | reward 0.500 ~0.4 (+0.1 [+0.0, +0.2]) | loss +0.1000 | eta 1m15s"
 
 
 def test_the_count_moves_as_each_batch_of_a_call_finishes():

@@ -591,7 +591,7 @@ class Terminal(io.StringIO):
 def test_an_evaluation_is_said_when_it_starts_and_counted_on_a_terminal(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stderr", Terminal())
     task, calls = Slow(capsys), []
-    record = evaluate(task, lambda prompts, *rest: calls.append(rest) or [p + "!" for p in prompts], step=7)
+    record, _ = evaluate(task, lambda prompts, *rest: calls.append(rest) or [p + "!" for p in prompts], step=7)
     assert task.seen.out == "eval at step 7: evaluating ...\n"   # before the task's evaluate() returned
     assert calls == [(), ("passed on",)] and record["n"] == 5   # complete's arguments and answers pass through
     assert "eval at step 7: 5 prompts" in sys.stderr.getvalue()   # the running count, on a terminal only
@@ -621,9 +621,10 @@ def test_evaluate_passes_full_only_to_a_task_that_takes_it(capsys):
             return {"n": len(complete(["a"]))}
 
     echo = lambda prompts: list(prompts)  # noqa: E731
-    assert evaluate(Sized(), echo, step=0)["n"] == 3 and evaluate(Sized(), echo, step=5, full=False)["n"] == 1
-    assert evaluate(Keywords(), echo, step=5, full=False)["full"] == 0
-    assert evaluate(Plain(), echo, step=0)["n"] == 1 and evaluate(Plain(), echo, step=5, full=False)["n"] == 1
+    record = lambda *args, **kwargs: evaluate(*args, **kwargs)[0]  # noqa: E731
+    assert record(Sized(), echo, step=0)["n"] == 3 and record(Sized(), echo, step=5, full=False)["n"] == 1
+    assert record(Keywords(), echo, step=5, full=False)["full"] == 0
+    assert record(Plain(), echo, step=0)["n"] == 1 and record(Plain(), echo, step=5, full=False)["n"] == 1
     assert takes(Sized().evaluate, "full") and not takes(Plain().evaluate, "full")
     assert not takes(len, "full")
     capsys.readouterr()
