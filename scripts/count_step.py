@@ -1,6 +1,6 @@
 """The size of the algorithm: the files the training step runs (train_lean.py and grpo/), with their
-non-blank and total lines. README's "Where things are" quotes the total, which
-tests/harness/test_readme.py holds equal to this script's output (no count there is typed by hand).
+non-blank and total lines: the files README's "Where things are" names (tests/harness/test_readme.py
+checks), counted here rather than quoted there, where every change would move the number.
 
     python scripts/count_step.py
 """
