@@ -2,8 +2,9 @@
 
 Generated over the settings: each one --resume compares (neither free nor fixed) is changed on a resume from
 one checkpoint and the resumed steps are read back (their records and weights), against the same resume with
-nothing changed; they must differ. A setting added to the trainer or to the toy task fails here until it has a
-value below, or is marked resume_free / resume_fixed. The fixed ones are refused, the reason said.
+nothing changed; they must differ. A new setting needs nothing here: its value comes from its own declaration
+(changed_value: a flag flipped, another choice, a number its range allows); NEW below holds only the values that
+rule cannot make, ENABLING the settings a change needs on. The fixed ones are refused, the reason said.
 """
 import dataclasses
 import os
@@ -66,8 +67,24 @@ NEW = {"model": "{other_model}", "task": "tests.harness.test_resume_changes:Othe
        "clip_cov_ub": 1e-6, "reward_weights": "hit=1,len=-3", "kl_target": 0.001, "kl_horizon": 10,
        "mismatch_cap": 1.0001, "mismatch_low": 0.999,
        "system_prompt": "Answer with the letter only."}
-NEW.update({name: next(c for c in f.metadata["choices"] if c != f.default) for name, f in config.FIELDS.items()
-            if isinstance(f.metadata["choices"], dict) and name not in NEW and name in compared()})
+
+
+def changed_value(name: str, f):
+    """A value other than the field's default that its declaration allows: a flag flipped, its
+    first other choice, or a number halved, doubled or one more, within its range (None: none)."""
+    d, choices = f.default, f.metadata.get("choices")
+    if isinstance(d, bool):
+        return not d
+    if choices:
+        return next(c for c in choices if c != d)
+    if isinstance(d, (int, float)) and not isinstance(d, bool):
+        tries = [d * 2, d + 1, d // 2] if isinstance(d, int) else [d / 2, d * 2, d + 1]
+        return next((v for v in tries if v != d and config.range_error(name, v) is None), None)
+    return None
+
+
+NEW.update({name: changed_value(name, f) for name, f in config.FIELDS.items()
+            if name not in NEW and name in compared() and changed_value(name, f) is not None})
 
 
 class OtherToy(ToyTask):
@@ -78,7 +95,8 @@ class OtherToy(ToyTask):
 
 def test_every_compared_setting_has_a_new_value():
     missing = [n for n in compared(dataclasses.fields(ToyTask.options)) if n not in NEW]
-    assert not missing, f"give these a value in NEW (or mark them resume_free / resume_fixed): {missing}"
+    assert not missing, (f"no value follows from these settings' declarations: give each one in NEW "
+                         f"(or mark it resume_free / resume_fixed): {missing}")
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +151,9 @@ def test_an_allowed_change_is_the_one_the_resumed_run_trains_with(case, start, t
     (recs, w), (recs_same, w_same) = behaviour(changed), behaviour(same)
     assert [r["step"] for r in recs] == [r["step"] for r in recs_same]
     same_weights = w.keys() == w_same.keys() and all(torch.equal(w[k], w_same[k]) for k in w)
-    assert recs != recs_same or not same_weights, f"{config.flag(name)} {value} was accepted and changed nothing"
+    assert recs != recs_same or not same_weights, (
+        f"{config.flag(name)} {value} was accepted and changed nothing: if it acts only with another "
+        f"setting on, name that in ENABLING; if this value does nothing here, give one in NEW")
 
 
 @pytest.mark.parametrize("name", sorted(rundir.resume_fixed(())))
