@@ -45,6 +45,10 @@ def check_paths(settings) -> None:
         name, value, kind = f.name, getattr(settings, f.name), f.metadata.get("path")
         if value is None or kind is None:
             continue
+        if value != value.strip() or not value:   # " " trains into a folder the console shows as nothing
+            raise config.ConfigError(f"{config.flag(name)} {value!r}: a path that is empty or starts or ends "
+                                     f"with a blank reads as another on the console and in every message; "
+                                     f"pass it without them")
         if kind == "in":
             if not os.path.isfile(value):
                 raise config.ConfigError(f"{config.flag(name)} {value}: no such file: check the path")
