@@ -40,12 +40,6 @@ def usage_error(message: str):
     sys.exit(2)
 
 
-def _terminated(signum, frame):
-    """SIGTERM as an exit that runs every way out's clean-up (exit status 143, as by default)."""
-    log.warn(f"stopped ({signal.Signals(signum).name})")
-    raise SystemExit(128 + signum)
-
-
 class Run:
     def __init__(self, argv=None, builtin: dict = None, default_task: str = None):
         """argv: the command line (default sys.argv); builtin and default_task: the task registry (tasks/)."""
@@ -80,12 +74,25 @@ class Run:
             if self.start_step == cfg.steps and not cfg.eval_only else []
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
+        # SIGTERM unwinds and says so (by default it ends the process where it stands, unsaid)
+        self.stack.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, self._terminated))
         self.stack.push(distributed.close)   # every rank, on the way out (told of an exception)
         self.exit_code, self.cut_said, self.no_tokens_said, self.overwritten = 0, False, False, None
         self.progress, self.started = None, time.perf_counter()   # the console's (start_training)
 
     def __enter__(self):
         return self
+
+    def _terminated(self, signum, frame):
+        """SIGTERM outside the steps (the model's load, the step-0 evaluation; during them
+        guards.StopOnSignal finishes the step and saves it): an exit that runs every way out's
+        clean-up, said (exit status 143, as by default)."""
+        name = signal.Signals(signum).name
+        if self.progress is None or self.progress.first is None:
+            log.warn(f"stopped ({name}) before the first step: nothing was trained, nothing to save")
+        else:
+            log.warn(f"stopped ({name}): the run's checkpoints keep what it trained (--resume)")
+        raise SystemExit(128 + signum)
 
     def __exit__(self, *exc):
         self.stack.__exit__(*exc)
@@ -198,10 +205,7 @@ class Run:
     def _set_aside_doomed(self) -> None:
         """--overwrite, now that every check has passed and the model has loaded: the earlier
         run's records aside until this run's first step is written (rundir.Overwritten)."""
-        if self.doomed:
-            # SIGTERM unwinds too (by default it ends the process where it stands, records aside)
-            previous = signal.signal(signal.SIGTERM, _terminated)
-            self.stack.callback(signal.signal, signal.SIGTERM, previous)
+        if self.doomed:   # SIGTERM unwinds (Run._terminated): the records come back
             self.overwritten = rundir.Overwritten(self.doomed)
             self.stack.callback(self.overwritten.restore)   # a no-op once dropped
             self.overwritten.set_aside()

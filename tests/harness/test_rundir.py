@@ -249,6 +249,23 @@ class SlowEval(ToyTask):
 """
 
 
+@pytest.mark.slow
+def test_sigterm_before_the_first_step_says_what_it_stopped(tiny_model_dir, tmp_path):
+    """Issue 59 case 10: SIGTERM in the step-0 evaluation exited 143 without a word (Ctrl-C there
+    said it)."""
+    (tmp_path / "slow.py").write_text(SLOW_EVAL_TASK)
+    argv = [sys.executable, TRAIN, "--model", tiny_model_dir, *SMALL[:-4], "--task",
+            f"{tmp_path / 'slow.py'}:SlowEval", "--eval-interval", "5", "--steps", "1",
+            "--out-dir", str(tmp_path / "out")]
+    proc = subprocess.Popen(argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line_starting(proc, "eval at step 0: evaluating", 120)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1].endswith(
+        "stopped (SIGTERM) before the first step: nothing was trained, nothing to save")
+
+
 def test_overwrites_set_aside_is_undone_on_sigterm_and_found_after_kill_9(tiny_model_dir, tmp_path):
     # issue 54 case 5: SIGTERM in the step-0 evaluation of an --overwrite run died (143) unsaid,
     # the earlier run left as *.overwritten, which a bare --resume did not find ("no checkpoint")
