@@ -53,6 +53,8 @@ class Run:
             if not cfg.resume:   # a resumed run reads --model only for a KL reference or LoRA base
                 rundir.check_model(cfg.model)
             rundir.check_paths(self.loaded.options)
+            rundir.absolute(cfg)   # before the task is built: its code may change the working folder
+            rundir.absolute(self.loaded.options)
             self.evaluating = hasattr(self.loaded.task, "evaluate") and (
                 cfg.eval_only or cfg.eval_interval > 0)
             # OUT_DIR and every path the run writes locked, no other run's records
@@ -105,7 +107,11 @@ class Run:
         prompts are drawn now, to be checked with the tokenizer and the model's config before the weights load."""
         cfg = self.cfg
         try:
+            here = os.getcwd()
             built = task_lib.build(self.loaded.task, self.loaded.options, cfg.task)
+            if os.getcwd() != here:   # the run's paths were made absolute before: nothing moves
+                self.info(f"the task changed the working folder to {os.getcwd()}; the run's paths "
+                          f"are those given at start-up ({cfg.out_dir})")
             # --system-prompt given to its conversations
             task = task_lib.CheckedTask(built, cfg.system_prompt, cfg.task)
             self.stack.callback(task_lib.close, task)

@@ -71,6 +71,17 @@ def check_paths(settings) -> None:
                                          f"({e.strerror or e}): pass a writable folder") from None
 
 
+def absolute(settings) -> None:
+    """Every path setting of settings (None: none) made absolute, before any task code runs: a task
+    that changes the working folder (os.chdir in its __init__) must not move the run's folder under
+    it, nor what it reads. Printed and recorded so; --resume compares paths by what they name."""
+    for f in dataclasses.fields(settings) if settings is not None else ():
+        value = getattr(settings, f.name)
+        local = f.name in ("model", "resume") and isinstance(value, str) and os.path.exists(value)
+        if value is not None and (f.metadata.get("path") or local) and value != "latest":
+            setattr(settings, f.name, os.path.abspath(value))
+
+
 def check_model(model: str) -> None:
     """A --model that looks like a local folder must be one: a typo of a path is said at once (it
     went to the hub, retried for most of a minute and blamed the network). Looks local: absolute,

@@ -299,3 +299,33 @@ def test_overwrites_set_aside_is_undone_on_sigterm_and_found_after_kill_9(tiny_m
     assert again.returncode == 0, again.stderr
     assert not [n for n in os.listdir(out) if ".overwritten" in n]
     assert "checkpoints.overwritten" in again.stderr   # said among what it deleted
+
+
+CHDIR_TASK = """
+import os
+from tasks.toy import ToyTask
+
+class Elsewhere(ToyTask):
+    def __init__(self, **options):
+        super().__init__(**options)
+        os.makedirs(os.environ["TASK_CWD"], exist_ok=True)
+        os.chdir(os.environ["TASK_CWD"])
+"""
+
+
+def test_a_task_that_changes_the_working_folder_moves_no_path_of_the_run(tiny_model_dir, tmp_path,
+                                                                         monkeypatch, capsys, clean_env):
+    """Issue 59 case 1: a task whose __init__ calls os.chdir moved a run started with a relative
+    --out-dir into another folder (a finished run there lost records and its model). Every path
+    is absolute before the task is built."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir()
+    (here / "elsewhere.py").write_text(CHDIR_TASK)
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("TASK_CWD", str(there))
+    train_lean.main(["--model", tiny_model_dir, *SMALL, "--task", "elsewhere.py:Elsewhere",
+                     "--steps", "2", "--out-dir", "run"])
+    assert len(read_jsonl(here / "run" / "metrics.jsonl")) == 2 and (here / "run" / "model").is_dir()
+    assert not (there / "run").exists()
+    assert f"the task changed the working folder to {there}" in capsys.readouterr().out
+    assert str(here / "run") in (here / "run" / "settings.txt").read_text()   # recorded as it is
