@@ -71,6 +71,19 @@ def check_paths(settings) -> None:
                                          f"({e.strerror or e}): pass a writable folder") from None
 
 
+def ranks_differ(ranks: list) -> str | None:
+    """The first setting in which a rank differs from rank 0, said with its sources (ranks: each
+    rank's (settings, sources)), or None: all alike."""
+    (first, first_from), *others = ranks
+    for rank, (mine, mine_from) in enumerate(others, 1):
+        for name in first:
+            if mine.get(name) != first[name]:
+                return (f"rank {rank}'s {config.flag(name)} {mine.get(name)} ({mine_from.get(name)}) differs "
+                        f"from rank 0's {first[name]} ({first_from.get(name)}): every rank must train with "
+                        f"the same settings; give each the same command line and GRPO_ variables")
+    return None
+
+
 def absolute(settings) -> None:
     """Every path setting of settings (None: none) made absolute, before any task code runs: a task
     that changes the working folder (os.chdir in its __init__) must not move the run's folder under
