@@ -344,11 +344,50 @@ def save_model(folder: str, policy, tokenizer, step: int) -> str:
     else:
         policy.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    written = sorted(_files(tmp)) + [MODEL_STEP]
     with open(os.path.join(tmp, MODEL_STEP), "w", encoding="utf-8") as f:
-        json.dump({"step": step}, f)
+        json.dump({"step": step, "files": written}, f)
+    kept = keep_others(folder, tmp)
     shutil.rmtree(folder, ignore_errors=True)
     os.rename(tmp, folder)
+    if kept:
+        log.warn(f"kept what {folder} held besides the trained model: {', '.join(kept)} (the run "
+                 f"replaces only the files it wrote there)")
     return folder
+
+
+def _files(root: str) -> list:
+    """Every file under root, relative to it."""
+    return [os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names]
+
+
+def keep_others(folder: str, new: str) -> list:
+    """The files in the model folder that the trainer did not write (a model card, a figure),
+    copied into its new version `new`; one whose name the new version also writes is kept as
+    NAME.kept. Returns them as kept. The trainer's own files are those MODEL_STEP lists; a folder
+    without the list (written before it was kept) holds only what save_pretrained wrote, and the
+    step file: its files with known endings are the trainer's."""
+    if not os.path.isdir(folder):
+        return []
+    try:
+        with open(os.path.join(folder, MODEL_STEP), encoding="utf-8") as f:
+            own = set(json.load(f).get("files", ()))
+    except (OSError, ValueError, AttributeError):
+        own = set()
+    kept = []
+    for name in sorted(_files(folder)):
+        if name in own or not own and name.endswith(TRAINER_ENDINGS):
+            continue
+        target = os.path.join(new, name)
+        target += ".kept" * os.path.exists(target)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(os.path.join(folder, name), target)
+        kept.append(os.path.relpath(target, new))
+    return kept
+
+
+# what save_pretrained writes, for a model folder saved before MODEL_STEP listed its files
+TRAINER_ENDINGS = (".json", ".safetensors", ".bin", ".txt", ".model", ".jinja")
 
 
 def model_step(folder: str):

@@ -40,12 +40,6 @@ def usage_error(message: str):
     sys.exit(2)
 
 
-def _terminated(signum, frame):
-    """SIGTERM as an exit that runs every way out's clean-up (exit status 143, as by default)."""
-    log.warn(f"stopped ({signal.Signals(signum).name})")
-    raise SystemExit(128 + signum)
-
-
 class Run:
     def __init__(self, argv=None, builtin: dict = None, default_task: str = None):
         """argv: the command line (default sys.argv); builtin and default_task: the task registry (tasks/)."""
@@ -59,6 +53,8 @@ class Run:
             if not cfg.resume:   # a resumed run reads --model only for a KL reference or LoRA base
                 rundir.check_model(cfg.model)
             rundir.check_paths(self.loaded.options)
+            rundir.absolute(cfg)   # before the task is built: its code may change the working folder
+            rundir.absolute(self.loaded.options)
             self.evaluating = hasattr(self.loaded.task, "evaluate") and (
                 cfg.eval_only or cfg.eval_interval > 0)
             # OUT_DIR and every path the run writes locked, no other run's records
@@ -67,6 +63,11 @@ class Run:
         except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
             usage_error(str(e))
         self.rank, self.world, self.device = distributed.init(cfg.device)  # every rank
+        # every rank the same settings, or none starts (a GRPO_ variable set on one rank only)
+        differ = rundir.ranks_differ(distributed.gather_objects(  # every rank
+            (config.settings(cfg, self.loaded.options), self.loaded.sources)))
+        if differ:
+            usage_error(differ)
         self.main = distributed.is_main()   # only rank 0 prints, logs, saves and evaluates
         self.info = functools.partial(log.info, self.main and cfg.log_level != "warning")
         self.table = screen.describe(cfg, self.loaded.options, self.loaded.sources, self.layout)
@@ -80,12 +81,25 @@ class Run:
             if self.start_step == cfg.steps and not cfg.eval_only else []
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
+        # SIGTERM unwinds and says so (by default it ends the process where it stands, unsaid)
+        self.stack.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, self._terminated))
         self.stack.push(distributed.close)   # every rank, on the way out (told of an exception)
         self.exit_code, self.cut_said, self.no_tokens_said, self.overwritten = 0, False, False, None
         self.progress, self.started = None, time.perf_counter()   # the console's (start_training)
 
     def __enter__(self):
         return self
+
+    def _terminated(self, signum, frame):
+        """SIGTERM outside the steps (the model's load, the step-0 evaluation; during them
+        guards.StopOnSignal finishes the step and saves it): an exit that runs every way out's
+        clean-up, said (exit status 143, as by default)."""
+        name = signal.Signals(signum).name
+        if self.progress is None or self.progress.first is None:
+            log.warn(f"stopped ({name}) before the first step: nothing was trained, nothing to save")
+        else:
+            log.warn(f"stopped ({name}): the run's checkpoints keep what it trained (--resume)")
+        raise SystemExit(128 + signum)
 
     def __exit__(self, *exc):
         self.stack.__exit__(*exc)
@@ -98,7 +112,11 @@ class Run:
         prompts are drawn now, to be checked with the tokenizer and the model's config before the weights load."""
         cfg = self.cfg
         try:
+            here = os.getcwd()
             built = task_lib.build(self.loaded.task, self.loaded.options, cfg.task)
+            if os.getcwd() != here:   # the run's paths were made absolute before: nothing moves
+                self.info(f"the task changed the working folder to {os.getcwd()}; the run's paths "
+                          f"are those given at start-up ({cfg.out_dir})")
             # --system-prompt given to its conversations
             task = task_lib.CheckedTask(built, cfg.system_prompt, cfg.task)
             self.stack.callback(task_lib.close, task)
@@ -198,10 +216,7 @@ class Run:
     def _set_aside_doomed(self) -> None:
         """--overwrite, now that every check has passed and the model has loaded: the earlier
         run's records aside until this run's first step is written (rundir.Overwritten)."""
-        if self.doomed:
-            # SIGTERM unwinds too (by default it ends the process where it stands, records aside)
-            previous = signal.signal(signal.SIGTERM, _terminated)
-            self.stack.callback(signal.signal, signal.SIGTERM, previous)
+        if self.doomed:   # SIGTERM unwinds (Run._terminated): the records come back
             self.overwritten = rundir.Overwritten(self.doomed)
             self.stack.callback(self.overwritten.restore)   # a no-op once dropped
             self.overwritten.set_aside()

@@ -45,6 +45,10 @@ def check_paths(settings) -> None:
         name, value, kind = f.name, getattr(settings, f.name), f.metadata.get("path")
         if value is None or kind is None:
             continue
+        if value != value.strip() or not value:   # " " trains into a folder the console shows as nothing
+            raise config.ConfigError(f"{config.flag(name)} {value!r}: a path that is empty or starts or ends "
+                                     f"with a blank reads as another on the console and in every message; "
+                                     f"pass it without them")
         if kind == "in":
             if not os.path.isfile(value):
                 raise config.ConfigError(f"{config.flag(name)} {value}: no such file: check the path")
@@ -65,6 +69,30 @@ def check_paths(settings) -> None:
             except OSError as e:
                 raise config.ConfigError(f"{config.flag(name)} {value}: cannot write to {folder} "
                                          f"({e.strerror or e}): pass a writable folder") from None
+
+
+def ranks_differ(ranks: list) -> str | None:
+    """The first setting in which a rank differs from rank 0, said with its sources (ranks: each
+    rank's (settings, sources)), or None: all alike."""
+    (first, first_from), *others = ranks
+    for rank, (mine, mine_from) in enumerate(others, 1):
+        for name in first:
+            if mine.get(name) != first[name]:
+                return (f"rank {rank}'s {config.flag(name)} {mine.get(name)} ({mine_from.get(name)}) differs "
+                        f"from rank 0's {first[name]} ({first_from.get(name)}): every rank must train with "
+                        f"the same settings; give each the same command line and GRPO_ variables")
+    return None
+
+
+def absolute(settings) -> None:
+    """Every path setting of settings (None: none) made absolute, before any task code runs: a task
+    that changes the working folder (os.chdir in its __init__) must not move the run's folder under
+    it, nor what it reads. Printed and recorded so; --resume compares paths by what they name."""
+    for f in dataclasses.fields(settings) if settings is not None else ():
+        value = getattr(settings, f.name)
+        local = f.name in ("model", "resume") and isinstance(value, str) and os.path.exists(value)
+        if value is not None and (f.metadata.get("path") or local) and value != "latest":
+            setattr(settings, f.name, os.path.abspath(value))
 
 
 def check_model(model: str) -> None:

@@ -92,3 +92,32 @@ def test_reward_errors_are_decided_on_the_global_count_and_shown_by_rank_0(tiny_
     always = torchrun(*args, "--task", f"{tmp_path / 'half.py'}:Always", "--out-dir", str(tmp_path / "always"))
     assert always.returncode != 0 and "step 1/2" not in always.stdout
     assert always.stderr.count("RewardError: step 1: every reward failed (NameError 8;") == 2   # each rank's own
+
+
+ONE_RANK_APART = '''
+import os, runpy, sys
+name, value = sys.argv.pop(1), sys.argv.pop(1)
+if os.environ["RANK"] == "1":   # as a GRPO_ variable exported on one node only
+    os.environ[name] = value
+sys.argv[0] = {train!r}
+runpy.run_path({train!r}, run_name="__main__")
+'''
+
+
+def test_ranks_with_different_settings_refuse_to_start_in_one_line(tiny_model_dir, tmp_path):
+    """Issue 59 case 5: ranks run with GRPO_LEARNING_RATE, GRPO_TEMPERATURE or GRPO_SEED on rank 1
+    only exited 0, settings.txt recording rank 0's."""
+    (tmp_path / "launch.py").write_text(ONE_RANK_APART.format(train=TRAIN))
+    for name, value, shown in (("GRPO_TEMPERATURE", "0.5", "--temperature 0.5 (env)"),
+                               ("GRPO_SEED", "7", "--seed 7 (env)")):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node", "2", str(tmp_path / "launch.py"), name, value,
+                               "--model", tiny_model_dir, *SMALL, "--task", "toy", "--steps", "1",
+                               "--out-dir", str(out)], capture_output=True, text=True, env=env(),
+                              timeout=300)
+        assert proc.returncode != 0
+        said = [line for line in proc.stderr.splitlines() if "error: rank 1's" in line]
+        assert said and shown in said[0] and "differs from rank 0's" in said[0] and "(default)" in said[0]
+        # torchrun's launcher prints its own traceback of the failed children; none of the trainer's
+        assert "harness/" not in proc.stderr and not (out / "metrics.jsonl").exists()

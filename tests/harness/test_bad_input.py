@@ -35,6 +35,9 @@ RANGES = [
     ("--group-size", "0", "at least 1"), ("--mini-batch-size", "0", "at least 1"), ("--mini-batch-size", "48", "multiple"),
     ("--micro-batch-size", "0", "at least 1"), ("--micro-batch-size", "5", "does not divide"),
     ("--micro-batch-tokens", "0", "at least 1"),
+    # a path of blanks trained into a folder named " " that every message showed as nothing
+    ("--out-dir", " ", "starts or ends with a blank"), ("--log-file", "m.jsonl ", "starts or ends with a blank"),
+    ("--ptx-file", " texts.txt", "starts or ends with a blank"),
     ("--generation-batch-size", "0", "at least 1"), ("--ppo-epochs", "0", "at least 1"),
     ("--logprob-chunk-size", "0", "at least 1"), ("--max-new-tokens", "0", "at least 1"),
     ("--min-new-tokens", "-1", "must be in"), ("--min-new-tokens", "999", "must be in"),

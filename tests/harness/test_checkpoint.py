@@ -357,6 +357,30 @@ def test_a_finished_run_extends_with_its_optimizer_state(tiny_model_dir, tmp_pat
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_users_files_in_the_model_folder_are_kept_when_the_run_replaces_it(tiny_model_dir, tmp_path,
+                                                                               capsys):
+    """Issue 59 case 2: --resume replaced OUT/model whole, deleting a model card and a figure put
+    there without a word. What the trainer wrote it replaces; anything else is kept, and said."""
+    from grpo.model import load_policy, load_tokenizer
+    policy, tokenizer = load_policy(tiny_model_dir, "cpu"), load_tokenizer(tiny_model_dir)
+    folder = str(tmp_path / "model")
+    checkpoint.save_model(folder, policy, tokenizer, 2)
+    assert capsys.readouterr().err == ""
+    (tmp_path / "model" / "README.md").write_text("# my card")
+    os.makedirs(tmp_path / "model" / "figures")
+    (tmp_path / "model" / "figures" / "p.png").write_bytes(b"png")
+    (tmp_path / "model" / "config.json").write_text("{}")   # the trainer's own file: replaced
+    checkpoint.save_model(folder, policy, tokenizer, 3)
+    assert (tmp_path / "model" / "README.md").read_text() == "# my card"
+    assert (tmp_path / "model" / "figures" / "p.png").read_bytes() == b"png"
+    assert (tmp_path / "model" / "config.json").read_text() != "{}"
+    assert checkpoint.model_step(folder) == 3
+    said = capsys.readouterr().err
+    assert "kept what" in said and "README.md, figures/p.png" in said
+    checkpoint.save_model(folder, policy, tokenizer, 4)   # kept again: still not the trainer's
+    assert (tmp_path / "model" / "README.md").exists() and "README.md" in capsys.readouterr().err
+
+
 def no_bigger_files_than(limit: int):
     """preexec_fn: no file of the process may grow past `limit` bytes; a write past it fails with EFBIG
     (SIGXFSZ ignored), as on a full disk, and without root."""

@@ -249,6 +249,23 @@ class SlowEval(ToyTask):
 """
 
 
+@pytest.mark.slow
+def test_sigterm_before_the_first_step_says_what_it_stopped(tiny_model_dir, tmp_path):
+    """Issue 59 case 10: SIGTERM in the step-0 evaluation exited 143 without a word (Ctrl-C there
+    said it)."""
+    (tmp_path / "slow.py").write_text(SLOW_EVAL_TASK)
+    argv = [sys.executable, TRAIN, "--model", tiny_model_dir, *SMALL[:-4], "--task",
+            f"{tmp_path / 'slow.py'}:SlowEval", "--eval-interval", "5", "--steps", "1",
+            "--out-dir", str(tmp_path / "out")]
+    proc = subprocess.Popen(argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line_starting(proc, "eval at step 0: evaluating", 120)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1].endswith(
+        "stopped (SIGTERM) before the first step: nothing was trained, nothing to save")
+
+
 def test_overwrites_set_aside_is_undone_on_sigterm_and_found_after_kill_9(tiny_model_dir, tmp_path):
     # issue 54 case 5: SIGTERM in the step-0 evaluation of an --overwrite run died (143) unsaid,
     # the earlier run left as *.overwritten, which a bare --resume did not find ("no checkpoint")
@@ -282,3 +299,33 @@ def test_overwrites_set_aside_is_undone_on_sigterm_and_found_after_kill_9(tiny_m
     assert again.returncode == 0, again.stderr
     assert not [n for n in os.listdir(out) if ".overwritten" in n]
     assert "checkpoints.overwritten" in again.stderr   # said among what it deleted
+
+
+CHDIR_TASK = """
+import os
+from tasks.toy import ToyTask
+
+class Elsewhere(ToyTask):
+    def __init__(self, **options):
+        super().__init__(**options)
+        os.makedirs(os.environ["TASK_CWD"], exist_ok=True)
+        os.chdir(os.environ["TASK_CWD"])
+"""
+
+
+def test_a_task_that_changes_the_working_folder_moves_no_path_of_the_run(tiny_model_dir, tmp_path,
+                                                                         monkeypatch, capsys, clean_env):
+    """Issue 59 case 1: a task whose __init__ calls os.chdir moved a run started with a relative
+    --out-dir into another folder (a finished run there lost records and its model). Every path
+    is absolute before the task is built."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir()
+    (here / "elsewhere.py").write_text(CHDIR_TASK)
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("TASK_CWD", str(there))
+    train_lean.main(["--model", tiny_model_dir, *SMALL, "--task", "elsewhere.py:Elsewhere",
+                     "--steps", "2", "--out-dir", "run"])
+    assert len(read_jsonl(here / "run" / "metrics.jsonl")) == 2 and (here / "run" / "model").is_dir()
+    assert not (there / "run").exists()
+    assert f"the task changed the working folder to {there}" in capsys.readouterr().out
+    assert str(here / "run") in (here / "run" / "settings.txt").read_text()   # recorded as it is
