@@ -63,11 +63,11 @@ class Run:
         except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
             usage_error(str(e))
         self.rank, self.world, self.device = distributed.init(cfg.device)  # every rank
-        # every rank the same settings, or none starts (a GRPO_ variable set on one rank only)
-        differ = rundir.ranks_differ(distributed.gather_objects(  # every rank
-            (config.settings(cfg, self.loaded.options), self.loaded.sources)))
-        if differ:
-            usage_error(differ)
+        # the same settings on all ranks, or none starts (a GRPO_ variable set on one rank only)
+        ranks = distributed.gather_objects(  # every rank
+            (config.settings(cfg, self.loaded.options), self.loaded.sources))
+        if rundir.ranks_differ(ranks):
+            usage_error(rundir.ranks_differ(ranks))
         self.main = distributed.is_main()   # only rank 0 prints, logs, saves and evaluates
         self.info = functools.partial(log.info, self.main and cfg.log_level != "warning")
         self.table = screen.describe(cfg, self.loaded.options, self.loaded.sources, self.layout)
