@@ -147,6 +147,9 @@ def parse_args(argv):
     for flag, path in outputs:
         if path is not None:   # written after the whole run: a bad path is said now, not then
             writable(flag, path)
+    wrong = args.plot and places.figure_error("--plot", args.plot)
+    if wrong:
+        raise UsageError(wrong)
     # the trainer's rule (harness/places.py): no output on what the monitor reads or the run writes
     watched = [] if args.from_log or args.sweep else \
         [("the watched run", watched_log(train), "writes")]

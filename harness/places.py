@@ -32,3 +32,16 @@ def clash(others: list, writes: list):
                 return (f"{name} {path} {WORDS[where]} {other_path}, which {other} {does}: pass "
                         f"another {name}")
     return None
+
+
+def figure_error(flag: str, path: str):
+    """The one line that refuses a figure's path, or None: a format matplotlib writes (from its
+    ending), not a folder. The tools that draw (monitor_memory.py, scripts/plot_run.py) share it."""
+    from matplotlib.figure import Figure   # only when a figure is asked for
+    fmt = os.path.splitext(path)[1].lstrip(".").lower()
+    if fmt not in Figure().canvas.get_supported_filetypes():
+        return (f"{flag} {path}: a figure is written as .png (or .pdf, .svg, ...), not "
+                f"{('.' + fmt) if fmt else 'a name without one'}")
+    if os.path.isdir(path):
+        return f"{flag} {path} is a folder: pass the path of the figure to write"
+    return None

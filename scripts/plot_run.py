@@ -280,12 +280,9 @@ def read_records(path: str) -> list:
 def check_png(png: str, inputs: list) -> None:
     """The figure's path: a format matplotlib writes, not on (or around) an input, not inside the
     model folder of the run beside an input, not a folder."""
-    fmt = os.path.splitext(png)[1].lstrip(".").lower()
-    if fmt not in Figure().canvas.get_supported_filetypes():
-        raise UsageError(f"PNG {png}: a figure is written as .png (or .pdf, .svg, ...), not "
-                         f"{('.' + fmt) if fmt else 'a name without one'}")
-    if os.path.isdir(png):
-        raise UsageError(f"PNG {png} is a folder: pass the path of the figure to write")
+    wrong = places.figure_error("PNG", png)
+    if wrong:
+        raise UsageError(wrong)
     # OUT/model is the trainer's (harness/paths.py REPLACED): its final save replaces the folder
     models = [("the run", os.path.join(os.path.dirname(os.path.abspath(path)), "model"),
                "replaces with its trained model at its end") for path in inputs]

@@ -57,6 +57,8 @@ def write_log(path, rss):
     # written after the whole run: it was a traceback then, and exit 1 (the LEAK code)
     ["--trainer", FAKE, "10", "--summary", "no/such/folder/s.json"],
     ["--trainer", FAKE, "10", "--plot", "."],
+    ["--from-log", "a.jsonl", "--plot", "x.foo"],   # issue 59 case 12: a traceback at the end
+    ["--from-log", "a.jsonl", "--plot", "plot"],
 ])
 def test_usage_errors_exit_2_with_one_line(tmp_path, args):
     (tmp_path / "a.jsonl").write_text("")
