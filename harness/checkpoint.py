@@ -209,6 +209,11 @@ def saved_start_model(path: str):
     return torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True).get("start_model")
 
 
+def saved_task_code(path: str):
+    """The fingerprint of the task's code when the checkpoint was saved, or None (not recorded)."""
+    return torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True).get("task_code")
+
+
 def fingerprint(model) -> str:
     """A short hash of a model's weights as loaded (fp32, in the order of its state_dict) and of its config less
     where it was read from: what --model held. LoRA adapters are left out: the base they sit on is the start.
@@ -263,11 +268,12 @@ class Saver:
     """
 
     def __init__(self, out_dir: str, policy, tokenizer, optimizer, config: dict, keep: int, step: int,
-                 nonfinite_streak: int, reference=None, start_model=None):
+                 nonfinite_streak: int, reference=None, start_model=None, task_code=None):
         """reference: a reference that moves (--ref-sync-steps), saved with the step; None when it stays the
-        starting model, which --resume loads again. start_model: that model's fingerprint, compared on --resume."""
+        starting model, which --resume loads again. start_model: that model's fingerprint, compared on --resume;
+        task_code: the task's source file's (harness/task.py code_fingerprint), said when it changed."""
         self.out_dir, self.policy, self.tokenizer, self.optimizer = out_dir, policy, tokenizer, optimizer
-        self.start_model = start_model
+        self.start_model, self.task_code = start_model, task_code
         self.reference = reference
         self.config, self.keep = config, keep
         self.step = self.saved = step   # a fresh run's step 0 is its --model; a resumed run's is on disk
@@ -285,7 +291,7 @@ class Saver:
 
     def _write(self, rngs: list) -> str:
         state = {"optimizer": self.optimizer.state_dict(), "rng": rngs, "nonfinite_streak": self.streak,
-                 "config": self.config, "start_model": self.start_model}
+                 "config": self.config, "start_model": self.start_model, "task_code": self.task_code}
         if self.reference is not None:
             state["reference"] = self.reference.state_dict()
         if self.kl_coef is not None:

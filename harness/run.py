@@ -19,6 +19,7 @@ The algorithm modules (grpo/) never import this package; it imports them.
 """
 import contextlib
 import functools
+import inspect
 import os
 import random
 import signal
@@ -86,6 +87,7 @@ class Run:
         self.stack.push(distributed.close)   # every rank, on the way out (told of an exception)
         self.exit_code, self.cut_said, self.no_tokens_said, self.overwritten = 0, False, False, None
         self.progress, self.started = None, time.perf_counter()   # the console's (start_training)
+        self.task_changed = None   # "old -> new" fingerprints of an edited task's file (_task_code)
 
     def __enter__(self):
         return self
@@ -203,6 +205,21 @@ class Run:
                      f"{saved or '(not recorded)'}, now {now}): going on from them (--resume-allow-change model)")
         return now
 
+    def _task_code(self):
+        """The fingerprint of the task's source file, kept with the checkpoints. On --resume an edited
+        file is said in one line and marked in the first record after it (task_changed: old -> new):
+        not refused, since resuming after a fix to a reward is what one does; the records after it
+        come from the new code, and say so."""
+        now = task_lib.code_fingerprint(self.task)
+        saved = checkpoint.saved_task_code(self.resume_from) if self.resume_from else None
+        if saved and now and saved != now:
+            self.task_changed = f"{saved} -> {now}"
+            log.warn(f"--resume: the task's code changed since step {self.start_step} was saved "
+                     f"({inspect.getsourcefile(type(getattr(self.task, 'task', self.task)))}: "
+                     f"fingerprint {self.task_changed}); the records from step {self.start_step + 1} "
+                     f"come from the new code (task_changed in that step's record)")
+        return now
+
     def evaluate_only(self) -> None:
         """--eval-only: the task's evaluation of --model; a log file only when asked for (an earlier run's metrics
         are not overwritten)."""
@@ -300,7 +317,8 @@ class Run:
         # checkpoints; and on a failure after a completed step, that step's (harness/checkpoint.py)
         self.saver = self.stack.enter_context(checkpoint.Saver(
             cfg.out_dir, self.lora or self.policy, self.tokenizer, optimizer, settings, cfg.keep_checkpoints,
-            self.start_step, streak, self.reference if cfg.ref_sync_steps else None, self.start_model))
+            self.start_step, streak, self.reference if cfg.ref_sync_steps else None, self.start_model,
+            self._task_code()))
         # each evaluation's per-item scores, beside the records (written only when the task gives some)
         self.items_path = log.items_path(log.metrics_path(cfg))
         if self.resume_from and self.main:   # like the records: those of steps after the checkpoint are redone
@@ -382,6 +400,8 @@ class Run:
         self.saver.completed(step, self.guard.nonfinite_streak, self.kl.coef if cfg.kl_target else None)
         self.phases.end("train")
         rec.update(log.batch_stats(rows, cfg.group_size))
+        if self.task_changed:   # the first record of a resume after the task's file was edited
+            rec["task_changed"], self.task_changed = self.task_changed, None
         if self.guard.notes:
             cut = self.guard.cut   # what the update ended with
             rec.update(oom_retries=len(self.guard.notes),

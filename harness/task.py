@@ -70,6 +70,7 @@ or package.module:Name. Name may be a class (built with the task's options) or a
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -299,6 +300,18 @@ def identity(task) -> str:
     otherwise)."""
     task = task.task if isinstance(task, CheckedTask) else task
     return f"{getattr(task, 'name', '')} ({type(task).__module__}.{type(task).__qualname__})"
+
+
+def code_fingerprint(task) -> str | None:
+    """A short hash of the source file of the task's class (what --task path/to/file.py:Name or a
+    module names), kept with the checkpoints: a --resume after the file was edited says so. None
+    where the class has no file (built in a notebook)."""
+    task = task.task if isinstance(task, CheckedTask) else task
+    try:
+        with open(inspect.getsourcefile(type(task)), "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except (TypeError, OSError):
+        return None
 
 
 def mix_source(task, path: str | None):

@@ -381,6 +381,27 @@ def test_the_users_files_in_the_model_folder_are_kept_when_the_run_replaces_it(t
     assert (tmp_path / "model" / "README.md").exists() and "README.md" in capsys.readouterr().err
 
 
+def test_a_resume_after_the_tasks_file_was_edited_says_so_and_marks_the_record(tiny_model_dir, tmp_path,
+                                                                                capsys):
+    """Issue 59 case 8: --resume after the task's file was edited went on with no note, the records
+    then mixing two tasks' rewards."""
+    import train_lean
+    (tmp_path / "mine.py").write_text("from tasks.toy import ToyTask\n\nclass Mine(ToyTask):\n    pass\n")
+    args = ["--model", tiny_model_dir, *SMALL, "--task", f"{tmp_path / 'mine.py'}:Mine",
+            "--out-dir", str(tmp_path / "run")]
+    train_lean.main([*args, "--steps", "2"])
+    train_lean.main([*args, "--steps", "3", "--resume"])   # unedited: nothing said
+    assert "task's code changed" not in capsys.readouterr().err
+    assert "task_changed" not in read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]
+    with open(tmp_path / "mine.py", "a") as f:
+        f.write("    # a fix to the reward\n")
+    train_lean.main([*args, "--steps", "5", "--resume"])
+    err = capsys.readouterr().err
+    assert f"--resume: the task's code changed since step 3 was saved ({tmp_path / 'mine.py'}" in err
+    marked = [r.get("task_changed") for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert marked[:3] == [None] * 3 and " -> " in marked[3] and marked[4] is None
+
+
 def no_bigger_files_than(limit: int):
     """preexec_fn: no file of the process may grow past `limit` bytes; a write past it fails with EFBIG
     (SIGXFSZ ignored), as on a full disk, and without root."""
