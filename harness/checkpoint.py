@@ -209,6 +209,11 @@ def saved_start_model(path: str):
     return torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True).get("start_model")
 
 
+def saved_devices(path: str) -> int:
+    """How many devices the run that saved the checkpoint trained on (one RNG state each)."""
+    return len(torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True)["rng"])
+
+
 def saved_task_code(path: str):
     """The fingerprint of the task's code when the checkpoint was saved, or None (not recorded)."""
     return torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True).get("task_code")

@@ -286,8 +286,8 @@ class Run:
                          f"so it is not used")
             elif "reference" in state:  # --ref-sync-steps moved it: the checkpoint holds where it was
                 self.reference.load_state_dict(state["reference"])
-            # each rank continues its own RNG streams (rank 0's when the device count changed)
-            checkpoint.set_rng_states(state["rng"][self.rank] if len(state["rng"]) == self.world else state["rng"][0])
+            # each rank continues its own RNG streams
+            checkpoint.set_rng_states(state["rng"][self.rank])   # the same device count (rundir.prepare)
             self.info(f"resumed from {self.resume_from} after step {self.start_step}")
         self.guard = guards.Guard(layout.micro_batch, layout.mini_batch_per_device, self.info, streak,
                                   cfg.update_threads if self.device.type == "cpu" else 0,

@@ -398,6 +398,15 @@ def prepare(cfg, options, outs: list, evaluating: bool) -> tuple:
             for note in [] if cfg.eval_only else check_resume(checkpoint.saved_settings(resume_from), cfg, options,
                                                               resume_from):
                 log.warn(note)
+            saved_devices = checkpoint.saved_devices(resume_from)
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            if not cfg.eval_only and saved_devices != world:
+                raise config.ConfigError(
+                    f"--resume: {resume_from} was saved by a run on {saved_devices} device(s) and this "
+                    f"one runs on {world}: a step's samples and random streams follow the device count, "
+                    f"so the run would not go on as it would have; resume it on {saved_devices} (torchrun "
+                    f"--nproc_per_node {saved_devices}), or start a new run from its weights (--model "
+                    f"{resume_from})")
             done = checkpoint.step_of(resume_from)
             # it would train nothing; at the last step it may still finish what a failure left out
             if not cfg.eval_only and (cfg.steps < done or cfg.steps == done and

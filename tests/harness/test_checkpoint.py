@@ -402,6 +402,24 @@ def test_a_resume_after_the_tasks_file_was_edited_says_so_and_marks_the_record(t
     assert marked[:3] == [None] * 3 and " -> " in marked[3] and marked[4] is None
 
 
+def test_a_resume_on_another_device_count_is_refused_in_one_line(tiny_model_dir, tmp_path, monkeypatch,
+                                                                  capsys):
+    """Issue 59 case 6: a 2-rank run resumed in one process (and the reverse) neither went on
+    exactly nor refused (step 4's reward 0.5417 instead of 0.5000): the default generation batch
+    and the random streams follow the device count."""
+    import train_lean
+    args = ["--model", tiny_model_dir, *SMALL, "--task", "toy", "--out-dir", str(tmp_path / "run")]
+    train_lean.main([*args, "--steps", "1"])
+    monkeypatch.setenv("WORLD_SIZE", "2")   # as torchrun --nproc_per_node 2 would start it
+    with pytest.raises(SystemExit) as e:
+        train_lean.main([*args, "--steps", "2", "--resume"])
+    assert e.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "was saved by a run on 1 device(s) and this one runs on 2" in line
+    assert line.endswith("resume it on 1 (torchrun --nproc_per_node 1), or start a new run from its "
+                         f"weights (--model {tmp_path / 'run' / 'checkpoints' / 'step_000001'})")
+
+
 def no_bigger_files_than(limit: int):
     """preexec_fn: no file of the process may grow past `limit` bytes; a write past it fails with EFBIG
     (SIGXFSZ ignored), as on a full disk, and without root."""
