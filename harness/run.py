@@ -82,6 +82,7 @@ class Run:
             if self.start_step == cfg.steps and not cfg.eval_only else []
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
+        self.lock = lock.file   # open while the run lives (rank 0): where OUT_DIR is now (rundir.where_now)
         # SIGTERM unwinds and says so (by default it ends the process where it stands, unsaid)
         self.stack.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, self._terminated))
         self.stack.push(distributed.close)   # every rank, on the way out (told of an exception)
@@ -346,6 +347,7 @@ class Run:
                    disable=not (self.main and sys.stderr.isatty()), file=sys.stderr)
         self.print_line = tqdm.write if not bar.disable else print
         with guards.StopOnSignal(self.info) as stop:
+            self.stop = stop   # end_step asks for a stop too: OUT_DIR gone from where it was
             for step in bar:
                 self.phases.start(step)
                 self.guard.notes.clear()
@@ -428,6 +430,7 @@ class Run:
                      f"Raise --max-new-tokens, or leave --mask-truncated out")
         if cfg.log_completions:
             log.write_completions(self.completions_file, step, rows)
+        self._watch_out_dir(step)
         log.write(self.metrics_file, rec)
         self._drop_overwritten()   # its first step on record: --overwrite's earlier run goes
         self.reporter.log(rec, step)
@@ -440,6 +443,25 @@ class Run:
             self.info(job)
         if self.evaluating and (step % cfg.eval_interval == 0 or step == cfg.steps):  # the last: "after"
             self._evaluate(step)
+
+    def _watch_out_dir(self, step: int) -> None:
+        """OUT_DIR deleted or moved while the run trains (rank 0): the run stops after this step with
+        one line, its checkpoint saved where the user finds it (the moved folder, or OUT_DIR made
+        again), exit 1. Every rank stops with it (steps: a stop asked for is agreed on)."""
+        where = rundir.where_now(self.lock, self.cfg.out_dir)
+        if where is None:
+            return
+        before, self.exit_code = self.cfg.out_dir, 1
+        if where:   # moved: the run's records went with it, and so do its checkpoints and model
+            self.cfg.out_dir = self.saver.out_dir = where
+            log.warn(f"--out-dir {before} moved to {where} while the run trained: stopping after step "
+                     f"{step}, its checkpoint saved in {where}; go on with --out-dir {where} --resume")
+        else:
+            os.makedirs(before, exist_ok=True)
+            log.warn(f"--out-dir {before} was deleted while the run trained (its records with it): "
+                     f"stopping after step {step}, its checkpoint saved in {before} again; go on "
+                     f"with --resume")
+        self.stop.requested = True
 
     def _evaluate(self, step: int) -> None:
         full = step == self.cfg.steps   # whole: before vs after

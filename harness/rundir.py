@@ -144,6 +144,19 @@ def lock(out_dir: str):
     return f
 
 
+def where_now(lock, out_dir: str):
+    """None while OUT_DIR is where the run started it (or where this cannot be told: no /proc);
+    else where its folder is now, found from the lock file the run holds open ("" when deleted)."""
+    try:
+        held = os.readlink(f"/proc/self/fd/{lock.fileno()}")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if held.endswith(" (deleted)") or not os.path.exists(held):
+        return ""
+    folder = os.path.dirname(held)
+    return None if folder == os.path.realpath(out_dir) else folder
+
+
 def _holds_something(path: str) -> bool:
     return os.path.getsize(path) > 0 if os.path.isfile(path) else os.path.isdir(path) and bool(os.listdir(path))
 
@@ -380,9 +393,10 @@ def prepare(cfg, options, outs: list, evaluating: bool) -> tuple:
     check_resume_flags(cfg, options)
     main = distributed.is_main()
     lock_held = contextlib.ExitStack()
+    lock_held.file = None   # the lock file, open while the run lives: where OUT_DIR is (where_now)
     try:
         if not cfg.eval_only and main:
-            lock_held.enter_context(lock(cfg.out_dir))
+            lock_held.file = lock_held.enter_context(lock(cfg.out_dir))
         if outs and main:
             paths.register(outs, lock_held)
         left = set_aside_left(cfg) if main and not cfg.eval_only else []

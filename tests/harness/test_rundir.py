@@ -329,3 +329,48 @@ def test_a_task_that_changes_the_working_folder_moves_no_path_of_the_run(tiny_mo
     assert not (there / "run").exists()
     assert f"the task changed the working folder to {there}" in capsys.readouterr().out
     assert str(here / "run") in (here / "run" / "settings.txt").read_text()   # recorded as it is
+
+
+VANISH_TASK = """
+import os, shutil
+from tasks.toy import ToyTask
+
+class Vanish(ToyTask):
+    calls = 0
+
+    def reward(self, prompt, completion):
+        Vanish.calls += 1
+        if Vanish.calls == 9:   # the first reward of step 2 (8 a step)
+            out = os.environ["VANISH"]
+            if os.environ.get("MOVE_TO"):
+                os.rename(out, os.environ["MOVE_TO"])
+            else:
+                shutil.rmtree(out)
+        return super().reward(prompt, completion)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("move", [False, True])
+def test_an_out_dir_deleted_or_moved_while_the_run_trains_stops_it_keeping_a_checkpoint(
+        tiny_model_dir, tmp_path, move, clean_env):
+    """Issue 59 case 7: rm -rf of the run's folder after step 2 of 5 exited 0 with its records and
+    settings gone; mv split the run in two folders, one of them unlocked."""
+    (tmp_path / "vanish.py").write_text(VANISH_TASK)
+    out, moved = tmp_path / "out", tmp_path / "moved"
+    extra = {"VANISH": str(out), **({"MOVE_TO": str(moved)} if move else {})}
+    args = [sys.executable, TRAIN, "--model", tiny_model_dir, *SMALL, "--task",
+            f"{tmp_path / 'vanish.py'}:Vanish", "--steps", "5", "--save-interval", "0"]
+    done = subprocess.run([*args, "--out-dir", str(out)], env={**env(), **extra}, capture_output=True,
+                          text=True, timeout=PROCESS_DEADLINE_S)
+    assert done.returncode == 1, done.stderr
+    home = moved if move else out
+    said = (f"--out-dir {out} moved to {moved} while the run trained: stopping after step 2" if move
+            else f"--out-dir {out} was deleted while the run trained (its records with it): stopping after step 2")
+    assert said in done.stderr
+    assert (home / "checkpoints" / "step_000002").is_dir() and not (home / "model").exists()
+    assert move != out.exists()   # nothing made again where the folder was, when it moved
+    again = subprocess.run([*args, "--out-dir", str(home), "--resume"], env=env(), capture_output=True,
+                           text=True, timeout=PROCESS_DEADLINE_S)
+    assert again.returncode == 0, again.stderr
+    assert [r["step"] for r in read_jsonl(home / "metrics.jsonl")][-3:] == [3, 4, 5]
