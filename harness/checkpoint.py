@@ -20,6 +20,7 @@ import os
 import random
 import re
 import shutil
+import signal
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ import torch
 from grpo import distributed
 from grpo.model import add_lora, is_lora, load_policy
 from harness import log
+from harness.guards import StoppedBySignal
 
 SUBDIR = "checkpoints"
 ADAPTER = "adapter"  # OUT_DIR/model/adapter: a LoRA run's adapters beside the merged model
@@ -314,7 +316,20 @@ class Saver:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is None or not issubclass(exc_type, Exception) or not distributed.is_main():
+        stopped = exc_type is not None and issubclass(exc_type, StoppedBySignal)
+        if exc_type is None or not (issubclass(exc_type, Exception) or stopped) or not distributed.is_main():
+            return False
+        if stopped:   # the step under way given up: the last finished one kept
+            name, where = signal.Signals(exc.signum).name, f"step {self.saved}" if self.saved else "the start"
+            if self.updates != self.updates_at_step:
+                log.warn(f"stopped ({name}) in step {self.step + 1}'s update, which had changed the "
+                         f"weights: nothing newer than {where} is saved")
+            elif self.step > self.saved:
+                log.warn(f"stopped ({name}) in step {self.step + 1}: saved step {self.step} to "
+                         f"{self._write([rng_states()])}; continue with --resume")
+            else:
+                log.warn(f"stopped ({name}) in step {self.step + 1}: nothing newer than {where} to save"
+                         + ("; continue with --resume" if self.saved else ""))
             return False
         if issubclass(exc_type, NonFiniteWeights):
             log.warn(f"the weights are not finite: nothing newer than "

@@ -261,10 +261,21 @@ def nonfinite_abort(step: int, streak: int, path: str) -> str:
             f"before them. Lower --learning-rate or check the task's rewards, then --resume")
 
 
+class StoppedBySignal(BaseException):
+    """A second SIGINT/SIGTERM: the step under way is given up (a reward that never returns, a long
+    evaluation). Not an Exception: no `except Exception` in a task or the trainer takes it for a
+    failed reward. The run's saver keeps the last finished step (harness/checkpoint.py Saver)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class StopOnSignal:
     """SIGINT/SIGTERM set `requested`; the loop finishes its step, saves and exits 0. A second
-    signal stops at once, without saving, except while a checkpoint or the model is written
-    (deferred()): a kill there would leave neither. Restores the previous handlers on exit."""
+    signal gives the step up (StoppedBySignal): the last finished step is saved and the run exits
+    128 + the signal's number, except while a checkpoint or the model is written (deferred()): a
+    kill there would leave neither. Restores the previous handlers on exit."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -282,12 +293,12 @@ class StopOnSignal:
 
     def _handle(self, signum, frame):
         if self.requested and not self.writing:
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
+            raise StoppedBySignal(signum)
         self.requested = True
         self.info(f"{signal.Signals(signum).name}: " + (
             "the save under way finishes first" if self.writing else
-            "finishing this step, then saving a checkpoint (send it again to stop without saving)"))
+            "finishing this step, then saving a checkpoint (send it again to give the step up and "
+            "save the last finished one)"))
 
     def __enter__(self):
         self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}

@@ -78,15 +78,9 @@ class EvalProgress:
         # redrawn at every call: one call decodes a whole batch of prompts, never too often to show
         self.bar = tqdm(desc=what, unit=" prompts", disable=not sys.stderr.isatty(), file=sys.stderr, leave=False,
                         mininterval=0, miniters=1)
-        self.stopped, self.ticker = threading.Event(), None
-        if self.bar.disable:   # a thread: one complete() call may decode every prompt at once
-            self.ticker = threading.Thread(target=self._tick, args=(time.perf_counter(),), daemon=True)
-            self.ticker.start()
-
-    def _tick(self, start: float) -> None:
-        while not self.stopped.wait(self.EVERY_S):
-            print(f"{self.what}: still evaluating, {duration(time.perf_counter() - start)} so far, "
-                  f"{self.done} prompts completed", flush=True)
+        # a thread: one complete() call may decode every prompt at once
+        self.ticker = Ticker(what, "evaluating", lambda: f"{self.done} prompts completed",
+                             self.EVERY_S) if self.bar.disable else None
 
     def __call__(self, prompts, *args, **kwargs):
         for prompt in prompts:   # each prompt's length first: no two lists of prompts hash alike
@@ -108,10 +102,29 @@ class EvalProgress:
         return self.hash.hexdigest()
 
     def close(self) -> None:
-        self.stopped.set()
-        if self.ticker is not None:   # gone before the process ends: a thread left running at exit can
-            self.ticker.join()        # abort it in C++ ("terminate called without an active exception")
+        if self.ticker is not None:
+            self.ticker.close()
         self.bar.close()
+
+
+class Ticker:
+    """While something long runs (an evaluation, a step's rewards), a line every `every` seconds
+    from a thread: "WHAT: still DOING, 2m00s so far, PROGRESS" (progress() says how far)."""
+
+    def __init__(self, what: str, doing: str, progress, every: float):
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._tick, daemon=True,
+                                       args=(what, doing, progress, every, time.perf_counter()))
+        self.thread.start()
+
+    def _tick(self, what, doing, progress, every, start) -> None:
+        while not self.stopped.wait(every):
+            print(f"{what}: still {doing}, {duration(time.perf_counter() - start)} so far, "
+                  f"{progress()}", flush=True)
+
+    def close(self) -> None:
+        self.stopped.set()   # gone before the process ends: a thread left running at exit can
+        self.thread.join()   # abort it in C++ ("terminate called without an active exception")
 
 
 def _hashed(prompt) -> str:

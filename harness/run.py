@@ -108,6 +108,8 @@ class Run:
         self.stack.__exit__(*exc)
         if exc[0] is None and self.exit_code:
             sys.exit(self.exit_code)
+        if exc[0] is not None and issubclass(exc[0], guards.StoppedBySignal):   # said by the saver
+            sys.exit(128 + exc[1].signum)
         return False
 
     def open_task(self):

@@ -414,7 +414,7 @@ def _short(value, width: int = 40) -> str:
 
 
 def score(task, prompts, completions, failures: dict = None, weights: dict = None,
-          rows: list = None, group_size: int = None):
+          rows: list = None, group_size: int = None, done: list = None):
     """Score completions. Returns (rewards [n] float32, part means, error counts by kind).
 
     A reward that fails gets the task's min_reward, or where the task declares none, 1 below the
@@ -424,7 +424,8 @@ def score(task, prompts, completions, failures: dict = None, weights: dict = Non
     failures, when given, keeps the first failure of each kind: kind -> (exception, prompt, completion).
     weights ({part: weight}, --reward-weights): the reward is the weighted sum of those reward_breakdown parts, a
     part a completion does not report counting 0 (a task mixture's kinds report different parts); rows, when
-    given, gets each completion's parts in the weights' order (a failed reward's as its reward's).
+    given, gets each completion's parts in the weights' order (a failed reward's as its reward's); done, when
+    given, each reward as it is scored (how far a long scoring is).
     """
     declared = getattr(task, "min_reward", None)
     floor = 0.0 if declared is None else float(declared)
@@ -454,6 +455,8 @@ def score(task, prompts, completions, failures: dict = None, weights: dict = Non
             r, values = floor, [floor] * len(weights or ())
             failed.append(len(rewards))
         rewards.append(r)
+        if done is not None:
+            done.append(r)
         if rows is not None:
             rows.append(values)
     # Each part is averaged over the completions that report it: in a task mixture the parts of
@@ -494,12 +497,20 @@ class Scorer:
         self.steps, self.flat_steps = 0, 0   # this process's steps, and those whose groups were all flat
         self.scored, self.failures = 0, {}
 
+    EVERY_S = 60.0   # a step's rewards that take longer say so, as a long evaluation does
+
     def __call__(self, prompts, completions):
         """(rewards, part means, errors by kind, and with --reward-weights each row's parts, else None)."""
         self.scored += len(completions)
-        rows = [] if self.weights else None
-        return (*score(self.task, prompts, completions, self.failures, self.weights, rows,
-                       self.group_size), rows)
+        rows, done = [] if self.weights else None, []
+        ticker = log.Ticker("rewards", "scoring", lambda: f"{len(done)} of {len(completions)} scored"
+                            + " (a second Ctrl-C or SIGTERM gives the step up, saving the last one)",
+                            self.EVERY_S)
+        try:
+            return (*score(self.task, prompts, completions, self.failures, self.weights, rows,
+                           self.group_size, done=done), rows)
+        finally:
+            ticker.close()
 
     def to_gather(self) -> dict:
         """This device's rows scored this step, and a report of its first failure of each kind not yet shown."""

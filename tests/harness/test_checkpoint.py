@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, read_jsonl, records,
+from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting, read_jsonl, records,
                      train, usage_error, user_env, weights)
 from harness import checkpoint
 
@@ -418,6 +418,45 @@ def test_a_resume_on_another_device_count_is_refused_in_one_line(tiny_model_dir,
     assert "was saved by a run on 1 device(s) and this one runs on 2" in line
     assert line.endswith("resume it on 1 (torchrun --nproc_per_node 1), or start a new run from its "
                          f"weights (--model {tmp_path / 'run' / 'checkpoints' / 'step_000001'})")
+
+
+HUNG_REWARD = """
+import os, time
+from tasks.toy import ToyTask
+
+class Hung(ToyTask):
+    calls = 0
+
+    def reward(self, prompt, completion):
+        Hung.calls += 1
+        if Hung.calls == 9 and os.environ.get("HANG"):   # step 2's first reward (8 a step)
+            print("hung", flush=True)
+            time.sleep(600)
+        return super().reward(prompt, completion)
+"""
+
+
+@pytest.mark.slow
+def test_a_second_signal_in_a_hung_step_saves_the_last_finished_one_and_exits(tiny_model_dir, tmp_path):
+    """Issue 59 case 3: a reward that never returned kept the step from ending; a second SIGTERM
+    exited 143 with no line and no checkpoint, the steps trained lost."""
+    (tmp_path / "hung.py").write_text(HUNG_REWARD)
+    out = tmp_path / "out"
+    args = [sys.executable, TRAIN, "--model", tiny_model_dir, *SMALL, "--task",
+            f"{tmp_path / 'hung.py'}:Hung", "--steps", "3", "--save-interval", "0", "--out-dir", str(out)]
+    proc = subprocess.Popen(args, env={**env(), "HANG": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    line_starting(proc, "hung", PROCESS_DEADLINE_S)
+    for _ in range(2):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err
+    assert f"stopped (SIGTERM) in step 2: saved step 1 to {out / 'checkpoints' / 'step_000001'}" in err
+    assert "Traceback" not in err
+    again = train(*args[2:], "--resume")
+    assert again.returncode == 0, again.stderr
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
 
 
 def no_bigger_files_than(limit: int):

@@ -1071,3 +1071,24 @@ def test_a_task_file_imports_a_module_beside_it(tmp_path):
     (folder / "leaky.py").write_text("import rev46\n\nclass Leaky:\n    name = 'leaky'\n"
                                      "    flip = staticmethod(rev46.rev)\n")
     assert resolve(f"{folder / 'leaky.py'}:Leaky", {}).flip("ab") == "ba"
+
+
+def test_a_long_scoring_says_it_is_still_going(monkeypatch, capsys):
+    """Issue 59 case 3: a reward that never returned hung the run in silence (evaluations already
+    said they were still going)."""
+    import time
+    from harness.task import Scorer
+    monkeypatch.setattr(Scorer, "EVERY_S", 0.1)
+
+    class Slow:
+        def reward(self, prompt, completion):
+            time.sleep(0.25)
+            return 1.0
+    rewards, *_ = Scorer(Slow(), tolerate=False)(["p"] * 3, ["a", "b", "c"])
+    assert rewards.tolist() == [1.0] * 3
+    lines = capsys.readouterr().out.splitlines()
+    said = (r"rewards: still scoring, \S+ so far, [0-3] of 3 scored \(a second Ctrl-C or SIGTERM "
+            r"gives the step up, saving the last one\)")
+    assert len(lines) >= 3 and all(re.fullmatch(said, line) for line in lines), lines
+    time.sleep(0.2)
+    assert not capsys.readouterr().out   # closed with the scoring
