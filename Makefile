@@ -49,11 +49,14 @@ default-model: install stockfish
 	$(PY) tasks/rookworld/build_model.py --continue-training --from out/rook-tiny-2 --out models/rook-tiny \
 	  --train-steps 1500 --lr 5e-4
 
+# two workers (pytest-xdist), a test file each at a time: its module fixtures are built once
+XDIST = -n 2 --dist loadfile
+
 test: $(VENV)/.installed-test stockfish
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q $(XDIST) tests $(ARGS)
 
 # The fast tier: the math, equivalences, masks, decoders and a few end-to-end runs (no test marked slow).
 test-fast: $(VENV)/.installed-test stockfish
-	$(PY) -m pytest -q tests -m "not slow" $(ARGS)
+	$(PY) -m pytest -q $(XDIST) tests -m "not slow" $(ARGS)
 
 .PHONY: install stockfish train default-model test test-fast bench
