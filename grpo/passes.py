@@ -31,10 +31,10 @@ def no_grad_pass(model, batch, guard, cfg, autocast, rows=None, entropy: bool = 
 
 def _no_grad_pass(model, batch, micro, cfg, autocast, rows=None,
                   entropy: bool = False) -> torch.Tensor:
-    """Without gradient, a micro-batch per forward (micro.split): the logprobs of the completion tokens of batch's
-    `rows` (None: every row), or with entropy each position's entropy. guard.fit runs it, retried
-    with fewer rows after an out-of-memory: so no collective call in it (a rank out of memory would
-    leave the others waiting in it)."""
+    """Without gradient, a micro-batch per forward (micro.split): the logprobs of the completion
+    tokens of batch's `rows` (None: every row), or with entropy each position's entropy. guard.fit
+    runs it, retried with fewer rows after an out-of-memory: so no collective call in it (a rank
+    out of memory would leave the others waiting in it)."""
     parts = micro.split(batch, rows)
     with torch.no_grad():
         out = [token_logprobs(model, batch, part, cfg, autocast, with_entropy=entropy)

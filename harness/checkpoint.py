@@ -203,22 +203,28 @@ def resolve(resume: str, out_dir: str, set_aside: bool = False) -> str:
 
 def saved_settings(path: str):
     """The settings the checkpoint at path recorded; memory-mapped, not read."""
-    return torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True)["config"]
+    return _saved(path, "config")
 
 
 def saved_start_model(path: str):
     """The fingerprint of the model the checkpoint's run started from, or None where it recorded none."""
-    return torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True).get("start_model")
+    return _saved(path, "start_model")
+
+
+def _saved(path: str, key: str):
+    """One entry of the checkpoint's state (None where it recorded none); memory-mapped, not read."""
+    state = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True)
+    return state.get(key)
 
 
 def saved_devices(path: str) -> int:
     """How many devices the run that saved the checkpoint trained on (one RNG state each)."""
-    return len(torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True)["rng"])
+    return len(_saved(path, "rng"))
 
 
 def saved_task_code(path: str):
     """The fingerprint of the task's code when the checkpoint was saved, or None (not recorded)."""
-    return torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True, mmap=True).get("task_code")
+    return _saved(path, "task_code")
 
 
 def fingerprint(model) -> str:
@@ -277,8 +283,9 @@ class Saver:
     def __init__(self, out_dir: str, policy, tokenizer, optimizer, config: dict, keep: int, step: int,
                  nonfinite_streak: int, reference=None, start_model=None, task_code=None):
         """reference: a reference that moves (--ref-sync-steps), saved with the step; None when it stays the
-        starting model, which --resume loads again. start_model: that model's fingerprint, compared on --resume;
-        task_code: the task's source file's (harness/task.py code_fingerprint), said when it changed."""
+        starting model, which --resume loads again. start_model: that model's fingerprint, compared on
+        --resume; task_code: the task's source file's (harness/task.py code_fingerprint), said when it
+        changed."""
         self.out_dir, self.policy, self.tokenizer, self.optimizer = out_dir, policy, tokenizer, optimizer
         self.start_model, self.task_code = start_model, task_code
         self.reference = reference
@@ -298,7 +305,8 @@ class Saver:
 
     def _write(self, rngs: list) -> str:
         state = {"optimizer": self.optimizer.state_dict(), "rng": rngs, "nonfinite_streak": self.streak,
-                 "config": self.config, "start_model": self.start_model, "task_code": self.task_code}
+                 "config": self.config, "start_model": self.start_model,
+                 "task_code": self.task_code}
         if self.reference is not None:
             state["reference"] = self.reference.state_dict()
         if self.kl_coef is not None:
@@ -317,10 +325,12 @@ class Saver:
 
     def __exit__(self, exc_type, exc, tb):
         stopped = exc_type is not None and issubclass(exc_type, StoppedBySignal)
-        if exc_type is None or not (issubclass(exc_type, Exception) or stopped) or not distributed.is_main():
+        failed = exc_type is not None and (issubclass(exc_type, Exception) or stopped)
+        if not failed or not distributed.is_main():
             return False
         if stopped:   # the step under way given up: the last finished one kept
-            name, where = signal.Signals(exc.signum).name, f"step {self.saved}" if self.saved else "the start"
+            name = signal.Signals(exc.signum).name
+            where = f"step {self.saved}" if self.saved else "the start"
             if self.updates != self.updates_at_step:
                 log.warn(f"stopped ({name}) in step {self.step + 1}'s update, which had changed the "
                          f"weights: nothing newer than {where} is saved")
@@ -328,8 +338,8 @@ class Saver:
                 log.warn(f"stopped ({name}) in step {self.step + 1}: saved step {self.step} to "
                          f"{self._write([rng_states()])}; continue with --resume")
             else:
-                log.warn(f"stopped ({name}) in step {self.step + 1}: nothing newer than {where} to save"
-                         + ("; continue with --resume" if self.saved else ""))
+                log.warn(f"stopped ({name}) in step {self.step + 1}: nothing newer than {where} to "
+                         f"save" + ("; continue with --resume" if self.saved else ""))
             return False
         if issubclass(exc_type, NonFiniteWeights):
             log.warn(f"the weights are not finite: nothing newer than "
@@ -384,7 +394,8 @@ def save_model(folder: str, policy, tokenizer, step: int) -> str:
 
 def _files(root: str) -> list:
     """Every file under root, relative to it."""
-    return [os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names]
+    return [os.path.relpath(os.path.join(d, n), root)
+            for d, _, names in os.walk(root) for n in names]
 
 
 def keep_others(folder: str, new: str) -> list:

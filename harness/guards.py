@@ -35,9 +35,9 @@ def smaller_micro(micro: int, mini: int):
 
 class Micro:
     """How the update cuts a mini-batch into forwards: `rows` rows at a time, or with a token budget
-    (--micro-batch-tokens) as many rows, in order, as hold at most `tokens` real tokens (a run of rows
-    sharing a prompt counts it once, as the packed forward runs it once; a row over the budget runs
-    alone). Every cut gives the same gradient: each micro-batch's loss is divided by the whole
+    (--micro-batch-tokens) as many rows, in order, as hold at most `tokens` real tokens (a run of
+    rows sharing a prompt counts it once, as the packed forward runs it once; a row over the budget
+    runs alone). Every cut gives the same gradient: each micro-batch's loss is divided by the whole
     mini-batch's denominator. most: the largest micro-batch's rows since Guard.fit's try began."""
 
     def __init__(self, rows: int, tokens: int = 0):
@@ -138,7 +138,8 @@ class Guard:
             if smaller is None:
                 raise torch.OutOfMemoryError("out of memory with a micro-batch of 1: lower --max-new-tokens, "
                                              "use --dtype bf16 or a smaller model")
-            self.notes.append(f"out of memory at micro-batch {self.cut}: freed memory, retrying with {smaller}")
+            self.notes.append(f"out of memory at micro-batch {self.cut}: freed memory, retrying "
+                              f"with {smaller}")
             self.info(self.notes[-1])
             self.cut = smaller
 
@@ -158,15 +159,15 @@ class Guard:
 
 
 def _fit_test(policy, optimizer, moments: int, longest: int, eos: int, cut: Micro, cfg, autocast):
-    """One forward and backward of a micro-batch of rows of the longest sequence, each run whole (cut's
-    rows, or as many as its token budget holds), with AdamW's moments' memory held."""
+    """One forward and backward of a micro-batch of rows of the longest sequence, each run whole
+    (cut's rows, or as many as its token budget holds), with AdamW's moments' memory held."""
     stand_in = torch.empty(moments, device=next(policy.parameters()).device)
     rows = max(1, cut.tokens // longest) if cut.tokens else cut.rows
     cut.most = rows
     ids = torch.full((rows, longest), eos, device=stand_in.device)
     logp = completion_logprobs(policy, ids, torch.ones_like(ids), cfg.max_new_tokens,
-                               logprob_temperature(cfg.temperature), cfg.logprob_chunk_size, autocast,
-                               share_prompts=False)
+                               logprob_temperature(cfg.temperature), cfg.logprob_chunk_size,
+                               autocast, share_prompts=False)
     logp.sum().backward()
     optimizer.zero_grad(set_to_none=True)
     del stand_in
@@ -178,11 +179,12 @@ def _moments(policy, optimizer) -> int:
 
 
 def probe_micro_batch(guard: Guard, policy, optimizer, longest: int, eos: int, cfg, autocast) -> int:
-    """Set guard.cut to the largest micro-batch (a divisor of the per-device mini-batch) whose forward and
-    backward fit at the longest sequence; AdamW's two moments do not exist before the first update, so a stand-in
-    holds their place."""
-    guard.fit(functools.partial(_fit_test, policy, optimizer, _moments(policy, optimizer),  # every rank
-                                longest, eos, cfg=cfg, autocast=autocast))
+    """Set guard.cut to the largest micro-batch (a divisor of the per-device mini-batch, or a token
+    budget halved) whose forward and backward fit at the longest sequence; AdamW's two moments do
+    not exist before the first update, so a stand-in holds their place."""
+    moments = _moments(policy, optimizer)
+    guard.fit(functools.partial(_fit_test, policy, optimizer, moments, longest, eos,  # every rank
+                                cfg=cfg, autocast=autocast))
     guard.notes.clear()
     return guard.cut.rows
 
@@ -213,7 +215,8 @@ def free_bytes(device: torch.device) -> int:
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     with contextlib.suppress(OSError, ValueError):
         with open("/proc/meminfo") as f:
-            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+            free = next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
     with contextlib.suppress(OSError, ValueError):
         with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
             limit = f.read().strip()
@@ -246,7 +249,8 @@ def probe_token_budget(guard: Guard, policy, optimizer, longest: int, eos: int, 
         policy, ids, torch.ones_like(ids), cfg.max_new_tokens, logprob_temperature(cfg.temperature),
         cfg.logprob_chunk_size, autocast, share_prompts=False)) / ids.numel()
     grads = sum(p.numel() for p in trainable_parameters(policy) if p.grad is None)
-    head = 5 * min(cfg.logprob_chunk_size, guard.mini * cfg.max_new_tokens) * policy.config.vocab_size
+    chunk = min(cfg.logprob_chunk_size, guard.mini * cfg.max_new_tokens)
+    head = 5 * chunk * policy.config.vocab_size   # the head's backward: 5 [chunk, V] fp32
     free = free_bytes(device)
     fixed = 4 * (_moments(policy, optimizer) + grads + head)
     guard.cut = Micro(guard.mini, token_budget(free, fixed, per_token, longest, guard.mini))

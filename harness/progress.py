@@ -24,7 +24,7 @@ class Progress:
         self.evals = {r["step"]: r for r in _lines(items_path) if not log.items_problem(r)}
         self.full_s = self.between_s = None   # an evaluation's seconds: a whole one, one between
         self.eval_s = 0.0                     # evaluations' seconds since the first step ended
-        self.first = None                     # (step, time) when the first step of this process ended
+        self.first = None                     # (step, time) at the end of this process's first step
         self.said_job = False
 
     # ---- the reward ---------------------------------------------------------------------------
@@ -108,15 +108,18 @@ class Progress:
             line += (f", evaluations {log.duration(evals)} ({evals / (train + evals):.0%}; "
                      f"estimated from the first)")
         if last > train:
-            line += (f". The evaluation after the last step (about {log.duration(last)}) costs more "
-                     f"than the training: fewer held-out items make it cheaper, its intervals wider "
-                     f"as 1 / sqrt(items) (the task's options: --task {self.cfg.task or 'T'} --help)")
+            task = self.cfg.task or "T"
+            line += (f". The evaluation after the last step (about {log.duration(last)}) costs "
+                     f"more than the training: fewer held-out items make it cheaper, its "
+                     f"intervals wider as 1 / sqrt(items) (the task's options: --task {task} "
+                     f"--help)")
         return line
 
     def share(self, seconds: float, elapsed: float) -> str | None:
         """A long evaluation says its share of the run so far."""
         if elapsed > 0 and seconds / elapsed >= 0.2:
-            return f"that evaluation took {log.duration(seconds)}, {seconds / elapsed:.0%} of the run so far"
+            return (f"that evaluation took {log.duration(seconds)}, {seconds / elapsed:.0%} of the "
+                    f"run so far")
         return None
 
     # ---- held-out metrics ---------------------------------------------------------------------
@@ -136,9 +139,9 @@ class Progress:
         rows = {n: intervals.paired_row(base["items"][n], entry["items"][n]) for n in names}
         if step == self.cfg.steps:
             width = max(map(len, names))
-            return ([f"before and after: step {base['step']} -> {step}, the same {entry['prompts']} "
-                     f"held-out prompts; each metric: before, after [95% interval], after - before "
-                     f"[paired 95% interval]"] +
+            return ([f"before and after: step {base['step']} -> {step}, the same "
+                     f"{entry['prompts']} held-out prompts; each metric: before, after [95% "
+                     f"interval], after - before [paired 95% interval]"] +
                     [f"  {n:<{width}}  {rows[n][0]}".replace("B higher", "higher after")
                      .replace("A higher", "lower after") for n in names])
         moved = [f"{n} {'up' if v == 'B higher' else 'down'}" for n, (_, v) in rows.items()

@@ -45,10 +45,10 @@ def check_paths(settings) -> None:
         name, value, kind = f.name, getattr(settings, f.name), f.metadata.get("path")
         if value is None or kind is None:
             continue
-        if value != value.strip() or not value:   # " " trains into a folder the console shows as nothing
-            raise config.ConfigError(f"{config.flag(name)} {value!r}: a path that is empty or starts or ends "
-                                     f"with a blank reads as another on the console and in every message; "
-                                     f"pass it without them")
+        if value != value.strip() or not value:   # " ": a folder the console shows as nothing
+            raise config.ConfigError(f"{config.flag(name)} {value!r}: a path that is empty or starts "
+                                     f"or ends with a blank reads as another on the console and in "
+                                     f"every message; pass it without them")
         if kind == "in":
             if not os.path.isfile(value):
                 raise config.ConfigError(f"{config.flag(name)} {value}: no such file: check the path")
@@ -78,9 +78,10 @@ def ranks_differ(ranks: list) -> str | None:
     for rank, (mine, mine_from) in enumerate(others, 1):
         for name in first:
             if mine.get(name) != first[name]:
-                return (f"rank {rank}'s {config.flag(name)} {mine.get(name)} ({mine_from.get(name)}) differs "
-                        f"from rank 0's {first[name]} ({first_from.get(name)}): every rank must train with "
-                        f"the same settings; give each the same command line and GRPO_ variables")
+                return (f"rank {rank}'s {config.flag(name)} {mine.get(name)} ({mine_from.get(name)}) "
+                        f"differs from rank 0's {first[name]} ({first_from.get(name)}): every rank "
+                        f"must train with the same settings; give each the same command line and "
+                        f"GRPO_ variables")
     return None
 
 
