@@ -143,7 +143,8 @@ class Progress:
                      f"{entry['prompts']} held-out prompts; each metric: before, after [95% "
                      f"interval], after - before [paired 95% interval]"] +
                     [f"  {n:<{width}}  {rows[n][0]}".replace("B higher", "higher after")
-                     .replace("A higher", "lower after") for n in names])
+                     .replace("A higher", "lower after").replace(" only B", " only after")
+                     .replace(" only A", " only before") for n in names])
         moved = [f"{n} {'up' if v == 'B higher' else 'down'}" for n, (_, v) in rows.items()
                  if v != "no detectable difference"]
         return [f"against step {base['step']} (the same items, paired): "

@@ -70,7 +70,8 @@ def test_an_evaluation_is_paired_with_the_first_of_the_same_items(tmp_path):
     lines = p.compare(10, entry(10, after))
     assert lines[0].startswith("before and after: step 0 -> 10, the same 30 held-out prompts")
     text, _ = intervals.paired_row(before["acc"], after["acc"])
-    assert lines[1] == "  acc    " + text.replace("B higher", "higher after")
+    assert lines[1] == "  acc    " + text.replace("B higher", "higher after").replace(
+        " only B", " only after").replace(" only A", " only before")
     assert lines[2].endswith("no detectable difference")
     assert p.compare(10, None) == []   # a task of plain numbers
 
