@@ -180,7 +180,8 @@ def header(loaded, layout, device, model, resume_from, lora=None) -> str:
         rows += [("reports", os.path.join(cfg.out_dir, cfg.report_to))] if cfg.report_to != "none" else []
         every = "every step" if cfg.save_interval == 1 else f"every {cfg.save_interval} steps"
         rows += [("checkpoints", f"{ckpt} {every} and at the end (the last {cfg.keep_checkpoints} kept)"
-                  if cfg.save_interval else f"{ckpt} only when stopped or aborted (--save-interval N: every N steps)"),
+                  if cfg.save_interval else f"{ckpt} at the end and when stopped or aborted "
+                  f"(--save-interval N: every N steps)"),
                  ("final model", f"{os.path.join(cfg.out_dir, 'model')} at the end" if cfg.save_final
                   else "not saved (--save-final false)"),
                  ("settings", f"{os.path.join(cfg.out_dir, rundir.SETTINGS)} (every setting; --log-level debug "

@@ -344,6 +344,9 @@ def test_a_finished_run_extends_with_its_optimizer_state(tiny_model_dir, tmp_pat
     args = run_args(tiny_model_dir, "toy")
     done = train(*args, "--steps", "2", "--out-dir", str(tmp_path / "cut"))
     assert done.returncode == 0, done.stderr
+    # the header says so (it said "only when stopped or aborted")
+    assert "checkpoints" in done.stdout and "at the end and when stopped or aborted" in " ".join(
+        done.stdout.split())
     more = train(*args, "--steps", "3", "--out-dir", str(tmp_path / "cut"), "--resume")
     assert more.returncode == 0, more.stderr
     assert "after step 2" in more.stdout
