@@ -283,7 +283,46 @@ class LogFollower:
 
 
 def read_log(path):
-    return LogFollower(path).poll()
+    """The records of a finished log, a line at a time and only their numbers (and kind): memory
+    grows with the steps, not with the file's texts. A line that is no record (not JSON, a step that is no whole number, a memory
+    reading that is no number) is skipped and said by its number, so one damaged line neither
+    splits the run nor enters it."""
+    records, skipped = [], []
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:   # a run that ended before its first record
+        return records
+    with f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            wrong = "it is not JSON" if rec is None else not_a_record(rec)
+            if wrong:
+                skipped.append(f"{path} line {number} is no record ({wrong}): skipped")
+                continue
+            records.append({k: v for k, v in rec.items() if k == "kind" or not isinstance(
+                v, (str, list, dict))})   # the numbers: no record's texts, breakdowns, lists
+    for said in skipped[:5]:
+        print(f"monitor_memory.py: {said}", file=sys.stderr)
+    if len(skipped) > 5:
+        print(f"monitor_memory.py: {len(skipped) - 5} more lines skipped", file=sys.stderr)
+    return records
+
+
+
+def not_a_record(rec):
+    """What makes a parsed line no record of the trainer's log, else None."""
+    if not isinstance(rec, dict):
+        return f"it is a {type(rec).__name__}"
+    if not isinstance(rec.get("step"), int) or isinstance(rec.get("step"), bool):
+        return f"its step is {str(rec.get('step'))[:40]!r}, not a whole number"
+    bad = next((k for k, v in rec.items() if k.endswith("_mb") and v is not None and
+                (isinstance(v, bool) or not isinstance(v, (int, float)))), None)
+    return None if bad is None else f"its {bad!r} is {str(rec[bad])[:40]!r}, not a number"
 
 
 # --- watching a run -----------------------------------------------------------------------------

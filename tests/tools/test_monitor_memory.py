@@ -473,3 +473,24 @@ def test_real_trainer_sweep_point(tmp_path, tiny_model_dir):
     assert row["status"] == "OK" and row["exit_code"] == 0
     assert row["peak_mb"] > 50 and row["samples_per_s"] > 0 and row["step_time_s"] > 0
     assert summary["budget_mb"] > 1024  # the machine's RAM
+
+
+def test_a_damaged_line_is_named_by_number_and_the_run_stays_one(tmp_path):
+    """Issue 59 case 11: one record with "rss_mb": "abc" in the middle of a log made "the log holds
+    2 runs" (the first 21 records dropped, the damaged one counted); a non-JSON line was skipped
+    with no word."""
+    lines = []
+    for step in range(1, 41):
+        rec = {"step": step, "rss_mb": 500.0 + 0.01 * step, "gen_rss_mb": 400.0}
+        if step == 22:
+            rec["rss_mb"] = "abc"
+        lines.append(json.dumps(rec))
+        if step == 30:
+            lines.append("not json at all")
+    (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n")
+    r = monitor("--from-log", "m.jsonl", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == [
+        "monitor_memory.py: m.jsonl line 22 is no record (its 'rss_mb' is 'abc', not a number): skipped",
+        "monitor_memory.py: m.jsonl line 31 is no record (it is not JSON): skipped"]
+    assert "39 training records, steps 1-40" in r.stdout and "runs" not in r.stdout
