@@ -282,9 +282,10 @@ class LogFollower:
         return records
 
 
-def read_log(path):
-    """The records of a finished log, a line at a time and only their numbers (and kind): memory
-    grows with the steps, not with the file's texts. A line that is no record (not JSON, a step that is no whole number, a memory
+def read_log(path, memory_only: bool = False):
+    """The records of a finished log, a line at a time and only their numbers (and kind; with
+    memory_only, what the leak analysis reads: step, kind, the *_mb readings, the allocator's
+    retries): memory grows with the steps, not with the file's texts. A line that is no record (not JSON, a step that is no whole number, a memory
     reading that is no number) is skipped and said by its number, so one damaged line neither
     splits the run nor enters it."""
     records, skipped = [], []
@@ -305,13 +306,16 @@ def read_log(path):
                 skipped.append(f"{path} line {number} is no record ({wrong}): skipped")
                 continue
             records.append({k: v for k, v in rec.items() if k == "kind" or not isinstance(
-                v, (str, list, dict))})   # the numbers: no record's texts, breakdowns, lists
+                v, (str, list, dict)) and (not memory_only or k in LEAK_FIELDS or k.endswith("_mb"))})
     for said in skipped[:5]:
         print(f"monitor_memory.py: {said}", file=sys.stderr)
     if len(skipped) > 5:
         print(f"monitor_memory.py: {len(skipped) - 5} more lines skipped", file=sys.stderr)
     return records
 
+
+
+LEAK_FIELDS = ("step", "cuda_alloc_retries")   # besides kind and the *_mb readings
 
 
 def not_a_record(rec):
@@ -776,7 +780,7 @@ def main(argv):
             save(sweep_figure(result), args.plot)
     else:
         if args.from_log:
-            records, returncode, interrupted = read_log(args.from_log), 0, False
+            records, returncode, interrupted = read_log(args.from_log, memory_only=True), 0, False
             evidence_path, started = os.path.join(os.path.dirname(os.path.abspath(args.from_log)), EVIDENCE), 0.0
         else:
             train = own_out_dir(train)
