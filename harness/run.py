@@ -67,8 +67,9 @@ class Run:
         # the same settings on all ranks, or none starts (a GRPO_ variable set on one rank only)
         ranks = distributed.gather_objects(  # every rank
             (config.settings(cfg, self.loaded.options), self.loaded.sources))
-        if rundir.ranks_differ(ranks):
-            usage_error(rundir.ranks_differ(ranks))
+        differ = rundir.ranks_differ(ranks)
+        if differ:
+            usage_error(differ)
         self.main = distributed.is_main()   # only rank 0 prints, logs, saves and evaluates
         self.info = functools.partial(log.info, self.main and cfg.log_level != "warning")
         self.table = screen.describe(cfg, self.loaded.options, self.loaded.sources, self.layout)
