@@ -244,7 +244,7 @@ def main(argv=None):
             rec, rows = train_step(  # every rank
                 step, run, task, mix_source, sample, policy, reference, tokenizer, optimizer,
                 guard, kl)
-            run.end_step(rec, rows)   # the record, the console line, the evaluation when due
+            run.end_step(rec, rows)  # every rank   (the record, the line, the evaluation when due)
 
 
 def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer, optimizer,

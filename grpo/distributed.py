@@ -4,11 +4,20 @@ helper is a no-op in one process. All but world_size(), rank() and is_main() wai
 ranks: a call of one, or of a function that makes one (Guard.fit, train_lean.py update, ...), is
 marked `# every rank` on its line in train_lean.py, grpo/ and harness/.
 """
+import contextlib
 import datetime
 import os
+import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
+
+# A rank that waits this long in one collective says so, and again as often (no silent hang: the
+# rank it waits for may be stuck in a reward, or stopped); the process group gives up after 30 min.
+WAIT_SAY_S = 60.0
+_waiting = None   # the collective this rank waits in now (_Wait), or None
 
 
 def init(device_choice: str):
@@ -27,7 +36,35 @@ def init(device_choice: str):
         device = torch.device("cpu")
     # NCCL between GPUs, gloo between CPU processes
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+    threading.Thread(target=_say_waits, daemon=True).start()
     return dist.get_rank(), world, device
+
+
+class _Wait:
+    def __init__(self, what: str):
+        self.what, self.since, self.said = what, time.perf_counter(), 0
+
+
+@contextlib.contextmanager
+def _collective(what: str):
+    """Marks this rank as waiting in a collective while inside (read by _say_waits)."""
+    global _waiting
+    _waiting = _Wait(what)
+    try:
+        yield
+    finally:
+        _waiting = None
+
+
+def _say_waits() -> None:
+    while True:
+        time.sleep(min(1.0, WAIT_SAY_S))
+        w = _waiting
+        if w is not None and time.perf_counter() - w.since >= (w.said + 1) * WAIT_SAY_S:
+            w.said += 1
+            print(f"train_lean.py: rank {rank()}: still waiting for the other ranks ({w.what}), "
+                  f"{w.said * WAIT_SAY_S:g} s so far: a rank is held (its lines say where); "
+                  f"Ctrl-C or SIGTERM stops the run", file=sys.stderr, flush=True)
 
 
 def world_size() -> int:
@@ -55,8 +92,9 @@ def all_sum(values: list) -> list:
     if not dist.is_initialized():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=_device())
-    dist.all_reduce(t)
-    return t.tolist()
+    with _collective("a sum"):   # NCCL's waits in tolist()
+        dist.all_reduce(t)
+        return t.tolist()
 
 
 def any_rank(flag: bool) -> bool:
@@ -70,7 +108,8 @@ def gather_objects(obj) -> list:
     if not dist.is_initialized():
         return [obj]
     out = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    with _collective("a gather"):
+        dist.all_gather_object(out, obj)
     return out
 
 
@@ -81,7 +120,8 @@ def sum_gradients(params) -> None:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
+    with _collective("the gradients' sum"):
+        dist.all_reduce(flat)
     offset = 0
     for p, g in zip(params, grads):
         p.grad = flat[offset:offset + g.numel()].view_as(g)
@@ -94,5 +134,6 @@ def close(exc_type=None, exc=None, tb=None) -> None:
     never come)."""
     if dist.is_initialized():
         if exc_type is None:
-            dist.barrier()
+            with _collective("the run's end"):
+                dist.barrier()
         dist.destroy_process_group()

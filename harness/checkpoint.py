@@ -20,7 +20,6 @@ import os
 import random
 import re
 import shutil
-import signal
 
 import numpy as np
 import torch
@@ -274,10 +273,11 @@ class Saver:
     On an exception (evaluation, logging, the final save, a full disk: anything outside an update), rank 0
     writes a checkpoint of the last completed step, if it is newer than the last one saved, and the
     exception goes on (traceback, exit 1). Rank 0 writes it alone, with no collective: another rank may be
-    waiting in one, and its weights and optimizer state are every rank's. What it cannot keep: an exception
-    in the middle of an update that had stepped the optimizer (the weights are no step's then), and one on
-    another rank under torchrun (rank 0 is waiting in a collective then, until torchrun ends it). A save
-    that fails too is said in one line beside the traceback.
+    waiting in one, and its weights and optimizer state are every rank's; every rank's RNG states were
+    gathered when the step completed. A failure on another rank reaches rank 0 as one of its collectives
+    failing (gloo: "Connection closed by peer"). What it cannot keep: an exception in the middle of an
+    update that had stepped the optimizer (the weights are no step's then). A save that fails too is
+    said in one line beside the traceback.
     """
 
     def __init__(self, out_dir: str, policy, tokenizer, optimizer, config: dict, keep: int, step: int,
@@ -293,6 +293,7 @@ class Saver:
         self.step = self.saved = step   # a fresh run's step 0 is its --model; a resumed run's is on disk
         self.streak, self.kl_coef = nonfinite_streak, None
         self.updates = self.updates_at_step = 0   # optimizer steps taken, and when the last step completed
+        self.rngs = None   # the ranks' RNG states when the last step completed
         optimizer.register_step_post_hook(self._counted)
 
     def _counted(self, optimizer, args, kwargs) -> None:
@@ -300,8 +301,10 @@ class Saver:
 
     def completed(self, step: int, nonfinite_streak: int, kl_coef: float = None) -> None:
         """Step `step`'s update returned: the weights and optimizer state are those after it; kl_coef: with
-        --kl-target, the coefficient the next step trains with."""
+        --kl-target, the coefficient the next step trains with. Every rank's RNG states are gathered
+        (every rank) for a save after a failure, when the ranks cannot meet."""
         self.step, self.streak, self.updates_at_step, self.kl_coef = step, nonfinite_streak, self.updates, kl_coef
+        self.rngs = distributed.gather_objects(rng_states())  # every rank
 
     def _write(self, rngs: list) -> str:
         state = {"optimizer": self.optimizer.state_dict(), "rng": rngs, "nonfinite_streak": self.streak,
@@ -329,17 +332,7 @@ class Saver:
         if not failed or not distributed.is_main():
             return False
         if stopped:   # the step under way given up: the last finished one kept
-            name = signal.Signals(exc.signum).name
-            where = f"step {self.saved}" if self.saved else "the start"
-            if self.updates != self.updates_at_step:
-                log.warn(f"stopped ({name}) in step {self.step + 1}'s update, which had changed the "
-                         f"weights: nothing newer than {where} is saved")
-            elif self.step > self.saved:
-                log.warn(f"stopped ({name}) in step {self.step + 1}: saved step {self.step} to "
-                         f"{self._write([rng_states()])}; continue with --resume")
-            else:
-                log.warn(f"stopped ({name}) in step {self.step + 1}: nothing newer than {where} to "
-                         f"save" + ("; continue with --resume" if self.saved else ""))
+            log.warn(self.stopped(exc.why))
             return False
         if issubclass(exc_type, NonFiniteWeights):
             log.warn(f"the weights are not finite: nothing newer than "
@@ -348,13 +341,27 @@ class Saver:
             log.warn(f"the run failed in the middle of step {self.step + 1}'s update, which had changed the weights: "
                      f"nothing newer than {f'step {self.saved}' if self.saved else 'the start'} is saved")
         elif self.step > self.saved:
-            try:   # rank 0's RNG states only: the others' cannot be gathered now
-                log.warn(f"the run failed after step {self.step}: saved it to {self._write([rng_states()])}; "
+            try:
+                log.warn(f"the run failed after step {self.step}: saved it to {self._write(self.rngs)}; "
                          f"fix the cause, then continue with --resume")
             except Exception as e:  # noqa: BLE001 - the traceback that follows is the run's own failure
                 log.warn(f"could not save step {self.step} after the failure either ({type(e).__name__}: {e}): "
                          f"the steps after {f'step {self.saved}' if self.saved else 'the start'} are lost")
         return False
+
+
+    def stopped(self, why: str) -> str:
+        """The step under way was given up (why: the signal, or the reward timeout): the last finished
+        step saved when the weights are still its; what was kept, said in one line (rank 0)."""
+        where = f"step {self.saved}" if self.saved else "the start"
+        if self.updates != self.updates_at_step:
+            return (f"stopped ({why}) in step {self.step + 1}'s update, which had changed the weights: "
+                    f"nothing newer than {where} is saved")
+        if self.step > self.saved:
+            return (f"stopped ({why}) in step {self.step + 1}: saved step {self.step} to "
+                    f"{self._write(self.rngs)}; continue with --resume")
+        return (f"stopped ({why}) in step {self.step + 1}: nothing newer than {where} to save"
+                + ("; continue with --resume" if self.saved else ""))
 
 
 def temporary(folder: str) -> str:

@@ -72,6 +72,10 @@ class Config(Settings):
                              "finite number): stop the run with the task's traceback, or tolerate it (those "
                              "completions get the task's min_reward, as a failed reward always does)",
                              ["stop", "tolerate"], resume_free=True)
+    reward_timeout: float = opt(0.0, "give a step up when its rewards take longer than this many seconds "
+                                "(saving the last finished step, exit 1); 0: off, a slow reward says so "
+                                "every minute and Ctrl-C or SIGTERM stops it", must=">= 0",
+                                resume_free=True)
     # the task's held-out evaluation (its evaluate(complete), greedy decoding)
     eval_interval: int = opt(100, "evaluate before training, every N steps and after the last (0: off); "
                              "by default only for a task that has evaluate()", must=">= 0", resume_free=True)
@@ -127,7 +131,7 @@ class Config(Settings):
     save_final: bool = opt(True, "save the trained model at the end as a Hugging Face folder, OUT_DIR/model",
                            resume_free=True)
     save_interval: int = opt(0, "write a checkpoint to OUT_DIR/checkpoints every N steps and at the end "
-                             "(0: only when interrupted or aborted)", must=">= 0", note="0: no periodic checkpoints",
+                             "(0: at the end and when stopped or aborted)", must=">= 0", note="0: no periodic checkpoints",
                              resume_free=True)
     keep_checkpoints: int = opt(2, "keep the last K checkpoints", must="at least 1", resume_free=True)
     resume: typing.Optional[str] = opt(None, "continue from a checkpoint: bare (or 'latest') for the newest intact "
@@ -142,6 +146,9 @@ class Config(Settings):
                           resume_free=True)
     max_nonfinite: int = opt(10, "abort (saving a checkpoint) after this many non-finite updates in a row",
                              must="at least 1", resume_free=True)
+    stop_grace: float = opt(20.0, "seconds a step may take to finish after Ctrl-C or SIGTERM; then it is "
+                            "given up and the last finished step saved (torchrun, Slurm and Kubernetes "
+                            "kill 30 s after their SIGTERM)", must="> 0", resume_free=True)
     # where memory goes (harness/memory.py; monitor_memory.py --trace sets both)
     trace_memory: int = opt(0, "trace N steps (0: off; at least 2) for leak evidence: allocation sites (tracemalloc), "
                             "live tensors by shape, on CUDA the allocator's history, in OUT_DIR/memory/trace.json; "

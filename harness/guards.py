@@ -5,6 +5,7 @@ import gc
 import math
 import os
 import signal
+import threading
 
 import torch
 
@@ -266,25 +267,65 @@ def nonfinite_abort(step: int, streak: int, path: str) -> str:
 
 
 class StoppedBySignal(BaseException):
-    """A second SIGINT/SIGTERM: the step under way is given up (a reward that never returns, a long
-    evaluation). Not an Exception: no `except Exception` in a task or the trainer takes it for a
-    failed reward. The run's saver keeps the last finished step (harness/checkpoint.py Saver)."""
+    """The step under way given up: a second SIGINT/SIGTERM, or the first once the step has had
+    --stop-grace seconds to finish (a reward that never returns, a long evaluation, a rank waiting
+    for one that will not come). Not an Exception: no `except Exception` in a task or the trainer
+    takes it for a failed reward. The run's saver keeps the last finished step (harness/checkpoint.py
+    Saver); the run exits `code`."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
-        self.signum = signum
+        self.signum, self.why, self.code = signum, signal.Signals(signum).name, 128 + signum
+
+
+class RewardTimeout(StoppedBySignal):
+    """A step's rewards ran past --reward-timeout: the step is given up as a signal would (exit 1)."""
+
+    def __init__(self, seconds: float):
+        BaseException.__init__(self, seconds)
+        self.signum, self.why, self.code = None, f"--reward-timeout {seconds:g} s", 1
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Inside, RewardTimeout once `seconds` have passed (0: never), raised by a SIGALRM handler: a
+    call blocked in the main thread (a pipe, a socket, a sleep) returns for it."""
+    if not seconds:
+        yield
+        return
+
+    def expired(signum, frame):
+        raise RewardTimeout(seconds)
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 class StopOnSignal:
-    """SIGINT/SIGTERM set `requested`; the loop finishes its step, saves and exits 0. A second
-    signal gives the step up (StoppedBySignal): the last finished step is saved and the run exits
-    128 + the signal's number, except while a checkpoint or the model is written (deferred()): a
-    kill there would leave neither. Restores the previous handlers on exit."""
+    """SIGINT/SIGTERM set `requested`; the loop finishes its step, saves and exits 0. The step has
+    `grace` seconds: then, or at a second signal, it is given up (StoppedBySignal), the last finished
+    step is saved and the run exits 128 + the signal's number; except while a checkpoint or the model
+    is written (deferred()): a kill there would leave neither. A launcher kills soon after its one
+    SIGTERM (torchrun, Slurm and Kubernetes 30 s later), so waiting longer loses the steps trained.
+
+    Python runs a handler only in the main thread, between bytecodes: a main thread held in native code
+    (a collective whose peer is stopped or gone silent) runs none. So the signal is also read from
+    the wakeup fd by a thread, which starts the grace's timer; the give-up is the signal again, sent
+    to the main thread; if that thread still runs no handler STUCK_S later, the timer calls
+    `stuck(signum)`, which saves what it safely can and ends the process. Restores the previous
+    handlers on exit."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    STUCK_S = 5.0
 
-    def __init__(self, info):
+    def __init__(self, info, grace: float, stuck):
         self.requested, self.info, self.previous, self.writing = False, info, {}, False
+        self.grace, self.stuck, self.armed, self.lock = grace, stuck, False, threading.Lock()
+        self.step_over, self.unwinding = threading.Event(), threading.Event()
 
     @contextlib.contextmanager
     def deferred(self):
@@ -296,18 +337,63 @@ class StopOnSignal:
             self.writing = False
 
     def _handle(self, signum, frame):
+        self.signum = signum
         if self.requested and not self.writing:
+            self.unwinding.set()
             raise StoppedBySignal(signum)
+        self._arm(signum)
         self.requested = True
         self.info(f"{signal.Signals(signum).name}: " + (
             "the save under way finishes first" if self.writing else
-            "finishing this step, then saving a checkpoint (send it again to give the step up and "
-            "save the last finished one)"))
+            f"finishing this step (given up after {self.grace:g} s), then saving a checkpoint (send it "
+            "again to give the step up now and save the last finished one)"))
+
+    def _arm(self, signum) -> None:
+        with self.lock:
+            if self.armed:
+                return
+            self.armed = True
+        threading.Thread(target=self._give_up_later, args=(signum, self.step_over),
+                         daemon=True).start()
+
+    def _read_wakeups(self, fd: int) -> None:
+        while data := os.read(fd, 64):   # the write end closed on exit: b""
+            for signum in data:
+                if signum in self.SIGNALS:
+                    self._arm(signum)
+        os.close(fd)
+
+    def _give_up_later(self, signum, step_over) -> None:
+        step_over.wait(self.grace)
+        while not step_over.is_set():
+            if not self.writing:   # a write is never cut short: the run stops after it
+                signal.pthread_kill(threading.main_thread().ident, signum)   # a blocked call: EINTR
+                if self.unwinding.wait(self.STUCK_S):
+                    return
+                if not self.writing:
+                    self.stuck(signum)
+                    return
+            step_over.wait(0.1)
+
+    def step_ended(self) -> None:
+        """The step returned: a stop asked during it needs no give-up."""
+        self.step_over.set()
+        self.step_over = threading.Event()
 
     def __enter__(self):
         self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        read, self.wakeup = os.pipe()
+        os.set_blocking(self.wakeup, False)
+        self.previous_wakeup = signal.set_wakeup_fd(self.wakeup, warn_on_full_buffer=False)
+        threading.Thread(target=self._read_wakeups, args=(read,), daemon=True).start()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        self.unwinding.set()
+        self.step_over.set()
+        signal.set_wakeup_fd(self.previous_wakeup)
+        os.close(self.wakeup)
         for s, h in self.previous.items():
             signal.signal(s, h)
+        if self.requested and distributed.world_size() > 1 and isinstance(exc, RuntimeError):
+            raise StoppedBySignal(self.signum) from exc   # a collective failed: a peer gave up first

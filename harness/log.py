@@ -53,6 +53,12 @@ def warn(message: str) -> None:
         print(f"train_lean.py: {message}", file=sys.stderr, flush=True)
 
 
+def warn_here(message: str) -> None:
+    """A line on stderr from whichever rank it concerns, named when there are several."""
+    where = f"rank {distributed.rank()}: " if distributed.world_size() > 1 else ""
+    print(f"train_lean.py: {where}{message}", file=sys.stderr, flush=True)
+
+
 def info(enabled: bool, message: str) -> None:
     """A console line (the trainer binds enabled: rank 0 and --log-level info or debug)."""
     if enabled:

@@ -110,8 +110,19 @@ class Run:
         if exc[0] is None and self.exit_code:
             sys.exit(self.exit_code)
         if exc[0] is not None and issubclass(exc[0], guards.StoppedBySignal):   # said by the saver
-            sys.exit(128 + exc[1].signum)
+            sys.exit(exc[1].code)
         return False
+
+    def _stuck(self, signum: int) -> None:
+        """From guards.StopOnSignal's timer: the step was given up, but the main thread stays in
+        native code (a collective whose peer is stopped or silent) and runs no handler. Rank 0 saves
+        the last finished step as the saver would (the weights stay still: that collective will not
+        complete, its peers give up too); every rank then ends at once, said."""
+        if self.main:
+            log.warn(self.saver.stopped(signal.Signals(signum).name) + " (held in a collective)")
+        else:
+            log.warn_here(f"stopped ({signal.Signals(signum).name}) while held in a collective")
+        os._exit(128 + signum)
 
     def open_task(self):
         """(the task, its prompts checked where they enter; --ptx-coef's source of texts or None). The first step's
@@ -335,7 +346,7 @@ class Run:
         if self.evaluating and self.start_step == 0 and self.main:  # where the run starts from
             self._first_evaluation(self.metrics_file, self.reporter, self.items_path)
         self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate",
-                                      config.reward_weights(cfg), cfg.group_size)
+                                      config.reward_weights(cfg), cfg.group_size, cfg.reward_timeout)
         self.phases = self.stack.enter_context(memory.Phases(self.device, self.rank, cfg, self.info))
         return self.guard
 
@@ -349,12 +360,13 @@ class Run:
         bar = tqdm(range(self.start_step + 1, cfg.steps + 1), desc="steps", initial=self.start_step, total=cfg.steps,
                    disable=not (self.main and sys.stderr.isatty()), file=sys.stderr)
         self.print_line = tqdm.write if not bar.disable else print
-        with guards.StopOnSignal(self.info) as stop:
+        with guards.StopOnSignal(self.info, cfg.stop_grace, self._stuck) as stop:
             self.stop = stop   # end_step asks for a stop too: OUT_DIR gone from where it was
             for step in bar:
                 self.phases.start(step)
                 self.guard.notes.clear()
                 yield step
+                stop.step_ended()
                 stopping = distributed.any_rank(stop.requested)  # every rank
                 aborting = self.guard.nonfinite_streak >= cfg.max_nonfinite
                 due = step == cfg.steps or (cfg.save_interval and step % cfg.save_interval == 0)
@@ -402,7 +414,8 @@ class Run:
         """The step's update has returned: it is what a failure from here on saves; its record (rows: the step's,
         from check_rewards), console line and, when due, the held-out evaluation."""
         cfg, step = self.cfg, rec["step"]
-        self.saver.completed(step, self.guard.nonfinite_streak, self.kl.coef if cfg.kl_target else None)
+        self.saver.completed(step, self.guard.nonfinite_streak,   # every rank
+                             self.kl.coef if cfg.kl_target else None)
         self.phases.end("train")
         rec.update(log.batch_stats(rows, cfg.group_size))
         if self.task_changed:   # the first record of a resume after the task's file was edited

@@ -89,7 +89,7 @@ import torch
 from grpo.decoders import generate
 from grpo.model import context_length, end_ids
 from grpo.rollout import decode_completions, encode_prompts, left_pad, shown, stream_seed
-from harness import intervals, log
+from harness import guards, intervals, log
 from harness.config import opt
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)   # rewards are stored as float32: a larger one is inf there
@@ -490,8 +490,9 @@ class Scorer:
     reward failed stops the run (unless tolerate), and the first step whose groups all got equal rewards is
     named, with what to try."""
 
-    def __init__(self, task, tolerate: bool, weights: dict = None, group_size: int = None):
-        self.task, self.tolerate, self.weights = task, tolerate, weights or {}
+    def __init__(self, task, tolerate: bool, weights: dict = None, group_size: int = None,
+                 timeout: float = 0):
+        self.task, self.tolerate, self.weights, self.timeout = task, tolerate, weights or {}, timeout
         self.group_size = group_size   # a failed reward ranks below its group's valid ones (score)
         self.shown, self.flat_named = set(), False
         self.steps, self.flat_steps = 0, 0   # this process's steps, and those whose groups were all flat
@@ -504,11 +505,16 @@ class Scorer:
         self.scored += len(completions)
         rows, done = [] if self.weights else None, []
         ticker = log.Ticker("rewards", "scoring", lambda: f"{len(done)} of {len(completions)} scored"
-                            + " (a second Ctrl-C or SIGTERM gives the step up, saving the last one)",
+                            + " (Ctrl-C or SIGTERM gives the step up, saving the last one)",
                             self.EVERY_S)
         try:
-            return (*score(self.task, prompts, completions, self.failures, self.weights, rows,
-                           self.group_size, done=done), rows)
+            with guards.time_limit(self.timeout):
+                return (*score(self.task, prompts, completions, self.failures, self.weights, rows,
+                               self.group_size, done=done), rows)
+        except guards.RewardTimeout as e:
+            log.warn_here(f"rewards: {len(done)} of {len(completions)} scored in {e.why}: the step "
+                          f"is given up")
+            raise
         finally:
             ticker.close()
 

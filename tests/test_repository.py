@@ -192,5 +192,6 @@ def test_the_check_knows_the_collectives():
     known = collectives([Module(p) for p in sources()])
     assert {("harness.guards", "Guard", "fit"), ("harness.run", "Run", "steps"),
             ("harness.run", "Run", "check_rewards"), ("train_lean", None, "update"),
-            ("grpo.passes", None, "reference_logprobs")} <= known
-    assert ("harness.run", "Run", "end_step") not in known   # rank 0 alone writes the record
+            ("grpo.passes", None, "reference_logprobs"),
+            ("harness.run", "Run", "end_step")} <= known   # every rank's RNG states when a step ends
+    assert ("harness.checkpoint", "Saver", "save") not in known   # rank 0 alone writes

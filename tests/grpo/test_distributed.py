@@ -5,15 +5,19 @@ with --generation-batch-size equal to each rank's share samples exactly the rows
 everything after that (global advantages, the global token count, gradients summed over ranks) must then
 give the one-process update, up to float summation order.
 """
+import contextlib
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 import torch
 
-from helpers import SMALL, TRAIN, env, records, train, weights
+from helpers import PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting, records, train, weights
 
 pytestmark = pytest.mark.slow   # gloo processes, as under torchrun
 
@@ -121,3 +125,109 @@ def test_ranks_with_different_settings_refuse_to_start_in_one_line(tiny_model_di
         assert said and shown in said[0] and "differs from rank 0's" in said[0] and "(default)" in said[0]
         # torchrun's launcher prints its own traceback of the failed children; none of the trainer's
         assert "harness/" not in proc.stderr and not (out / "metrics.jsonl").exists()
+
+
+RANK_1_HUNG = '''
+import os, signal, time
+from tasks.toy import ToyTask
+
+class Hung(ToyTask):
+    calls = 0
+
+    def reward(self, prompt, completion):
+        Hung.calls += 1   # 4 a step on each rank
+        if Hung.calls == 5 and os.environ["RANK"] == "1" and os.environ.get("HANG"):
+            print("hung", os.getpid(), flush=True)
+            if os.environ["HANG"] == "stop":   # as a process stopped by a debugger or a full node
+                os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(600)
+        return super().reward(prompt, completion)
+'''
+
+
+def hung_torchrun(tiny_model_dir, tmp_path, how):
+    (tmp_path / "hung.py").write_text(RANK_1_HUNG)
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            TRAIN, "--model", tiny_model_dir, *SMALL, "--task", f"{tmp_path / 'hung.py'}:Hung",
+            "--steps", "3", "--stop-grace", "2", "--out-dir", str(tmp_path / "out")]
+    proc = subprocess.Popen(args, env=env(HANG=how), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    hung = int(line_starting(proc, "hung", PROCESS_DEADLINE_S).split()[1])
+    return args, proc, hung
+
+
+def test_one_sigterm_to_torchrun_with_a_rank_hung_saves_the_last_step_on_every_rank(
+        tiny_model_dir, tmp_path):
+    """Issue 59 case 3 under torchrun: rank 1's reward never returned, rank 0 waited in a
+    collective; neither acted on torchrun's SIGTERM and both were killed 30 s later, unsaved."""
+    args, proc, _ = hung_torchrun(tiny_model_dir, tmp_path, "sleep")
+    start = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert time.perf_counter() - start < 20, err   # torchrun kills at 30 s
+    saved = tmp_path / "out" / "checkpoints" / "step_000001"
+    assert f"stopped (SIGTERM) in step 2: saved step 1 to {saved}; continue with --resume" in err
+    assert "harness/" not in err   # no trainer traceback
+    again = subprocess.run(args + ["--resume"], env=env(), capture_output=True, text=True,
+                           timeout=PROCESS_DEADLINE_S)   # every rank's RNG was saved: it goes on
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [r["step"] for r in records(tmp_path / "out" / "metrics.jsonl")] == [1, 2, 3]
+    # issue 59 case 6 the other way: two ranks' checkpoint, one process
+    alone = train(*args[args.index(TRAIN) + 1:], "--steps", "4", "--resume")
+    assert alone.returncode == 2, alone.stderr[-3000:]
+    assert "was saved by a run on 2 device(s) and this one runs on 1" in alone.stderr
+
+
+def test_a_rank_held_in_a_collective_by_a_stopped_peer_saves_and_ends_on_sigterm(
+        tiny_model_dir, tmp_path):
+    """No handler runs in a main thread held in native code: the grace's timer saves and ends it."""
+    _, proc, stopped = hung_torchrun(tiny_model_dir, tmp_path, "stop")
+    try:
+        worker = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                 text=True).stdout.split()]
+        rank0 = next(p for p in worker if p != stopped)
+        os.kill(rank0, signal.SIGTERM)
+        deadline = time.perf_counter() + 30
+        while os.path.exists(f"/proc/{rank0}") and time.perf_counter() < deadline:
+            time.sleep(0.2)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(rank0, os.WNOHANG)
+    finally:
+        os.kill(stopped, signal.SIGKILL)   # torchrun then ends
+    _, err = proc.communicate(timeout=60)
+    saved = tmp_path / "out" / "checkpoints" / "step_000001"
+    assert (f"stopped (SIGTERM) in step 2: saved step 1 to {saved}; continue with --resume "
+            "(held in a collective)") in err, err[-3000:]
+
+
+WAITER = '''
+import sys, time
+sys.path.insert(0, {repo!r})
+from grpo import distributed
+distributed.WAIT_SAY_S = 0.5
+rank, world, device = distributed.init("cpu")
+if rank == 1:
+    time.sleep(2.2)   # a reward that takes long
+print(distributed.all_sum([1.0]), flush=True)
+distributed.close()
+'''
+
+
+def test_a_rank_waiting_long_in_a_collective_says_so(tmp_path):
+    """No silent hang: a rank that waits for another says so (every WAIT_SAY_S, 60 s in a run)."""
+    (tmp_path / "waiter.py").write_text(WAITER.format(repo=os.path.dirname(TRAIN)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "waiter.py")], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for r in (0, 1)]
+    (out0, err0), (out1, err1) = (p.communicate(timeout=120) for p in procs)
+    assert out0 == out1 == "[2.0]\n", err0 + err1
+    said = [line for line in err0.splitlines() if "still waiting" in line]
+    assert 2 <= len(said) <= 5, err0
+    assert said[0] == ("train_lean.py: rank 0: still waiting for the other ranks (a sum), 0.5 s so "
+                       "far: a rank is held (its lines say where); Ctrl-C or SIGTERM stops the run")
+    assert "still waiting" not in err1

@@ -439,18 +439,26 @@ class Hung(ToyTask):
 """
 
 
-@pytest.mark.slow
-def test_a_second_signal_in_a_hung_step_saves_the_last_finished_one_and_exits(tiny_model_dir, tmp_path):
-    """Issue 59 case 3: a reward that never returned kept the step from ending; a second SIGTERM
-    exited 143 with no line and no checkpoint, the steps trained lost."""
+def hung_run(tiny_model_dir, tmp_path, *more):
+    """The arguments of a 3-step run whose step 2 hangs in its first reward (with HANG set)."""
     (tmp_path / "hung.py").write_text(HUNG_REWARD)
+    return [sys.executable, TRAIN, "--model", tiny_model_dir, *SMALL, "--task",
+            f"{tmp_path / 'hung.py'}:Hung", "--steps", "3", "--save-interval", "0",
+            "--out-dir", str(tmp_path / "out"), *more]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signals,grace", [(1, "2"), (2, "60")], ids=["one-then-grace", "two"])
+def test_a_signal_in_a_hung_step_saves_the_last_finished_one_and_exits(tiny_model_dir, tmp_path,
+                                                                      signals, grace):
+    """Issue 59 case 3: a reward that never returned kept the step from ending; a second SIGTERM
+    exited 143 with no line and no checkpoint, the steps trained lost (and launchers send one)."""
+    args = hung_run(tiny_model_dir, tmp_path, "--stop-grace", grace)
     out = tmp_path / "out"
-    args = [sys.executable, TRAIN, "--model", tiny_model_dir, *SMALL, "--task",
-            f"{tmp_path / 'hung.py'}:Hung", "--steps", "3", "--save-interval", "0", "--out-dir", str(out)]
     proc = subprocess.Popen(args, env={**env(), "HANG": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     line_starting(proc, "hung", PROCESS_DEADLINE_S)
-    for _ in range(2):
+    for _ in range(signals):
         proc.send_signal(signal.SIGTERM)
         time.sleep(1)
     _, err = proc.communicate(timeout=30)
@@ -460,6 +468,18 @@ def test_a_second_signal_in_a_hung_step_saves_the_last_finished_one_and_exits(ti
     again = train(*args[2:], "--resume")
     assert again.returncode == 0, again.stderr
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_reward_past_the_timeout_gives_the_step_up_saving_the_last(tiny_model_dir, tmp_path):
+    args = hung_run(tiny_model_dir, tmp_path, "--reward-timeout", "2")
+    hung = subprocess.run(args, env={**env(), "HANG": "1"}, capture_output=True, text=True,
+                          timeout=PROCESS_DEADLINE_S)
+    assert hung.returncode == 1 and "Traceback" not in hung.stderr, hung.stderr
+    lines = hung.stderr.splitlines()
+    assert "train_lean.py: rewards: 0 of 8 scored in --reward-timeout 2 s: the step is given up" in lines
+    assert (f"train_lean.py: stopped (--reward-timeout 2 s) in step 2: saved step 1 to "
+            f"{tmp_path / 'out' / 'checkpoints' / 'step_000001'}; continue with --resume") in lines
 
 
 def no_bigger_files_than(limit: int):

@@ -3,8 +3,11 @@
 Run in-process through train_lean.main(argv) so that the test can stand in for the CUDA allocator
 (raising torch.OutOfMemoryError above a batch size) or make one loss non-finite.
 """
+import contextlib
 import math
 import os
+import signal
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -326,3 +329,76 @@ def test_micro_batch_tokens_auto_takes_the_budget_from_the_free_memory(tiny_mode
     recs = run(tiny_model_dir, tmp_path / "probed", "--micro-batch-tokens", "auto", "--steps", "1")
     assert "micro-batch tokens auto: 34 real tokens" in capsys.readouterr().out   # 136 halved twice
     assert "oom_retries" not in recs[0]
+
+
+def stop_on_signal(grace: float, stuck_s: float = 5.0):
+    """A StopOnSignal whose lines and stuck() calls are kept."""
+    said, stuck = [], []
+    stop = harness.guards.StopOnSignal(said.append, grace, stuck.append)
+    stop.STUCK_S = stuck_s
+    return stop, said, stuck
+
+
+def test_one_signal_gives_a_step_that_does_not_end_up_after_the_grace():
+    """Issue 59 case 3: torchrun, Slurm and Kubernetes send one SIGTERM, then kill: the step had to
+    end by itself or take the steps trained with it."""
+    stop, said, stuck = stop_on_signal(0.3)
+    start = time.perf_counter()
+    with pytest.raises(harness.guards.StoppedBySignal) as e:
+        with stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)   # a reward that never returns
+    assert 0.3 <= time.perf_counter() - start < 5
+    assert (e.value.why, e.value.code) == ("SIGTERM", 143) and not stuck
+    assert said == ["SIGTERM: finishing this step (given up after 0.3 s), then saving a checkpoint "
+                    "(send it again to give the step up now and save the last finished one)"]
+
+
+def test_a_step_that_ends_within_the_grace_is_not_given_up():
+    stop, said, stuck = stop_on_signal(0.5)
+    with stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        stop.step_ended()
+        time.sleep(1)   # the next step (the loop stops before it; here it runs on)
+    assert stop.requested and len(said) == 1 and not stuck
+
+
+def test_a_main_thread_that_runs_no_handler_is_ended_by_stuck():
+    """A rank held in a collective whose peer is stopped runs no signal handler: the timer calls
+    stuck() (the run saves and ends the process there). Here the main thread blocks the signal."""
+    stop, said, stuck = stop_on_signal(0.2, stuck_s=0.2)
+    with stop:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)   # another thread takes it: the wakeup fd says it
+            deadline = time.perf_counter() + 10
+            while not stuck and time.perf_counter() < deadline:
+                time.sleep(0.05)
+        finally:
+            with contextlib.suppress(harness.guards.StoppedBySignal):   # the pending SIGTERM's
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+                time.sleep(0.01)
+    assert stuck == [signal.SIGTERM]
+
+
+def test_a_write_is_never_given_up():
+    stop, said, stuck = stop_on_signal(0.1, stuck_s=0.1)
+    with stop:
+        with stop.deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.6)   # a checkpoint's write, longer than the grace
+        stop.step_ended()
+    assert not stuck and said == ["SIGTERM: the save under way finishes first"]
+
+
+def test_a_reward_past_the_time_limit_is_given_up_in_a_blocked_call():
+    start = time.perf_counter()
+    with pytest.raises(harness.guards.RewardTimeout) as e:
+        with harness.guards.time_limit(0.3):
+            os.read(os.pipe()[0], 1)   # a pipe that never speaks
+    assert 0.3 <= time.perf_counter() - start < 5
+    assert (e.value.why, e.value.code) == ("--reward-timeout 0.3 s", 1)
+    with harness.guards.time_limit(0):   # off
+        time.sleep(0.01)
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL

@@ -1092,7 +1092,7 @@ def test_a_long_scoring_says_it_is_still_going(monkeypatch, capsys):
     rewards, *_ = Scorer(Slow(), tolerate=False)(["p"] * 3, ["a", "b", "c"])
     assert rewards.tolist() == [1.0] * 3
     lines.extend(capsys.readouterr().out.splitlines())
-    said = (r"rewards: still scoring, \S+ so far, [0-3] of 3 scored \(a second Ctrl-C or SIGTERM "
+    said = (r"rewards: still scoring, \S+ so far, [0-3] of 3 scored \(Ctrl-C or SIGTERM "
             r"gives the step up, saving the last one\)")
     assert len(lines) >= 2 and all(re.fullmatch(said, line) for line in lines), lines
     time.sleep(0.2)
