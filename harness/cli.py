@@ -8,6 +8,7 @@ its range, as soon as the task is found), its range and the batch arithmetic in 
 raises config.ConfigError: one line that names it.
 """
 import argparse
+import collections.abc
 import dataclasses
 import difflib
 import math
@@ -109,7 +110,7 @@ def _help(f, default_task: str, declared: dict = None, task_name: str = "") -> s
     unless the help says what it comes to ("(default: batch)"); a value the task declares is shown as its default
     ("[default 1.0 (--task chess); >= 0]")."""
     text, choices = f.metadata.get("help", ""), f.metadata.get("choices")
-    if isinstance(choices, dict):   # read now: train_lean.py's tables have filled them
+    if isinstance(choices, collections.abc.Mapping):   # read now: a variant's table as it is (its CHOICES)
         text = f"{text}: " + "; ".join(f"{k}: {v}" for k, v in choices.items())
     if f.metadata.get("aliases"):
         text += " (also " + ", ".join(f"{k} = {v}" for k, v in f.metadata["aliases"].items()) + ")"
