@@ -115,7 +115,8 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
 
 
 def statistics(ratio, t, ref_logp, cfg) -> dict:
-    """The micro-batch's sums over its loss tokens (the record divides by the step's tokens)."""
+    """The micro-batch's statistics over its loss tokens: sums (the record divides them by the step's
+    tokens), except mismatch_max: the largest |gap|, a max."""
     with torch.no_grad():
         ratio, adv, zeros = ratio.expand_as(t.logp), t.adv, torch.zeros_like(t.logp)
         counted = t.mask if t.pg_mask is None else t.mask * t.pg_mask   # with a policy gradient

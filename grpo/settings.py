@@ -1,8 +1,9 @@
-"""The algorithm's settings: every field the GRPO step reads (train_lean.py, grpo/), with its default,
-help, choices and range. harness/config.py's Config adds the run's own (model, task, devices, output,
-checkpoints) to them, and harness/cli.py makes every field a flag --field-name and an override
-GRPO_FIELD_NAME. A variant's knob is a field here; a flag's choices are its table's, train_lean.py's
-when it is loaded (grpo/variants.py CHOICES).
+"""The algorithm's settings: the fields of the GRPO step's arithmetic (train_lean.py, grpo/), each
+with its default, help, choices and range. harness/config.py's Config adds the rest to them: the
+run's own (model, task, devices, output, checkpoints) and how the model is built and the work cut,
+some of which grpo/ reads too (LoRA's in grpo/model.py). harness/cli.py makes every field a flag
+--field-name and an override GRPO_FIELD_NAME. A variant's knob is a field here; a flag's choices are
+read from its table at each use, train_lean.py's once it is loaded (grpo/variants.py CHOICES).
 """
 import typing
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ def opt(default, help, choices=None, const=None, path=None, auto=False, resume_f
     name -> what it does, listed in the help; aliases: another trainer's names -> a choice; old_names:
     the field's earlier names, still read (harness/config.py OLD_NAMES); text: its value is prose,
     taken as given (no word of it means unset). The help lists choices and aliases when shown
-    (harness/cli.py), so a Table's entry added later is listed too."""
+    (harness/cli.py); a variant flag's are read from its table then, so an entry added to the table
+    later is listed too (grpo/variants.py Choices)."""
     return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
                                             "auto": auto, "resume_free": resume_free,
                                             "resume_fixed": resume_fixed, "must": must, "note": note,
