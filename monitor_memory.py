@@ -98,9 +98,8 @@ def batch_sizes(text):
     return sorted(set(sizes))
 
 
-def parse_args(argv):
-    """(args, trainer flags): everything after the first `--` goes to train_lean.py untouched."""
-    own, train = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+def build_parser():
+    """monitor_memory.py's own flags (the trainer's come after `--`)."""
     p = Parser(prog="monitor_memory.py", description=__doc__.split("\n\n")[0])
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--from-log", metavar="FILE", help="analyse this JSONL log instead of starting a run")
@@ -135,14 +134,34 @@ def parse_args(argv):
     p.add_argument("--plot", metavar="FILE", help="write a PNG plot here")
     p.add_argument("--trainer", default=os.path.join(HERE, "train_lean.py"),
                    help="the training script to run (default: train_lean.py next to this file)")
-    args = p.parse_args(own)
+    return p
+
+
+def parse_args(argv):
+    """(args, trainer flags): everything after the first `--` goes to train_lean.py untouched."""
+    own, train = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = build_parser().parse_args(own)
     for positional, name, flag in (("steps_given", "steps", "--steps"), ("batch_given", "batch_size", "--batch-size")):
         given, flagged = getattr(args, positional), getattr(args, name)
         if given is not None and flagged is not None and given != flagged:
             raise UsageError(f"{name.upper()} {given} and {flag} {flagged} disagree: give it once")
         if flagged is None:
             setattr(args, name, given)
+    check_outputs(args, train)
+    if args.trace_steps is not None and not args.trace:
+        raise UsageError("--trace-steps applies with --trace")
+    args.trace_steps = args.trace_steps or TRACE_STEPS
+    if args.trace and (args.from_log or args.sweep):
+        raise UsageError("--trace traces a run the monitor watches: not with --from-log or --sweep")
+    if args.from_log is not None:
+        check_from_log(args, train)
+    else:
+        check_trainer_flags(args, train)
+    return args, train
 
+
+def check_outputs(args, train):
+    """--summary and --plot writable, neither on what the monitor reads or the watched run writes."""
     outputs = (("--summary", args.summary), ("--plot", args.plot))
     for flag, path in outputs:
         if path is not None:   # written after the whole run: a bad path is said now, not then
@@ -156,21 +175,22 @@ def parse_args(argv):
     clash = places.clash([("--from-log", args.from_log, "reads"), *watched], outputs)
     if clash:
         raise UsageError(clash)
-    if args.trace_steps is not None and not args.trace:
-        raise UsageError("--trace-steps applies with --trace")
-    args.trace_steps = args.trace_steps or TRACE_STEPS
-    if args.trace and (args.from_log or args.sweep):
-        raise UsageError("--trace traces a run the monitor watches: not with --from-log or --sweep")
-    if args.from_log is not None:
-        if train or args.steps or args.batch_size:
-            raise UsageError("--from-log analyses an existing log: it takes no --steps, --batch-size or trainer flags")
-        if os.path.isdir(args.from_log):   # a run's folder: its log is named
-            inside = os.path.join(args.from_log, "metrics.jsonl")
-            raise UsageError(f"--from-log {args.from_log} is a folder: pass the run's log" +
-                             (f", {inside}" if os.path.isfile(inside) else " file in it"))
-        if not os.path.isfile(args.from_log):
-            raise UsageError(f"--from-log {args.from_log}: no such file")
-        return args, train
+
+
+def check_from_log(args, train):
+    """--from-log names a log file, and nothing that would start a run comes with it."""
+    if train or args.steps or args.batch_size:
+        raise UsageError("--from-log analyses an existing log: it takes no --steps, --batch-size or trainer flags")
+    if os.path.isdir(args.from_log):   # a run's folder: its log is named
+        inside = os.path.join(args.from_log, "metrics.jsonl")
+        raise UsageError(f"--from-log {args.from_log} is a folder: pass the run's log" +
+                         (f", {inside}" if os.path.isfile(inside) else " file in it"))
+    if not os.path.isfile(args.from_log):
+        raise UsageError(f"--from-log {args.from_log}: no such file")
+
+
+def check_trainer_flags(args, train):
+    """The trainer exists, and its flags leave alone those the monitor sets itself."""
     if not os.path.isfile(args.trainer):
         raise UsageError(f"trainer {args.trainer} not found")
     controlled = ["--steps", "--batch-size"] + (["--out-dir", "--log-file"] if args.sweep else [])
@@ -183,7 +203,6 @@ def parse_args(argv):
                              else f"give {flag} to monitor_memory.py, not after --")
     if args.sweep and args.batch_size:
         raise UsageError("--sweep sets the batch size; leave out --batch-size")
-    return args, train
 
 
 def writable(flag, path):
@@ -768,54 +787,66 @@ def main(argv):
 
     if args.sweep:
         try:
-            result = sweep(args, train)
+            code, summary = swept(args, train)
         except UsageError as e:
             print(f"monitor_memory.py: error: {e}", file=sys.stderr)
             return EXIT_USAGE
-        code = EXIT_OK if "fixed_mb" in result or any(r["status"] == "OK" for r in result["rows"]) else EXIT_UNJUDGED
-        if any(r["status"] == "FAIL" for r in result["rows"]):
-            code = EXIT_UNJUDGED
-        summary = dict(mode="sweep", command=train, exit_code=code, **result)
-        if args.plot:
-            save(sweep_figure(result), args.plot)
     else:
-        if args.from_log:
-            records, returncode, interrupted = read_log(args.from_log, memory_only=True), 0, False
-            evidence_path, started = os.path.join(os.path.dirname(os.path.abspath(args.from_log)), EVIDENCE), 0.0
-        else:
-            train = own_out_dir(train)
-            evidence_path, started = evidence_file(args, train), time.time()
-            records, returncode, interrupted = watch(args, train)
-        report = memwatch.analyse(records, args.warmup, args.leak_mb_per_step, args.frag_ratio, args.churn_spread)
-        if report["records"]:   # a trainer that failed before its first step leaves nothing to tabulate
-            print_report(report)
-        evidence = None
-        # a file from before this run started is an earlier run's evidence, not this one's
-        if evidence_path and os.path.exists(evidence_path) and os.path.getmtime(evidence_path) >= started:
-            with open(evidence_path) as f:
-                evidence = json.load(f)
-            print_evidence(evidence, evidence_path, report["verdict"] == "LEAK", records)
-        elif args.trace:
-            print("\nno evidence: the run ended before its trace window's first step did")
-        failed = returncode != 0 and not interrupted
-        code = (EXIT_LEAK if report["verdict"] == "LEAK" else
-                EXIT_UNJUDGED if report["verdict"] != "ok" or failed else EXIT_OK)
-        # The trainer rejecting its flags before its first step is the user's usage error too.
-        if failed and returncode == EXIT_USAGE and not records:
-            code = EXIT_USAGE
-        print({EXIT_OK: "verdict: no leak", EXIT_LEAK: "verdict: LEAK",
-               EXIT_USAGE: "verdict: not judged (the trainer rejected its flags)",
-               EXIT_UNJUDGED: "verdict: not judged" + (" (the trainer failed)" if failed else
-                                                      " (too few records after the warm-up)")}[code])
-        summary = dict(mode="log" if args.from_log else "watch", source=args.from_log, command=train,
-                       trainer_exit_code=None if args.from_log else returncode, interrupted=interrupted,
-                       exit_code=code, evidence=evidence, **report)
-        if args.plot:
-            save(run_figure(records, report), args.plot)
+        code, summary = watched(args, train)
     if args.summary:
         with open(args.summary, "w") as f:
             json.dump(summary, f, indent=2)
     return code
+
+
+def swept(args, train) -> tuple:
+    """--sweep: a few steps at each batch size; (the exit code, the summary)."""
+    result = sweep(args, train)
+    code = EXIT_OK if "fixed_mb" in result or any(r["status"] == "OK" for r in result["rows"]) else EXIT_UNJUDGED
+    if any(r["status"] == "FAIL" for r in result["rows"]):
+        code = EXIT_UNJUDGED
+    summary = dict(mode="sweep", command=train, exit_code=code, **result)
+    if args.plot:
+        save(sweep_figure(result), args.plot)
+    return code, summary
+
+
+def watched(args, train) -> tuple:
+    """A run watched (or --from-log, its log read) and judged; (the exit code, the summary)."""
+    if args.from_log:
+        records, returncode, interrupted = read_log(args.from_log, memory_only=True), 0, False
+        evidence_path, started = os.path.join(os.path.dirname(os.path.abspath(args.from_log)), EVIDENCE), 0.0
+    else:
+        train = own_out_dir(train)
+        evidence_path, started = evidence_file(args, train), time.time()
+        records, returncode, interrupted = watch(args, train)
+    report = memwatch.analyse(records, args.warmup, args.leak_mb_per_step, args.frag_ratio, args.churn_spread)
+    if report["records"]:   # a trainer that failed before its first step leaves nothing to tabulate
+        print_report(report)
+    evidence = None
+    # a file from before this run started is an earlier run's evidence, not this one's
+    if evidence_path and os.path.exists(evidence_path) and os.path.getmtime(evidence_path) >= started:
+        with open(evidence_path) as f:
+            evidence = json.load(f)
+        print_evidence(evidence, evidence_path, report["verdict"] == "LEAK", records)
+    elif args.trace:
+        print("\nno evidence: the run ended before its trace window's first step did")
+    failed = returncode != 0 and not interrupted
+    code = (EXIT_LEAK if report["verdict"] == "LEAK" else
+            EXIT_UNJUDGED if report["verdict"] != "ok" or failed else EXIT_OK)
+    # The trainer rejecting its flags before its first step is the user's usage error too.
+    if failed and returncode == EXIT_USAGE and not records:
+        code = EXIT_USAGE
+    print({EXIT_OK: "verdict: no leak", EXIT_LEAK: "verdict: LEAK",
+           EXIT_USAGE: "verdict: not judged (the trainer rejected its flags)",
+           EXIT_UNJUDGED: "verdict: not judged" + (" (the trainer failed)" if failed else
+                                                  " (too few records after the warm-up)")}[code])
+    summary = dict(mode="log" if args.from_log else "watch", source=args.from_log, command=train,
+                   trainer_exit_code=None if args.from_log else returncode, interrupted=interrupted,
+                   exit_code=code, evidence=evidence, **report)
+    if args.plot:
+        save(run_figure(records, report), args.plot)
+    return code, summary
 
 
 if __name__ == "__main__":

@@ -38,12 +38,14 @@ def group_normalised(r, eps, **_):
 ADVANTAGES = variants.Table("advantage", {"group": group_normalised, **variants.ADVANTAGES})
 
 
-def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4,
+def group_advantages(rewards, group_size: int, advantage: str = "group", eps: float = 1e-4,
                      parts=None, weights=None):
     """[N] advantages of the batch's rewards (groups contiguous), and the share of flat groups,
-    whose rewards are all equal. parts [N, K], weights: the reward's parts, for --advantage gdpo."""
+    whose rewards are all equal. parts [N, K], weights: the reward's parts, for an advantage that
+    reads them (--advantage gdpo)."""
     r = rewards.float().view(-1, group_size)
-    adv = ADVANTAGES[scale](r, eps, parts=parts, weights=weights)
+    # a variant may build on the default (gdpo normalises each part as it does)
+    adv = ADVANTAGES[advantage](r, eps, parts=parts, weights=weights, default=group_normalised)
     return adv.reshape(-1), flat_groups(rewards, group_size).float().mean().item()
 
 
@@ -54,7 +56,8 @@ def token_ratio(logp, old_logp, mask):
     return torch.exp(logp - old_logp)
 
 
-def clipped_surrogate(ratio, t, cfg):
+@variants.declares(accepts_dual_clip=True)
+def clipped_surrogate(ratio, t, cfg, **_):
     """PPO's -min(r A, clip(r, 1 - low, 1 + high) A): no gradient once r is past the clip on A's
     side."""
     low, high = variants.clip_bounds(cfg)
@@ -99,7 +102,7 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
                         cov_mask=cov_mask, sampler_logp=sampler_logp,
                         train_logp=logp.detach() if train_logp is None else train_logp)
     ratio = RATIOS[cfg.importance_level](logp, old_logp, t.mask)
-    pg = POLICY_LOSSES[cfg.policy_loss](ratio, t, cfg)
+    pg = POLICY_LOSSES[cfg.policy_loss](ratio, t, cfg, default=clipped_surrogate)   # clip-cov's
     for term in variants.pg_terms(cfg, t):   # none by default: see pg_terms
         pg = term(pg, t, cfg)
     per_token = pg.expand_as(logp)   # a sequence-level term is every token's
@@ -112,7 +115,8 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
 
 
 def statistics(ratio, t, ref_logp, cfg) -> dict:
-    """The micro-batch's sums over its loss tokens (the record divides by the step's tokens)."""
+    """The micro-batch's statistics over its loss tokens: sums (the record divides them by the step's
+    tokens), except mismatch_max: the largest |gap|, a max."""
     with torch.no_grad():
         ratio, adv, zeros = ratio.expand_as(t.logp), t.adv, torch.zeros_like(t.logp)
         counted = t.mask if t.pg_mask is None else t.mask * t.pg_mask   # with a policy gradient
@@ -188,7 +192,8 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
             # the denominator is global: gradients summed over ranks are the one-process gradient
             count = loss_denominator(mask[rows], cfg)
             denominator = max(distributed.all_sum([count])[0], 1)  # every rank
-            masks = token_masks(policy, batch, rows, mask, guard, cfg, autocast)  # every rank
+            masks = token_masks(  # every rank
+                policy, batch, rows, mask, guard, cfg, autocast, POLICY_LOSSES[cfg.policy_loss])
             sums = guard.fit(functools.partial(  # every rank
                 accumulate, policy, optimizer, batch, rows, mask=mask, denominator=denominator,
                 cfg=cfg, autocast=autocast, kl_coef=kl_coef, sampler=sampler,
@@ -277,8 +282,9 @@ def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer
     run.phase_done("ref")
     # ---- advantages: each completion against its group, every rank's groups ---------------------
     rewards = torch.cat(distributed.gather_objects(batch.shaped_rewards))  # every rank
-    parts = None if cfg.advantage != "gdpo" else torch.cat(  # GDPO: each part, weighted
-        distributed.gather_objects(torch.tensor(batch.parts)))  # every rank
+    parts = None   # the reward's parts, for an advantage that reads them (GDPO)
+    if variants.declared(ADVANTAGES[cfg.advantage], "reads_parts"):
+        parts = torch.cat(distributed.gather_objects(torch.tensor(batch.parts)))  # every rank
     adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.advantage, parts=parts,
                                                  weights=list(run.scorer.weights.values()))
     batch.advantages = adv[rank * B:(rank + 1) * B].to(run.device)

@@ -1,6 +1,6 @@
 """The forwards without gradient besides the update: the reference's logprobs, and what a variant
-needs over a whole mini-batch before its micro-batches (top-entropy and Clip-Cov / KL-Cov tokens,
-the trainer's logprobs at the sampling weights). Each runs under guard.fit (retried with fewer rows
+needs over a whole mini-batch before its micro-batches (the top-entropy tokens, the tokens a policy
+loss chooses, the trainer's logprobs at the sampling weights). Each runs under guard.fit (retried with fewer rows
 after an out-of-memory), so holds no collective; the gathers after it are marked `# every rank`.
 """
 import functools
@@ -8,7 +8,7 @@ import functools
 import torch
 
 from grpo import distributed
-from grpo.variants import covariance_tokens, entropy_in_loss, top_entropy_threshold
+from grpo.variants import declared, entropy_in_loss, top_entropy_threshold
 from grpo.model import completion_logprobs, logprob_temperature, reference_weights
 
 
@@ -68,10 +68,10 @@ def high_entropy_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> torc
     return chosen
 
 
-def high_covariance_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> torch.Tensor:
-    """[B, T] bool: the tokens of the mini-batch `rows` that --policy-loss clip-cov or kl-cov acts
-    on, chosen over the mini-batch of every device (covariance_tokens) before any micro-batch runs.
-    """
+def chosen_tokens(choose, policy, batch, rows, mask, guard, cfg, autocast) -> torch.Tensor:
+    """[B, T] bool: the tokens of the mini-batch `rows` that a policy loss acts on, chosen by its
+    choose(logp, old_logp, adv, cfg) (its chooses_tokens: Clip-Cov's, KL-Cov's) over the
+    mini-batch of every device before any micro-batch runs."""
     logp = no_grad_pass(policy, batch, guard, cfg, autocast, rows)  # every rank
     carried = mask[rows].bool()
     adv = batch.advantages[rows][:, None].expand_as(logp)
@@ -79,22 +79,24 @@ def high_covariance_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> t
     every = distributed.gather_objects(tokens)  # every rank
     start = sum(t.shape[1] for t in every[:distributed.rank()])
     chosen, mine = torch.zeros_like(mask, dtype=torch.bool), torch.zeros_like(carried)
-    mine[carried] = covariance_tokens(*torch.cat(every, 1), cfg)[start:start + int(carried.sum())].to(mine.device)
+    picked = choose(*torch.cat(every, 1), cfg)   # among every device's tokens
+    mine[carried] = picked[start:start + int(carried.sum())].to(mine.device)
     chosen[rows] = mine
     return chosen
 
 
-def token_masks(policy, batch, rows, mask, guard, cfg, autocast) -> dict:
+def token_masks(policy, batch, rows, mask, guard, cfg, autocast, loss) -> dict:
     """The tokens of the mini-batch `rows` a variant's term acts on, chosen over every device's rows
-    before its micro-batches run: pg_mask (--top-entropy-quantile) and cov_mask (--policy-loss
-    clip-cov, kl-cov), each None when off."""
+    before its micro-batches run: pg_mask (--top-entropy-quantile) and cov_mask (those the policy
+    loss `loss` chooses, when it declares chooses_tokens), each None when off."""
     masks = {"pg_mask": None, "cov_mask": None}
     if cfg.top_entropy_quantile < 1:
         masks["pg_mask"] = high_entropy_tokens(  # every rank
             policy, batch, rows, mask, guard, cfg, autocast)
-    if cfg.policy_loss in ("clip-cov", "kl-cov"):
-        masks["cov_mask"] = high_covariance_tokens(  # every rank
-            policy, batch, rows, mask, guard, cfg, autocast)
+    choose = declared(loss, "chooses_tokens")
+    if choose is not None:
+        masks["cov_mask"] = chosen_tokens(  # every rank
+            choose, policy, batch, rows, mask, guard, cfg, autocast)
     return masks
 
 

@@ -1,8 +1,9 @@
-"""The algorithm's settings: every field the GRPO step reads (train_lean.py, grpo/), with its default,
-help, choices and range. harness/config.py's Config adds the run's own (model, task, devices, output,
-checkpoints) to them, and harness/cli.py makes every field a flag --field-name and an override
-GRPO_FIELD_NAME. A variant's knob is a field here; a flag's choices are its table's, train_lean.py's
-when it is loaded (grpo/variants.py CHOICES).
+"""The algorithm's settings: the fields of the GRPO step's arithmetic (train_lean.py, grpo/), each
+with its default, help, choices and range. harness/config.py's Config adds the rest to them: the
+run's own (model, task, devices, output, checkpoints) and how the model is built and the work cut,
+some of which grpo/ reads too (LoRA's in grpo/model.py). harness/cli.py makes every field a flag
+--field-name and an override GRPO_FIELD_NAME. A variant's knob is a field here; a flag's choices are
+read from its table at each use, train_lean.py's once it is loaded (grpo/variants.py CHOICES).
 """
 import typing
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ def opt(default, help, choices=None, const=None, path=None, auto=False, resume_f
     name -> what it does, listed in the help; aliases: another trainer's names -> a choice; old_names:
     the field's earlier names, still read (harness/config.py OLD_NAMES); text: its value is prose,
     taken as given (no word of it means unset). The help lists choices and aliases when shown
-    (harness/cli.py), so a Table's entry added later is listed too."""
+    (harness/cli.py); a variant flag's are read from its table then, so an entry added to the table
+    later is listed too (grpo/variants.py Choices)."""
     return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
                                             "auto": auto, "resume_free": resume_free,
                                             "resume_fixed": resume_fixed, "must": must, "note": note,
@@ -79,16 +81,16 @@ class Settings:
     ref_sync_alpha: float = opt(1.0, "with --ref-sync-steps: reference = alpha x policy + (1 - alpha) x reference "
                                 "(1: a copy of the policy)", must="in (0, 1]")
     advantage: str = opt("group", "each completion's advantage",
-                         variants.choices("advantage", variants.ADVANTAGES), old_names=("scale_rewards",))
+                         variants.CHOICES["advantage"], old_names=("scale_rewards",))
     loss_agg: str = opt("token-mean", "the loss normaliser",
-                         variants.choices("loss_agg", variants.AGGREGATIONS), aliases=TRL_LOSS_TYPES)
+                         variants.CHOICES["loss_agg"], aliases=TRL_LOSS_TYPES)
     importance_level: str = opt("token", "the importance ratio",
-                                 variants.choices("importance_level", variants.RATIOS))
+                                 variants.CHOICES["importance_level"])
     dual_clip: typing.Optional[float] = opt(None, "dual-clip PPO: for negative advantages the loss is at most "
                                             "C x |A| (C > 1, e.g. 3; default off)", must="> 1",
                                             note="the bound is C x |A|")
     policy_loss: str = opt("ppo", "the policy-gradient term",
-                             variants.choices("policy_loss", variants.POLICY_LOSSES))
+                             variants.CHOICES["policy_loss"])
     sapo_tau_pos: float = opt(1.0, "--policy-loss sapo: the gate's temperature where A > 0", must="> 0")
     sapo_tau_neg: float = opt(1.05, "--policy-loss sapo: the gate's temperature where A < 0 (above the positive one: "
                               "off-policy negative updates fade sooner)", must="> 0")
@@ -101,11 +103,11 @@ class Settings:
                                                "parts, name=weight,... (e.g. correct=1,format=0.2); with "
                                                "--advantage gdpo each part is normalised in its group first")
     kl_estimator: str = opt("k3", "the KL estimator (docs/algorithm.md says which belongs where; with --kl-in "
-                            "reward the default is k1)", variants.choices("kl_estimator", variants.KL_ESTIMATORS))
-    kl_in: str = opt("loss", "where the KL penalty goes", variants.choices("kl_in", variants.KL_PLACES))
+                            "reward the default is k1)", variants.CHOICES["kl_estimator"])
+    kl_in: str = opt("loss", "where the KL penalty goes", variants.CHOICES["kl_in"])
     mismatch_correction: str = opt("none", "the correction of the gap between the sampler's logprobs and the trainer's "
                                    "(their ratio w, detached, weighs each token's policy-gradient term)",
-                                   variants.choices("mismatch_correction", variants.MISMATCH_CORRECTIONS))
+                                   variants.CHOICES["mismatch_correction"])
     mismatch_cap: float = opt(2.0, "--mismatch-correction: the largest weight w kept (tis: the cap; the masks: the "
                               "band's top)", must="at least 1")
     mismatch_low: float = opt(0.5, "--mismatch-correction token-mask or sequence-mask: the band's bottom",

@@ -1,13 +1,15 @@
 """Most off-by-default variants of the GRPO step (train_lean.py holds the default). A choice among
 several (--advantage, --policy-loss, --importance-level, --kl-estimator, --loss-agg,
---mismatch-correction) is a small function in a table keyed by its flag value, which the step looks
-up in train_lean.py's tables; a knob that is on or off is a term that pg_terms, loss_terms or
-penalties lists when it is set. The others live where they act: DAPO's merge in grpo/rollout.py, the
-token masks in passes.py, PPO-ptx in ptx.py, LoRA in model.py, Muon and the schedules in optim.py.
-A new choice is one function, one entry (here or in train_lean.py's table) and a formula test
-(tests/grpo/test_variants.py lists them); its docstring is its --help text, and DEFAULTS names what
-train_lean.py computes for each flag. Why each: docs/algorithm.md.
+--mismatch-correction) is a small function in a table keyed by its flag value; train_lean.py's
+tables add the default to this file's, the mismatch correction's is this file's alone. A knob that
+is on or off is a term that pg_terms, loss_terms or penalties lists when it is set. The others live
+where they act: DAPO's merge in grpo/rollout.py, the token masks in passes.py, PPO-ptx in ptx.py,
+LoRA in model.py, Muon and the schedules in optim.py. A new choice is one function, one entry (here
+or in train_lean.py's table) and a formula test (tests/grpo/test_variants.py lists them); its
+docstring is its --help text, what it needs besides is declared on it (declares), and DEFAULTS
+names what train_lean.py computes for each flag. Why each: docs/algorithm.md.
 """
+import collections.abc
 import math
 import types
 
@@ -33,10 +35,40 @@ DEFAULTS = {
 }
 
 
-# each flag's values as the CLI takes and lists them (grpo/settings.py holds these very dicts): a
-# Table rewrites its flag's when built, so an entry added to one of train_lean.py's is a valid value
-CHOICES = {}
-TABLES = {}   # flag -> its Table (train_lean.py's): a variant built on the default calls it there
+# ---- what a variant declares: the step, passes.py and harness/config.py read it, never its name --
+
+DECLARED = {   # each property a variant function may declare, and its value where it does not
+    "knobs": (),   # the settings it alone reads: given with another choice, a mistake
+    "check": None,   # check(cfg): why it cannot run with the other settings (a message), or None
+    "accepts_dual_clip": False,   # a policy loss whose clipped term --dual-clip bounds
+    "token_ratios": False,   # a policy loss that needs a ratio per token (not per sequence)
+    "chooses_tokens": None,   # a policy loss's f(logp, old_logp, adv, cfg) -> [N] bool over
+    #                           every device's mini-batch tokens first: its t.cov_mask
+    "per_sequence": False,   # a ratio or mismatch weight of one value per sequence
+    "reads_parts": False,   # an advantage that reads the reward's parts (parts, weights)
+}
+
+
+def declares(**properties):
+    """Marks a variant function with properties of DECLARED (a name it lacks: a TypeError)."""
+    unknown = set(properties) - set(DECLARED)
+    if unknown:
+        raise TypeError(f"not a property a variant declares: {', '.join(sorted(unknown))}")
+
+    def mark(function):
+        function.__dict__.update(properties)
+        return function
+    return mark
+
+
+def declared(function, name: str):
+    """What `function` (a table's entry, or None) declares of property `name`, else its default."""
+    return getattr(function, name, DECLARED[name])
+
+
+# ---- the tables: a flag's choices, read where they are used (an entry added late counts) --------
+
+TABLES = {}   # flag -> the table the step built (train_lean.py's), which the CLI and checks read
 
 
 class Table(dict):
@@ -45,26 +77,46 @@ class Table(dict):
     def __init__(self, flag: str, entries: dict):
         super().__init__(entries)
         self.flag, TABLES[flag] = flag, self
-        choices(flag, self)
 
     def __missing__(self, name):
         flag = "--" + self.flag.replace("_", "-")
         raise ValueError(f"{flag} {name!r} is not one of {', '.join(self)}")
 
 
-def choices(flag: str, table: dict) -> dict:
-    """flag's choices for the CLI, CHOICES[flag] made the table's (unless a Table of flag is built:
-    its own stand): name -> what it does, the default's first, then each variant's (its
-    docstring, or the table's words)."""
-    name, what = DEFAULTS[flag]
-    def words(v):   # AGGREGATIONS' entries are (denominator, loss): the first's docstring
-        v = v[0] if isinstance(v, tuple) else v
-        return v if isinstance(v, str) else " ".join((v.__doc__ or "").split())
-    shown = CHOICES.setdefault(flag, {})
-    if TABLES.get(flag, table) is table:
-        shown.clear()   # in place: the settings' field holds this dict
-        shown.update({name: what, **{k: words(v) for k, v in table.items() if k != name}})
-    return shown
+def table(flag: str) -> dict:
+    """flag's table now: the step's once train_lean.py is loaded, else this file's own (without
+    the default, which DEFAULTS names)."""
+    return TABLES.get(flag, OWN[flag])
+
+
+def entry(flag: str, name: str):
+    """The function of flag's choice `name`, or None (the default before train_lean.py is loaded:
+    it declares nothing then, so a setting is not refused for it)."""
+    return table(flag).get(name)
+
+
+class Choices(collections.abc.Mapping):
+    """flag's choices as the CLI takes and lists them, read from its table at each use: name -> what
+    it does, the default's first, then each variant's (its docstring, or the table's words)."""
+
+    def __init__(self, flag: str):
+        self.flag = flag
+
+    def now(self) -> dict:
+        name, what = DEFAULTS[self.flag]
+        def words(v):   # AGGREGATIONS' entries are (denominator, loss): the first's docstring
+            v = v[0] if isinstance(v, tuple) else v
+            return v if isinstance(v, str) else " ".join((v.__doc__ or "").split())
+        return {name: what, **{k: words(v) for k, v in table(self.flag).items() if k != name}}
+
+    def __getitem__(self, name):
+        return self.now()[name]
+
+    def __iter__(self):
+        return iter(self.now())
+
+    def __len__(self):
+        return len(self.now())
 
 
 def zero_flat_groups(adv: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -109,12 +161,25 @@ def maxrl(r, eps, **_):
     return zero_flat_groups((r - r.mean(1, keepdim=True)) / (r.mean(1, keepdim=True) + eps), r)
 
 
-def gdpo(r, eps, parts=None, weights=None):
+def gdpo_check(cfg):
+    """GDPO's advantages are the named parts' alone: a penalty off the reward would be lost."""
+    if cfg.reward_weights is None:
+        return ("--advantage gdpo normalises each part of the reward: name them with "
+                "--reward-weights (e.g. correct=1,format=1)")
+    if cfg.overlong_buffer or (cfg.kl_in == "reward" and cfg.kl_coef):
+        penalty = "--overlong-buffer" if cfg.overlong_buffer else "--kl-in reward"
+        return (f"--advantage gdpo makes advantages of the reward's parts alone, which would leave "
+                f"out {penalty}: leave one out")
+    return None
+
+
+@declares(reads_parts=True, check=gdpo_check)
+def gdpo(r, eps, parts=None, weights=None, default=None):
     """each --reward-weights part normalised in its group as 'group' does, weighted and summed, then
     divided by the batch's std of the sums + eps (GDPO)"""
-    adv, group = 0, TABLES["advantage"]["group"]   # train_lean.py's group_normalised
+    adv = 0   # default: the flag's default, group normalisation
     for k, w in enumerate(weights):   # apart, a part of small spread is not drowned by a large one
-        adv = adv + w * group(parts[:, k].float().view(r.shape), eps)
+        adv = adv + w * default(parts[:, k].float().view(r.shape), eps)
     return adv / (adv.std() + eps)   # the sum's batch mean is 0 already
 
 
@@ -124,6 +189,7 @@ ADVANTAGES = {"batch": batch_std, "none": mean_only, "rloo": rloo, "reinforce++"
 
 # ---- the importance ratio (--importance-level) and the policy-gradient term (--policy-loss) ------
 
+@declares(per_sequence=True)
 def sequence_ratio(logp, old_logp, mask):
     """per sequence (GSPO): the exp of the mean log-ratio, clipped per sequence; use clip ranges of
     a few 1e-4, such as 3e-4 low and 4e-4 high"""
@@ -153,20 +219,22 @@ def clipped_tokens(ratio, adv, cfg) -> tuple:
     return (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0)
 
 
-def cispo(ratio, t, cfg):
+def cispo(ratio, t, cfg, **_):
     """-sg(min(r, 1 + clip-range-high)) A logp (CISPO, MiniMax-M1): the weight is capped, not the
     update, so every token keeps a gradient; no lower bound, as in its paper"""
     return -torch.clamp(ratio, max=1 + clip_bounds(cfg)[1]).detach() * t.adv * t.logp
 
 
-def sapo(ratio, t, cfg):
+@declares(knobs=("sapo_tau_pos", "sapo_tau_neg"))
+def sapo(ratio, t, cfg, **_):
     """-(4 / tau) sigmoid(tau (r - 1)) A (SAPO): a soft gate instead of the clip, tau --sapo-tau-pos
     where A > 0 and --sapo-tau-neg where A < 0"""
     tau = torch.where(t.adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)   # slope 1 at r = 1, as PPO
     return -4 / tau * torch.sigmoid(tau * (ratio - 1)) * t.adv
 
 
-def gmpo(ratio, t, cfg):
+@declares(token_ratios=True)
+def gmpo(ratio, t, cfg, **_):
     """-A exp(the sequence's mean log-ratio, each token's clipped on A's side to -clip-range or
     clip-range-high) (GMPO: the geometric mean of the ratios; its paper clips at 0.4 both sides)"""
     low, high = clip_bounds(cfg)
@@ -175,14 +243,66 @@ def gmpo(ratio, t, cfg):
     return -t.adv * torch.exp(sequence_mean(log_ratio, mask))
 
 
-def clip_cov(ratio, t, cfg):
+def token_covariance(logp, advantages):
+    """[N] each token's (A - mean A)(logp - mean logp) over a mini-batch's N loss tokens."""
+    return (advantages - advantages.mean()) * (logp - logp.mean())
+
+
+def covariance_count(n: int, cfg) -> int:
+    """How many of a mini-batch's n loss tokens Clip-Cov or KL-Cov act on: --cov-ratio, at least
+    1."""
+    return max(1, int(cfg.cov_ratio * n))
+
+
+def covariance_band(logp, old_logp, advantages, cfg) -> torch.Tensor:
+    """[N] bool: the tokens Clip-Cov detaches among a mini-batch's N loss tokens (every device's):
+    k drawn, by a generator seeded by --seed, among those whose covariance term lies inside
+    (--clip-cov-lb, --clip-cov-ub) and that the clip leaves alone: the same draw on every device
+    for any micro-batch size or device count."""
+    n = logp.numel()
+    chosen = torch.zeros(n, dtype=torch.bool)
+    if n == 0:
+        return chosen
+    cov = token_covariance(logp, advantages)
+    low, high = clipped_tokens(torch.exp(logp - old_logp), advantages, cfg)
+    inside = (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~(low | high)
+    band = torch.nonzero(inside).squeeze(1)
+    band = band[torch.argsort(cov[band])]
+    draw = torch.randperm(band.numel(), generator=torch.Generator().manual_seed(cfg.seed))
+    chosen[band[draw[:covariance_count(n, cfg)]]] = True
+    return chosen
+
+
+def highest_covariance(logp, old_logp, advantages, cfg) -> torch.Tensor:
+    """[N] bool: the tokens KL-Cov penalises among a mini-batch's N loss tokens (every device's):
+    the k of largest covariance term."""
+    n = logp.numel()
+    chosen = torch.zeros(n, dtype=torch.bool)
+    if n == 0:
+        return chosen
+    top = torch.topk(token_covariance(logp, advantages), min(covariance_count(n, cfg), n))
+    chosen[top.indices] = True
+    return chosen
+
+
+def clip_cov_check(cfg):
+    """Clip-Cov's band must hold something."""
+    if cfg.clip_cov_lb >= cfg.clip_cov_ub:
+        return f"--clip-cov-lb {cfg.clip_cov_lb} must be below --clip-cov-ub {cfg.clip_cov_ub}"
+    return None
+
+
+@declares(knobs=("cov_ratio", "clip_cov_lb", "clip_cov_ub"), check=clip_cov_check,
+          accepts_dual_clip=True, token_ratios=True, chooses_tokens=covariance_band)
+def clip_cov(ratio, t, cfg, default):
     """ppo, with --cov-ratio of the mini-batch's tokens, drawn among those whose (A - mean)(logp -
     mean) lies in (--clip-cov-lb, --clip-cov-ub) and the clip left alone, detached (Clip-Cov)"""
-    ppo = TABLES["policy_loss"]["ppo"]   # train_lean.py's clipped surrogate
-    return ppo(torch.where(t.cov_mask, ratio.detach(), ratio), t, cfg)
+    return default(torch.where(t.cov_mask, ratio.detach(), ratio), t, cfg)   # PPO's surrogate
 
 
-def kl_cov(ratio, t, cfg):
+@declares(knobs=("cov_ratio", "kl_cov_coef"), token_ratios=True,
+          chooses_tokens=highest_covariance)
+def kl_cov(ratio, t, cfg, **_):
     """-r A, plus --kl-cov-coef x |logp - logp_old| on the --cov-ratio of the mini-batch's tokens of
     highest (A - mean)(logp - mean) (KL-Cov)"""
     return -ratio * t.adv + cfg.kl_cov_coef * (t.logp - t.old_logp).abs() * t.cov_mask
@@ -338,16 +458,19 @@ AGGREGATIONS = {"seq-mean": (seq_count, seq_mean), "dr-grpo": (max_tokens, token
 
 # ---- the sampler mismatch (--mismatch-correction): w = pi_trainer / pi_sampler per token, detached
 
+@declares(knobs=("mismatch_cap",))
 def tis(w, cfg):
     """x min(w, --mismatch-cap), w = pi_trainer / pi_sampler (truncated importance sampling)"""
     return w.clamp(max=cfg.mismatch_cap)
 
 
+@declares(knobs=("mismatch_cap", "mismatch_low"))
 def token_mask(w, cfg):
     """x w inside [--mismatch-low, --mismatch-cap], 0 outside: the token is dropped (IcePop)"""
     return w * ((w >= cfg.mismatch_low) & (w <= cfg.mismatch_cap))
 
 
+@declares(knobs=("mismatch_cap", "mismatch_low"), per_sequence=True)
 def sequence_mask(w, cfg):
     """x the sequence's w (its tokens' geometric mean) inside the band, 0 outside: the sequence
     dropped"""
@@ -359,10 +482,10 @@ MISMATCH_CORRECTIONS = {"tis": tis, "token-mask": token_mask, "sequence-mask": s
 
 def mismatch_weight(train_logp, sampler_logp, mask, cfg):
     """The detached weight of each token's policy-gradient term [B, T] ([B, 1] sequence-mask)."""
-    train = train_logp.detach()
-    w = (sequence_ratio(train, sampler_logp, mask) if cfg.mismatch_correction == "sequence-mask"
+    train, correct = train_logp.detach(), MISMATCH_CORRECTIONS[cfg.mismatch_correction]
+    w = (sequence_ratio(train, sampler_logp, mask) if declared(correct, "per_sequence")
          else torch.exp(train - sampler_logp))
-    return MISMATCH_CORRECTIONS[cfg.mismatch_correction](w, cfg)
+    return correct(w, cfg)
 
 
 # ---- the tokens a term acts on, chosen over the whole mini-batch of every device -----------------
@@ -376,29 +499,6 @@ def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
         return math.inf
     keep = max(1, math.ceil(quantile * n - 1e-9))  # the 1e-9: 0.1 * 30 is 3.0000000000000004
     return torch.kthvalue(entropies.detach().float().cpu(), n - keep + 1).values.item()
-
-
-def covariance_tokens(logp, old_logp, advantages, cfg) -> torch.Tensor:
-    """[N] bool: the tokens Clip-Cov or KL-Cov act on among a mini-batch's N loss tokens (every
-    device's). The term of a token is (A - mean A)(logp - mean logp); k = cov_ratio x N (at least
-    1). kl-cov: the k largest. clip-cov: k drawn, by a generator seeded by --seed, among the tokens
-    inside (lb, ub) that the clip leaves alone: the same draw on every device for any micro-batch
-    size or device count."""
-    n = logp.numel()
-    chosen, k = torch.zeros(n, dtype=torch.bool), max(1, int(cfg.cov_ratio * n))
-    cov = (advantages - advantages.mean()) * (logp - logp.mean())
-    if n == 0:
-        return chosen
-    if cfg.policy_loss == "kl-cov":
-        chosen[torch.topk(cov, min(k, n)).indices] = True
-        return chosen
-    low, high = clipped_tokens(torch.exp(logp - old_logp), advantages, cfg)
-    inside = (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~(low | high)
-    band = torch.nonzero(inside).squeeze(1)
-    band = band[torch.argsort(cov[band])]
-    draw = torch.randperm(band.numel(), generator=torch.Generator().manual_seed(cfg.seed))
-    chosen[band[draw[:k]]] = True
-    return chosen
 
 
 # ---- reward shaping: DAPO's overlong penalty -----------------------------------------------------
@@ -436,3 +536,10 @@ def follow_policy(reference, policy, step: int, cfg) -> None:
 def tokens(**fields) -> types.SimpleNamespace:
     """A micro-batch's per-token tensors as the terms above read them (t.logp, t.adv, t.mask)."""
     return types.SimpleNamespace(weight=None, **fields)
+
+
+# each flag's table in this file (train_lean.py's add the defaults), its choices as the CLI takes them
+OWN = {"advantage": ADVANTAGES, "importance_level": RATIOS, "policy_loss": POLICY_LOSSES,
+       "kl_estimator": KL_ESTIMATORS, "kl_in": KL_PLACES, "loss_agg": AGGREGATIONS,
+       "mismatch_correction": MISMATCH_CORRECTIONS}
+CHOICES = {flag: Choices(flag) for flag in OWN}

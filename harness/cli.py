@@ -8,6 +8,7 @@ its range, as soon as the task is found), its range and the batch arithmetic in 
 raises config.ConfigError: one line that names it.
 """
 import argparse
+import collections.abc
 import dataclasses
 import difflib
 import math
@@ -109,7 +110,7 @@ def _help(f, default_task: str, declared: dict = None, task_name: str = "") -> s
     unless the help says what it comes to ("(default: batch)"); a value the task declares is shown as its default
     ("[default 1.0 (--task chess); >= 0]")."""
     text, choices = f.metadata.get("help", ""), f.metadata.get("choices")
-    if isinstance(choices, dict):   # read now: train_lean.py's tables have filled them
+    if isinstance(choices, collections.abc.Mapping):   # read now: a variant's table as it is (its CHOICES)
         text = f"{text}: " + "; ".join(f"{k}: {v}" for k, v in choices.items())
     if f.metadata.get("aliases"):
         text += " (also " + ", ".join(f"{k} = {v}" for k, v in f.metadata["aliases"].items()) + ")"
@@ -270,13 +271,9 @@ def _read(fields: dict, given: dict, environ, declared: dict = None) -> tuple[di
     return values, sources
 
 
-def load(argv=None, environ=None, builtin: dict = None, default_task: str = None) -> Loaded:
-    """Parse argv and environ into the Config, the chosen task's options and each value's source.
-
-    The task is found first (--task, else GRPO_TASK, else default_task; builtin maps short names to
-    "module:Attribute"), because its options add flags. Raises ConfigError (or task.TaskError)."""
-    argv = sys.argv[1:] if argv is None else argv
-    environ = os.environ if environ is None else environ
+def _find_task(argv, environ, builtin: dict, default_task: str) -> tuple:
+    """(its name, the class or object --task names, its options' fields): --task, else GRPO_TASK, else
+    default_task, whose options must not take a trainer setting's name."""
     first = _Parser(add_help=False, allow_abbrev=False)
     first.add_argument("--task")
     task_name = first.parse_known_args(argv)[0].task or environ.get(env_name("task")) or default_task
@@ -290,19 +287,11 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
     if clash:
         raise tasks.TaskError(f"--task {task_name}: its option {clash[0]!r} has the name of a trainer setting "
                               f"({flag(OLD_NAMES.get(clash[0], clash[0]))}): rename it")
-    declared = declared_settings(target, task_name)
-    given, extra = build_parser(task_name, task_fields, default_task, declared).parse_known_args(argv)
-    if extra:
-        bad = next((a for a in extra if a.startswith("-")), extra[0])
-        near = did_you_mean(bad, [*FIELDS, *task_fields]) if bad.startswith("--") else []
-        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}: " + (
-            f"did you mean {_either([flag(n) for n in near])}?" if near else
-            f"{bad} is not a flag of train_lean.py nor of --task {task_name}") +
-            f" (see train_lean.py --task {task_name} --help)")
-    given = vars(given)
-    values, sources = _read(FIELDS, given, environ, declared)
-    option_values, option_sources = _read(task_fields, given, environ)
-    known = FIELDS.keys() | OLD_NAMES.keys() | task_fields.keys()
+    return task_name, target, task_fields
+
+
+def _check_environment(environ, known, task_name: str) -> None:
+    """Every GRPO_ variable names a setting in `known` (field names), spelt upper-case."""
     # a setting's variable is read by its upper-case name alone: another spelling would be ignored in silence
     # (the environment is case-sensitive, and two spellings of one setting would have to be ranked)
     misspelt = sorted(k for k in environ if k.startswith("GRPO_") and k[5:].lower() in known and
@@ -317,13 +306,43 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
             f"did you mean {_either([env_name(n) for n in near])}?" if near else
             f"not a setting of train_lean.py nor of --task {task_name}") +
             f" (see train_lean.py --task {task_name} --help)")
-    values["task"] = task_name
+
+
+def _resolve_defaults(values: dict, sources: dict) -> None:
+    """The values that follow from others, set in place: auto's dtype and compile, --kl-in reward's
+    estimator."""
     cuda = values["device"].startswith("cuda") or (values["device"] == "auto" and torch.cuda.is_available())
     for name, fast, plain in (("dtype", "bf16", "fp32"), ("compile", "on", "off")):
         if values[name] == "auto":   # fast where researchers train; on a CPU the bits of runs before auto
             values[name] = fast if cuda else plain
     if values["kl_in"] == "reward" and sources["kl_estimator"] == "default":
         values["kl_estimator"] = "k1"   # the estimator that belongs in the reward (docs/algorithm.md); others if named
+
+
+def load(argv=None, environ=None, builtin: dict = None, default_task: str = None) -> Loaded:
+    """Parse argv and environ into the Config, the chosen task's options and each value's source.
+
+    The task is found first (--task, else GRPO_TASK, else default_task; builtin maps short names to
+    "module:Attribute"), because its options add flags. Raises ConfigError (or task.TaskError)."""
+    argv = sys.argv[1:] if argv is None else argv
+    environ = os.environ if environ is None else environ
+    task_name, target, task_fields = _find_task(argv, environ, builtin, default_task)
+    options_cls = tasks.options_type(target)
+    declared = declared_settings(target, task_name)
+    given, extra = build_parser(task_name, task_fields, default_task, declared).parse_known_args(argv)
+    if extra:
+        bad = next((a for a in extra if a.startswith("-")), extra[0])
+        near = did_you_mean(bad, [*FIELDS, *task_fields]) if bad.startswith("--") else []
+        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}: " + (
+            f"did you mean {_either([flag(n) for n in near])}?" if near else
+            f"{bad} is not a flag of train_lean.py nor of --task {task_name}") +
+            f" (see train_lean.py --task {task_name} --help)")
+    given = vars(given)
+    values, sources = _read(FIELDS, given, environ, declared)
+    option_values, option_sources = _read(task_fields, given, environ)
+    _check_environment(environ, FIELDS.keys() | OLD_NAMES.keys() | task_fields.keys(), task_name)
+    values["task"] = task_name
+    _resolve_defaults(values, sources)
     asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")
     if asked and not hasattr(target, "evaluate"):
         raise ConfigError(f"{'--eval-only' if values['eval_only'] else '--eval-interval'}: --task {task_name} "

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo import variants
 from grpo.settings import Settings, opt   # opt: the fields below, and tasks' options import it from here
 from harness import log
 
@@ -158,9 +159,16 @@ class Config(Settings):
                                   must=">= 0", resume_free=True)
 
 
-# the numeric knobs of a --policy-loss choice: set with another choice, they would do nothing
-LOSS_KNOBS = {"sapo_tau_pos": ("sapo",), "sapo_tau_neg": ("sapo",), "cov_ratio": ("clip-cov", "kl-cov"),
-              "clip_cov_lb": ("clip-cov",), "clip_cov_ub": ("clip-cov",), "kl_cov_coef": ("kl-cov",)}
+# a knob (a setting that variants declare they read) set where the run's choice does not read it:
+# the message, by flag, of (the knob, its value, the run's choice, the choices that read it)
+UNUSED_KNOB = {
+    "policy_loss": lambda knob, value, run, owners: (
+        f"{flag(knob)} {value} is a knob of --policy-loss {' or '.join(owners)}, and the run's is "
+        f"{run}: pass --policy-loss {owners[0]}, or leave it out"),
+    "mismatch_correction": lambda knob, value, run, owners: (
+        f"{flag(knob)} {value} with --mismatch-correction {run}, which does not use it: pass "
+        f"{'a mask' if knob == 'mismatch_low' else 'a correction'}, or leave {flag(knob)} out"),
+}
 
 
 def reward_weights(cfg) -> dict:
@@ -257,12 +265,63 @@ def _multiples(value: int, of: int) -> str:
     return f"use {low} or {low + of}" if low > 0 else f"use {of}"
 
 
+def unused_knob(cfg: Config) -> str | None:
+    """A knob that variants declare they read (knobs), set while the run's choice does not read it."""
+    for name in FIELDS:
+        for choice, message in UNUSED_KNOB.items():
+            owners = [k for k, f in variants.table(choice).items()
+                      if name in variants.declared(f, "knobs")]
+            run = getattr(cfg, choice)
+            if owners and run not in owners and getattr(cfg, name) != FIELDS[name].default:
+                return message(name, getattr(cfg, name), run, owners)
+    return None
+
+
+def variant_problem(cfg: Config) -> str | None:
+    """Why the run's variants cannot run together or with the other settings, from what each
+    declares (grpo/variants.py DECLARED): a knob set for another choice, each choice's own check,
+    a per-sequence ratio under a loss of token ratios, --dual-clip with a loss it cannot bound."""
+    chosen = {name: variants.entry(name, getattr(cfg, name)) for name in variants.DEFAULTS}
+    checks = [variants.declared(f, "check") for f in chosen.values()]
+    for problem in (unused_knob(cfg), *(check(cfg) for check in checks if check)):
+        if problem:
+            return problem
+    loss = chosen["policy_loss"]
+    if variants.declared(chosen["importance_level"], "per_sequence") and \
+            variants.declared(loss, "token_ratios"):
+        token = variants.DEFAULTS["importance_level"][0]
+        return (f"--policy-loss {cfg.policy_loss} works on token ratios: use --importance-level "
+                f"{token} with it")
+    # the default before train_lean.py is loaded (None) declares nothing, so is not refused
+    if cfg.dual_clip is not None and loss is not None and \
+            not variants.declared(loss, "accepts_dual_clip"):
+        return (f"--dual-clip {cfg.dual_clip} bounds PPO's clipped term, and --policy-loss "
+                f"{cfg.policy_loss} has none: leave one out")
+    return None
+
+
 def batch_layout(cfg: Config, world: int = 1) -> Layout:
     """Check every field's range, then the rules between fields; return the derived sizes (per device, global)."""
+    check_ranges(cfg)
+    layout = split_batch(cfg, world)
+    check_lengths_and_schedule(cfg)
+    check_kl(cfg)
+    check_adapters_and_mix(cfg)
+    check_variants(cfg)
+    check_machine(cfg)
+    return layout
+
+
+def check_ranges(cfg: Config) -> None:
+    """Each field's value inside the range it declares (opt's must)."""
     for name in FIELDS:
         problem = range_error(name, getattr(cfg, name))
         if problem:
             raise ConfigError(problem)
+
+
+def split_batch(cfg: Config, world: int) -> Layout:
+    """The batch arithmetic: a step's completions split into groups, devices, mini- and micro-batches."""
     if cfg.group_size < 2:
         raise ConfigError(f"--group-size {cfg.group_size}: GRPO needs at least 2 completions per prompt")
     if cfg.batch_size % cfg.group_size:
@@ -290,6 +349,18 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
         raise ConfigError(f"--micro-batch-size {micro} does not divide the per-device mini-batch "
                           f"{mini_per_device} (= --mini-batch-size {mini} / {world} devices): "
                           f"use a divisor of {mini_per_device}")
+    per_device = cfg.batch_size // world
+    return Layout(devices=world, prompts_per_step=prompts, prompts_per_device=prompts // world,
+                  completions_per_step=cfg.batch_size, completions_per_device=per_device, mini_batch=mini,
+                  mini_batch_per_device=mini_per_device, micro_batch=micro, micro_batch_auto=micro_auto,
+                  micro_tokens=0 if tokens_auto else cfg.micro_batch_tokens or 0,
+                  micro_tokens_auto=tokens_auto,
+                  grad_accum_steps=mini_per_device // micro, updates_per_step=cfg.batch_size // mini * cfg.ppo_epochs,
+                  generation_batch=min(cfg.generation_batch_size or per_device, per_device))
+
+
+def check_lengths_and_schedule(cfg: Config) -> None:
+    """Lengths within --max-new-tokens, a warmup shorter than the run, a decay that keeps weights' sign."""
     for name, value in (("min_new_tokens", cfg.min_new_tokens), ("overlong_buffer", cfg.overlong_buffer)):
         if not 0 <= value <= cfg.max_new_tokens:
             raise ConfigError(f"{flag(name)} {value} must be in [0, --max-new-tokens {cfg.max_new_tokens}]")
@@ -307,6 +378,10 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
         raise ConfigError(f"--learning-rate {cfg.learning_rate:g} with --weight-decay {cfg.weight_decay:g}: "
                           f"each update would scale every weight by 1 - {cfg.learning_rate * cfg.weight_decay:g}, "
                           f"to 0 or past it; keep their product below 1")
+
+
+def check_kl(cfg: Config) -> None:
+    """The KL coefficient's controller (--kl-target, --kl-horizon) and a moving reference need a KL."""
     if cfg.kl_target and not cfg.kl_coef:
         raise ConfigError(f"--kl-target {cfg.kl_target} steers the KL coefficient, and --kl-coef 0 has no KL term: "
                           f"pass a --kl-coef above 0 to start from, or leave --kl-target out")
@@ -323,6 +398,10 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if cfg.ref_sync_steps and not cfg.kl_coef:
         raise ConfigError(f"--ref-sync-steps {cfg.ref_sync_steps} moves the reference, and --kl-coef 0 has none: "
                           f"pass a --kl-coef above 0, or leave --ref-sync-steps out")
+
+
+def check_adapters_and_mix(cfg: Config) -> None:
+    """LoRA's settings need a rank (and peft), its reference cannot move; the mix's need --ptx-coef."""
     if cfg.lora_target_modules and not cfg.lora_rank:
         raise ConfigError(f"--lora-target-modules {cfg.lora_target_modules} with --lora-rank 0 (full fine-tuning): "
                           f"give a rank above 0, or leave --lora-target-modules out")
@@ -335,33 +414,21 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     if (cfg.ptx_file or cfg.ptx_batch_size != FIELDS["ptx_batch_size"].default) and not cfg.ptx_coef:
         raise ConfigError(f"--ptx-{'file ' + cfg.ptx_file if cfg.ptx_file else f'batch-size {cfg.ptx_batch_size}'} "
                           f"with --ptx-coef 0 (no pretraining mix): give --ptx-coef above 0, or leave it out")
-    for name, losses in LOSS_KNOBS.items():
-        if getattr(cfg, name) != FIELDS[name].default and cfg.policy_loss not in losses:
-            raise ConfigError(f"{flag(name)} {getattr(cfg, name)} is a knob of --policy-loss {' or '.join(losses)}, and "
-                              f"the run's is {cfg.policy_loss}: pass --policy-loss {losses[0]}, or leave it out")
-    if cfg.clip_cov_lb >= cfg.clip_cov_ub:
-        raise ConfigError(f"--clip-cov-lb {cfg.clip_cov_lb} must be below --clip-cov-ub {cfg.clip_cov_ub}")
-    if cfg.importance_level == "sequence" and cfg.policy_loss in ("gmpo", "clip-cov", "kl-cov"):
-        raise ConfigError(f"--policy-loss {cfg.policy_loss} works on token ratios: use --importance-level token with it")
-    if cfg.dual_clip is not None and cfg.policy_loss not in ("ppo", "clip-cov"):
-        raise ConfigError(f"--dual-clip {cfg.dual_clip} bounds PPO's clipped term, and --policy-loss {cfg.policy_loss} "
-                          f"has none: leave one out")
+
+
+def check_variants(cfg: Config) -> None:
+    """The reward's weights, then the run's variants (variant_problem)."""
     weights = reward_weights(cfg)
     if weights and not any(weights.values()):   # every advantage 0: not the temperature's fault
         raise ConfigError(f"--reward-weights {cfg.reward_weights}: every weight is 0, so every "
                           f"completion's reward (and advantage) would be 0: give a part a weight")
-    if cfg.advantage == "gdpo" and not weights:
-        raise ConfigError("--advantage gdpo normalises each part of the reward: name them with --reward-weights "
-                          "(e.g. correct=1,format=1)")
-    if cfg.advantage == "gdpo" and (cfg.overlong_buffer or (cfg.kl_in == "reward" and cfg.kl_coef)):
-        raise ConfigError(f"--advantage gdpo makes advantages of the reward's parts alone, which would leave out "
-                          f"{'--overlong-buffer' if cfg.overlong_buffer else '--kl-in reward'}: leave one out")
-    for name in ("mismatch_cap", "mismatch_low"):   # a band or cap that nothing uses is a mistake, said
-        used = cfg.mismatch_correction != "none" and (name == "mismatch_cap" or "mask" in cfg.mismatch_correction)
-        if getattr(cfg, name) != FIELDS[name].default and not used:
-            fix = "a mask" if name == "mismatch_low" else "a correction"
-            raise ConfigError(f"{flag(name)} {getattr(cfg, name)} with --mismatch-correction {cfg.mismatch_correction}, "
-                              f"which does not use it: pass {fix}, or leave {flag(name)} out")
+    problem = variant_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
+
+
+def check_machine(cfg: Config) -> None:
+    """The device, the reporter's package and the memory trace, before anything is loaded."""
     device_error = _device_error(cfg.device)
     if device_error:
         raise ConfigError(f"--device {cfg.device}: {device_error}")
@@ -369,11 +436,3 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
         raise ConfigError(log.missing_reporter(cfg.report_to))
     if cfg.trace_memory == 1:
         raise ConfigError("--trace-memory 1: the evidence compares the first traced step with the last; trace 2 or more")
-    per_device = cfg.batch_size // world
-    return Layout(devices=world, prompts_per_step=prompts, prompts_per_device=prompts // world,
-                  completions_per_step=cfg.batch_size, completions_per_device=per_device, mini_batch=mini,
-                  mini_batch_per_device=mini_per_device, micro_batch=micro, micro_batch_auto=micro_auto,
-                  micro_tokens=0 if tokens_auto else cfg.micro_batch_tokens or 0,
-                  micro_tokens_auto=tokens_auto,
-                  grad_accum_steps=mini_per_device // micro, updates_per_step=cfg.batch_size // mini * cfg.ppo_epochs,
-                  generation_batch=min(cfg.generation_batch_size or per_device, per_device))

@@ -407,60 +407,74 @@ def prepare(cfg, options, outs: list, evaluating: bool) -> tuple:
                                      f"records aside and was killed before it put them back or "
                                      f"deleted them: rename each back without {ASIDE} to keep "
                                      f"them, or pass --overwrite to delete them")
-        resume_from = None
-        if cfg.resume:   # only a locked run moves damaged checkpoints aside: no one else is writing them
-            resume_from = checkpoint.resolve(cfg.resume, cfg.out_dir, set_aside=main and not cfg.eval_only)
-            for note in [] if cfg.eval_only else check_resume(checkpoint.saved_settings(resume_from), cfg, options,
-                                                              resume_from):
-                log.warn(note)
-            saved_devices = checkpoint.saved_devices(resume_from)
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            if not cfg.eval_only and saved_devices != world:
-                raise config.ConfigError(
-                    f"--resume: {resume_from} was saved by a run on {saved_devices} device(s) and this "
-                    f"one runs on {world}: a step's samples and random streams follow the device count, "
-                    f"so the run would not go on as it would have; resume it on {saved_devices} (torchrun "
-                    f"--nproc_per_node {saved_devices}), or start a new run from its weights (--model "
-                    f"{resume_from})")
-            done = checkpoint.step_of(resume_from)
-            # it would train nothing; at the last step it may still finish what a failure left out
-            if not cfg.eval_only and (cfg.steps < done or cfg.steps == done and
-                                      not owed(cfg, resume_from, evaluating)):
-                raise config.ConfigError(f"--steps {cfg.steps}: the checkpoint {resume_from} is at step {done} already "
-                                         f"(nothing to train): pass --steps above {done}")
-            if not cfg.eval_only and _continues(resume_from, cfg.out_dir):
-                check_finished_model(cfg, resume_from)   # what is later is moved aside by branch_off, at the start
-        if cfg.eval_only:   # it writes only a --log-file, and that only when it holds no earlier records
-            found = [p for p in (cfg.log_file, log.items_path(cfg.log_file)) if _holds_something(p)] \
-                if cfg.log_file else []
-        else:
-            found = [] if _continues(resume_from, cfg.out_dir) else earlier_run(cfg) + left
-        if found and not cfg.overwrite and cfg.eval_only:   # it writes nothing in --out-dir
-            raise config.ConfigError(f"--log-file {cfg.log_file} holds earlier records "
-                                     f"({', '.join(found)}): --eval-only would overwrite them; "
-                                     f"pass another --log-file, or --overwrite to replace them")
-        placed = next(filter(None, (_placed_outside(cfg, p) for p in found)), None)
-        if placed and not cfg.overwrite:   # another --out-dir would not help
-            setting, value, path = placed
-            raise config.ConfigError(f"{setting} {value} holds earlier records ({path}): the run "
-                                     f"would overwrite them; pass another {setting}, or "
-                                     f"--overwrite to replace them")
-        if found and not cfg.overwrite:
-            if cfg.resume:
-                hint = "another --out-dir for this run, which resumes a checkpoint from elsewhere"
-            elif checkpoint.candidates(cfg.out_dir):
-                hint = "--resume to continue that run, another --out-dir, or --overwrite to delete them and start over"
-            else:  # no checkpoint to continue from (it ran with --save-interval 0): --resume would fail too
-                hint = "another --out-dir, or --overwrite to delete them and start over (it kept no checkpoint " \
-                       "to --resume; --save-interval N keeps them)"
-            raise config.ConfigError(f"--out-dir {cfg.out_dir} holds an earlier run's records ({', '.join(found)}): "
-                                     f"pass {hint}")
+        resume_from = resume_point(cfg, options, evaluating, main) if cfg.resume else None
+        found = earlier_records(cfg, resume_from, left)
         if not cfg.eval_only:
             check_space(cfg.out_dir, resume_from or cfg.model)
     except BaseException:
         lock_held.close()
         raise
     return lock_held, resume_from, found if main else []
+
+
+def resume_point(cfg, options, evaluating: bool, main: bool) -> str:
+    """The intact checkpoint --resume names, checked against this run: its settings (notes said),
+    its device count, a step before --steps, its finished model."""
+    # only a locked run moves damaged checkpoints aside: no one else is writing them
+    resume_from = checkpoint.resolve(cfg.resume, cfg.out_dir, set_aside=main and not cfg.eval_only)
+    for note in [] if cfg.eval_only else check_resume(checkpoint.saved_settings(resume_from), cfg, options,
+                                                      resume_from):
+        log.warn(note)
+    saved_devices = checkpoint.saved_devices(resume_from)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not cfg.eval_only and saved_devices != world:
+        raise config.ConfigError(
+            f"--resume: {resume_from} was saved by a run on {saved_devices} device(s) and this "
+            f"one runs on {world}: a step's samples and random streams follow the device count, "
+            f"so the run would not go on as it would have; resume it on {saved_devices} (torchrun "
+            f"--nproc_per_node {saved_devices}), or start a new run from its weights (--model "
+            f"{resume_from})")
+    done = checkpoint.step_of(resume_from)
+    # it would train nothing; at the last step it may still finish what a failure left out
+    if not cfg.eval_only and (cfg.steps < done or cfg.steps == done and
+                              not owed(cfg, resume_from, evaluating)):
+        raise config.ConfigError(f"--steps {cfg.steps}: the checkpoint {resume_from} is at step {done} already "
+                                 f"(nothing to train): pass --steps above {done}")
+    if not cfg.eval_only and _continues(resume_from, cfg.out_dir):
+        check_finished_model(cfg, resume_from)   # what is later is moved aside by branch_off, at the start
+    return resume_from
+
+
+def earlier_records(cfg, resume_from, left: list) -> list:
+    """The earlier records this run would overwrite (left: those an --overwrite run set aside), which
+    only --overwrite may replace: a ConfigError without it that says where they are and what to pass.
+    """
+    if cfg.eval_only:   # it writes only a --log-file, and that only when it holds no earlier records
+        found = [p for p in (cfg.log_file, log.items_path(cfg.log_file)) if _holds_something(p)] \
+            if cfg.log_file else []
+    else:
+        found = [] if _continues(resume_from, cfg.out_dir) else earlier_run(cfg) + left
+    if found and not cfg.overwrite and cfg.eval_only:   # it writes nothing in --out-dir
+        raise config.ConfigError(f"--log-file {cfg.log_file} holds earlier records "
+                                 f"({', '.join(found)}): --eval-only would overwrite them; "
+                                 f"pass another --log-file, or --overwrite to replace them")
+    placed = next(filter(None, (_placed_outside(cfg, p) for p in found)), None)
+    if placed and not cfg.overwrite:   # another --out-dir would not help
+        setting, value, path = placed
+        raise config.ConfigError(f"{setting} {value} holds earlier records ({path}): the run "
+                                 f"would overwrite them; pass another {setting}, or "
+                                 f"--overwrite to replace them")
+    if found and not cfg.overwrite:
+        if cfg.resume:
+            hint = "another --out-dir for this run, which resumes a checkpoint from elsewhere"
+        elif checkpoint.candidates(cfg.out_dir):
+            hint = "--resume to continue that run, another --out-dir, or --overwrite to delete them and start over"
+        else:  # no checkpoint to continue from (it ran with --save-interval 0): --resume would fail too
+            hint = "another --out-dir, or --overwrite to delete them and start over (it kept no checkpoint " \
+                   "to --resume; --save-interval N keeps them)"
+        raise config.ConfigError(f"--out-dir {cfg.out_dir} holds an earlier run's records ({', '.join(found)}): "
+                                 f"pass {hint}")
+    return found
 
 
 def _remove(path: str) -> None:

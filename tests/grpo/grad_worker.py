@@ -110,8 +110,9 @@ def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold
     elif cfg.top_entropy_quantile < 1:
         pg_mask = passes.high_entropy_tokens(model, rollout, rows, mask, guard, cfg, None)
     cov_mask = None
-    if cfg.policy_loss in ("clip-cov", "kl-cov"):
-        cov_mask = passes.high_covariance_tokens(model, rollout, rows, mask, guard, cfg, None)
+    choose = variants.declared(update.POLICY_LOSSES[cfg.policy_loss], "chooses_tokens")
+    if choose is not None:   # clip-cov, kl-cov
+        cov_mask = passes.chosen_tokens(choose, model, rollout, rows, mask, guard, cfg, None)
     # the pretraining mix: every rank holds the update's texts and takes its share (grpo/ptx.py)
     texts = PtxBatch(**batch["ptx"]).for_device(rank, world) if cfg.ptx_coef else None
     params = [p for p in model.parameters() if p.requires_grad]

@@ -8,7 +8,7 @@ import torch
 
 from grpo.optim import learning_rate
 from grpo.rollout import flat_groups
-from grpo.variants import covariance_tokens, kl_reward_penalty as _kl_reward_penalty, overlong_penalty, top_entropy_threshold
+from grpo.variants import covariance_band, highest_covariance, kl_reward_penalty as _kl_reward_penalty, overlong_penalty, top_entropy_threshold
 from train_lean import KL_ESTIMATORS, RATIOS as RATIO_CHOICES, group_advantages, grpo_loss, k3 as k3_kl, loss_denominator
 
 
@@ -670,10 +670,10 @@ def test_kl_cov_chooses_the_highest_covariance_tokens():
     torch.manual_seed(0)
     logp, adv = -torch.rand(200), torch.randn(200)
     cov = _covariances(logp.tolist(), adv.tolist())
-    chosen = covariance_tokens(logp, logp, adv, loss_config(policy_loss="kl-cov", cov_ratio=0.03))
+    chosen = highest_covariance(logp, logp, adv, loss_config(policy_loss="kl-cov", cov_ratio=0.03))
     assert set(torch.nonzero(chosen).squeeze(1).tolist()) == set(sorted(range(200), key=lambda i: -cov[i])[:6])
     # at least one token, however small the share
-    assert covariance_tokens(logp, logp, adv, loss_config(policy_loss="kl-cov", cov_ratio=1e-6)).sum() == 1
+    assert highest_covariance(logp, logp, adv, loss_config(policy_loss="kl-cov", cov_ratio=1e-6)).sum() == 1
 
 
 def test_clip_cov_draws_in_the_band_outside_the_clip_the_same_for_any_order():
@@ -685,16 +685,16 @@ def test_clip_cov_draws_in_the_band_outside_the_clip_the_same_for_any_order():
     ratio = torch.exp(logp - old).tolist()
     band = {i for i in range(300) if 0.5 < cov[i] < 2.0
             and not (adv[i] > 0 and ratio[i] > 1.2) and not (adv[i] < 0 and ratio[i] < 0.8)}
-    chosen = covariance_tokens(logp, old, adv, cfg)
+    chosen = covariance_band(logp, old, adv, cfg)
     picked = set(torch.nonzero(chosen).squeeze(1).tolist())
     assert len(band) > 6 and len(picked) == 6 and picked <= band
     # a function of the set of tokens: shuffled (another device split, another order), the same tokens
     perm = torch.randperm(300)
-    again = covariance_tokens(logp[perm], old[perm], adv[perm], cfg)
+    again = covariance_band(logp[perm], old[perm], adv[perm], cfg)
     assert set(perm[again].tolist()) == picked
     # a share above the band's size takes the whole band
-    wide = covariance_tokens(logp, old, adv, loss_config(policy_loss="clip-cov", cov_ratio=0.9, clip_cov_lb=0.5,
-                                                         clip_cov_ub=2.0))
+    wide = covariance_band(logp, old, adv, loss_config(policy_loss="clip-cov", cov_ratio=0.9, clip_cov_lb=0.5,
+                                                       clip_cov_ub=2.0))
     assert set(torch.nonzero(wide).squeeze(1).tolist()) == band
 
 
@@ -822,9 +822,43 @@ def test_an_entry_added_to_a_table_of_train_lean_is_a_value_of_its_flag(tiny_mod
 
 
 def test_the_choices_of_a_flag_are_its_tables_once_built():
-    # grpo/settings.py asks for variants.py's own tables; train_lean.py's, built on import, stand
+    # grpo/settings.py's fields hold variants.CHOICES, which read train_lean.py's tables once built
+    import train_lean
+    from harness.config import FIELDS
+    assert list(FIELDS["policy_loss"].metadata["choices"]) == list(train_lean.POLICY_LOSSES)
+
+
+def test_a_variant_built_on_the_default_takes_it_as_an_argument(monkeypatch):
+    # gdpo and clip-cov build on the flag's default; it is passed to them, not looked up in
+    # train_lean.py's tables (a KeyError in a process that had not imported it)
+    from grpo import variants
+    from types import SimpleNamespace
+    monkeypatch.setattr(variants, "TABLES", {})
+    calls = []
+
+    def default(*args, **_):
+        calls.append(args)
+        return args[0]
+    r, parts = torch.tensor([[0.0, 1.0]]), torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    variants.gdpo(r, 1e-4, parts=parts, weights=[1.0, 0.5], default=default)
+    t = SimpleNamespace(cov_mask=torch.tensor([[True, False]]))
+    ratio = torch.tensor([[1.5, 0.5]], requires_grad=True)
+    variants.clip_cov(ratio, t, loss_config(policy_loss="clip-cov"), default=default)
+    assert len(calls) == 3   # each part of gdpo's, then clip-cov's surrogate
+
+
+def test_an_entry_added_to_a_table_after_it_was_built_is_a_value_of_its_flag(monkeypatch):
+    # the notebook way: POLICY_LOSSES["mine"] = f, after train_lean.py built its table
+    import tasks
     import train_lean
     from grpo import variants
-    from harness.config import FIELDS
-    variants.choices("policy_loss", {"cispo": variants.cispo})
-    assert list(FIELDS["policy_loss"].metadata["choices"]) == list(train_lean.POLICY_LOSSES)
+    from harness import cli
+    from harness.config import batch_layout
+    monkeypatch.setitem(train_lean.POLICY_LOSSES, "mine", train_lean.clipped_surrogate)
+    monkeypatch.setitem(variants.MISMATCH_CORRECTIONS, "mine", variants.tis)
+    argv = ["--task", "toy", "--policy-loss", "mine", "--mismatch-correction", "mine"]
+    cfg = cli.load(argv, {}, tasks.BUILTIN).cfg
+    assert (cfg.policy_loss, cfg.mismatch_correction) == ("mine", "mine")
+    batch_layout(cfg)   # and its declarations count: --dual-clip is PPO's, so the copy's too
+    batch_layout(cli.load([*argv, "--dual-clip", "3"], {}, tasks.BUILTIN).cfg)
+    assert "mine: PPO's -min(r A" in " ".join(cli.build_parser("toy").format_help().split())
