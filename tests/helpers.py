@@ -12,6 +12,8 @@ import threading
 import torch
 from safetensors.torch import load_file
 
+import forked
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train_lean.py")
 # 400 real RookWorld lines beside the repository (never copied into it); tests that read them skip without
@@ -138,10 +140,12 @@ def line_starting(proc, prefix: str, timeout: float) -> str:
 PROCESS_DEADLINE_S = 900
 
 
-def train(*args, timeout=PROCESS_DEADLINE_S, extra_env=None, **kw):
-    """train_lean.py in a subprocess, one thread, no GRPO_ variables from the caller's environment."""
-    return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, env=env(**(extra_env or {})),
-                          timeout=timeout, **kw)
+def train(*args, timeout=PROCESS_DEADLINE_S, extra_env=None, cwd=None):
+    """train_lean.py run to its end in a process of its own, one thread, no GRPO_ variables from the
+    caller's environment: a subprocess.CompletedProcess. The process is forked from a server that
+    imported the trainer once (harness/forked.py's reason: a fresh interpreter spends about 8 s
+    importing torch and transformers, most of the slow tier's time)."""
+    return forked.run([TRAIN, *args], env(**(extra_env or {})), timeout, cwd)
 
 
 def usage_error(argv, capsys) -> str:

@@ -1,10 +1,10 @@
 """End to end: the real train_lean.py on a tiny real model, through its command line."""
 import math
 import os
-import subprocess
-import sys
 
 import pytest
+
+import forked
 import torch
 
 import train_lean
@@ -21,8 +21,7 @@ STEP_KEYS = {"step", "reward_mean", "reward_std", "frac_zero_std", "loss", "kl",
 def run(args, cwd, env=None):
     """train_lean.py as a user starts it: their threads (helpers.user_env), no GRPO_ variables."""
     full_env = user_env(**(env or {}))
-    return subprocess.run([sys.executable, os.path.join(REPO, "train_lean.py"), *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=300)
+    return forked.run([os.path.join(REPO, "train_lean.py"), *args], full_env, 300, cwd)
 
 
 

@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+import forked
+
 from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting, read_jsonl, records,
                      train, usage_error, user_env, weights)
 from harness import checkpoint
@@ -39,11 +41,10 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model_dir, tmp_pat
             "--keep-checkpoints", "2"]
     whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
     # a user's environment (every thread), not the one thread of the other tests
-    done = subprocess.run([sys.executable, *args, "--out-dir", whole], env=user_env(), capture_output=True)
+    done = forked.run([*args, "--out-dir", whole], user_env(), PROCESS_DEADLINE_S)
     assert done.returncode == 0
 
-    proc = subprocess.Popen([sys.executable, *args, "--out-dir", cut], env=user_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = forked.start([*args, "--out-dir", cut], user_env(), stdout=False)
     wait_for(lambda: max(saved_steps(cut), default=0) >= 2, proc)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
@@ -51,8 +52,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model_dir, tmp_pat
     assert killed_at < steps, "the run finished before the kill: nothing was tested"
     assert len(records(os.path.join(cut, "metrics.jsonl"))) >= killed_at
 
-    resumed = subprocess.run([sys.executable, *args, "--out-dir", cut, "--resume"], env=user_env(),
-                             capture_output=True, text=True)
+    resumed = forked.run([*args, "--out-dir", cut, "--resume"], user_env(), PROCESS_DEADLINE_S)
     assert resumed.returncode == 0, resumed.stderr
     assert f"after step {killed_at}" in resumed.stdout  # it did continue from the checkpoint, not restart
 
@@ -74,8 +74,8 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model_dir, tmp_pat
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_finishes_the_step_saves_and_exits_0(tiny_model_dir, tmp_path, sig):
     out = str(tmp_path / "out")
-    proc = subprocess.Popen([sys.executable, TRAIN, "--model", tiny_model_dir, *SMALL, "--steps", "1000",
-                             "--out-dir", out], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = forked.start([TRAIN, "--model", tiny_model_dir, *SMALL, "--steps", "1000", "--out-dir", out],
+                        env())
     metrics = os.path.join(out, "metrics.jsonl")
     wait_for(lambda: os.path.exists(metrics) and len(open(metrics).readlines()) >= 2, proc)
     proc.send_signal(sig)
@@ -108,8 +108,9 @@ def test_a_signal_during_the_final_save_waits_for_it(tiny_model_dir, tmp_path, w
     # issue 46 case 1: it died in the write (exit 143, only model.tmp left); Ctrl-C saved nothing
     out = tmp_path / "out"
     args = [*run_args(tiny_model_dir, "toy"), "--steps", "1", "--out-dir", str(out)]
-    result = subprocess.run([sys.executable, "-c", SIGNAL_IN_WRITE, write, sig, *args], env=env(),
-                            capture_output=True, text=True, timeout=PROCESS_DEADLINE_S)
+    (tmp_path / "signal_in_write.py").write_text(SIGNAL_IN_WRITE)
+    result = forked.run([str(tmp_path / "signal_in_write.py"), write, sig, *args], env(),
+                        PROCESS_DEADLINE_S)
     assert result.returncode == 0, result.stderr
     assert checkpoint.model_step(str(out / "model")) == 1 and not (out / "model.tmp").exists()
     # the step, whole, for --resume
@@ -455,8 +456,7 @@ def test_a_signal_in_a_hung_step_saves_the_last_finished_one_and_exits(tiny_mode
     exited 143 with no line and no checkpoint, the steps trained lost (and launchers send one)."""
     args = hung_run(tiny_model_dir, tmp_path, "--stop-grace", grace)
     out = tmp_path / "out"
-    proc = subprocess.Popen(args, env={**env(), "HANG": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = forked.start(args[1:], env(HANG="1"))
     line_starting(proc, "hung", PROCESS_DEADLINE_S)
     for _ in range(signals):
         proc.send_signal(signal.SIGTERM)
@@ -473,8 +473,7 @@ def test_a_signal_in_a_hung_step_saves_the_last_finished_one_and_exits(tiny_mode
 @pytest.mark.slow
 def test_a_reward_past_the_timeout_gives_the_step_up_saving_the_last(tiny_model_dir, tmp_path):
     args = hung_run(tiny_model_dir, tmp_path, "--reward-timeout", "2")
-    hung = subprocess.run(args, env={**env(), "HANG": "1"}, capture_output=True, text=True,
-                          timeout=PROCESS_DEADLINE_S)
+    hung = forked.run(args[1:], env(HANG="1"), PROCESS_DEADLINE_S)
     assert hung.returncode == 1 and "Traceback" not in hung.stderr, hung.stderr
     lines = hung.stderr.splitlines()
     assert "train_lean.py: rewards: 0 of 8 scored in --reward-timeout 2 s: the step is given up" in lines

@@ -5,11 +5,11 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 
 import pytest
+
+import forked
 
 import tasks
 import train_lean
@@ -145,9 +145,8 @@ def test_two_runs_and_an_evaluation_on_one_log_file(tiny_model_dir, tmp_path):
     (tmp_path / "evaluated.py").write_text(EVALUATED_TASK)
     task = ["--model", tiny_model_dir, *SMALL, "--task", f"{tmp_path / 'evaluated.py'}:Evaluated"]
     log = tmp_path / "L" / "metrics.jsonl"
-    first = subprocess.Popen([sys.executable, TRAIN, *task, "--steps", "1000", "--out-dir",
-                              str(tmp_path / "a"), "--log-file", str(log)], env=env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = forked.start([TRAIN, *task, "--steps", "1000", "--out-dir", str(tmp_path / "a"),
+                          "--log-file", str(log)], env(), stderr=False)
     try:
         for line in first.stdout:   # its first record is written
             if line.startswith("step 1/"):

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+import forked
+
 import tasks
 import train_lean
 from harness import cli, config, rundir
@@ -36,8 +38,8 @@ def snapshot(folder) -> dict:
 def test_a_second_run_in_a_running_runs_folder_exits_2_naming_its_pid(tiny_model_dir, tmp_path,
                                                                       capsys, clean_env):
     out = tmp_path / "out"
-    first = subprocess.Popen([sys.executable, TRAIN, *toy(tiny_model_dir), "--steps", "1000", "--out-dir", str(out)],
-                             env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = forked.start([TRAIN, *toy(tiny_model_dir), "--steps", "1000", "--out-dir", str(out)], env(),
+                         stdout=False)
     try:
         deadline = time.time() + PROCESS_DEADLINE_S   # from its start: only a hung run stops it
         while not (out / "metrics.jsonl").exists() or not read_jsonl(out / "metrics.jsonl"):
@@ -257,7 +259,7 @@ def test_sigterm_before_the_first_step_says_what_it_stopped(tiny_model_dir, tmp_
     argv = [sys.executable, TRAIN, "--model", tiny_model_dir, *SMALL[:-4], "--task",
             f"{tmp_path / 'slow.py'}:SlowEval", "--eval-interval", "5", "--steps", "1",
             "--out-dir", str(tmp_path / "out")]
-    proc = subprocess.Popen(argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = forked.start(argv[1:], env())
     line_starting(proc, "eval at step 0: evaluating", 120)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -280,8 +282,7 @@ def test_overwrites_set_aside_is_undone_on_sigterm_and_found_after_kill_9(tiny_m
             f"{tmp_path / 'slow.py'}:SlowEval", "--eval-interval", "5", "--steps", "1",
             "--out-dir", str(out), "--overwrite"]
     for sent in (signal.SIGTERM, signal.SIGKILL):
-        proc = subprocess.Popen(argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        proc = forked.start(argv[1:], env())
         line_starting(proc, "eval at step 0: evaluating", 120)
         proc.send_signal(sent)
         _, err = proc.communicate(timeout=60)

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import forked
+
 import train_lean
 from tasks.rookworld.engine import find_stockfish
 from safetensors.torch import load_file
@@ -161,18 +163,16 @@ def test_the_main_job_killed_and_resumed_equals_an_uninterrupted_run(threads, tm
     resumed ends with the records and weights of a run of the same seed that was never stopped: the second run is
     both the same-seed repeat and the resume."""
     run_env = user_env(**({"OMP_NUM_THREADS": threads} if threads else {}))
-    args = [sys.executable, os.path.join(REPO, "train_lean.py"), "--steps", "4",
-            "--save-interval", "2", "--eval-interval", "0"]
+    args = [os.path.join(REPO, "train_lean.py"), "--steps", "4", "--save-interval", "2",
+            "--eval-interval", "0"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    done = subprocess.run([*args, "--out-dir", str(whole)], env=run_env, capture_output=True, text=True)
+    done = forked.run([*args, "--out-dir", str(whole)], run_env, 900)
     assert done.returncode == 0, done.stderr[-2000:]
-    proc = subprocess.Popen([*args, "--out-dir", str(cut)], env=run_env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = forked.start([*args, "--out-dir", str(cut)], run_env, stdout=False, stderr=False)
     wait_until(lambda: (cut / "checkpoints" / "step_000002").is_dir() or proc.poll() is not None, timeout=900)
     proc.kill()
     assert proc.wait() == -9, "the run ended before it was killed: nothing was tested"
-    resumed = subprocess.run([*args, "--out-dir", str(cut), "--resume"], env=run_env, capture_output=True,
-                             text=True)
+    resumed = forked.run([*args, "--out-dir", str(cut), "--resume"], run_env, 900)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert stable_records(cut / "metrics.jsonl") == stable_records(whole / "metrics.jsonl")
     a, b = (load_file(str(d / "model" / "model.safetensors")) for d in (whole, cut))
