@@ -51,6 +51,11 @@ def group_advantages(rewards, group_size: int, advantage: str = "group", eps: fl
 
 # ---- the loss of a micro-batch: clipped surrogate + k3 KL, token-mean over the mini-batch --------
 
+def sequence_advantage(t, cfg, **_):
+    """[B, 1]: each token's advantage is its completion's"""
+    return t.adv
+
+
 def token_ratio(logp, old_logp, mask):
     """pi / pi_old of each token."""
     return torch.exp(logp - old_logp)
@@ -77,6 +82,8 @@ def token_count(mask, cfg):
 
 # each choice's default and variants by the flag's value (a name a table lacks: a ValueError)
 RATIOS = variants.Table("importance_level", {"token": token_ratio, **variants.RATIOS})
+TOKEN_ADVANTAGES = variants.Table("token_advantage", {"sequence": sequence_advantage,
+                                                      **variants.TOKEN_ADVANTAGES})
 POLICY_LOSSES = variants.Table("policy_loss", {"ppo": clipped_surrogate, **variants.POLICY_LOSSES})
 KL_ESTIMATORS = variants.Table("kl_estimator", {"k3": k3, **variants.KL_ESTIMATORS})
 AGGREGATIONS = variants.Table("loss_agg", {"token-mean": (token_count, variants.token_sum),
@@ -97,10 +104,12 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
     tokens). kl_coef: the step's (default --kl-coef; none in the loss with --kl-in reward); the
     keywords: what a variant's term reads (grpo/variants.py)."""
     kl_coef = variants.loss_kl_coef(cfg, cfg.kl_coef if kl_coef is None else kl_coef)
-    t = variants.tokens(logp=logp, old_logp=old_logp, adv=advantages[:, None].to(logp.dtype),
+    adv = advantages[:, None].to(logp.dtype)
+    t = variants.tokens(logp=logp, old_logp=old_logp, adv=adv, sequence_adv=adv,
                         mask=mask.to(logp.dtype), entropy=entropy, pg_mask=pg_mask,
                         cov_mask=cov_mask, sampler_logp=sampler_logp,
                         train_logp=logp.detach() if train_logp is None else train_logp)
+    t.adv = TOKEN_ADVANTAGES[cfg.token_advantage](t, cfg)   # [B, T] when shaped per token
     ratio = RATIOS[cfg.importance_level](logp, old_logp, t.mask)
     pg = POLICY_LOSSES[cfg.policy_loss](ratio, t, cfg, default=clipped_surrogate)   # clip-cov's
     for term in variants.pg_terms(cfg, t):   # none by default: see pg_terms
@@ -131,6 +140,8 @@ def statistics(ratio, t, ref_logp, cfg) -> dict:
             "entropy": zeros if t.entropy is None else t.entropy}
         if t.cov_mask is not None:
             stats["cov_frac"] = t.cov_mask * counted   # the tokens Clip-Cov or KL-Cov acted on
+        if t.adv is not t.sequence_adv:   # shaped per token: the record's mean and spread
+            stats.update(token_adv=t.adv, token_adv_sq=t.adv ** 2)
         if t.sampler_logp is not None:   # the sampler/trainer gap; k3 by expm1 (no cancellation)
             gap = t.train_logp - t.sampler_logp
             stats.update(mismatch_kl=torch.expm1(gap) - gap, mismatch_abs=gap.abs(),
@@ -220,6 +231,8 @@ def record(totals, grad_norms, skipped: int, peaks, mix) -> dict:
     out = {"loss": totals.pop("loss") / updates, "mismatch_max": max(peaks),
            **{k: v / (measured if k.startswith("mismatch") else tokens) for k, v in totals.items()},
            "grad_norm": sum(grad_norms) / updates, "skipped_nonfinite": skipped}
+    if "token_adv_sq" in out:   # --token-advantage: the shaped advantage's spread over tokens
+        out["token_adv_std"] = math.sqrt(max(out.pop("token_adv_sq") - out["token_adv"] ** 2, 0))
     if mix is not None:   # the mix's mean loss per learned token (not x --ptx-coef), its texts cut
         out.update(ptx_loss=ptx_nll / ptx_tokens, ptx_cut=sum(b.cut for b in mix))
     return out

@@ -89,6 +89,13 @@ class Settings:
     dual_clip: typing.Optional[float] = opt(None, "dual-clip PPO: for negative advantages the loss is at most "
                                             "C x |A| (C > 1, e.g. 3; default off)", must="> 1",
                                             note="the bound is C x |A|")
+    token_advantage: str = opt("sequence", "each token's advantage, which every --policy-loss reads: "
+                               "its completion's, or a shaping of it per token",
+                               variants.CHOICES["token_advantage"])
+    shaping_alpha: float = opt(0.4, "--token-advantage entropy: the weight alpha of the token's entropy",
+                               must=">= 0")
+    shaping_kappa: float = opt(2.0, "--token-advantage entropy: the shaping stays within |A| / kappa",
+                               must="at least 1")
     policy_loss: str = opt("ppo", "the policy-gradient term",
                              variants.CHOICES["policy_loss"])
     sapo_tau_pos: float = opt(1.0, "--policy-loss sapo: the gate's temperature where A > 0", must="> 0")

@@ -29,6 +29,7 @@ DEFAULTS = {
     "kl_estimator": ("k3", "exp(d) - d - 1 with d = ref_logp - logp"),
     "kl_in": ("loss", "per token in the loss"),
     "loss_agg": ("token-mean", "over the mini-batch's loss tokens"),
+    "token_advantage": ("sequence", "its completion's advantage at every token (GRPO)"),
     "mismatch_correction": ("none", "none (the gap is measured in every record: mismatch_kl, "
                                     "mismatch_abs, "
                                     "mismatch_max)"),
@@ -203,6 +204,20 @@ def sequence_mean(x, mask):
 
 
 RATIOS = {"sequence": sequence_ratio}
+
+
+# ---- per-token advantages (--token-advantage): a shaping of A at each token, before any loss -----
+
+@declares(knobs=("shaping_alpha", "shaping_kappa"))
+def entropy_shaped(t, cfg, **_):
+    """A + min(alpha H, |A| / kappa) at each token, H its entropy (no gradient): more credit where
+    the policy was unsure, never past |A| / kappa, so A keeps its sign (Cheng et al. 2025)"""
+    adv = t.adv.expand_as(t.logp)
+    return adv + torch.minimum(cfg.shaping_alpha * t.entropy.detach(),
+                               adv.abs() / cfg.shaping_kappa)
+
+
+TOKEN_ADVANTAGES = {"entropy": entropy_shaped}
 
 
 def clip_bounds(cfg) -> tuple:
@@ -539,7 +554,8 @@ def tokens(**fields) -> types.SimpleNamespace:
 
 
 # each flag's table in this file (train_lean.py's add the defaults), its choices as the CLI takes them
-OWN = {"advantage": ADVANTAGES, "importance_level": RATIOS, "policy_loss": POLICY_LOSSES,
+OWN = {"advantage": ADVANTAGES, "importance_level": RATIOS, "token_advantage": TOKEN_ADVANTAGES,
+       "policy_loss": POLICY_LOSSES,
        "kl_estimator": KL_ESTIMATORS, "kl_in": KL_PLACES, "loss_agg": AGGREGATIONS,
        "mismatch_correction": MISMATCH_CORRECTIONS}
 CHOICES = {flag: Choices(flag) for flag in OWN}

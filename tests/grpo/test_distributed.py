@@ -110,10 +110,11 @@ runpy.run_path({train!r}, run_name="__main__")
 
 def test_ranks_with_different_settings_refuse_to_start_in_one_line(tiny_model_dir, tmp_path):
     """Issue 59 case 5: ranks run with GRPO_LEARNING_RATE, GRPO_TEMPERATURE or GRPO_SEED on rank 1
-    only exited 0, settings.txt recording rank 0's."""
+    only exited 0, settings.txt recording rank 0's; case 4: with GRPO_STEPS there, rank 0 waited
+    forever after its last step."""
     (tmp_path / "launch.py").write_text(ONE_RANK_APART.format(train=TRAIN))
     for name, value, shown in (("GRPO_TEMPERATURE", "0.5", "--temperature 0.5 (env)"),
-                               ("GRPO_SEED", "7", "--seed 7 (env)")):
+                               ("GRPO_STEPS", "2", "--steps 2 (env)")):
         out = tmp_path / name
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc_per_node", "2", str(tmp_path / "launch.py"), name, value,

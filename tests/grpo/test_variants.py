@@ -593,6 +593,47 @@ def test_gdpo_normalises_each_part_in_its_group_then_the_weighted_sum_by_the_bat
     assert adv[5].item() == pytest.approx(expected[5]) and adv[6] == adv[7]
 
 
+# ---- per-token advantages (--token-advantage): the shaped A against its formula, under any loss ----------------
+
+ENTROPY = torch.tensor([[2.0, 0.1, 1.0], [0.5, 3.0, 7.0]])   # 7.0 sits under the mask
+
+
+def test_entropy_shaping_adds_a_capped_entropy_term_to_each_tokens_advantage():
+    """Cheng et al. 2025: A + min(alpha H, |A| / kappa) per token, H without a gradient; combined
+    with PPO's clipped loss and with CISPO's, each reading the shaped A at its token."""
+    entropy = leaf(ENTROPY)
+    for loss_name in ("ppo", "cispo"):
+        logp = leaf(torch.log(RATIOS))
+        cfg = loss_config(policy_loss=loss_name, token_advantage="entropy", shaping_alpha=0.4,
+                          shaping_kappa=2.0, clip_high=0.28)
+        loss, stats = grpo_loss(logp, OLD, ADV, MASK, 5.0, cfg, entropy=entropy)
+        expected, shaped = 0.0, []
+        for i in range(2):
+            for t in range(3):
+                if MASK[i, t]:
+                    a, r = ADV[i].item(), RATIOS[i, t].item()
+                    a = a + min(0.4 * ENTROPY[i, t].item(), abs(a) / 2)
+                    shaped.append(a)
+                    if loss_name == "ppo":
+                        expected += -min(r * a, min(max(r, 0.8), 1.28) * a)
+                    else:
+                        expected += -min(r, 1.28) * a * math.log(r)
+        assert loss.item() == pytest.approx(expected / 5, rel=1e-5)
+        loss.backward()
+        assert entropy.grad is None   # the shaping is a weight, not an entropy bonus
+        # the record: the shaped advantage's mean over loss tokens (sums here) and its square
+        assert stats["token_adv"] == pytest.approx(sum(shaped), rel=1e-5)
+        assert stats["token_adv_sq"] == pytest.approx(sum(a * a for a in shaped), rel=1e-5)
+    # the sign of A is kept: the term never exceeds |A| / kappa
+    assert all(x < 0 for x in shaped[3:]) and all(x > 0 for x in shaped[:3])
+
+
+def test_the_sequence_advantage_records_no_shaping():
+    _, stats = grpo_loss(leaf(torch.log(RATIOS)), OLD, ADV, MASK, 5.0, loss_config(),
+                         entropy=ENTROPY)
+    assert "token_adv" not in stats
+
+
 # ---- the policy-loss variants: value and gradient against their formulas -------------------------------------
 
 RATIOS = torch.tensor([[1.5, 0.9, 1.0], [0.5, 1.1, 2.0]])   # the last token is masked (MASK)
@@ -751,6 +792,10 @@ ADVANTAGE_FORMULA_TESTS = {
     "maxrl": ["test_maxrl_divides_by_the_group_mean"],
     "gdpo": ["test_gdpo_normalises_each_part_in_its_group_then_the_weighted_sum_by_the_batch"],
 }
+TOKEN_ADVANTAGE_FORMULA_TESTS = {
+    "sequence": ["test_the_sequence_advantage_records_no_shaping"],
+    "entropy": ["test_entropy_shaping_adds_a_capped_entropy_term_to_each_tokens_advantage"],
+}
 
 
 def _test_functions():
@@ -772,11 +817,12 @@ def test_every_policy_loss_and_advantage_has_a_formula_test():
     which the default Config runs). That it checks the formula is for a reader to see: this keeps a
     new choice from going without a test."""
     import ast
-    from train_lean import ADVANTAGES, POLICY_LOSSES
+    from train_lean import ADVANTAGES, POLICY_LOSSES, TOKEN_ADVANTAGES
     tests = _test_functions()
     for field, choices, listed, what in (
             ("policy_loss", POLICY_LOSSES, POLICY_LOSS_FORMULA_TESTS, "value and gradient"),
-            ("advantage", ADVANTAGES, ADVANTAGE_FORMULA_TESTS, "values")):
+            ("advantage", ADVANTAGES, ADVANTAGE_FORMULA_TESTS, "values"),
+            ("token_advantage", TOKEN_ADVANTAGES, TOKEN_ADVANTAGE_FORMULA_TESTS, "values")):
         flag = "--" + field.replace("_", "-")
         for choice in choices:
             assert listed.get(choice), (

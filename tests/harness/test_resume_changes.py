@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import train_lean
+from grpo import variants
 from harness import config, rundir
 from tasks.toy import ToyTask
 
@@ -35,13 +36,24 @@ def compared(option_fields=()):
     return sorted(n for n in [*config.FIELDS, *(f.name for f in option_fields)] if n not in free and n not in fixed)
 
 
-# the settings whose effect needs another one on: their runs start from a checkpoint made with these as well
+def declared_enabling() -> dict:
+    """A knob a variant declares (grpo/variants.py declares(knobs=...)) acts with that variant on."""
+    out = {}
+    for flag in variants.DEFAULTS:
+        for name, function in variants.table(flag).items():
+            for knob in variants.declared(function, "knobs"):
+                out.setdefault(knob, ["--" + flag.replace("_", "-"), name])
+    return out
+
+
+# the settings whose effect needs another one on: their runs start from a checkpoint made with these
+# as well (a variant's knobs from its declaration, unless it needs more)
 MIX = ["--ptx-coef", "0.5", "--ptx-file", "{texts_a}"]
-ENABLING = {"ref_sync_alpha": ["--ref-sync-steps", "1"],
+ENABLING = {**declared_enabling(),
+            "ref_sync_alpha": ["--ref-sync-steps", "1"],
             "max_sampling_rounds": ["--dynamic-sampling", "--temperature", "0.1"],   # groups flat round after round
             "overlong_penalty": ["--overlong-buffer", "4"],
             "ptx_coef": MIX, "ptx_file": MIX, "ptx_batch_size": MIX,
-            "sapo_tau_pos": ["--policy-loss", "sapo"], "sapo_tau_neg": ["--policy-loss", "sapo"],
             # a wide band and share, so the tiny model's tokens fall in them
             "cov_ratio": ["--policy-loss", "kl-cov", "--cov-ratio", "0.1"],
             "kl_cov_coef": ["--policy-loss", "kl-cov", "--cov-ratio", "0.1"],
@@ -66,6 +78,7 @@ NEW = {"model": "{other_model}", "task": "tests.harness.test_resume_changes:Othe
        "sapo_tau_pos": 5.0, "sapo_tau_neg": 5.0, "cov_ratio": 0.5, "kl_cov_coef": 5.0, "clip_cov_lb": -1e-6,
        "clip_cov_ub": 1e-6, "reward_weights": "hit=1,len=-3", "kl_target": 0.001, "kl_horizon": 10,
        "mismatch_cap": 1.0001, "mismatch_low": 0.999,
+       "shaping_alpha": 0.01,   # the tiny model's entropy (about 5.7) x 0.2 still passes |A| / kappa
        "system_prompt": "Answer with the letter only."}
 
 
