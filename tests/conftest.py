@@ -14,6 +14,15 @@ USER_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The files with the most slow tests first (make test's two workers take whole files in this
+    order): a long file taken last leaves one worker running it alone (longest first)."""
+    slow = {}
+    for item in items:
+        slow[item.fspath] = slow.get(item.fspath, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.fspath])   # stable: a file's tests keep their order
+
+
 def pytest_configure(config):
     # make test runs both tiers (so does CI); make test-fast leaves the slow one out
     config.addinivalue_line("markers", "slow: real processes at length (torchrun-style gloo ranks, kill -9 and "

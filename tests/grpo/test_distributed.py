@@ -113,17 +113,19 @@ def test_ranks_with_different_settings_refuse_to_start_in_one_line(tiny_model_di
     only exited 0, settings.txt recording rank 0's; case 4: with GRPO_STEPS there, rank 0 waited
     forever after its last step."""
     (tmp_path / "launch.py").write_text(ONE_RANK_APART.format(train=TRAIN))
-    for name, value, shown in (("GRPO_TEMPERATURE", "0.5", "--temperature 0.5 (env)"),
-                               ("GRPO_STEPS", "2", "--steps 2 (env)")):
+    # --steps 1 for both ranks from the environment (the command line would win over rank 1's)
+    for name, value, shown, first in (
+            ("GRPO_TEMPERATURE", "0.5", "--temperature 0.5 (env)", "rank 0's 1.0 (default)"),
+            ("GRPO_STEPS", "2", "--steps 2 (env)", "rank 0's 1 (env)")):
         out = tmp_path / name
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc_per_node", "2", str(tmp_path / "launch.py"), name, value,
-                               "--model", tiny_model_dir, *SMALL, "--task", "toy", "--steps", "1",
-                               "--out-dir", str(out)], capture_output=True, text=True, env=env(),
-                              timeout=300)
+                               "--model", tiny_model_dir, *SMALL, "--task", "toy",
+                               "--out-dir", str(out)], capture_output=True, text=True,
+                              env=env(GRPO_STEPS="1"), timeout=300)
         assert proc.returncode != 0
         said = [line for line in proc.stderr.splitlines() if "error: rank 1's" in line]
-        assert said and shown in said[0] and "differs from rank 0's" in said[0] and "(default)" in said[0]
+        assert said and shown in said[0] and f"differs from {first}" in said[0], proc.stderr[-2000:]
         # torchrun's launcher prints its own traceback of the failed children; none of the trainer's
         assert "harness/" not in proc.stderr and not (out / "metrics.jsonl").exists()
 

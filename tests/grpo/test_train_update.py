@@ -228,6 +228,7 @@ def test_every_choice_the_algorithm_owns_is_a_knob():
     from grpo import variants
     from harness.config import FIELDS
     tables = {"advantage": train_lean.ADVANTAGES, "importance_level": train_lean.RATIOS,
+              "token_advantage": train_lean.TOKEN_ADVANTAGES,
               "policy_loss": train_lean.POLICY_LOSSES, "kl_estimator": train_lean.KL_ESTIMATORS,
               "loss_agg": train_lean.AGGREGATIONS, "kl_in": {"loss": None, **variants.KL_PLACES},
               "mismatch_correction": {"none": None, **variants.MISMATCH_CORRECTIONS}}

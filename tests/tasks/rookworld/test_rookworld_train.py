@@ -151,18 +151,14 @@ def test_a_crash_mid_run_exits_1_promptly_and_leaves_no_engine(tiny_model_dir, t
     assert engines and wait_until(lambda: not any(process_alive(p) for p in engines), timeout=5)
 
 
-# one thread, and a user's default threads (every core: the update still runs on --update-threads 1)
-THREADS = [pytest.param("1", id="one-thread"), pytest.param(None, id="default-threads")]
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(find_stockfish() is None, reason="needs Stockfish")
-@pytest.mark.parametrize("threads", THREADS)
-def test_the_main_job_killed_and_resumed_equals_an_uninterrupted_run(threads, tmp_path):
+def test_the_main_job_killed_and_resumed_equals_an_uninterrupted_run(tmp_path):
     """`make train` (the shipped model; the chess task declares --ptx-coef 1) killed with SIGKILL after a checkpoint and
     resumed ends with the records and weights of a run of the same seed that was never stopped: the second run is
-    both the same-seed repeat and the resume."""
-    run_env = user_env(**({"OMP_NUM_THREADS": threads} if threads else {}))
+    both the same-seed repeat and the resume. On a user's default threads (every core: the update
+    still runs on --update-threads 1); one thread: tests/tools/test_chaos.py's toy runs."""
+    run_env = user_env()
     args = [os.path.join(REPO, "train_lean.py"), "--steps", "4", "--save-interval", "2",
             "--eval-interval", "0"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
