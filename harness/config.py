@@ -161,10 +161,15 @@ class Config(Settings):
 
 # a knob (a setting that variants declare they read) set where the run's choice does not read it:
 # the message, by flag, of (the knob, its value, the run's choice, the choices that read it)
+def unused_knob_said(choice: str, knob: str, value, run: str, owners: list) -> str:
+    """A knob of another choice of flag `choice` than the run's (--mismatch-correction's: its own)."""
+    if choice in UNUSED_KNOB:
+        return UNUSED_KNOB[choice](knob, value, run, owners)
+    return (f"{flag(knob)} {value} is a knob of {flag(choice)} {' or '.join(owners)}, and the run's "
+            f"is {run}: pass {flag(choice)} {owners[0]}, or leave it out")
+
+
 UNUSED_KNOB = {
-    "policy_loss": lambda knob, value, run, owners: (
-        f"{flag(knob)} {value} is a knob of --policy-loss {' or '.join(owners)}, and the run's is "
-        f"{run}: pass --policy-loss {owners[0]}, or leave it out"),
     "mismatch_correction": lambda knob, value, run, owners: (
         f"{flag(knob)} {value} with --mismatch-correction {run}, which does not use it: pass "
         f"{'a mask' if knob == 'mismatch_low' else 'a correction'}, or leave {flag(knob)} out"),
@@ -268,12 +273,12 @@ def _multiples(value: int, of: int) -> str:
 def unused_knob(cfg: Config) -> str | None:
     """A knob that variants declare they read (knobs), set while the run's choice does not read it."""
     for name in FIELDS:
-        for choice, message in UNUSED_KNOB.items():
+        for choice in variants.DEFAULTS:
             owners = [k for k, f in variants.table(choice).items()
                       if name in variants.declared(f, "knobs")]
             run = getattr(cfg, choice)
             if owners and run not in owners and getattr(cfg, name) != FIELDS[name].default:
-                return message(name, getattr(cfg, name), run, owners)
+                return unused_knob_said(choice, name, getattr(cfg, name), run, owners)
     return None
 
 
