@@ -349,7 +349,6 @@ class Saver:
                          f"the steps after {f'step {self.saved}' if self.saved else 'the start'} are lost")
         return False
 
-
     def stopped(self, why: str) -> str:
         """The step under way was given up (why: the signal, or the reward timeout): the last finished
         step saved when the weights are still its; what was kept, said in one line (rank 0)."""

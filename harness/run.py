@@ -118,11 +118,13 @@ class Run:
         native code (a collective whose peer is stopped or silent) and runs no handler. Rank 0 saves
         the last finished step as the saver would (the weights stay still: that collective will not
         complete, its peers give up too); every rank then ends at once, said."""
-        if self.main:
-            log.warn(self.saver.stopped(signal.Signals(signum).name) + " (held in a collective)")
-        else:
-            log.warn_here(f"stopped ({signal.Signals(signum).name}) while held in a collective")
-        os._exit(128 + signum)
+        try:   # a save that fails still ends the process (this thread is its last way out)
+            if self.main:
+                log.warn(self.saver.stopped(signal.Signals(signum).name) + " (held in a collective)")
+            else:
+                log.warn_here(f"stopped ({signal.Signals(signum).name}) while held in a collective")
+        finally:
+            os._exit(128 + signum)
 
     def open_task(self):
         """(the task, its prompts checked where they enter; --ptx-coef's source of texts or None). The first step's

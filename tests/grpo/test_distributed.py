@@ -230,7 +230,9 @@ def test_a_rank_waiting_long_in_a_collective_says_so(tmp_path):
     (out0, err0), (out1, err1) = (p.communicate(timeout=120) for p in procs)
     assert out0 == out1 == "[2.0]\n", err0 + err1
     said = [line for line in err0.splitlines() if "still waiting" in line]
-    assert 2 <= len(said) <= 5, err0
-    assert said[0] == ("train_lean.py: rank 0: still waiting for the other ranks (a sum), 0.5 s so "
-                       "far: a rank is held (its lines say where); Ctrl-C or SIGTERM stops the run")
+    assert len(said) >= 2, err0
+    for n, line in enumerate(said, 1):   # once every WAIT_SAY_S, however long rank 1 took
+        assert line == (f"train_lean.py: rank 0: still waiting for the other ranks (a sum), "
+                        f"{n * 0.5:g} s so far: a rank is held (its lines say where); Ctrl-C or "
+                        f"SIGTERM stops the run")
     assert "still waiting" not in err1
