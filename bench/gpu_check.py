@@ -1,10 +1,11 @@
 """One GPU check: everything the GPU issue asks of a card, measured in one command, one table.
 
-    python bench/gpu_check.py            # on a one-GPU machine, offline, under 8 minutes
-    python bench/gpu_check.py --smoke    # the same sections, tiny, on the CPU (CI runs it)
+    python bench/gpu_check.py --budget 540   # on a one-GPU machine, offline; sections past 9 minutes skipped
+    python bench/gpu_check.py --only trl,big # some sections again (their keys: --help)
+    python bench/gpu_check.py --smoke        # the same sections, tiny, on the CPU (CI runs it)
 
-Sections, each a subprocess or a call with its own time limit (one failing is reported, the others go on):
-the whole GRPO step at the 124M shape (bench/run.py's workload: 64 = 8 x 8 completions of 144 tokens, KL on)
+Sections, each a subprocess or a call with its own time limit (one failing is reported, the others go on),
+most wanted first: the main job (`make train`'s command, a few steps); the whole GRPO step at the 124M shape (bench/run.py's workload: 64 = 8 x 8 completions of 144 tokens, KL on)
 with no speed flags, with --compile off, TRL's GRPOTrainer (when trl imports) and the floor; ours and TRL on
 the varied workload (bench/run.py --lengths varied), with the compacted decoder's compilations; decode tokens/s
 and ops (CUDA: kernels) per token; recompilations after the first step; peak memory; same seed, same bits;
@@ -63,9 +64,44 @@ def train_command(path, s, out, extra=(), varied: bool = False):
             "--steps", str(s["warmup"] + s["steps"]), "--out-dir", out, "--log-level", "warning", *extra]
 
 
+DEADLINE = [float("inf")]   # --budget: no command runs past it
+
+
 def run(cmd, timeout, **kw):
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, **kw)
+    left = DEADLINE[0] - time.monotonic()
+    if left < 5:
+        raise TimeoutError("the time budget is spent")
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=min(timeout, left), **kw)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+def phases(recs) -> dict:
+    """Median seconds of the step and its phases over the measured records."""
+    keys = {"step s": "step_time_s", "generation s": "gen_time_s", "reference s": "ref_time_s",
+            "training s": "train_time_s"}
+    return {k: statistics.median(r[f] for r in recs) for k, f in keys.items() if all(f in r for r in recs)}
+
+
+def records(out: str) -> list:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "samples_per_s" in r]
+
+
+def main_job_section(s, work):
+    """`make train`'s command (the default model, task and settings), a few steps, no evaluation."""
+    out = os.path.join(work, "main-job")
+    steps = 2 if s["model"] == "tiny" else 6
+    extra = ["--batch-size", "16"] if s["model"] == "tiny" else []
+    code, text = run([sys.executable, os.path.join(REPO, "train_lean.py"), "--steps", str(steps),
+                      "--eval-interval", "0", "--out-dir", out, "--log-level", "warning", *extra], 300)
+    if code:
+        raise RuntimeError(f"exit {code}: {text.strip().splitlines()[-1] if text.strip() else ''}")
+    recs = records(out)
+    measured = recs[1:] or recs
+    return {"samples/s": statistics.median(r["samples_per_s"] for r in measured), **phases(measured),
+            "peak MB": max(r.get("cuda_peak_mb", r["rss_peak_mb"]) for r in recs),
+            "compilations": sum(r.get("decode_compiles", 0) for r in recs),
+            "reward first/last": f"{recs[0]['reward_mean']:.3f}/{recs[-1]['reward_mean']:.3f}"}
 
 
 def step_section(path, s, work, name, extra=(), timeout=300, varied=False):
@@ -75,12 +111,12 @@ def step_section(path, s, work, name, extra=(), timeout=300, varied=False):
     code, text = run(train_command(path, s, out, extra, varied), timeout)
     if code:
         raise RuntimeError(f"exit {code}: {text.strip().splitlines()[-1] if text.strip() else ''}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        recs = [r for r in map(json.loads, f) if "samples_per_s" in r]
+    recs = records(out)
     measured = [r["samples_per_s"] for r in recs[s["warmup"]:]]
     peak = max(r.get("cuda_peak_mb", r["rss_peak_mb"]) for r in recs)
     later = sum(r.get("decode_compiles", 0) for r in recs[1:])
-    return {"samples/s": statistics.median(measured), "max/min": max(measured) / min(measured), "peak MB": peak,
+    return {"samples/s": statistics.median(measured), "max/min": max(measured) / min(measured),
+            **phases(recs[s["warmup"]:]), "peak MB": peak,
             "compilations": sum(r.get("decode_compiles", 0) for r in recs), "recompiles after step 1": later,
             "out": out}
 
@@ -174,51 +210,80 @@ def sweep_section(path, s, work):
     return {"exit": code, "says": lines[-1].strip() if lines else text.strip().splitlines()[-1]}
 
 
+def sections(s, path, big, work, device, dtype) -> list:
+    """(key, name, call), most wanted first: --budget skips from the end."""
+    trl = importlib.util.find_spec("trl") is not None
+    no_trl = {"skipped": "trl does not import"}
+    return [
+        ("main", "the main job (make train's, a few steps)", lambda: main_job_section(s, work)),
+        ("default", "ours, defaults", lambda: step_section(path, s, work, "default")),
+        ("varied", "ours, varied lengths", lambda: step_section(path, s, work, "varied", varied=True)),
+        ("trl", "TRL GRPOTrainer", lambda: peer_section("trl", path, s, work, dtype) if trl else no_trl),
+        ("trl-varied", "TRL, varied lengths",
+         lambda: peer_section("trl", path, s, work, dtype, lengths="varied") if trl else no_trl),
+        ("eager", "ours, --compile off", lambda: step_section(path, s, work, "eager", ["--compile", "off"])),
+        ("bits", "same seed, same bits", lambda: bits_section(path, s, work)),
+        ("decode", "decode", lambda: decode_section(path, s, device)),
+        ("monitor", "memory monitor", lambda: monitor_section(s, work)),
+        ("oom", "out-of-memory snapshot",
+         lambda: oom_section(path, s, work) if device == "cuda" else {"skipped": "CUDA only"}),
+        ("floor", "floor", lambda: peer_section("floor", path, s, work, dtype)),
+        ("big", f"ours, {s['big']}", lambda: step_section(big, s, work, "big")),
+        ("sweep", "batch sweep", lambda: sweep_section(path, s, work))]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (CI): the sections, not the numbers")
     ap.add_argument("--out", default=os.path.join(REPO, "out", "gpu_check"))
+    ap.add_argument("--budget", type=float, default=None, metavar="S",
+                    help="seconds for the whole check: a section that would start or run past it is skipped "
+                         "or stopped, and said (a lent GPU's lease is short)")
+    ap.add_argument("--only", default=None, metavar="KEYS",
+                    help="comma-separated section keys: main, default, varied, trl, trl-varied, eager, bits, "
+                         "decode, monitor, oom, floor, big, sweep (bits needs default's run)")
     args = ap.parse_args(argv)
     import torch
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if not args.smoke and device != "cuda":
         print("gpu_check.py: no CUDA device here; --smoke runs the sections on the CPU", file=sys.stderr)
         return 2
+    if args.budget is not None:
+        DEADLINE[0] = time.monotonic() + args.budget
     s = shape(args.smoke)
     root = os.path.join(REPO, "out", "bench-models")
     path, big = model_dir(s["model"], root), model_dir(s["big"], root)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="gpu-check-", dir=args.out)
     dtype = "bf16" if device == "cuda" else "fp32"
-    sections = [("ours, defaults", lambda: step_section(path, s, work, "default")),
-                ("ours, --compile off", lambda: step_section(path, s, work, "eager", ["--compile", "off"])),
-                ("TRL GRPOTrainer", lambda: peer_section("trl", path, s, work, dtype)
-                 if importlib.util.find_spec("trl") else {"skipped": "trl does not import"}),
-                ("floor", lambda: peer_section("floor", path, s, work, dtype)),
-                ("ours, varied lengths", lambda: step_section(path, s, work, "varied", varied=True)),
-                ("TRL, varied lengths", lambda: peer_section("trl", path, s, work, dtype, lengths="varied")
-                 if importlib.util.find_spec("trl") else {"skipped": "trl does not import"}),
-                ("decode", lambda: decode_section(path, s, device)),
-                ("same seed, same bits", lambda: bits_section(path, s, work)),
-                ("memory monitor", lambda: monitor_section(s, work)),
-                ("out-of-memory snapshot", lambda: oom_section(path, s, work) if device == "cuda"
-                 else {"skipped": "CUDA only"}),
-                (f"ours, {s['big']}", lambda: step_section(big, s, work, "big")),
-                ("batch sweep", lambda: sweep_section(path, s, work))]
+    table = sections(s, path, big, work, device, dtype)
+    only = args.only.split(",") if args.only else [key for key, _, _ in table]
+    unknown = sorted(set(only) - {key for key, _, _ in table})
+    if unknown:
+        print(f"gpu_check.py: --only: no section {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "smoke": args.smoke,
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "model": s["model"]}
     results, failed = {}, []
-    for name, section in sections:
+    for key, name, section in table:
+        if key not in only:
+            continue
         start = time.perf_counter()
         try:
+            if DEADLINE[0] - time.monotonic() < 30:
+                raise TimeoutError("the time budget is spent")
             results[name] = section()
+        except TimeoutError:   # the budget's: said, not a failure of the code
+            results[name] = {"skipped": "the time budget is spent"}
         except Exception as e:   # one section's failure is a row of the table; the others still run
             results[name] = {"FAILED": f"{type(e).__name__}: {e}"[:200]}
             failed.append(name)
         results[name]["s"] = round(time.perf_counter() - start, 1)
         print(f"[{name}] {results[name]}", flush=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "smoke": args.smoke,
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "model": s["model"]}
+        with open(os.path.join(args.out, "results.json"), "w") as f:   # kept if the lease ends first
+            json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
     for mine, peer in (("ours, defaults", "TRL GRPOTrainer"), ("ours, varied lengths", "TRL, varied lengths")):
-        ours, trl = results[mine].get("samples/s"), results[peer].get("samples/s")
+        ours, trl = results.get(mine, {}).get("samples/s"), results.get(peer, {}).get("samples/s")
         if ours and trl:
             results[mine]["vs TRL"] = ours / trl
     print(f"\n{meta}\n\n| section | results |\n|---|---|")
