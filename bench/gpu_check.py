@@ -1,17 +1,19 @@
 """One GPU check: everything the GPU issue asks of a card, measured in one command, one table.
 
-    python bench/gpu_check.py --budget 540   # on a one-GPU machine, offline; sections past 9 minutes skipped
+    TORCH_LOGS=cudagraphs python bench/gpu_check.py --budget 540   # one GPU, offline; 9 minutes at most
     python bench/gpu_check.py --only trl,big # some sections again (their keys: --help)
     python bench/gpu_check.py --smoke        # the same sections, tiny, on the CPU (CI runs it)
 
-Sections, each a subprocess or a call with its own time limit (one failing is reported, the others go on),
-most wanted first: the main job (`make train`'s command, a few steps); the whole GRPO step at the 124M shape (bench/run.py's workload: 64 = 8 x 8 completions of 144 tokens, KL on)
-with no speed flags, with --compile off, TRL's GRPOTrainer (when trl imports) and the floor; ours and TRL on
-the varied workload (bench/run.py --lengths varied), with the compacted decoder's compilations; decode tokens/s
-and ops (CUDA: kernels) per token; recompilations after the first step; peak memory; same seed, same bits;
-monitor_memory.py's clean (exit 0) and leaking (exit 1) verdicts; an out-of-memory snapshot provoked and
-found where the console says (CUDA only); the same step at Qwen2.5-0.5B's shape (random weights, built
-here); monitor_memory.py --sweep under a 24 GB budget. It installs nothing and reads no network.
+Sections, each a subprocess or a call with its own time limit (one failing is reported, the others
+go on), most wanted first: the main job (`make train`'s command, a few steps); the whole GRPO step
+at the 124M shape (bench/run.py's workload: 64 = 8 x 8 completions of 144 tokens, KL on) with no
+speed flags, with --compile off, TRL's GRPOTrainer (when trl imports) and the floor; ours and TRL on
+the varied workload (bench/run.py --lengths varied), with the compacted decoder's compilations;
+decode tokens/s and ops (CUDA: kernels) per token; recompilations after the first step; peak memory;
+same seed, same bits; monitor_memory.py's clean (exit 0) and leaking (exit 1) verdicts; an out-of-
+memory snapshot provoked and found where the console says (CUDA only); the same step at
+Qwen2.5-0.5B's shape (random weights, built here); monitor_memory.py --sweep under a 24 GB budget.
+It installs nothing and reads no network.
 """
 import argparse
 import glob
@@ -101,6 +103,7 @@ def main_job_section(s, work):
     return {"samples/s": statistics.median(r["samples_per_s"] for r in measured), **phases(measured),
             "peak MB": max(r.get("cuda_peak_mb", r["rss_peak_mb"]) for r in recs),
             "compilations": sum(r.get("decode_compiles", 0) for r in recs),
+            "CUDA graph skips": sum(r.get("decode_graph_skips", 0) for r in recs),
             "reward first/last": f"{recs[0]['reward_mean']:.3f}/{recs[-1]['reward_mean']:.3f}"}
 
 
@@ -117,6 +120,7 @@ def step_section(path, s, work, name, extra=(), timeout=300, varied=False):
     later = sum(r.get("decode_compiles", 0) for r in recs[1:])
     return {"samples/s": statistics.median(measured), "max/min": max(measured) / min(measured),
             **phases(recs[s["warmup"]:]), "peak MB": peak,
+            "CUDA graph skips": sum(r.get("decode_graph_skips", 0) for r in recs),
             "compilations": sum(r.get("decode_compiles", 0) for r in recs), "recompiles after step 1": later,
             "out": out}
 
@@ -140,7 +144,7 @@ def decode_section(path, s, device):
     """generate()'s tokens/s on the step's batch (eager and compiled), and ops / CUDA kernels per token."""
     import torch
     from bench.decode_ops import per_token
-    from grpo.decoders import generate
+    from grpo.decoders import compile_counts, generate
     from grpo.model import load_policy, model_autocast
     model = load_policy(path, device)
     out = {}
@@ -156,6 +160,8 @@ def decode_section(path, s, device):
         if device == "cuda":
             torch.cuda.synchronize()
         tag = "compiled" if compile else "eager"
+        if compile:   # the reason, where one was met, is in the log (TORCH_LOGS=cudagraphs)
+            out["CUDA graph skips"] = compile_counts()["decode_graph_skips"]
         out[f"{tag} tokens/s"] = ids.shape[0] * s["tokens"] / (time.perf_counter() - start)
         out[f"{tag} {'kernels' if kernels else 'ops'}/token"] = kernels or ops
     return out
@@ -196,7 +202,10 @@ def oom_section(path, s, work):
     exit_code, text = run([sys.executable, "-c", code], 300)
     named = [w.strip(".,:;()'\"") for w in text.split() if w.strip(".,:;()'\"").endswith(".pickle")]
     found = [p for p in named if os.path.isfile(p if os.path.isabs(p) else os.path.join(REPO, p))]
-    return {"exit": exit_code, "snapshot named": named[:1] or "-", "snapshot found": bool(found)}
+    lines = text.strip().splitlines()
+    return {"exit": exit_code, "snapshot named": named[:1] or "-", "snapshot found": bool(found),
+            "in the folder": sorted(os.listdir(os.path.join(out, "memory")))
+            if os.path.isdir(os.path.join(out, "memory")) else "-", "last line": lines[-1][:160] if lines else ""}
 
 
 def sweep_section(path, s, work):

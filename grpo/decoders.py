@@ -298,9 +298,13 @@ def decode_copies(device) -> bool:
     return device.type == "cuda"
 
 
-def compilations() -> int:
-    """Graphs torch.compile has compiled in this process so far (each decode step compiled: one)."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+def compile_counts() -> dict:
+    """In this process so far: the graphs torch.compile compiled (each decode step shape: one), and
+    the times inductor ran a graph without CUDA graphs (mode reduce-overhead skipped them: each
+    token then launches its kernels one by one; TORCH_LOGS=cudagraphs says why)."""
+    counters = torch._dynamo.utils.counters
+    return {"decode_compiles": counters["stats"]["unique_graphs"],
+            "decode_graph_skips": counters["inductor"]["cudagraph_skips"]}
 
 
 def padded_width(width: int, multiple: int, compile: bool) -> int:

@@ -309,12 +309,10 @@ def _check_environment(environ, known, task_name: str) -> None:
 
 
 def _resolve_defaults(values: dict, sources: dict) -> None:
-    """The values that follow from others, set in place: auto's dtype and compile, --kl-in reward's
-    estimator."""
+    """The values that follow from others, set in place: auto's dtype, --kl-in reward's estimator."""
     cuda = values["device"].startswith("cuda") or (values["device"] == "auto" and torch.cuda.is_available())
-    for name, fast, plain in (("dtype", "bf16", "fp32"), ("compile", "on", "off")):
-        if values[name] == "auto":   # fast where researchers train; on a CPU the bits of runs before auto
-            values[name] = fast if cuda else plain
+    if values["dtype"] == "auto":   # fast where researchers train; on a CPU the bits of runs before auto
+        values["dtype"] = "bf16" if cuda else "fp32"
     if values["kl_in"] == "reward" and sources["kl_estimator"] == "default":
         values["kl_estimator"] = "k1"   # the estimator that belongs in the reward (docs/algorithm.md); others if named
 

@@ -102,10 +102,11 @@ class Config(Settings):
                                                       resume_free=True)
     gradient_checkpointing: bool = opt(False, "recompute each layer's activations in backward: less memory, "
                                        "more compute (a bare flag means true)", resume_free=True)
-    compile: str = opt("auto", "run each decode step through torch.compile (inductor on CPU, CUDA graphs on a GPU; "
-                       "GPT-2 and Llama-family models): compiling costs seconds once, a step then runs faster "
-                       "(auto: on a GPU; a bare flag means on)", ["auto", "on", "off"], const="on",
-                       aliases={"true": "on", "false": "off"}, resume_free=True)
+    compile: str = opt("off", "run each decode step through torch.compile (inductor on CPU, CUDA graphs on a GPU; "
+                       "GPT-2 and Llama-family models): each prompt-width and live-row bucket compiles once "
+                       "(8-30 s each on an H200), decoding then runs faster; off by default: the main job "
+                       "decoded no faster for it on an H200 (BENCHMARKS.md; a bare flag means on)", ["on", "off"],
+                       const="on", aliases={"true": "on", "false": "off"}, resume_free=True)
     lora_rank: int = opt(0, "train LoRA adapters of this rank instead of every weight (needs peft: pip install "
                          "peft); the KL reference is then the same weights with the adapters off, no second model "
                          "(0: full fine-tuning)", must=">= 0", resume_fixed=ADAPTERS_FIXED)

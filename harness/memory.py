@@ -27,6 +27,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from grpo import distributed
+from harness import log
 
 MB = 2**20
 SUBDIR = "memory"   # OUT_DIR/memory: the evidence a run writes
@@ -149,7 +150,8 @@ class Phases:
 
 
 def attach_oom_snapshot(path: str, info) -> None:
-    """On CUDA, every out-of-memory error writes the allocator's snapshot to `path` (the latest one kept).
+    """On CUDA, every out-of-memory error writes the allocator's snapshot to `path` (the latest one kept)
+    and says where on the rank it happened, whatever --log-level says.
 
     torch calls the observer before it raises OutOfMemoryError, so the snapshot shows what filled the
     device, whether the error is then retried with a smaller micro-batch or ends the run. Allocation
@@ -162,8 +164,9 @@ def attach_oom_snapshot(path: str, info) -> None:
     def observer(device, alloc, device_allocated, device_free):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.cuda.memory._dump_snapshot(path)
-        info(f"out of memory on cuda:{device} asking for {alloc / MB:.0f} MB ({device_allocated / MB:.0f} MB "
-            f"allocated, {device_free / MB:.0f} MB free): allocator snapshot in {path} (https://pytorch.org/memory_viz)")
+        log.warn_here(f"out of memory on cuda:{device} asking for {alloc / MB:.0f} MB ({device_allocated / MB:.0f} "
+                      f"MB allocated, {device_free / MB:.0f} MB free): allocator snapshot in {path} "
+                      f"(https://pytorch.org/memory_viz)")
     attach(observer)
 
 

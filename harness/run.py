@@ -88,6 +88,7 @@ class Run:
         self.stack.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, self._terminated))
         self.stack.push(distributed.close)   # every rank, on the way out (told of an exception)
         self.exit_code, self.cut_said, self.no_tokens_said, self.overwritten = 0, False, False, None
+        self.skips_said = False
         self.progress, self.started = None, time.perf_counter()   # the console's (start_training)
         self.task_changed = None   # "old -> new" fingerprints of an edited task's file (_task_code)
 
@@ -281,7 +282,7 @@ class Run:
         """Before the first step: --resume's optimizer, reference and RNG states; the guard of the update (its
         micro-batch probed with --micro-batch-size auto); the logs, reporter and checkpoints; the step-0 evaluation."""
         cfg, layout, streak = self.cfg, self.layout, 0
-        self.compiles_before = decoders.compilations()   # a step's record counts its own (--compile)
+        self.compiles_before = decoders.compile_counts()   # a step's record counts its own (--compile)
         self.kl = kl   # --kl-target steers it (grpo/variants.py AdaptiveKL); a checkpoint holds where it was
         if self.resume_from:
             state = checkpoint.load_state(self.resume_from)
@@ -427,9 +428,18 @@ class Run:
             rec.update(oom_retries=len(self.guard.notes),
                        **({"micro_batch_tokens": cut.tokens} if cut.tokens else {"micro_batch": cut.rows}))
         rec.update(log.throughput(self.phases.times(), rows), **self.phases.record())
-        if cfg.compile == "on":   # each is seconds to minutes of the step's generation time
-            now = decoders.compilations()
-            rec["decode_compiles"], self.compiles_before = now - self.compiles_before, now
+        if cfg.compile == "on":   # a compilation is seconds to minutes of the step's generation time
+            now, before = decoders.compile_counts(), self.compiles_before
+            rec["decode_compiles"], self.compiles_before = now["decode_compiles"] - before["decode_compiles"], now
+            skips = now["decode_graph_skips"] - before["decode_graph_skips"]
+            if self.device.type == "cuda":   # a CPU runs no CUDA graphs: nothing to skip
+                rec["decode_graph_skips"] = skips
+            if skips and not self.skips_said and self.main:
+                self.skips_said = True
+                log.warn(f"step {step}: torch.compile ran the decode step without CUDA graphs ({skips} "
+                         f"skip(s); TORCH_LOGS=cudagraphs says why): each token launches its kernels one by "
+                         f"one, the cost --compile is there to remove (said once; decode_graph_skips in each "
+                         f"record)")
         if not self.main:
             return
         if rec.get("ptx_cut") and not self.cut_said:   # learned, but not whole: said once, counted in every record

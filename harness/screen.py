@@ -142,10 +142,9 @@ def header(loaded, layout, device, model, resume_from, lora=None) -> str:
     cfg, sources = loaded.cfg, loaded.sources
     values = config.settings(cfg, loaded.options)
     decoder = decoders.decoder_name(model)
-    why = "--compile on" if sources.get("compile") != "default" else "the default on a GPU; --compile off: eager"
     if cfg.compile == "on":
         fast = decoders.decoder_class(model) is not decoders.HFDecoder
-        decoder += f", compiled ({why})" if fast else "; --compile has no effect on it"
+        decoder += ", compiled (--compile on)" if fast else "; --compile has no effect on it"
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     # a flag and its value stay on one line when the header wraps (no-break spaces, made plain after wrapping)
     given = [f"{config.flag(n)}\xa0{_cut(values[n]) if n == 'system_prompt' else _text(values[n])}"

@@ -191,13 +191,24 @@ def test_each_algorithm_knob_runs_end_to_end_and_logs(knob, tiny_model_dir, tmp_
 
 
 @pytest.mark.slow
-def test_compiled_decoding_trains_on_policy(tiny_rotary_dir, tmp_path, clean_env):
+def test_compiled_decoding_trains_on_policy(tiny_rotary_dir, tmp_path, clean_env, capsys):
     # --compile: the decode step goes through torch.compile; its sampling logprobs must still be the
     # training forward's, so the first update of a step is exactly on-policy (ratio 1, nothing clipped);
-    # each step's record counts the compilations it paid: the first step's, then none (the same widths)
-    train_lean.main(["--model", tiny_rotary_dir, "--task", "toy", "--steps", "2", "--batch-size", "8",
-                     "--group-size", "4", "--max-new-tokens", "12", "--compile", "--log-level", "warning",
-                     "--save-final", "false", "--eval-interval", "0", "--out-dir", str(tmp_path)])
-    first, second = records(tmp_path / "metrics.jsonl")
+    # each step's record counts the compilations it paid: the first step's, then none (the same widths).
+    # A GPU's inductor that runs a graph without CUDA graphs bumps its counter (no CPU does): the task
+    # bumps torch's counter as it would, and the run says so once
+    task = tmp_path / "skips.py"
+    task.write_text("import torch\nfrom tasks.toy import ToyTask\nclass Skips(ToyTask):\n"
+                    "    def reward(self, prompt, completion):\n"
+                    "        torch._dynamo.utils.counters['inductor']['cudagraph_skips'] += 1\n"
+                    "        return super().reward(prompt, completion)\n")
+    out = tmp_path / "run"
+    train_lean.main(["--model", tiny_rotary_dir, "--task", f"{task}:Skips", "--steps", "2", "--batch-size",
+                     "8", "--group-size", "4", "--max-new-tokens", "12", "--compile", "--log-level", "warning",
+                     "--save-final", "false", "--eval-interval", "0", "--out-dir", str(out)])
+    first, second = records(out / "metrics.jsonl")
     assert abs(first["ratio_mean"] - 1) < 1e-5 and first["clip_frac"] == 0
     assert first["decode_compiles"] >= 1 and second["decode_compiles"] == 0
+    assert "decode_graph_skips" not in first   # a CPU's run: no CUDA graphs to skip, no field
+    said = [line for line in capsys.readouterr().err.splitlines() if "without CUDA graphs" in line]
+    assert len(said) == 1 and said[0].startswith("train_lean.py: step 1: torch.compile ran the decode step")
