@@ -281,46 +281,11 @@ class Run:
     def start_training(self, optimizer, kl) -> guards.Guard:
         """Before the first step: --resume's optimizer, reference and RNG states; the guard of the update (its
         micro-batch probed with --micro-batch-size auto); the logs, reporter and checkpoints; the step-0 evaluation."""
-        cfg, layout, streak = self.cfg, self.layout, 0
+        cfg = self.cfg
         self.compiles_before = decoders.compile_counts()   # a step's record counts its own (--compile)
         self.kl = kl   # --kl-target steers it (grpo/variants.py AdaptiveKL); a checkpoint holds where it was
-        if self.resume_from:
-            state = checkpoint.load_state(self.resume_from)
-            # the moments and step counts as saved, the hyperparameters (--weight-decay, ...) as set now: a change
-            # --resume-allow-change let through is then the one the run trains with
-            settings_now = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            optimizer.load_state_dict(state["optimizer"])
-            for group, now in zip(optimizer.param_groups, settings_now):
-                group.update(now)
-            streak = state["nonfinite_streak"]
-            if cfg.kl_target and "kl_coef" in state:   # where --kl-target had steered it; a new --kl-coef starts over
-                if state["config"].get("kl_coef") == cfg.kl_coef:
-                    kl.load_state_dict({"kl_coef": state["kl_coef"]})
-                else:
-                    log.warn(f"--kl-target: the coefficient starts again from --kl-coef {cfg.kl_coef} (it had reached "
-                             f"{state['kl_coef']:.4g})")
-            if "reference" in state and self.reference is None:   # --kl-coef 0 now (allowed): no KL, no reference
-                log.warn(f"{self.resume_from} holds the reference --ref-sync-steps moved; --kl-coef 0 has no KL term, "
-                         f"so it is not used")
-            elif "reference" in state:  # --ref-sync-steps moved it: the checkpoint holds where it was
-                self.reference.load_state_dict(state["reference"])
-            # each rank continues its own RNG streams
-            checkpoint.set_rng_states(state["rng"][self.rank])   # the same device count (rundir.prepare)
-            self.info(f"resumed from {self.resume_from} after step {self.start_step}")
-        self.guard = guards.Guard(layout.micro_batch, layout.mini_batch_per_device, self.info, streak,
-                                  cfg.update_threads if self.device.type == "cpu" else 0,
-                                  tokens=layout.micro_tokens)
-        longest = max(map(len, self.first_ids)) + cfg.max_new_tokens
-        probe = (self.guard, self.policy, optimizer, longest, self.tokenizer.eos_token_id, cfg, self.autocast)
-        if layout.micro_batch_auto:
-            micro = guards.probe_micro_batch(*probe)  # every rank
-            self.info(f"micro-batch auto: {micro} per device ({micro * self.world} global) fits at {longest} tokens, "
-                      f"{layout.mini_batch_per_device // micro} gradient-accumulation steps")
-        if layout.micro_tokens_auto:
-            tokens, per_token, free = guards.probe_token_budget(*probe)  # every rank
-            self.info(f"micro-batch tokens auto: {tokens:,} real tokens per forward/backward on this device "
-                      f"({free / 2 ** 30:.1f} GiB free, {per_token / 1024:.0f} KiB saved for backward a token; "
-                      f"a row of the longest sequence is {longest} tokens)")
+        streak = self._resume_states(optimizer, kl) if self.resume_from else 0
+        self.guard = self._guard(optimizer, streak)
         settings = config.settings(cfg, self.loaded.options)
         rundir.branch_off(cfg, self.resume_from)   # a resume from an older checkpoint: the later ones aside, kept
         self._set_aside_doomed()
@@ -352,6 +317,50 @@ class Run:
                                       config.reward_weights(cfg), cfg.group_size, cfg.reward_timeout)
         self.phases = self.stack.enter_context(memory.Phases(self.device, self.rank, cfg, self.info))
         return self.guard
+
+    def _resume_states(self, optimizer, kl) -> int:
+        """--resume: the optimizer's, the adaptive KL's, the moved reference's and this rank's RNG states as
+        saved; returns the non-finite streak the checkpoint had."""
+        cfg, state = self.cfg, checkpoint.load_state(self.resume_from)
+        # the moments and step counts as saved, the hyperparameters (--weight-decay, ...) as set now: a change
+        # --resume-allow-change let through is then the one the run trains with
+        settings_now = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        optimizer.load_state_dict(state["optimizer"])
+        for group, now in zip(optimizer.param_groups, settings_now):
+            group.update(now)
+        if cfg.kl_target and "kl_coef" in state:   # where --kl-target had steered it; a new --kl-coef starts over
+            if state["config"].get("kl_coef") == cfg.kl_coef:
+                kl.load_state_dict({"kl_coef": state["kl_coef"]})
+            else:
+                log.warn(f"--kl-target: the coefficient starts again from --kl-coef {cfg.kl_coef} (it had reached "
+                         f"{state['kl_coef']:.4g})")
+        if "reference" in state and self.reference is None:   # --kl-coef 0 now (allowed): no KL, no reference
+            log.warn(f"{self.resume_from} holds the reference --ref-sync-steps moved; --kl-coef 0 has no KL term, "
+                     f"so it is not used")
+        elif "reference" in state:  # --ref-sync-steps moved it: the checkpoint holds where it was
+            self.reference.load_state_dict(state["reference"])
+        # each rank continues its own RNG streams
+        checkpoint.set_rng_states(state["rng"][self.rank])   # the same device count (rundir.prepare)
+        self.info(f"resumed from {self.resume_from} after step {self.start_step}")
+        return state["nonfinite_streak"]
+
+    def _guard(self, optimizer, streak: int) -> guards.Guard:
+        """The update's guard, its micro-batch or token budget probed where the layout says auto (every rank)."""
+        cfg, layout = self.cfg, self.layout
+        guard = guards.Guard(layout.micro_batch, layout.mini_batch_per_device, self.info, streak,
+                             cfg.update_threads if self.device.type == "cpu" else 0, tokens=layout.micro_tokens)
+        longest = max(map(len, self.first_ids)) + cfg.max_new_tokens
+        probe = (guard, self.policy, optimizer, longest, self.tokenizer.eos_token_id, cfg, self.autocast)
+        if layout.micro_batch_auto:
+            micro = guards.probe_micro_batch(*probe)  # every rank
+            self.info(f"micro-batch auto: {micro} per device ({micro * self.world} global) fits at {longest} tokens, "
+                      f"{layout.mini_batch_per_device // micro} gradient-accumulation steps")
+        if layout.micro_tokens_auto:
+            tokens, per_token, free = guards.probe_token_budget(*probe)  # every rank
+            self.info(f"micro-batch tokens auto: {tokens:,} real tokens per forward/backward on this device "
+                      f"({free / 2 ** 30:.1f} GiB free, {per_token / 1024:.0f} KiB saved for backward a token; "
+                      f"a row of the longest sequence is {longest} tokens)")
+        return guard
 
     def steps(self):
         """The steps to train, one at a time. After each: a checkpoint when due, when a signal asked the run to stop

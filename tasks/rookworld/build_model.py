@@ -274,13 +274,8 @@ def model_config(vocab_size: int, eos_id: int, n_positions: int, n_embd: int, n_
                       activation_function=activation, bos_token_id=eos_id, eos_token_id=eos_id)
 
 
-def train_model(kinds: list[tuple[str, list[tuple[list[int], int]]]], tok, args, log, model=None) -> tuple:
-    """A GPT-2 (new, or `model` continued) trained on completion tokens only; returns it and the loss curve."""
-    from transformers import GPT2LMHeadModel
-
-    torch.manual_seed(args.seed)
-    if model is None:
-        model = GPT2LMHeadModel(model_config(len(tok), tok.eos_token_id, args.n_positions, args.n_embd, args.n_layer))
+def training_setup(model, args) -> tuple:
+    """The model moved to its device; that device, AdamW, its schedule and whether bf16 autocast runs."""
     device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     # On a CPU, SDPA's backward under bf16 autocast dominates a step on these short rows, and plain matmul
     # attention is faster (bench/build_step.py measures it). A GPU keeps SDPA.
@@ -291,11 +286,22 @@ def train_model(kinds: list[tuple[str, list[tuple[list[int], int]]]], tok, args,
     # linear warm-up, then cosine decay to a tenth of the peak
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (
         1 + math.cos(math.pi * min(1.0, s / args.train_steps)))))
-    stream = batches(kinds, args.batch_size, random.Random(f"{args.seed}-batches-{args.continue_training}"))
     # bf16 autocast over fp32 weights on a GPU, or where the CPU has native bf16 (AMX / AVX512-BF16);
     # elsewhere bf16 matmuls are emulated and far slower than fp32
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and (
         device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    return device, optimizer, schedule, bf16
+
+
+def train_model(kinds: list[tuple[str, list[tuple[list[int], int]]]], tok, args, log, model=None) -> tuple:
+    """A GPT-2 (new, or `model` continued) trained on completion tokens only; returns it and the loss curve."""
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(args.seed)
+    if model is None:
+        model = GPT2LMHeadModel(model_config(len(tok), tok.eos_token_id, args.n_positions, args.n_embd, args.n_layer))
+    device, optimizer, schedule, bf16 = training_setup(model, args)
+    stream = batches(kinds, args.batch_size, random.Random(f"{args.seed}-batches-{args.continue_training}"))
     log(f"train: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}, "
         f"{'bf16 autocast' if bf16 else 'fp32'}, {args.threads} threads")
     curve, t0, seen_tokens = [], time.time(), 0
@@ -363,7 +369,30 @@ def greedy_samples(model, tok, samples: list[tuple[str, str]]) -> list[dict]:
             for (prompt, want), text in zip(samples, texts)]
 
 
-def main(argv=None):
+def load_or_make_data(args, log) -> dict:
+    """The P: and A: samples: those kept in WORK_DIR when made with the same data settings, else new ones,
+    then kept there."""
+    # The data depends on these alone; a re-run with the same ones (another model size, say) reuses it.
+    data_args = {k: getattr(args, k) for k in ("seed", "policy_positions", "game_share", "env_samples", "depth")}
+    data_file, data_args_file = os.path.join(args.work_dir, "data.txt"), os.path.join(args.work_dir, "data_args.json")
+    reuse = os.path.exists(data_args_file) and read_json(data_args_file) == data_args
+    if reuse:
+        with open(data_file, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        data = {"P": [split_policy_line(line) for line in lines if line.startswith("P: ")],
+                "A": [split_env_line(line) for line in lines if line.startswith("A: ")], "seconds": None}
+        log(f"data: {len(data['P'])} P: and {len(data['A'])} A: samples reused from {data_file}")
+    else:
+        data = make_data(args.seed, args.policy_positions, args.game_share, args.env_samples, args.depth, args.engines, log)
+        with open(data_file, "w", encoding="utf-8") as f:
+            for prompt, completion in data["P"] + data["A"]:
+                f.write(prompt + completion + "\n")
+        with open(data_args_file, "w", encoding="utf-8") as f:
+            json.dump(data_args, f)
+    return data
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="models/rook-tiny", help="model folder to write")
     parser.add_argument("--work-dir", default="out/default-model", help="where the generated data is kept")
@@ -404,7 +433,11 @@ def main(argv=None):
     parser.add_argument("--from", dest="start", default=None,
                         help="with --continue-training: the model folder to start from (default: --out; "
                              "WORK_DIR/checkpoint after a crash)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.time()
     os.makedirs(args.work_dir, exist_ok=True)
@@ -415,23 +448,7 @@ def main(argv=None):
         log_file.write(line + "\n")
         log_file.flush()
 
-    # The data depends on these alone; a re-run with the same ones (another model size, say) reuses it.
-    data_args = {k: getattr(args, k) for k in ("seed", "policy_positions", "game_share", "env_samples", "depth")}
-    data_file, data_args_file = os.path.join(args.work_dir, "data.txt"), os.path.join(args.work_dir, "data_args.json")
-    reuse = os.path.exists(data_args_file) and read_json(data_args_file) == data_args
-    if reuse:
-        with open(data_file, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-        data = {"P": [split_policy_line(line) for line in lines if line.startswith("P: ")],
-                "A": [split_env_line(line) for line in lines if line.startswith("A: ")], "seconds": None}
-        log(f"data: {len(data['P'])} P: and {len(data['A'])} A: samples reused from {data_file}")
-    else:
-        data = make_data(args.seed, args.policy_positions, args.game_share, args.env_samples, args.depth, args.engines, log)
-        with open(data_file, "w", encoding="utf-8") as f:
-            for prompt, completion in data["P"] + data["A"]:
-                f.write(prompt + completion + "\n")
-        with open(data_args_file, "w", encoding="utf-8") as f:
-            json.dump(data_args, f)
+    data = load_or_make_data(args, log)
     model, previous = None, None
     if args.continue_training:
         from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast

@@ -1,5 +1,6 @@
 """The speed paths compute the same thing as the plain ones and as HF generate: decode loop (eager and
 compiled), shared prompts, sampling, checkpointing."""
+import functools
 import math
 
 import pytest
@@ -15,6 +16,15 @@ from grpo.rollout import encode_prompts, left_pad
 # the compiled decode step (torch.compile's inductor builds C++ on the CPU: tens of seconds a
 # shape) in the slow tier; the eager one in both
 EAGER_AND_COMPILED = [False, pytest.param(True, marks=pytest.mark.slow)]
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    """torch.compile as dynamo traces the step (one graph, fullgraph, its buffers and draws) and AOT
+    autograd functionalises it, run by eager kernels (backend aot_eager): what a test of the step's
+    logic needs, at a sixth of inductor's cold cost on a CPU. Inductor's own code is run by
+    test_compiled_decode_step_equals_the_eager_one and the trainer's compiled tests."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
 
 
 def _group_batch(tok, group=4):
@@ -139,7 +149,7 @@ def test_compiled_decode_step_equals_the_eager_one(arch, tiny_model_dir, tiny_ro
 
 
 @pytest.mark.slow
-def test_the_compiled_step_ends_rows_at_any_end_as_the_eager_one_does(tiny_chat_model_dir):
+def test_the_compiled_step_ends_rows_at_any_end_as_the_eager_one_does(tiny_chat_model_dir, traced):
     """An instruct model's ends (EOS, the end of turn, and here more that the model emits): compiled,
     the rows stop where the eager loop stops them, banned alike before min_new_tokens."""
     tok, model = load_tokenizer(tiny_chat_model_dir), load_policy(tiny_chat_model_dir, "cpu")
@@ -160,7 +170,7 @@ def test_the_compiled_step_ends_rows_at_any_end_as_the_eager_one_does(tiny_chat_
 
 
 @pytest.mark.slow
-def test_the_compiled_step_samples_inside_itself_what_the_eager_loop_samples(tiny_model_dir):
+def test_the_compiled_step_samples_inside_itself_what_the_eager_loop_samples(tiny_model_dir, traced):
     """Compiled, the decode step draws the next token itself (sampling, EOS bookkeeping, the records): the
     Python of sample_token runs once per generate() (the first token, from the prefill), not once a token;
     top-k, top-p, min_new_tokens and the sampler's logprobs give what the eager loop gives."""
@@ -382,7 +392,7 @@ def test_the_exponential_race_gives_a_long_tail_its_mass():
 
 
 @pytest.mark.parametrize("compile", EAGER_AND_COMPILED)
-def test_a_padded_decode_head_samples_what_the_plain_one_does(tiny_model_dir, tmp_path, monkeypatch, compile):
+def test_a_padded_decode_head_samples_what_the_plain_one_does(tiny_model_dir, traced, tmp_path, monkeypatch, compile):
     """The decode step's head padded to 64 rows (a GPU's default) on the CPU, a vocabulary of 300: the same
     greedy tokens and logprobs within float rounding; never a padding row's token."""
     from helpers import small_vocab_model
@@ -401,8 +411,8 @@ def test_a_padded_decode_head_samples_what_the_plain_one_does(tiny_model_dir, tm
 
 @pytest.mark.parametrize("compile", EAGER_AND_COMPILED)
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_bf16_copies_of_the_weights_decode_what_autocast_does(arch, tiny_model_dir, tiny_rotary_dir, monkeypatch,
-                                                              compile):
+def test_bf16_copies_of_the_weights_decode_what_autocast_does(arch, traced, tiny_model_dir, tiny_rotary_dir,
+                                                              monkeypatch, compile):
     """Under bf16 autocast the decode step reads bf16 copies of the matmul weights (a GPU's default, forced
     here on the CPU): the same bits as autocast casting the fp32 weights itself, also after an update has
     changed the weights (compiled, the copies are kept and refreshed in place)."""
@@ -432,7 +442,7 @@ def test_bf16_copies_of_the_weights_decode_what_autocast_does(arch, tiny_model_d
 
 
 @pytest.mark.slow   # compiles the decode step
-def test_past_the_compile_limit_decoding_says_so_and_goes_on_eagerly(tiny_model_dir, monkeypatch, capsys):
+def test_past_the_compile_limit_decoding_says_so_and_goes_on_eagerly(tiny_model_dir, traced, monkeypatch, capsys):
     """A process that compiles the decode step for more models and shapes than RECOMPILE_LIMIT: a note,
     then the eager step's tokens (a fullgraph compile past torch's limit raised before)."""
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
@@ -453,7 +463,7 @@ def test_past_the_compile_limit_decoding_says_so_and_goes_on_eagerly(tiny_model_
 
 @pytest.mark.parametrize("compile", EAGER_AND_COMPILED)
 @pytest.mark.parametrize("engine", ["fast", "hf"])
-def test_rows_that_finish_leave_the_decoder_and_no_row_draws_otherwise(any_model_dir, monkeypatch, compile,
+def test_rows_that_finish_leave_the_decoder_and_no_row_draws_otherwise(any_model_dir, traced, monkeypatch, compile,
                                                                        engine):
     """Once half the rows it runs have ended, the decoder carries on with the live ones (compiled: a power of
     two of rows); each row's random numbers are drawn for the whole batch, so every completion is what the
