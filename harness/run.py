@@ -285,7 +285,7 @@ class Run:
         self.compiles_before = decoders.compile_counts()   # a step's record counts its own (--compile)
         self.kl = kl   # --kl-target steers it (grpo/variants.py AdaptiveKL); a checkpoint holds where it was
         streak = self._resume_states(optimizer, kl) if self.resume_from else 0
-        self.guard = self._guard(optimizer, streak)
+        self.guard = self._guard(optimizer, streak)  # every rank
         settings = config.settings(cfg, self.loaded.options)
         rundir.branch_off(cfg, self.resume_from)   # a resume from an older checkpoint: the later ones aside, kept
         self._set_aside_doomed()

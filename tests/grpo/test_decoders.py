@@ -124,12 +124,14 @@ def test_greedy_decoding_equals_hf_generate(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_compiled_decode_step_equals_the_eager_one(arch, tiny_model_dir, tiny_rotary_dir):
+@pytest.mark.parametrize("arch, backend", [("gpt2", "inductor"), ("llama", "aot_eager")])
+def test_compiled_decode_step_equals_the_eager_one(arch, backend, tiny_model_dir, tiny_rotary_dir, monkeypatch):
     """Batches of two prompt widths, the first one again last: the compiled step recompiles for the second
     width and reuses the first's K/V buffers for the third batch; always the eager step's tokens and logprobs.
     The compiled step samples too: inductor draws its random numbers from the eager generator here
-    (fallback_random), so that the same seed draws the same tokens."""
+    (fallback_random), so that the same seed draws the same tokens. Llama's step as traced (the
+    `traced` fixture's backend): inductor runs it in test_compiled_decoding_trains_on_policy."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
     path = tiny_model_dir if arch == "gpt2" else tiny_rotary_dir
     tok, model = load_tokenizer(path), load_policy(path, "cpu")
     first = _group_batch(tok)
