@@ -7,7 +7,7 @@
 Sections, each a subprocess or a call with its own time limit (one failing is reported, the others
 go on), most wanted first: the main job (`make train`'s command, a few steps); the whole GRPO step
 at the 124M shape (bench/run.py's workload: 64 = 8 x 8 completions of 144 tokens, KL on) with no
-speed flags, with --compile off, TRL's GRPOTrainer (when trl imports) and the floor; ours and TRL on
+speed flags, with --compile on, TRL's GRPOTrainer (when trl imports) and the floor; ours and TRL on
 the varied workload (bench/run.py --lengths varied), with the compacted decoder's compilations;
 decode tokens/s and ops (CUDA: kernels) per token; recompilations after the first step; peak memory;
 same seed, same bits; monitor_memory.py's clean (exit 0) and leaking (exit 1) verdicts; an out-of-
@@ -84,6 +84,13 @@ def phases(recs) -> dict:
     return {k: statistics.median(r[f] for r in recs) for k, f in keys.items() if all(f in r for r in recs)}
 
 
+def graph_skips(recs) -> dict:
+    """The times torch ran the compiled decode step without CUDA graphs (recorded on CUDA only)."""
+    if not any("decode_graph_skips" in r for r in recs):
+        return {}
+    return {"CUDA graph skips": sum(r.get("decode_graph_skips", 0) for r in recs)}
+
+
 def records(out: str) -> list:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if "samples_per_s" in r]
@@ -102,8 +109,7 @@ def main_job_section(s, work):
     measured = recs[1:] or recs
     return {"samples/s": statistics.median(r["samples_per_s"] for r in measured), **phases(measured),
             "peak MB": max(r.get("cuda_peak_mb", r["rss_peak_mb"]) for r in recs),
-            "compilations": sum(r.get("decode_compiles", 0) for r in recs),
-            "CUDA graph skips": sum(r.get("decode_graph_skips", 0) for r in recs),
+            "compilations": sum(r.get("decode_compiles", 0) for r in recs), **graph_skips(recs),
             "reward first/last": f"{recs[0]['reward_mean']:.3f}/{recs[-1]['reward_mean']:.3f}"}
 
 
@@ -119,8 +125,7 @@ def step_section(path, s, work, name, extra=(), timeout=300, varied=False):
     peak = max(r.get("cuda_peak_mb", r["rss_peak_mb"]) for r in recs)
     later = sum(r.get("decode_compiles", 0) for r in recs[1:])
     return {"samples/s": statistics.median(measured), "max/min": max(measured) / min(measured),
-            **phases(recs[s["warmup"]:]), "peak MB": peak,
-            "CUDA graph skips": sum(r.get("decode_graph_skips", 0) for r in recs),
+            **phases(recs[s["warmup"]:]), "peak MB": peak, **graph_skips(recs),
             "compilations": sum(r.get("decode_compiles", 0) for r in recs), "recompiles after step 1": later,
             "out": out}
 
@@ -160,7 +165,7 @@ def decode_section(path, s, device):
         if device == "cuda":
             torch.cuda.synchronize()
         tag = "compiled" if compile else "eager"
-        if compile:   # the reason, where one was met, is in the log (TORCH_LOGS=cudagraphs)
+        if compile and device == "cuda":   # the reason, where one was met: TORCH_LOGS=cudagraphs
             out["CUDA graph skips"] = compile_counts()["decode_graph_skips"]
         out[f"{tag} tokens/s"] = ids.shape[0] * s["tokens"] / (time.perf_counter() - start)
         out[f"{tag} {'kernels' if kernels else 'ops'}/token"] = kernels or ops
@@ -230,7 +235,7 @@ def sections(s, path, big, work, device, dtype) -> list:
         ("trl", "TRL GRPOTrainer", lambda: peer_section("trl", path, s, work, dtype) if trl else no_trl),
         ("trl-varied", "TRL, varied lengths",
          lambda: peer_section("trl", path, s, work, dtype, lengths="varied") if trl else no_trl),
-        ("eager", "ours, --compile off", lambda: step_section(path, s, work, "eager", ["--compile", "off"])),
+        ("compiled", "ours, --compile on", lambda: step_section(path, s, work, "compiled", ["--compile", "on"])),
         ("bits", "same seed, same bits", lambda: bits_section(path, s, work)),
         ("decode", "decode", lambda: decode_section(path, s, device)),
         ("monitor", "memory monitor", lambda: monitor_section(s, work)),
@@ -249,7 +254,7 @@ def main(argv=None):
                     help="seconds for the whole check: a section that would start or run past it is skipped "
                          "or stopped, and said (a lent GPU's lease is short)")
     ap.add_argument("--only", default=None, metavar="KEYS",
-                    help="comma-separated section keys: main, default, varied, trl, trl-varied, eager, bits, "
+                    help="comma-separated section keys: main, default, varied, trl, trl-varied, compiled, bits, "
                          "decode, monitor, oom, floor, big, sweep (bits needs default's run)")
     args = ap.parse_args(argv)
     import torch
