@@ -281,9 +281,9 @@ def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer
     batch = draw(0)
     run.phase_done("gen")
     # ---- rewards: the task scores the decoded text; a failing reward gets min_reward ------------
+    batch = batch.score(run.scorer)   # rewards, their parts and the failures, per completion
     batch, counts = variants.dynamic_sampling(  # every rank   (DAPO's more rounds, when set)
-        batch.score(run.scorer), lambda n: draw(n).score(run.scorer), cfg, G, P,
-        tokenizer.eos_token_id)
+        batch, lambda n: draw(n).score(run.scorer), cfg, G, P, tokenizer.eos_token_id)
     rec.update(counts)
     run.phase_done("score")
     # ---- reference logprobs, once per row: the KL penalty ----------------------------------------
