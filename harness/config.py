@@ -104,7 +104,7 @@ class Config(Settings):
                                        "more compute (a bare flag means true)", resume_free=True)
     compile: str = opt("off", "run each decode step through torch.compile (inductor on CPU, CUDA graphs on a GPU; "
                        "GPT-2 and Llama-family models): each prompt-width and live-row bucket compiles once "
-                       "(8-30 s each on an H200), decoding then runs faster; off by default: the main job "
+                       "(seconds each), decoding then runs faster; off by default: the main job "
                        "decoded no faster for it on an H200 (BENCHMARKS.md; a bare flag means on)", ["on", "off"],
                        const="on", aliases={"true": "on", "false": "off"}, resume_free=True)
     lora_rank: int = opt(0, "train LoRA adapters of this rank instead of every weight (needs peft: pip install "
