@@ -23,8 +23,8 @@ def traced(monkeypatch):
     """torch.compile as dynamo traces the step (one graph, fullgraph, its buffers and draws) and AOT
     autograd functionalises it, run by eager kernels (backend aot_eager): what a test of the step's
     logic needs, far cheaper cold on a CPU (two of these tests: 157 s with inductor, 22 s traced).
-    Inductor's own code is run by
-    test_compiled_decode_step_equals_the_eager_one and the trainer's compiled tests."""
+    Inductor's own code is run by test_compiled_decode_step_equals_the_eager_one and the trainer's
+    compiled tests."""
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
 
 
