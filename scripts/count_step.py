@@ -71,6 +71,10 @@ def traced() -> dict:
 
 
 def main() -> None:
+    if sys.argv[1:] not in ([], ["--traced"]):
+        print(f"count_step.py: unknown arguments {' '.join(sys.argv[1:])} (usage: count_step.py [--traced])",
+              file=sys.stderr)
+        sys.exit(2)
     if sys.argv[1:] == ["--traced"]:
         seen = traced()
         rows = sorted((path, len(numbers)) for path, numbers in seen.items())

@@ -23,3 +23,10 @@ def test_the_traced_count_names_the_step_and_the_decoder_and_adds_them_up():
     # every function of train_lean.py the step calls, not the file: main() is outside the step
     with open(os.path.join(REPO, "train_lean.py"), encoding="utf-8") as f:
         assert ours["train_lean.py"] < sum(1 for line in f if line.strip())
+
+
+def test_an_unknown_argument_is_refused_in_one_line():
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "count_step.py"), "--trace"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "count_step.py: unknown arguments --trace (usage: count_step.py [--traced])\n"
