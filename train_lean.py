@@ -18,10 +18,10 @@ from collections import Counter
 import torch
 
 import tasks
-from grpo import distributed, ptx, variants
+from grpo import distributed, variants
 from grpo.model import trainable_parameters
 from grpo.optim import learning_rate, make_optimizer
-from grpo.passes import loss_mask, reference_logprobs, token_logprobs, token_masks, trainer_logprobs
+from grpo.passes import loss_mask, reference_logprobs, token_logprobs
 from grpo.rollout import flat_groups, sample_groups, stream_seed
 from harness.run import Run
 
@@ -97,38 +97,38 @@ def loss_denominator(mask, cfg) -> float:
 
 
 def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef: float = None,
-              *, ref_logp=None, entropy=None, pg_mask=None, cov_mask=None, sampler_logp=None,
-              train_logp=None):
+              *, ref_logp=None, entropy=None, **inputs):
     """One micro-batch's loss, divided by its whole mini-batch's denominator over every device (so
     summed micro-batch gradients are one large batch's), and its statistics (sums over its loss
-    tokens). kl_coef: the step's (default --kl-coef; none in the loss with --kl-in reward); the
-    keywords: what a variant's term reads (grpo/variants.py)."""
+    tokens). kl_coef: the step's (default --kl-coef; none in the loss with --kl-in reward); inputs:
+    [B, T] tensors by name that a variant's term reads (pg_mask, cov_mask, sampler_logp: the
+    sampler's logprobs, measured against train_logp, by default this forward's)."""
+    on = variants.on(cfg)   # the variants set: their terms (none by default)
     kl_coef = variants.loss_kl_coef(cfg, cfg.kl_coef if kl_coef is None else kl_coef)
     adv = advantages[:, None].to(logp.dtype)
-    t = variants.tokens(logp=logp, old_logp=old_logp, adv=adv, sequence_adv=adv,
-                        mask=mask.to(logp.dtype), entropy=entropy, pg_mask=pg_mask,
-                        cov_mask=cov_mask, sampler_logp=sampler_logp,
-                        train_logp=logp.detach() if train_logp is None else train_logp)
+    t = variants.tokens(logp=logp, old_logp=old_logp, adv=adv, mask=mask.to(logp.dtype),
+                        entropy=entropy, **{"train_logp": logp.detach(), **inputs})
+    t.counted = t.mask   # the tokens with a policy gradient, which the clip statistics count
     t.adv = TOKEN_ADVANTAGES[cfg.token_advantage](t, cfg)   # [B, T] when shaped per token
     ratio = RATIOS[cfg.importance_level](logp, old_logp, t.mask)
     pg = POLICY_LOSSES[cfg.policy_loss](ratio, t, cfg, default=clipped_surrogate)   # clip-cov's
-    for term in variants.pg_terms(cfg, t):   # none by default: see pg_terms
+    for term in on.pg:   # --dual-clip, --top-entropy-quantile, --mismatch-correction
         pg = term(pg, t, cfg)
     per_token = pg.expand_as(logp)   # a sequence-level term is every token's
     if ref_logp is not None and kl_coef > 0:
         per_token = per_token + kl_coef * KL_ESTIMATORS[cfg.kl_estimator](logp, ref_logp)
-    for term in variants.loss_terms(cfg):   # the entropy bonus, when set
+    for term in on.loss:   # --entropy-coef's bonus
         per_token = term(per_token, t, cfg)
     loss = AGGREGATIONS[cfg.loss_agg][1](per_token, t.mask, denominator)
-    return loss, statistics(ratio, t, ref_logp, cfg)
+    return loss, statistics(ratio, t, ref_logp, cfg, on.stats)
 
 
-def statistics(ratio, t, ref_logp, cfg) -> dict:
-    """The micro-batch's statistics over its loss tokens: sums (the record divides them by the step's
-    tokens), except mismatch_max: the largest |gap|, a max."""
+def statistics(ratio, t, ref_logp, cfg, more=()) -> dict:
+    """The micro-batch's statistics over its loss tokens, and those of `more` (a variant's: each
+    t -> {name: [B, T]}): sums (the record divides them by the step's tokens), except mismatch_max:
+    the largest |gap| between the trainer's logprobs and the sampler's, a max."""
     with torch.no_grad():
-        ratio, adv, zeros = ratio.expand_as(t.logp), t.adv, torch.zeros_like(t.logp)
-        counted = t.mask if t.pg_mask is None else t.mask * t.pg_mask   # with a policy gradient
+        ratio, adv, zeros, counted = ratio.expand_as(t.logp), t.adv, torch.zeros_like(t.logp), t.counted
         low, high = variants.clipped_tokens(ratio, adv, cfg)   # clamped: no gradient
         dual = (adv < 0) & (ratio > (cfg.dual_clip or math.inf))
         stats = {   # the KL always by k3 (low variance), whichever estimator the loss uses
@@ -138,17 +138,12 @@ def statistics(ratio, t, ref_logp, cfg) -> dict:
             "ratio_mean": ratio,
             "approx_kl": (ratio - 1) - torch.log(ratio),   # KL(old || new), as cleanrl logs it
             "entropy": zeros if t.entropy is None else t.entropy}
-        if t.cov_mask is not None:
-            stats["cov_frac"] = t.cov_mask * counted   # the tokens Clip-Cov or KL-Cov acted on
-        if t.adv is not t.sequence_adv:   # shaped per token: the record's mean and spread
-            stats.update(token_adv=t.adv, token_adv_sq=t.adv ** 2)
         if t.sampler_logp is not None:   # the sampler/trainer gap; k3 by expm1 (no cancellation)
             gap = t.train_logp - t.sampler_logp
             stats.update(mismatch_kl=torch.expm1(gap) - gap, mismatch_abs=gap.abs(),
                          mismatch_max=gap.abs())
-            if t.weight is not None:
-                stats.update(mismatch_weight=t.weight.expand_as(t.logp),
-                             mismatch_zero_frac=(t.weight == 0).expand_as(t.logp))
+        for extra in more:
+            stats.update(extra(t))
         sums = [(v * t.mask).max() if k == "mismatch_max" else (v * t.mask).sum()
                 for k, v in stats.items()]
         return dict(zip(stats, torch.stack(sums).tolist()))   # one device sync, not one each
@@ -157,59 +152,55 @@ def statistics(ratio, t, ref_logp, cfg) -> dict:
 # ---- the update: mini-batches of micro-batches, gradients summed over devices -------------------
 
 def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, cfg, autocast,
-               kl_coef: float, mix=None, sampler=None, old_trainer=None, **masks) -> Counter:
+               kl_coef: float, update_index: int = 0, **inputs) -> Counter:
     """Forward and backward of one mini-batch (rows), cut into micro-batches by micro (rows or
-    --micro-batch-tokens, harness/guards.py Micro), then of the pretraining
-    mix (--ptx-coef); returns the summed statistics. sampler: the sampler's logprobs, measured
-    against old_trainer (the trainer's at the sampling weights; None: each forward's own), or
-    None (not measured)."""
+    --micro-batch-tokens, harness/guards.py Micro), then a variant's second loss (the pretraining
+    mix); returns the summed statistics. inputs: [B, ...] tensors by name for grpo_loss, each
+    micro-batch's rows picked."""
     optimizer.zero_grad(set_to_none=True)
-    sums = Counter()
+    sums, on = Counter(), variants.on(cfg)
     for part in micro.split(batch, rows):
-        def pick(x):
-            return None if x is None else x[part]
-        logp, entropy = token_logprobs(policy, batch, part, cfg, autocast, with_entropy=True)
+        logp, entropy = token_logprobs(policy, batch, part, cfg, autocast, with_entropy=True,
+                                       entropy_grad=on.reads_entropy)
+        ref_logp = None if batch.ref_logp is None else batch.ref_logp[part]
         loss, stats = grpo_loss(logp, batch.old_logp[part], batch.advantages[part], mask[part],
-                                denominator, cfg, kl_coef, ref_logp=pick(batch.ref_logp),
-                                entropy=entropy, sampler_logp=pick(sampler),
-                                train_logp=pick(old_trainer),
-                                **{k: pick(v) for k, v in masks.items()})
+                                denominator, cfg, kl_coef, ref_logp=ref_logp, entropy=entropy,
+                                **{k: v[part] for k, v in inputs.items()})
         loss.backward()
         peak, tokens = stats.pop("mismatch_max", 0.0), mask[part].sum().item()
         sums.update(stats, loss=loss.item(), tokens=tokens,
-                    mismatch_tokens=tokens if sampler is not None else 0)
+                    mismatch_tokens=tokens if "sampler_logp" in inputs else 0)
         sums["mismatch_max"] = max(sums["mismatch_max"], peak)
-    ptx.backward(policy, mix, micro, cfg, autocast, sums)   # nothing without --ptx-coef
+    for backward in on.backward:   # --ptx-coef's texts
+        backward(policy, batch, micro, cfg, autocast, sums, update_index)
     return sums
 
 
-def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: float = None,
-           mix=None) -> dict:
+def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: float = None) -> dict:
     """--ppo-epochs passes over the batch in shuffled mini-batches, one optimizer step each; returns
     the step's record entries. A non-finite update is skipped (guard.step), the weights kept."""
     params, kl_coef = trainable_parameters(policy), cfg.kl_coef if kl_coef is None else kl_coef
     B, mini = batch.input_ids.shape[0], layout.mini_batch_per_device
-    mask = loss_mask(batch, cfg)
+    mask, on = loss_mask(batch, cfg), variants.on(cfg)
     totals, grad_norms, skipped, peaks = Counter(), [], 0, []
-    old_trainer = trainer_logprobs(policy, batch, cfg, layout, autocast, guard)  # every rank
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B) if mini < B else torch.arange(B)
         for rows in order.split(mini):
-            # the mismatch is measured where the trainer's logprobs at the sampling weights are
-            # known
-            sampler = None if old_trainer is None and grad_norms else batch.sampler_logp
+            # the sampler/trainer gap, measured where the trainer's logprobs at the sampling
+            # weights are known: the first update's own forward (or a variant's batch.inputs)
+            inputs = {"sampler_logp": batch.sampler_logp} if not grad_norms else {}
+            inputs.update(batch.inputs)
             # in batch order: a group's rows in one micro-batch share their prompt's forward
             rows = rows.sort().values.to(batch.input_ids.device)
             # the denominator is global: gradients summed over ranks are the one-process gradient
             count = loss_denominator(mask[rows], cfg)
             denominator = max(distributed.all_sum([count])[0], 1)  # every rank
-            masks = token_masks(  # every rank
-                policy, batch, rows, mask, guard, cfg, autocast, POLICY_LOSSES[cfg.policy_loss])
+            for chosen in on.mini_batch:   # tokens chosen over the mini-batch (Cov, top entropy)
+                inputs.update(chosen(policy, batch, rows, mask, guard, cfg, autocast))  # every rank
             sums = guard.fit(functools.partial(  # every rank
                 accumulate, policy, optimizer, batch, rows, mask=mask, denominator=denominator,
-                cfg=cfg, autocast=autocast, kl_coef=kl_coef, sampler=sampler,
-                old_trainer=old_trainer, mix=None if mix is None else mix[len(grad_norms)],
-                **masks))
+                cfg=cfg, autocast=autocast, kl_coef=kl_coef, update_index=len(grad_norms),
+                **inputs))
             distributed.sum_gradients(params)  # every rank
             peaks.append(max(distributed.gather_objects(sums.pop("mismatch_max"))))  # every rank
             names = sorted(sums)
@@ -220,21 +211,22 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
             skipped += not guard.step(optimizer, sums["loss"], grad_norm)   # not finite
             totals.update(sums)
             grad_norms.append(grad_norm)
-    return record(totals, grad_norms, skipped, peaks, mix)
+    return record(totals, grad_norms, skipped, peaks, batch, on.record)
 
 
-def record(totals, grad_norms, skipped: int, peaks, mix) -> dict:
-    """The update's record entries: statistics per loss token, loss and gradient norm per update."""
+def record(totals, grad_norms, skipped: int, peaks, batch, more=()) -> dict:
+    """The update's record entries: statistics per loss token, loss and gradient norm per update,
+    the sampler/trainer gap's per token measured; `more`: a variant's (totals, tokens, batch) ->
+    entries, which pops the sums it reads itself."""
     tokens, updates = max(totals.pop("tokens"), 1), len(grad_norms)
-    ptx_nll, ptx_tokens = totals.pop("ptx_nll", 0.0), max(totals.pop("ptx_tokens", 0), 1)
+    out = {}
+    for extra in more:
+        out.update(extra(totals, tokens, batch))
     measured = max(totals.pop("mismatch_tokens"), 1)
-    out = {"loss": totals.pop("loss") / updates, "mismatch_max": max(peaks),
-           **{k: v / (measured if k.startswith("mismatch") else tokens) for k, v in totals.items()},
-           "grad_norm": sum(grad_norms) / updates, "skipped_nonfinite": skipped}
-    if "token_adv_sq" in out:   # --token-advantage: the shaped advantage's spread over tokens
-        out["token_adv_std"] = math.sqrt(max(out.pop("token_adv_sq") - out["token_adv"] ** 2, 0))
-    if mix is not None:   # the mix's mean loss per learned token (not x --ptx-coef), its texts cut
-        out.update(ptx_loss=ptx_nll / ptx_tokens, ptx_cut=sum(b.cut for b in mix))
+    out.update({"loss": totals.pop("loss") / updates, "mismatch_max": max(peaks),
+                **{k: v / (measured if k.startswith("mismatch") else tokens)
+                   for k, v in totals.items()},
+                "grad_norm": sum(grad_norms) / updates, "skipped_nonfinite": skipped})
     return out
 
 
@@ -245,7 +237,7 @@ def main(argv=None):
     run = Run(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)  # every rank
     cfg, layout = run.cfg, run.layout
     with run:   # every way out closes what the run opened; a failure after a step saves that step
-        task, mix_source = run.open_task()   # mix_source: --ptx-coef's texts, or None
+        task = run.open_task()   # and --ptx-coef's texts, run.mix_source (or None)
         policy, reference, tokenizer = run.load_models()   # reference: None without a KL term
         if cfg.eval_only:
             return run.evaluate_only()
@@ -260,18 +252,19 @@ def main(argv=None):
             device=run.device, compile=cfg.compile == "on")
         for step in run.steps():  # every rank   (checkpoints, a stop on Ctrl-C, the final model)
             rec, rows = train_step(  # every rank
-                step, run, task, mix_source, sample, policy, reference, tokenizer, optimizer,
+                step, run, task, sample, policy, reference, tokenizer, optimizer,
                 guard, kl)
             run.end_step(rec, rows)  # every rank   (the record, the line, the evaluation when due)
 
 
-def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer, optimizer,
+def train_step(step, run, task, sample, policy, reference, tokenizer, optimizer,
                guard, kl):
     """One GRPO step on this rank's share: its record (the stages add to it) and every rank's rows of
     it (run.check_rewards gathers them)."""
     cfg, layout, rank, world = run.cfg, run.layout, run.rank, run.world
     G, P, B = cfg.group_size, layout.prompts_per_device, layout.completions_per_device
     rec, rng = {"step": step}, random.Random(stream_seed(cfg.seed, step))
+    on = variants.on(cfg)   # the variants set, their additions at each point: none by default
 
     def draw(round: int):   # prompts, G completions each; a later round's rows past earlier ones
         prompts = task.prompts(layout.prompts_per_step, rng)[rank * P:(rank + 1) * P]
@@ -282,15 +275,17 @@ def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer
     run.phase_done("gen")
     # ---- rewards: the task scores the decoded text; a failing reward gets min_reward ------------
     batch = batch.score(run.scorer)   # rewards, their parts and the failures, per completion
-    batch, counts = variants.dynamic_sampling(  # every rank   (DAPO's more rounds, when set)
-        batch, lambda n: draw(n).score(run.scorer), cfg, G, P, tokenizer.eos_token_id)
-    rec.update(counts)
+    for rounds in on.rounds:   # --dynamic-sampling: more rounds while groups are flat
+        batch, counts = rounds(  # every rank
+            batch, lambda n: draw(n).score(run.scorer), cfg, G, P, tokenizer.eos_token_id)
+        rec.update(counts)
     run.phase_done("score")
     # ---- reference logprobs, once per row: the KL penalty ----------------------------------------
     if reference is not None:
         batch.ref_logp = reference_logprobs(  # every rank
             reference, batch, cfg, run.autocast, guard)
-    batch.penalties.update(variants.penalties(batch, cfg, kl.coef, KL_ESTIMATORS))   # none: default
+    for name, penalty in on.penalty:   # --overlong-buffer, --kl-in reward
+        batch.penalties[name] = penalty(batch, cfg, kl.coef, KL_ESTIMATORS)
     batch.shape()   # shaped_rewards: the rewards less the penalties
     run.phase_done("ref")
     # ---- advantages: each completion against its group, every rank's groups ---------------------
@@ -306,13 +301,12 @@ def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer
     rec["lr"] = learning_rate(step, cfg)   # --lr-scheduler, after its warmup
     for group in optimizer.param_groups:
         group["lr"] = rec["lr"]
-    mix = ptx.step_mix(  # --ptx-coef's texts of each update, or None
-        mix_source, stream_seed(cfg.seed, step), layout.updates_per_step, cfg.ptx_batch_size,
-        tokenizer, run.prepend_bos, run.context, run.device, rank, world)
+    for prepare in on.prepare:   # --ptx-coef's texts, --mismatch-correction's logprobs
+        prepare(batch, step, run, policy, guard)  # every rank
     rec.update(update(  # every rank
-        policy, optimizer, batch, cfg, layout, run.autocast, guard, kl.coef, mix))
-    rec.update(kl.after_step(rec["kl"], cfg.batch_size))   # --kl-target moves the coefficient
-    variants.follow_policy(reference, policy, step, cfg)   # --ref-sync-steps: the reference follows
+        policy, optimizer, batch, cfg, layout, run.autocast, guard, kl.coef))
+    for after in on.after_step:   # --kl-target moves the coefficient, --ref-sync-steps the reference
+        rec.update(after(rec, step, policy, reference, kl, cfg))
     return rec, rows
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.model import completion_logprobs
-from grpo.rollout import left_pad, start_ids
+from grpo.rollout import left_pad, start_ids, stream_seed
 
 
 @dataclass
@@ -65,13 +65,14 @@ def step_batches(source, step_seed: int, updates: int, per_update: int, tokenize
             for u in range(updates)]
 
 
-def step_mix(source, step_seed: int, updates: int, per_update: int, tokenizer, prepend_bos: bool, context,
-             device, rank: int, world: int):
-    """This device's share of each update's texts (step_batches), or None without a mix (source None)."""
-    if source is None:
-        return None
-    return [b.for_device(rank, world) for b in step_batches(source, step_seed, updates, per_update, tokenizer,
-                                                            prepend_bos, context, device)]
+def prepare(batch, step: int, run, policy, guard) -> None:
+    """Before the step's update: batch.extra["ptx"], this device's share of each update's texts
+    (step_batches) from the run's source (the task's demonstrations, or --ptx-file)."""
+    cfg = run.cfg
+    every = step_batches(run.mix_source, stream_seed(cfg.seed, step), run.layout.updates_per_step,
+                         cfg.ptx_batch_size, run.tokenizer, run.prepend_bos, run.context,
+                         run.device)
+    batch.extra["ptx"] = [b.for_device(run.rank, run.world) for b in every]
 
 
 def ptx_loss(logp: torch.Tensor, target: torch.Tensor, denominator: float, coef: float):
@@ -83,12 +84,11 @@ def ptx_loss(logp: torch.Tensor, target: torch.Tensor, denominator: float, coef:
     return coef * nll / denominator, nll.detach()
 
 
-def backward(policy, mix, micro, cfg, autocast, sums) -> None:
-    """Forward and backward of this device's share of an update's texts (mix, a PtxBatch, or None:
-    nothing), in micro-batches (micro.split, each text whole); adds loss, ptx_nll and ptx_tokens
-    to sums (every device reports them, zero too)."""
-    if mix is None:
-        return
+def backward(policy, batch, micro, cfg, autocast, sums, update: int) -> None:
+    """Forward and backward of this device's share of update `update`'s texts (prepare), in
+    micro-batches (micro.split, each text whole); adds loss, ptx_nll and ptx_tokens to sums (every
+    device reports them, zero too)."""
+    mix = batch.extra["ptx"][update]
     sums.update(ptx_nll=0.0, ptx_tokens=0)
     for part in micro.split(mix, shared=0):
         logp = completion_logprobs(policy, mix.input_ids[part], mix.attention[part], mix.target.shape[1], 1.0,
@@ -97,3 +97,10 @@ def backward(policy, mix, micro, cfg, autocast, sums) -> None:
         loss, nll = ptx_loss(logp, mix.target[part], mix.tokens, cfg.ptx_coef)
         loss.backward()
         sums.update(loss=loss.item(), ptx_nll=nll.item(), ptx_tokens=mix.target[part].sum().item())
+
+
+def record(totals, tokens: int, batch) -> dict:
+    """The record's ptx_loss, the mix's mean loss per learned token (not x --ptx-coef), and ptx_cut,
+    its texts cut to the model's context."""
+    nll, learned = totals.pop("ptx_nll"), max(totals.pop("ptx_tokens"), 1)
+    return {"ptx_loss": nll / learned, "ptx_cut": sum(b.cut for b in batch.extra["ptx"])}

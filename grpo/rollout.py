@@ -128,6 +128,10 @@ class Rollout:
     errors: dict = dataclasses.field(default_factory=dict)       # failed rewards by kind
     ref_logp: torch.Tensor = None    # [B, T] the frozen reference's, when the run has a KL penalty
     advantages: torch.Tensor = None  # [B] on the device
+    # what a variant's additions put before the update (grpo/variants.py Switch.prepare): inputs,
+    # per row tensors given to the loss by name; extra, anything else
+    inputs: dict = dataclasses.field(default_factory=dict)
+    extra: dict = dataclasses.field(default_factory=dict)
     # [B, T] under the distribution sampled from, which --top-k, --top-p and --min-new-tokens
     # truncate and renormalise (old_logp itself when nothing truncates): the sampler side of the
     # mismatch (grpo/variants.py mismatch_weight)

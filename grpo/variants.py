@@ -10,12 +10,15 @@ docstring is its --help text, what it needs besides is declared on it (declares)
 names what train_lean.py computes for each flag. Why each: docs/algorithm.md.
 """
 import collections.abc
+import dataclasses
+import functools
 import math
 import types
+import typing
 
 import torch
 
-from grpo import distributed
+from grpo import distributed, passes, ptx
 from grpo.model import sync_reference
 from grpo.rollout import flat_groups, merge, missing_groups
 
@@ -43,8 +46,7 @@ DECLARED = {   # each property a variant function may declare, and its value whe
     "check": None,   # check(cfg): why it cannot run with the other settings (a message), or None
     "accepts_dual_clip": False,   # a policy loss whose clipped term --dual-clip bounds
     "token_ratios": False,   # a policy loss that needs a ratio per token (not per sequence)
-    "chooses_tokens": None,   # a policy loss's f(logp, old_logp, adv, cfg) -> [N] bool over
-    #                           every device's mini-batch tokens first: its t.cov_mask
+    "switch": None,   # what the step runs besides when it is chosen (a Switch, below)
     "per_sequence": False,   # a ratio or mismatch weight of one value per sequence
     "reads_parts": False,   # an advantage that reads the reward's parts (parts, weights)
 }
@@ -65,6 +67,42 @@ def declares(**properties):
 def declared(function, name: str):
     """What `function` (a table's entry, or None) declares of property `name`, else its default."""
     return getattr(function, name, DECLARED[name])
+
+
+# ---- what a variant adds to the step, point by point: the step runs only the variants set ------
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """An off-by-default variant's additions to the step, each at a named point of it (train_lean.py
+    loops over the point's list: empty by default, so nothing runs there). One that is on or off is
+    an entry of SWITCHES with its `on`; a table's choice declares its own (declares(switch=...)).
+    """
+    on: typing.Callable = None   # cfg -> whether it is set (a table's choice: when chosen)
+    # after the scoring: (batch, draw, cfg, group_size, groups, pad_id) -> (batch, record entries);
+    # draw(n) samples and scores round n. Every rank.
+    rounds: typing.Callable = None
+    # (name, f(batch, cfg, kl_coef, kl_estimators) -> [B]): taken off each reward before the
+    # advantages, recorded by name
+    penalty: tuple = None
+    # before the update: (batch, step, run, policy, guard): what the update reads, put in
+    # batch.inputs (per row, picked per micro-batch, given to grpo_loss by name) or batch.extra
+    prepare: typing.Callable = None
+    # before each mini-batch's micro-batches: (policy, batch, rows, mask, guard, cfg, autocast) ->
+    # {name: [B, T]}, given to grpo_loss by name; chosen over every device's rows. Every rank.
+    mini_batch: typing.Callable = None
+    pg: typing.Callable = None     # (pg, t, cfg) -> the policy-gradient term it changes
+    loss: typing.Callable = None   # (per_token, t, cfg) -> each token's loss, after the KL
+    reads_entropy: bool = False    # its loss term reads t.entropy (which then carries a gradient)
+    stats: typing.Callable = None  # (t) -> {name: [B, T]}: summed over the loss tokens, recorded
+    # after a mini-batch's micro-batches, before its optimizer step: (policy, batch, micro, cfg,
+    # autocast, sums, update) -> None, a second loss's backward (update: the step's update index)
+    backward: typing.Callable = None
+    record: typing.Callable = None   # (totals, tokens, batch) -> entries; pops its sums from totals
+    # after the update: (rec, step, policy, reference, kl, cfg) -> record entries
+    after_step: typing.Callable = None
+
+
+POINTS = [f.name for f in dataclasses.fields(Switch) if f.name not in ("on", "reads_entropy")]
 
 
 # ---- the tables: a flag's choices, read where they are used (an entry added late counts) --------
@@ -208,7 +246,20 @@ RATIOS = {"sequence": sequence_ratio}
 
 # ---- per-token advantages (--token-advantage): a shaping of A at each token, before any loss -----
 
-@declares(knobs=("shaping_alpha", "shaping_kappa"))
+def token_advantage_statistics(t) -> dict:
+    """A per-token advantage's sum and sum of squares over the loss tokens."""
+    return {"token_adv": t.adv, "token_adv_sq": t.adv ** 2}
+
+
+def token_advantage_spread(totals, tokens: int, batch) -> dict:
+    """The record's token_adv_std: the per-token advantage's spread over the loss tokens."""
+    mean, square = totals["token_adv"] / tokens, totals.pop("token_adv_sq") / tokens
+    return {"token_adv_std": math.sqrt(max(square - mean ** 2, 0))}
+
+
+SHAPED = Switch(stats=token_advantage_statistics, record=token_advantage_spread)
+
+@declares(knobs=("shaping_alpha", "shaping_kappa"), switch=SHAPED)
 def entropy_shaped(t, cfg, **_):
     """A + min(alpha H, |A| / kappa) at each token, H its entropy (no gradient): more credit where
     the policy was unsure, never past |A| / kappa, so A keeps its sign (Cheng et al. 2025)"""
@@ -300,6 +351,30 @@ def highest_covariance(logp, old_logp, advantages, cfg) -> torch.Tensor:
     return chosen
 
 
+def chosen_tokens(choose, policy, batch, rows, mask, guard, cfg, autocast) -> dict:
+    """{"cov_mask": [B, T] bool}: the tokens of the mini-batch `rows` that a policy loss acts on, chosen by its
+    choose(logp, old_logp, adv, cfg) (its chooses_tokens: Clip-Cov's, KL-Cov's) over the
+    mini-batch of every device before any micro-batch runs."""
+    logp = passes.no_grad_pass(policy, batch, guard, cfg, autocast, rows)  # every rank
+    carried = mask[rows].bool()
+    adv = batch.advantages[rows][:, None].expand_as(logp)
+    tokens = torch.stack([logp[carried], batch.old_logp[rows][carried], adv[carried]]).cpu()
+    every = distributed.gather_objects(tokens)  # every rank
+    start = sum(t.shape[1] for t in every[:distributed.rank()])
+    chosen, mine = torch.zeros_like(mask, dtype=torch.bool), torch.zeros_like(carried)
+    picked = choose(*torch.cat(every, 1), cfg)   # among every device's tokens
+    mine[carried] = picked[start:start + int(carried.sum())].to(mine.device)
+    chosen[rows] = mine
+    return {"cov_mask": chosen}
+
+
+def covariance_switch(choose) -> Switch:
+    """What Clip-Cov and KL-Cov add to the step: the tokens choose picks (t.cov_mask), and the share
+    of the loss tokens they are (cov_frac)."""
+    return Switch(mini_batch=functools.partial(chosen_tokens, choose),
+                  stats=lambda t: {"cov_frac": t.cov_mask * t.counted})
+
+
 def clip_cov_check(cfg):
     """Clip-Cov's band must hold something."""
     if cfg.clip_cov_lb >= cfg.clip_cov_ub:
@@ -308,7 +383,8 @@ def clip_cov_check(cfg):
 
 
 @declares(knobs=("cov_ratio", "clip_cov_lb", "clip_cov_ub"), check=clip_cov_check,
-          accepts_dual_clip=True, token_ratios=True, chooses_tokens=covariance_band)
+          accepts_dual_clip=True, token_ratios=True,
+          switch=covariance_switch(covariance_band))
 def clip_cov(ratio, t, cfg, default):
     """ppo, with --cov-ratio of the mini-batch's tokens, drawn among those whose (A - mean)(logp -
     mean) lies in (--clip-cov-lb, --clip-cov-ub) and the clip left alone, detached (Clip-Cov)"""
@@ -316,7 +392,7 @@ def clip_cov(ratio, t, cfg, default):
 
 
 @declares(knobs=("cov_ratio", "kl_cov_coef"), token_ratios=True,
-          chooses_tokens=highest_covariance)
+          switch=covariance_switch(highest_covariance))
 def kl_cov(ratio, t, cfg, **_):
     """-r A, plus --kl-cov-coef x |logp - logp_old| on the --cov-ratio of the mini-batch's tokens of
     highest (A - mean)(logp - mean) (KL-Cov)"""
@@ -336,41 +412,15 @@ def dual_clip(pg, t, cfg):
 
 
 def top_entropy_only(pg, t, cfg):
-    """--top-entropy-quantile: only the high-entropy tokens (t.pg_mask) carry a policy gradient."""
+    """--top-entropy-quantile: only the high-entropy tokens (t.pg_mask) carry a policy gradient,
+    and only they count in the clip statistics (t.counted)."""
+    t.counted = t.mask * t.pg_mask
     return pg.expand_as(t.logp) * t.pg_mask
-
-
-def mismatch_corrected(pg, t, cfg):
-    """--mismatch-correction: each token's term weighed by w = pi_trainer / pi_sampler (t.weight,
-    which the statistics read)."""
-    t.weight = mismatch_weight(t.train_logp, t.sampler_logp, t.mask, cfg)
-    return pg.expand_as(t.logp) * t.weight
-
-
-def pg_terms(cfg, t) -> list:
-    """The terms that change the policy-gradient part of this micro-batch's loss, in order: none
-    by default (the sampler's logprobs there are measured, not corrected for)."""
-    corrected = cfg.mismatch_correction != "none" and t.sampler_logp is not None
-    return [term for term, on in ((dual_clip, cfg.dual_clip is not None),
-                                  (top_entropy_only, t.pg_mask is not None),
-                                  (mismatch_corrected, corrected)) if on]
 
 
 def entropy_bonus(per_token, t, cfg):
     """--entropy-coef: the loss minus the coefficient x each token's entropy."""
     return per_token - cfg.entropy_coef * t.entropy
-
-
-def loss_terms(cfg) -> list:
-    """The terms added to each token's loss after the KL penalty: the entropy bonus when set."""
-    return [entropy_bonus] if cfg.entropy_coef else []
-
-
-def entropy_in_loss(cfg) -> bool:
-    """Whether the loss reads t.entropy, which then needs its gradient; else the update computes
-    it without a graph, a logged statistic (grpo/passes.py token_logprobs). A new term that reads
-    t.entropy must be counted here, or its entropy carries no gradient."""
-    return entropy_bonus in loss_terms(cfg)
 
 
 # ---- the KL estimator (--kl-estimator) and where it goes (--kl-in) -------------------------------
@@ -404,32 +454,23 @@ def kl_reward_penalty(logp, ref_logp, mask, kl_coef: float, estimate) -> torch.T
     return kl_coef * (kl * mask.float()).sum(1)
 
 
-def penalties(batch, cfg, kl_coef: float, estimators: dict) -> dict:
-    """What reward shaping takes off each reward, by name, in order: DAPO's overlong penalty
-    (--overlong-buffer), the KL (--kl-in reward). None by default."""
-    out = {}
-    if cfg.overlong_buffer:
-        out["overlong_penalty"] = overlong_penalty(batch.completion_mask.sum(1).cpu(), cfg)
-    if cfg.kl_in == "reward" and batch.ref_logp is not None:
-        out["kl_reward_penalty"] = kl_reward_penalty(
-            batch.old_logp, batch.ref_logp, batch.completion_mask, kl_coef,
-            estimators[cfg.kl_estimator]).cpu()
-    return out
+def kl_in_reward(batch, cfg, kl_coef: float, estimators: dict) -> torch.Tensor:
+    """--kl-in reward: each sequence's KL penalty (kl_reward_penalty), on the host."""
+    return kl_reward_penalty(batch.old_logp, batch.ref_logp, batch.completion_mask, kl_coef,
+                             estimators[cfg.kl_estimator]).cpu()
 
 
 class AdaptiveKL:
-    """--kl-target: the KL coefficient, moved after each step toward the target KL per token
-    (Ziegler et al.'s controller, as verl and OpenRLHF have it). Without a target it stays at
-    --kl-coef. The harness checkpoints state_dict()."""
+    """The KL coefficient: --kl-coef, or with --kl-target moved after each step toward the target KL
+    per token (after_step: Ziegler et al.'s controller, as verl and OpenRLHF have it). The harness
+    checkpoints state_dict()."""
 
     def __init__(self, cfg):
         self.cfg, self.coef = cfg, cfg.kl_coef
 
     def after_step(self, kl: float, completions: int) -> dict:
         """After a step of this KL per token: the next step's coefficient; the record's kl_coef (the
-        one the step trained with), or nothing without --kl-target."""
-        if not self.cfg.kl_target:
-            return {}
+        one the step trained with)."""
         used, self.coef = self.coef, adaptive_kl_coef(self.coef, kl, completions, self.cfg)
         return {"kl_coef": used}
 
@@ -473,19 +514,48 @@ AGGREGATIONS = {"seq-mean": (seq_count, seq_mean), "dr-grpo": (max_tokens, token
 
 # ---- the sampler mismatch (--mismatch-correction): w = pi_trainer / pi_sampler per token, detached
 
-@declares(knobs=("mismatch_cap",))
+def trainer_logprobs(batch, step, run, policy, guard) -> None:
+    """On a step of several updates, the trainer's logprobs at the weights that sampled (each
+    forward gives its own until the first optimizer step) and the sampler's, for every update."""
+    if run.layout.updates_per_step > 1:
+        batch.inputs.update(train_logp=passes.no_grad_pass(  # every rank
+            policy, batch, guard, run.cfg, run.autocast), sampler_logp=batch.sampler_logp)
+
+
+def mismatch_corrected(pg, t, cfg):
+    """Each token's term weighed by w = pi_trainer / pi_sampler (t.weight, which the statistics
+    read), where the sampler's logprobs are given."""
+    if t.sampler_logp is None:
+        return pg
+    t.weight = mismatch_weight(t.train_logp, t.sampler_logp, t.mask, cfg)
+    return pg.expand_as(t.logp) * t.weight
+
+
+def weight_statistics(t) -> dict:
+    """The correction's weights where it acted: their mean, and the share it set to 0."""
+    if t.weight is None:
+        return {}
+    return {"mismatch_weight": t.weight.expand_as(t.logp),
+            "mismatch_zero_frac": (t.weight == 0).expand_as(t.logp)}
+
+
+CORRECTED = Switch(prepare=trainer_logprobs, pg=mismatch_corrected, stats=weight_statistics)
+
+
+@declares(knobs=("mismatch_cap",), switch=CORRECTED)
 def tis(w, cfg):
     """x min(w, --mismatch-cap), w = pi_trainer / pi_sampler (truncated importance sampling)"""
     return w.clamp(max=cfg.mismatch_cap)
 
 
-@declares(knobs=("mismatch_cap", "mismatch_low"))
+@declares(knobs=("mismatch_cap", "mismatch_low"), switch=CORRECTED)
 def token_mask(w, cfg):
     """x w inside [--mismatch-low, --mismatch-cap], 0 outside: the token is dropped (IcePop)"""
     return w * ((w >= cfg.mismatch_low) & (w <= cfg.mismatch_cap))
 
 
-@declares(knobs=("mismatch_cap", "mismatch_low"), per_sequence=True)
+@declares(knobs=("mismatch_cap", "mismatch_low"), per_sequence=True,
+          switch=CORRECTED)
 def sequence_mask(w, cfg):
     """x the sequence's w (its tokens' geometric mean) inside the band, 0 outside: the sequence
     dropped"""
@@ -516,6 +586,18 @@ def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
     return torch.kthvalue(entropies.detach().float().cpu(), n - keep + 1).values.item()
 
 
+def high_entropy_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> dict:
+    """{"pg_mask": [B, T] bool}: the tokens of the mini-batch `rows` among its top --top-entropy-quantile by
+    entropy, the threshold taken over the mini-batch of every device before any micro-batch runs."""
+    entropy = passes.no_grad_pass(policy, batch, guard, cfg, autocast, rows, entropy=True)  # every rank
+    carried = mask[rows].bool()
+    every = distributed.gather_objects(entropy[carried].cpu())  # every rank
+    threshold = top_entropy_threshold(torch.cat(every), cfg.top_entropy_quantile)
+    chosen = torch.zeros_like(mask, dtype=torch.bool)
+    chosen[rows] = entropy >= threshold
+    return {"pg_mask": chosen}
+
+
 # ---- reward shaping: DAPO's overlong penalty -----------------------------------------------------
 
 def overlong_penalty(lengths: torch.Tensor, cfg) -> torch.Tensor:
@@ -527,14 +609,12 @@ def overlong_penalty(lengths: torch.Tensor, cfg) -> torch.Tensor:
     return cfg.overlong_penalty * over / buffer
 
 
-# ---- across the step: DAPO's dynamic sampling, TR-DPO's moving reference -------------------------
+# ---- across the step: DAPO's dynamic sampling, the KL's controller, TR-DPO's moving reference ----
 
 def dynamic_sampling(first, draw, cfg, group_size: int, groups: int, pad_id: int):
     """--dynamic-sampling (DAPO): more rounds (draw(n), scored) while any rank lacks groups whose
     rewards differ, then the batch of `groups` groups, those not flat first (grpo/rollout.py
-    merge). Returns (batch, merge's counts for the record); off: (first, {})."""
-    if not cfg.dynamic_sampling:
-        return first, {}
+    merge). Returns (batch, merge's counts for the record)."""
     rounds = [first]
     while len(rounds) <= cfg.max_sampling_rounds and distributed.any_rank(  # every rank
             missing_groups([r.rewards for r in rounds], group_size, groups) > 0):
@@ -542,10 +622,51 @@ def dynamic_sampling(first, draw, cfg, group_size: int, groups: int, pad_id: int
     return merge(rounds, group_size, groups, pad_id)
 
 
-def follow_policy(reference, policy, step: int, cfg) -> None:
+def steer_kl(rec, step, policy, reference, kl, cfg) -> dict:
+    """--kl-target: the next step's coefficient, from this step's KL (AdaptiveKL.after_step)."""
+    return kl.after_step(rec["kl"], cfg.batch_size)
+
+
+def follow_policy(rec, step, policy, reference, kl, cfg) -> dict:
     """--ref-sync-steps N (TR-DPO): every N steps the reference moves toward the policy."""
-    if cfg.ref_sync_steps and step % cfg.ref_sync_steps == 0:
+    if step % cfg.ref_sync_steps == 0:
         sync_reference(reference, policy, cfg.ref_sync_alpha)
+    return {}
+
+
+def overlong(batch, cfg, kl_coef: float, estimators: dict) -> torch.Tensor:
+    """--overlong-buffer: DAPO's overlong penalty of each completion (overlong_penalty)."""
+    return overlong_penalty(batch.completion_mask.sum(1).cpu(), cfg)
+
+
+# the variants that are on or off, in the order their additions run at each point
+SWITCHES = {
+    "dynamic-sampling": Switch(on=lambda cfg: cfg.dynamic_sampling, rounds=dynamic_sampling),
+    "overlong-buffer": Switch(on=lambda cfg: bool(cfg.overlong_buffer),
+                              penalty=("overlong_penalty", overlong)),
+    "kl-in-reward": Switch(on=lambda cfg: cfg.kl_in == "reward" and cfg.kl_coef != 0,
+                           penalty=("kl_reward_penalty", kl_in_reward)),
+    "pretraining-mix": Switch(on=lambda cfg: cfg.ptx_coef != 0, prepare=ptx.prepare,
+                              backward=ptx.backward, record=ptx.record),
+    "dual-clip": Switch(on=lambda cfg: cfg.dual_clip is not None, pg=dual_clip),
+    "top-entropy": Switch(on=lambda cfg: cfg.top_entropy_quantile < 1,
+                          mini_batch=high_entropy_tokens, pg=top_entropy_only),
+    "entropy-bonus": Switch(on=lambda cfg: cfg.entropy_coef != 0, loss=entropy_bonus,
+                            reads_entropy=True),
+    "kl-target": Switch(on=lambda cfg: bool(cfg.kl_target), after_step=steer_kl),
+    "ref-sync": Switch(on=lambda cfg: bool(cfg.ref_sync_steps), after_step=follow_policy),
+}
+
+
+def on(cfg) -> types.SimpleNamespace:
+    """The additions to the step of the variants set, point by point (Switch), each a list, empty
+    by default: those of SWITCHES that are on, then the switches the chosen choices declare."""
+    chosen = [switch for switch in SWITCHES.values() if switch.on(cfg)]
+    chosen += [declared(entry(flag, getattr(cfg, flag)), "switch") for flag in OWN]
+    chosen = [switch for switch in chosen if switch is not None]
+    return types.SimpleNamespace(reads_entropy=any(s.reads_entropy for s in chosen), **{
+        point: [getattr(s, point) for s in chosen if getattr(s, point) is not None]
+        for point in POINTS})
 
 
 def tokens(**fields) -> types.SimpleNamespace:

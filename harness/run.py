@@ -5,7 +5,7 @@
         settings.txt written, the RNGs seeded
     with run:                                   every way out closes what the run opened; a failure after a
                                                 completed step saves that step (harness/checkpoint.py Saver)
-        task, mix_source = run.open_task()      the task, its answers checked; --ptx-coef's texts
+        task = run.open_task()                  the task, its answers checked (and --ptx-coef's texts)
         policy, reference, tokenizer = run.load_models()    and the start-up header
         guard = run.start_training(optimizer, kl)   --resume's state (the optimizer's, the KL controller's),
                                                 the micro-batch, logs, checkpoints, step 0's eval
@@ -128,7 +128,7 @@ class Run:
             os._exit(128 + signum)
 
     def open_task(self):
-        """(the task, its prompts checked where they enter; --ptx-coef's source of texts or None). The first step's
+        """The task, its prompts checked where they enter (run.mix_source: --ptx-coef's texts, or None). The first step's
         prompts are drawn now, to be checked with the tokenizer and the model's config before the weights load."""
         cfg = self.cfg
         try:
@@ -155,7 +155,7 @@ class Run:
         except task_lib.TaskError as e:
             usage_error(str(e))
         self.task, self.mix_source = task, mix_source
-        return task, mix_source
+        return task
 
     def load_models(self):
         """(the policy, the KL reference or None, the tokenizer), once the first step's prompts and --ptx-coef texts

@@ -104,21 +104,18 @@ def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold
     mask = passes.loss_mask(rollout, cfg)
     denominator = distributed.all_sum([loss_denominator(mask, cfg)])[0]
     guard = Guard(micro, rows.shape[0], print, tokens=tokens)   # the cut and its out-of-memory retry
-    pg_mask = None
-    if threshold_per_micro_batch:
-        pg_mask = per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg)
-    elif cfg.top_entropy_quantile < 1:
-        pg_mask = passes.high_entropy_tokens(model, rollout, rows, mask, guard, cfg, None)
-    cov_mask = None
-    choose = variants.declared(update.POLICY_LOSSES[cfg.policy_loss], "chooses_tokens")
-    if choose is not None:   # clip-cov, kl-cov
-        cov_mask = passes.chosen_tokens(choose, model, rollout, rows, mask, guard, cfg, None)
-    # the pretraining mix: every rank holds the update's texts and takes its share (grpo/ptx.py)
-    texts = PtxBatch(**batch["ptx"]).for_device(rank, world) if cfg.ptx_coef else None
     params = [p for p in model.parameters() if p.requires_grad]
     sampler = rollout.old_logp if rollout.sampler_logp is None else rollout.sampler_logp
+    inputs = {"sampler_logp": sampler}
+    for chosen in variants.on(cfg).mini_batch:   # top entropy's, clip-cov's and kl-cov's tokens
+        inputs.update(chosen(model, rollout, rows, mask, guard, cfg, None))
+    if threshold_per_micro_batch:   # in place of the mini-batch's threshold
+        inputs["pg_mask"] = per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg)
+    # the pretraining mix: every rank holds the update's texts and takes its share (grpo/ptx.py)
+    if cfg.ptx_coef:
+        rollout.extra["ptx"] = [PtxBatch(**batch["ptx"]).for_device(rank, world)]
     update.accumulate(model, torch.optim.SGD(params, lr=0.0), rollout, rows, guard.cut, mask, denominator, cfg,
-                      None, cfg.kl_coef, mix=texts, sampler=sampler, pg_mask=pg_mask, cov_mask=cov_mask)
+                      None, cfg.kl_coef, **inputs)
     distributed.sum_gradients(params)
     return torch.cat([p.grad.reshape(-1) for p in params])
 

@@ -54,12 +54,10 @@ def test_the_mismatch_statistics_by_formula():
 
 
 def test_no_policy_gradient_term_runs_by_default():
-    # train_lean.py's "none by default: see pg_terms", kept true: the default step's first update
-    # has the sampler's logprobs (measured), and no term of grpo/variants.py acts on its loss
+    # train_lean.py's "none by default", kept true: the default step's first update has the
+    # sampler's logprobs (measured), and no term of grpo/variants.py acts on its loss
     from grpo import variants
-    t = variants.tokens(logp=LOGP, old_logp=OLD, adv=ADV[:, None], mask=MASK, pg_mask=None,
-                        sampler_logp=SAMPLER, train_logp=LOGP)
-    assert variants.pg_terms(loss_config(), t) == []
+    assert variants.on(loss_config()).pg == []
 
 
 def test_no_correction_leaves_the_loss_and_gradient_as_they_were():

@@ -402,7 +402,8 @@ def test_top_entropy_mask_keeps_kl_and_entropy_on_every_token():
     logp = leaf(LOGP)
     ref = torch.tensor([[0.0, 0.2, -0.1], [0.5, 0.1, 0.0]])
     pg_mask = torch.tensor([[True, False, False], [False, True, False]])
-    loss, stats = grpo_loss(logp, OLD, ADV, MASK, 5.0, loss_config(kl_coef=0.1), ref_logp=ref, pg_mask=pg_mask)
+    loss, stats = grpo_loss(logp, OLD, ADV, MASK, 5.0, loss_config(kl_coef=0.1, top_entropy_quantile=0.5),
+                            ref_logp=ref, pg_mask=pg_mask)
     expected = 0.0
     for i, t, v in _per_token_surrogate(LOGP, ADV, MASK):
         d = float(ref[i, t] - LOGP[i, t])
