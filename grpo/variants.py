@@ -671,7 +671,7 @@ def on(cfg) -> types.SimpleNamespace:
 
 def tokens(**fields) -> types.SimpleNamespace:
     """A micro-batch's per-token tensors as the terms above read them (t.logp, t.adv, t.mask)."""
-    return types.SimpleNamespace(weight=None, **fields)
+    return types.SimpleNamespace(**{"weight": None, "sampler_logp": None, **fields})
 
 
 # each flag's table in this file (train_lean.py's add the defaults), its choices as the CLI takes them
