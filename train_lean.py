@@ -5,7 +5,8 @@
     torchrun --nproc_per_node 2 train_lean.py ... # data-parallel: each process takes whole groups
 
 Off-by-default variants: grpo/variants.py, most looked up in the tables below by flag value (an
-entry added to one is a value of its flag: no other file to touch). Under the step:
+entry added to one is a value of its flag: no other file to touch); the step's `for ... in on.X`
+loops run what the variants set add at point X (none by default). Under the step:
 grpo/rollout.py, passes.py, decoders.py, model.py. The harness keeps the run safe and recorded,
 called as `run.<something>`; grpo/ never imports it. `# every rank` marks a call every rank makes
 together under torchrun. The step piece by piece, and why: docs/algorithm.md.
@@ -128,7 +129,8 @@ def statistics(ratio, t, ref_logp, cfg, more=()) -> dict:
     t -> {name: [B, T]}): sums (the record divides them by the step's tokens), except mismatch_max:
     the largest |gap| between the trainer's logprobs and the sampler's, a max."""
     with torch.no_grad():
-        ratio, adv, zeros, counted = ratio.expand_as(t.logp), t.adv, torch.zeros_like(t.logp), t.counted
+        ratio, adv, counted = ratio.expand_as(t.logp), t.adv, t.counted
+        zeros = torch.zeros_like(t.logp)
         low, high = variants.clipped_tokens(ratio, adv, cfg)   # clamped: no gradient
         dual = (adv < 0) & (ratio > (cfg.dual_clip or math.inf))
         stats = {   # the KL always by k3 (low variance), whichever estimator the loss uses

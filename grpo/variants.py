@@ -2,12 +2,13 @@
 several (--advantage, --policy-loss, --importance-level, --kl-estimator, --loss-agg,
 --mismatch-correction) is a small function in a table keyed by its flag value; train_lean.py's
 tables add the default to this file's, the mismatch correction's is this file's alone. A knob that
-is on or off is a term that pg_terms, loss_terms or penalties lists when it is set. The others live
-where they act: DAPO's merge in grpo/rollout.py, the token masks in passes.py, PPO-ptx in ptx.py,
-LoRA in model.py, Muon and the schedules in optim.py. A new choice is one function, one entry (here
-or in train_lean.py's table) and a formula test (tests/grpo/test_variants.py lists them); its
-docstring is its --help text, what it needs besides is declared on it (declares), and DEFAULTS
-names what train_lean.py computes for each flag. Why each: docs/algorithm.md.
+is on or off is a Switch in SWITCHES: what it adds at each point of the step, which runs only the
+switches set (on); a choice whose function needs more than its formula declares a switch too
+(Clip-Cov's token masks). The others live where they act: DAPO's merge in grpo/rollout.py, PPO-ptx
+in ptx.py, LoRA in model.py, Muon and the schedules in optim.py. A new choice is one function, one
+entry (here or in train_lean.py's table) and a formula test (tests/grpo/test_variants.py lists
+them); its docstring is its --help text, what it needs besides is declared on it (declares), and
+DEFAULTS names what train_lean.py computes for each flag. Why each: docs/algorithm.md.
 """
 import collections.abc
 import dataclasses
@@ -259,6 +260,7 @@ def token_advantage_spread(totals, tokens: int, batch) -> dict:
 
 SHAPED = Switch(stats=token_advantage_statistics, record=token_advantage_spread)
 
+
 @declares(knobs=("shaping_alpha", "shaping_kappa"), switch=SHAPED)
 def entropy_shaped(t, cfg, **_):
     """A + min(alpha H, |A| / kappa) at each token, H its entropy (no gradient): more credit where
@@ -352,9 +354,9 @@ def highest_covariance(logp, old_logp, advantages, cfg) -> torch.Tensor:
 
 
 def chosen_tokens(choose, policy, batch, rows, mask, guard, cfg, autocast) -> dict:
-    """{"cov_mask": [B, T] bool}: the tokens of the mini-batch `rows` that a policy loss acts on, chosen by its
-    choose(logp, old_logp, adv, cfg) (its chooses_tokens: Clip-Cov's, KL-Cov's) over the
-    mini-batch of every device before any micro-batch runs."""
+    """{"cov_mask": [B, T] bool}: the tokens of the mini-batch `rows` that a policy loss acts on,
+    chosen by choose(logp, old_logp, adv, cfg) (Clip-Cov's, KL-Cov's) over the mini-batch of every
+    device before any micro-batch runs."""
     logp = passes.no_grad_pass(policy, batch, guard, cfg, autocast, rows)  # every rank
     carried = mask[rows].bool()
     adv = batch.advantages[rows][:, None].expand_as(logp)
@@ -587,9 +589,11 @@ def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
 
 
 def high_entropy_tokens(policy, batch, rows, mask, guard, cfg, autocast) -> dict:
-    """{"pg_mask": [B, T] bool}: the tokens of the mini-batch `rows` among its top --top-entropy-quantile by
-    entropy, the threshold taken over the mini-batch of every device before any micro-batch runs."""
-    entropy = passes.no_grad_pass(policy, batch, guard, cfg, autocast, rows, entropy=True)  # every rank
+    """{"pg_mask": [B, T] bool}: the tokens of the mini-batch `rows` among its top
+    --top-entropy-quantile by entropy, the threshold taken over the mini-batch of every device
+    before any micro-batch runs."""
+    entropy = passes.no_grad_pass(  # every rank
+        policy, batch, guard, cfg, autocast, rows, entropy=True)
     carried = mask[rows].bool()
     every = distributed.gather_objects(entropy[carried].cpu())  # every rank
     threshold = top_entropy_threshold(torch.cat(every), cfg.top_entropy_quantile)
