@@ -104,6 +104,9 @@ class Switch:
 
 
 POINTS = [f.name for f in dataclasses.fields(Switch) if f.name not in ("on", "reads_entropy")]
+# the points every rank runs together, outside any retry: an addition there may call a collective
+# (a gather over ranks); elsewhere it must not (tests/test_repository.py checks)
+EVERY_RANK = ("rounds", "prepare", "mini_batch")
 
 
 # ---- the tables: a flag's choices, read where they are used (an entry added late counts) --------

@@ -11,6 +11,7 @@ import io
 import os
 import tokenize
 
+from grpo.variants import EVERY_RANK, POINTS
 from helpers import REPO
 
 DISTRIBUTED = "grpo/distributed.py"
@@ -56,6 +57,11 @@ class Module:
                 for item in node.body:
                     if isinstance(item, ast.FunctionDef):
                         self.defs[node.name, item.name] = item
+        # name -> point: the loop variables of `for name in on.point:`, a variant's additions
+        # (grpo/variants.py Switch), each a collective where the point is one of EVERY_RANK
+        self.hooks = {node.target.id: node.iter.attr for node in ast.walk(self.tree)
+                      if isinstance(node, ast.For) and isinstance(node.target, ast.Name)
+                      and isinstance(node.iter, ast.Attribute) and node.iter.attr in POINTS}
 
 
 @functools.cache
@@ -86,6 +92,8 @@ def collective(call: ast.Call, module: Module, known: set, cls=None) -> bool:
     (`guard.fit(...)` is Guard.fit wherever the guard came from), a function through the import
     or the module that names it."""
     f = call.func
+    if isinstance(f, ast.Name) and f.id in module.hooks:   # a variant's addition at its point
+        return module.hooks[f.id] in EVERY_RANK
     owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
     if owner in module.modules:   # module.f(): that module's function
         target = module.modules[owner]
@@ -195,3 +203,19 @@ def test_the_check_knows_the_collectives():
             ("grpo.passes", None, "reference_logprobs"),
             ("harness.run", "Run", "end_step")} <= known   # every rank's RNG states when a step ends
     assert ("harness.checkpoint", "Saver", "save") not in known   # rank 0 alone writes
+
+
+def test_a_variant_adds_a_collective_only_where_every_rank_runs_it():
+    """A switch's addition at a point outside grpo/variants.py EVERY_RANK runs where ranks may differ
+    (inside guard.fit's retry, in the loss): it must make no collective. Each switch of SWITCHES and
+    of the tables' choices, checked."""
+    from grpo import variants
+    known = collectives([Module(p) for p in sources()])
+    switches = [*variants.SWITCHES.values(), *(variants.declared(f, "switch") for flag in variants.OWN
+                                              for f in variants.table(flag).values())]
+    added = [(point, getattr(s, point)) for s in switches if s is not None for point in POINTS
+             if getattr(s, point) is not None and point not in EVERY_RANK]
+    assert added   # the check sees them
+    for point, f in added:
+        f = f[1] if isinstance(f, tuple) else getattr(f, "func", f)   # a penalty's (name, f)
+        assert (f.__module__, None, f.__name__) not in known, (point, f.__name__)

@@ -909,3 +909,49 @@ def test_an_entry_added_to_a_table_after_it_was_built_is_a_value_of_its_flag(mon
     batch_layout(cfg)   # and its declarations count: --dual-clip is PPO's, so the copy's too
     batch_layout(cli.load([*argv, "--dual-clip", "3"], {}, tasks.BUILTIN).cfg)
     assert "mine: PPO's -min(r A" in " ".join(cli.build_parser("toy").format_help().split())
+
+
+def test_no_variant_adds_anything_to_the_default_step():
+    # train_lean.py's "none by default": every point of the step loops over an empty list
+    from grpo import variants
+    from harness.config import Config
+    on = variants.on(Config())
+    assert not on.reads_entropy
+    assert {point: getattr(on, point) for point in variants.POINTS} == {p: [] for p in variants.POINTS}
+
+
+def test_each_switch_is_on_when_its_setting_is(monkeypatch):
+    from grpo import variants
+    from harness.config import Config
+    settings = {"dynamic-sampling": {"dynamic_sampling": True}, "overlong-buffer": {"overlong_buffer": 4},
+                "kl-in-reward": {"kl_in": "reward", "kl_coef": 0.1}, "pretraining-mix": {"ptx_coef": 0.1},
+                "dual-clip": {"dual_clip": 3.0}, "top-entropy": {"top_entropy_quantile": 0.2},
+                "entropy-bonus": {"entropy_coef": 0.01}, "kl-target": {"kl_target": 0.01},
+                "ref-sync": {"ref_sync_steps": 2}}
+    assert set(settings) == set(variants.SWITCHES)
+    for name, switch in variants.SWITCHES.items():
+        assert switch.on(Config(**settings[name])) and not switch.on(Config()), name
+    assert variants.on(Config(kl_in="reward", kl_coef=0.0)).penalty == []   # no reference: no KL
+
+
+def test_a_policy_loss_gets_the_token_mask_its_switch_computes(monkeypatch, tiny_model_dir, tmp_path, clean_env):
+    # a scratch variant in one place: its mask, computed before the micro-batches, reaches its term
+    import train_lean
+    from grpo import variants
+    from helpers import SMALL, read_jsonl
+    seen = []
+
+    def positive_tokens(policy, batch, rows, mask, guard, cfg, autocast):
+        return {"positive": (batch.advantages[:, None] > 0).expand_as(mask) & mask.bool()}
+
+    @variants.declares(switch=variants.Switch(mini_batch=positive_tokens))
+    def positive_only(ratio, t, cfg, default):
+        """ppo on the tokens of completions with a positive advantage"""
+        seen.append(bool(((t.adv <= 0) & t.positive).any()))
+        return default(ratio, t, cfg).expand_as(t.logp) * t.positive
+    monkeypatch.setitem(train_lean.POLICY_LOSSES, "positive-only", positive_only)
+    out = tmp_path / "run"
+    train_lean.main(["--model", tiny_model_dir, "--task", "toy", "--steps", "1", *SMALL,
+                     "--policy-loss", "positive-only", "--out-dir", str(out)])
+    assert seen and not any(seen)   # called, and never on a token of a completion not above 0
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1]
