@@ -195,13 +195,14 @@ def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_
                                end_ids=ends, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, min_new_tokens=min_new_tokens, autocast=autocast, compile=compile,
                                with_sampler=truncates, group_size=group_size))
-    width = max(c[0].shape[1] for c in chunks)
-    pad = torch.nn.functional.pad
-    completion_ids = torch.cat([pad(c[0], (0, width - c[0].shape[1]), value=eos) for c in chunks])
-    completion_mask = torch.cat([pad(c[1], (0, width - c[1].shape[1])) for c in chunks])
-    old_logp, sampler_logp = (torch.cat([pad(c[i], (0, width - c[i].shape[1])) for c in chunks]) if i < len(chunks[0])
-                              else None for i in (2, 3))
-    sampler_logp = old_logp if sampler_logp is None else sampler_logp   # nothing truncated: the policy's own
+    width, pad = max(c.ids.shape[1] for c in chunks), torch.nn.functional.pad
+    def joined(parts, value=0):   # the chunks' rows in order, right-padded to the widest
+        return torch.cat([pad(t, (0, width - t.shape[1]), value=value) for t in parts])
+    completion_ids = joined([c.ids for c in chunks], eos)
+    completion_mask = joined([c.mask for c in chunks])
+    old_logp = joined([c.logp for c in chunks])
+    # nothing truncated: the distribution drawn from is the policy's own
+    sampler_logp = joined([c.sampler_logp for c in chunks]) if truncates else old_logp
     return Rollout(prompts=[p for p in prompts for _ in range(group_size)],
                    texts=decode_completions(tokenizer, completion_ids, completion_mask, ends),
                    input_ids=torch.cat([prompt_ids, completion_ids], 1),
