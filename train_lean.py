@@ -22,7 +22,7 @@ from grpo import distributed, ptx, variants
 from grpo.model import trainable_parameters
 from grpo.optim import learning_rate, make_optimizer
 from grpo.passes import loss_mask, reference_logprobs, token_logprobs, token_masks, trainer_logprobs
-from grpo.rollout import flat_groups, sample_groups, stream_seed
+from grpo.rollout import Sampler, flat_groups, stream_seed
 from harness.run import Run
 
 
@@ -252,8 +252,8 @@ def main(argv=None):
         optimizer = make_optimizer(policy, cfg)   # AdamW, or --optimizer muon (grpo/optim.py)
         kl = variants.AdaptiveKL(cfg)   # --kl-coef; with --kl-target a controller's, checkpointed
         guard = run.start_training(optimizer, kl)  # every rank
-        sample = functools.partial(
-            sample_groups, policy, tokenizer, group_size=cfg.group_size,
+        sample = Sampler(
+            policy, tokenizer, group_size=cfg.group_size,
             prepend_bos=run.prepend_bos, generation_batch=layout.generation_batch,
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
             top_p=cfg.top_p, min_new_tokens=cfg.min_new_tokens, autocast=run.autocast,
@@ -276,7 +276,7 @@ def train_step(step, run, task, mix_source, sample, policy, reference, tokenizer
     def draw(round: int):   # prompts, G completions each; a later round's rows past earlier ones
         prompts = task.prompts(layout.prompts_per_step, rng)[rank * P:(rank + 1) * P]
         first_row = (round * world + rank) * B
-        return sample(prompts, seed=stream_seed(cfg.seed, step), first_row=first_row)
+        return sample.sample(prompts, seed=stream_seed(cfg.seed, step), first_row=first_row)
     # ---- rollout: G completions per prompt, sampled ids and logprobs kept -----------------------
     batch = draw(0)
     run.phase_done("gen")

@@ -8,8 +8,8 @@ from grpo.rollout import flat_groups
 from grpo.decoders import completion_mask, generate, sample_token
 from grpo.model import (completion_logprobs, declared_end_ids, end_ids, load_policy, load_tokenizer,
                         position_ids_from_mask, turn_end)
-from grpo.rollout import (Rollout, decode_completions, encode_prompts, left_pad, merge, merge_rounds, missing_groups,
-                          sample_groups, truncated_rows)
+from grpo.rollout import (Rollout, Sampler, decode_completions, encode_prompts, left_pad, merge,
+                          merge_rounds, missing_groups, truncated_rows)
 from helpers import read_jsonl
 
 
@@ -136,9 +136,10 @@ def test_conversation_logprobs_equal_the_training_forwards_under_left_padding(ti
     tok, model = load_tokenizer(tiny_chat_model_dir), load_policy(tiny_chat_model_dir, "cpu")
     long = [*CHAT, {"role": "assistant", "content": "a"}, {"role": "user", "content": "Now repeat b, twice"}]
     torch.manual_seed(0)
-    batch = sample_groups(model, tok, [CHAT, long], group_size=2, prepend_bos=False, generation_batch=4, seed=0,
-                          first_row=0, max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=0,
-                          autocast=None, device="cpu")
+    sampler = Sampler(model, tok, group_size=2, prepend_bos=False, generation_batch=4,
+                      max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=0,
+                      autocast=None, device="cpu")
+    batch = sampler.sample([CHAT, long], seed=0, first_row=0)
     T = batch.completion_len
     for row, conversation in zip(range(4), [CHAT, CHAT, long, long]):
         prompt = batch.input_ids[row, :-T][batch.attention[row, :-T].bool()].tolist()
