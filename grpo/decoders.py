@@ -702,13 +702,14 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
     """
     autocast = autocast or torch.autocast(prompt_ids.device.type, enabled=False)
     with autocast:  # entered once: autocast keeps its bf16 copies of the weights for the whole loop
-        return _generate(model, prompt_ids, prompt_mask, as_ends(end_ids), max_new_tokens,
-                         temperature, top_k, top_p, min_new_tokens, compile, with_sampler,
-                         group_size)
+        return _generate(model, prompt_ids, prompt_mask, as_ends(end_ids),
+                         max_new_tokens=max_new_tokens, sampling=(temperature, top_k, top_p),
+                         min_new_tokens=min_new_tokens, compile=compile,
+                         with_sampler=with_sampler, group_size=group_size)
 
 
-def _generate(model, prompt_ids, prompt_mask, ends, max_new_tokens, temperature, top_k, top_p,
-              min_new_tokens, compile=False, with_sampler=False, group_size=None):
+def _generate(model, prompt_ids, prompt_mask, ends, *, max_new_tokens, sampling, min_new_tokens,
+              compile, with_sampler, group_size):
     batch = prompt_ids.shape[0]
     # a group's rows share their prompt: each distinct one is prefilled once, then its KV copied
     prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0,
@@ -720,8 +721,8 @@ def _generate(model, prompt_ids, prompt_mask, ends, max_new_tokens, temperature,
     prefill = out.past_key_values
     decoder = decoder_for(model, prefill, inverse, prompt_mask, max_new_tokens, compile=compile,
                           group_size=group_size)
-    draws = Draws(model, batch, max_new_tokens, ends, (temperature, top_k, top_p), with_sampler,
-                  prompt_ids.device, keep=decoder.compiled is not None)
+    draws = Draws(model, batch, max_new_tokens, ends, sampling, with_sampler, prompt_ids.device,
+                  keep=decoder.compiled is not None)
     draws.draw(out.logits[inverse, -1], draws.columns[:1], ends if min_new_tokens > 0 else None)
     last = 0  # the last column drawn
     every = done_check_every(prompt_ids.device)
