@@ -23,7 +23,7 @@ from grpo import distributed, variants
 from grpo.model import trainable_parameters
 from grpo.optim import learning_rate, make_optimizer
 from grpo.passes import loss_mask, reference_logprobs, token_logprobs
-from grpo.rollout import flat_groups, sample_groups, stream_seed
+from grpo.rollout import Sampler, flat_groups, stream_seed
 from harness.run import Run
 
 
@@ -246,21 +246,19 @@ def main(argv=None):
         optimizer = make_optimizer(policy, cfg)   # AdamW, or --optimizer muon (grpo/optim.py)
         kl = variants.AdaptiveKL(cfg)   # --kl-coef; with --kl-target a controller's, checkpointed
         guard = run.start_training(optimizer, kl)  # every rank
-        sample = functools.partial(
-            sample_groups, policy, tokenizer, group_size=cfg.group_size,
+        sampler = Sampler(   # the policy's completions of prompts, with the run's settings
+            policy, tokenizer, group_size=cfg.group_size,
             prepend_bos=run.prepend_bos, generation_batch=layout.generation_batch,
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
             top_p=cfg.top_p, min_new_tokens=cfg.min_new_tokens, autocast=run.autocast,
             device=run.device, compile=cfg.compile == "on")
         for step in run.steps():  # every rank   (checkpoints, a stop on Ctrl-C, the final model)
             rec, rows = train_step(  # every rank
-                step, run, task, sample, policy, reference, tokenizer, optimizer,
-                guard, kl)
+                step, run, task, sampler, policy, reference, tokenizer, optimizer, guard, kl)
             run.end_step(rec, rows)  # every rank   (the record, the line, the evaluation when due)
 
 
-def train_step(step, run, task, sample, policy, reference, tokenizer, optimizer,
-               guard, kl):
+def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer, guard, kl):
     """One GRPO step on this rank's share: its record (the stages add to it) and every rank's rows of
     it (run.check_rewards gathers them)."""
     cfg, layout, rank, world = run.cfg, run.layout, run.rank, run.world
@@ -271,7 +269,7 @@ def train_step(step, run, task, sample, policy, reference, tokenizer, optimizer,
     def draw(round: int):   # prompts, G completions each; a later round's rows past earlier ones
         prompts = task.prompts(layout.prompts_per_step, rng)[rank * P:(rank + 1) * P]
         first_row = (round * world + rank) * B
-        return sample(prompts, seed=stream_seed(cfg.seed, step), first_row=first_row)
+        return sampler.sample(prompts, seed=stream_seed(cfg.seed, step), first_row=first_row)
     # ---- rollout: G completions per prompt, sampled ids and logprobs kept -----------------------
     batch = draw(0)
     run.phase_done("gen")

@@ -3,6 +3,7 @@ A decoder turns the token just drawn into the next logits: HFDecoder any causal 
 LlamaDecoder (Llama, Qwen2, Mistral without sliding windows) are fast paths on preallocated K/V
 buffers (docs/algorithm.md, "Decoding"), each tested against HFDecoder and HF generate.
 """
+import dataclasses
 import sys
 import weakref
 
@@ -675,27 +676,40 @@ class Draws:
         return decoder.select(own, prefill, step)
 
 
+@dataclasses.dataclass
+class Completions:
+    """What generate() drew, each [B, T], T <= max_new_tokens: by name, so a caller cannot read
+    one tensor for another (the two logprobs have the same shape)."""
+    ids: torch.Tensor    # the tokens drawn; end_ids[0] from a row's first end on
+    mask: torch.Tensor   # up to and including a row's first end
+    # the policy's logprobs of ids, temperature-scaled, before any truncation (PPO's old ones)
+    logp: torch.Tensor
+    # with_sampler: the logprobs of ids under the distribution drawn from, which top_k, top_p and
+    # min_new_tokens truncate and renormalise (sample_token); else None
+    sampler_logp: torch.Tensor | None = None
+
+
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0,
              autocast=None, compile: bool = False, with_sampler: bool = False,
-             group_size: int = None):
-    """Sample a completion per row of a left-padded prompt batch: (completion_ids, completion_mask,
-    logprobs), each [B, T], T <= max_new_tokens; a row ends at its first of end_ids (an id or ids:
-    EOS, an end of turn; then end_ids[0], masked), never before min_new_tokens (the ends'
-    probability still counts). compile: torch.compile where a preallocated decoder fits.
-    with_sampler: a 4th output (sample_token). group_size: rows per prompt (compiled: kept when two
-    groups draw one prompt, so nothing recompiles).
+             group_size: int = None) -> Completions:
+    """Sample a completion per row of a left-padded prompt batch (Completions); a row ends at its
+    first of end_ids (an id or ids: EOS, an end of turn; then end_ids[0], masked), never before
+    min_new_tokens (the ends' probability still counts). compile: torch.compile where a
+    preallocated decoder fits. with_sampler: Completions.sampler_logp too. group_size: rows per
+    prompt (compiled: kept when two groups draw one prompt, so nothing recompiles).
     """
     autocast = autocast or torch.autocast(prompt_ids.device.type, enabled=False)
     with autocast:  # entered once: autocast keeps its bf16 copies of the weights for the whole loop
-        return _generate(model, prompt_ids, prompt_mask, as_ends(end_ids), max_new_tokens,
-                         temperature, top_k, top_p, min_new_tokens, compile, with_sampler,
-                         group_size)
+        return _generate(model, prompt_ids, prompt_mask, as_ends(end_ids),
+                         max_new_tokens=max_new_tokens, sampling=(temperature, top_k, top_p),
+                         min_new_tokens=min_new_tokens, compile=compile,
+                         with_sampler=with_sampler, group_size=group_size)
 
 
-def _generate(model, prompt_ids, prompt_mask, ends, max_new_tokens, temperature, top_k, top_p,
-              min_new_tokens, compile=False, with_sampler=False, group_size=None):
+def _generate(model, prompt_ids, prompt_mask, ends, *, max_new_tokens, sampling, min_new_tokens,
+              compile, with_sampler, group_size):
     batch = prompt_ids.shape[0]
     # a group's rows share their prompt: each distinct one is prefilled once, then its KV copied
     prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0,
@@ -707,8 +721,8 @@ def _generate(model, prompt_ids, prompt_mask, ends, max_new_tokens, temperature,
     prefill = out.past_key_values
     decoder = decoder_for(model, prefill, inverse, prompt_mask, max_new_tokens, compile=compile,
                           group_size=group_size)
-    draws = Draws(model, batch, max_new_tokens, ends, (temperature, top_k, top_p), with_sampler,
-                  prompt_ids.device, keep=decoder.compiled is not None)
+    draws = Draws(model, batch, max_new_tokens, ends, sampling, with_sampler, prompt_ids.device,
+                  keep=decoder.compiled is not None)
     draws.draw(out.logits[inverse, -1], draws.columns[:1], ends if min_new_tokens > 0 else None)
     last = 0  # the last column drawn
     every = done_check_every(prompt_ids.device)
@@ -724,6 +738,7 @@ def _generate(model, prompt_ids, prompt_mask, ends, max_new_tokens, temperature,
     # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
     if bool(draws.done.all()):
         last = int(mask.sum(1).max()) - 1
-    # copies: a compiled decoder's buffers are the next call's too
-    outputs = [draws.tokens, mask, draws.logprobs] + ([draws.sampled] if with_sampler else [])
-    return tuple(t[:, :last + 1].clone() for t in outputs)
+    def kept(t):   # a copy: a compiled decoder's buffers are the next call's too
+        return t[:, :last + 1].clone()
+    return Completions(ids=kept(draws.tokens), mask=kept(mask), logp=kept(draws.logprobs),
+                       sampler_logp=kept(draws.sampled) if with_sampler else None)

@@ -1,7 +1,7 @@
-"""Rollout: the step's record (Rollout) and how it is sampled: prompts tokenized, groups of
-completions drawn with a KV cache (grpo/decoders.py), the sampled ids and logprobs kept; and DAPO's
-dynamic sampling, which builds the batch from several rounds. The trainer scores the sampled ids;
-text is decoded for the reward only (why: docs/algorithm.md, "The default step").
+"""Rollout: the step's record (Rollout) and how it is sampled (Sampler): prompts tokenized,
+groups of completions drawn with a KV cache (grpo/decoders.py), the sampled ids and logprobs kept;
+and DAPO's dynamic sampling, which builds the batch from several rounds. The trainer scores the
+sampled ids; text is decoded for the reward only (why: docs/algorithm.md, "The default step").
 """
 import dataclasses
 from collections import Counter
@@ -178,40 +178,65 @@ def decode_completions(tokenizer, completion_ids, mask, ends) -> list:
     return texts
 
 
-def sample_groups(policy, tokenizer, prompts: list, *, group_size: int, prepend_bos: bool, generation_batch: int,
-                  seed: int, first_row: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                  min_new_tokens: int, autocast, device, compile: bool = False) -> Rollout:
-    """group_size completions of each prompt, generation_batch rows at a time.
+@dataclasses.dataclass
+class Sampler:
+    """A run's sampling, its settings fixed once (train_lean.py main builds it): sample() draws a
+    step's rollouts."""
+    policy: torch.nn.Module
+    tokenizer: object
+    _: dataclasses.KW_ONLY   # the settings by name: several are ints or floats side by side
+    group_size: int
+    prepend_bos: bool
+    generation_batch: int
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_new_tokens: int
+    autocast: object     # the context generate() runs under (grpo/model.py model_autocast)
+    device: torch.device
+    compile: bool = False
 
-    Each chunk's sampling is seeded by seed and the chunk's first row in the global batch (first_row
-    plus its offset here): the rollouts depend neither on the number of devices (for the same
-    generation batch) nor on a resume."""
-    ends = end_ids(policy, tokenizer)   # EOS, and an instruct model's end of turn
-    eos = ends[0]
-    ids = encode_prompts(tokenizer, prompts, prepend_bos, max_new_tokens, context_length(policy.config))
-    prompt_ids, prompt_mask = left_pad(ids, eos, device)
-    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
-    truncates = temperature > 0 and (top_k > 0 or top_p < 1 or min_new_tokens > 0)
-    chunks = []
-    for s in range(0, prompt_ids.shape[0], generation_batch):
-        torch.manual_seed(stream_seed(seed, first_row + s))
-        chunks.append(generate(policy, prompt_ids[s:s + generation_batch], prompt_mask[s:s + generation_batch],
-                               end_ids=ends, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, min_new_tokens=min_new_tokens, autocast=autocast, compile=compile,
-                               with_sampler=truncates, group_size=group_size))
-    width = max(c[0].shape[1] for c in chunks)
-    pad = torch.nn.functional.pad
-    completion_ids = torch.cat([pad(c[0], (0, width - c[0].shape[1]), value=eos) for c in chunks])
-    completion_mask = torch.cat([pad(c[1], (0, width - c[1].shape[1])) for c in chunks])
-    old_logp, sampler_logp = (torch.cat([pad(c[i], (0, width - c[i].shape[1])) for c in chunks]) if i < len(chunks[0])
-                              else None for i in (2, 3))
-    sampler_logp = old_logp if sampler_logp is None else sampler_logp   # nothing truncated: the policy's own
-    return Rollout(prompts=[p for p in prompts for _ in range(group_size)],
-                   texts=decode_completions(tokenizer, completion_ids, completion_mask, ends),
-                   input_ids=torch.cat([prompt_ids, completion_ids], 1),
-                   attention=torch.cat([prompt_mask, completion_mask], 1),
-                   completion_mask=completion_mask, old_logp=old_logp, sampler_logp=sampler_logp,
-                   truncated=truncated_rows(completion_ids, completion_mask, ends))
+    def sample(self, prompts: list, *, seed: int, first_row: int) -> Rollout:
+        """group_size completions of each prompt, generation_batch rows at a time.
+
+        Each chunk's sampling is seeded by seed and the chunk's first row in the global batch
+        (first_row plus its offset here): the rollouts depend neither on the number of devices
+        (for the same generation batch) nor on a resume."""
+        policy, tokenizer, group_size = self.policy, self.tokenizer, self.group_size
+        ends = end_ids(policy, tokenizer)   # EOS, and an instruct model's end of turn
+        eos = ends[0]
+        ids = encode_prompts(tokenizer, prompts, self.prepend_bos, self.max_new_tokens,
+                             context_length(policy.config))
+        prompt_ids, prompt_mask = left_pad(ids, eos, self.device)
+        prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
+        prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
+        truncates = self.temperature > 0 and (self.top_k > 0 or self.top_p < 1
+                                              or self.min_new_tokens > 0)
+        chunks, chunk = [], self.generation_batch
+        for s in range(0, prompt_ids.shape[0], chunk):
+            torch.manual_seed(stream_seed(seed, first_row + s))
+            chunks.append(generate(
+                policy, prompt_ids[s:s + chunk], prompt_mask[s:s + chunk], end_ids=ends,
+                max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                top_k=self.top_k, top_p=self.top_p, min_new_tokens=self.min_new_tokens,
+                autocast=self.autocast, compile=self.compile, with_sampler=truncates,
+                group_size=group_size))
+        width, pad = max(c.ids.shape[1] for c in chunks), torch.nn.functional.pad
+        def joined(parts, value=0):   # the chunks' rows in order, right-padded to the widest
+            return torch.cat([pad(t, (0, width - t.shape[1]), value=value) for t in parts])
+        completion_ids = joined([c.ids for c in chunks], eos)
+        completion_mask = joined([c.mask for c in chunks])
+        old_logp = joined([c.logp for c in chunks])
+        # nothing truncated: the distribution drawn from is the policy's own
+        sampler_logp = joined([c.sampler_logp for c in chunks]) if truncates else old_logp
+        return Rollout(prompts=[p for p in prompts for _ in range(group_size)],
+                       texts=decode_completions(tokenizer, completion_ids, completion_mask, ends),
+                       input_ids=torch.cat([prompt_ids, completion_ids], 1),
+                       attention=torch.cat([prompt_mask, completion_mask], 1),
+                       completion_mask=completion_mask, old_logp=old_logp,
+                       sampler_logp=sampler_logp,
+                       truncated=truncated_rows(completion_ids, completion_mask, ends))
 
 
 # ---- DAPO's dynamic sampling: the batch made of the groups that are not flat of several rounds --

@@ -752,9 +752,9 @@ def eval_completions(model, tokenizer, prompts: list, n: int = None, temperature
         for s in range(0, len(rows), batch):
             torch.manual_seed(stream_seed(seed, s))
             row_ids, mask = left_pad(rows[s:s + batch], ends[0], device)
-            out_ids, out_mask, _ = generate(model, row_ids, mask, end_ids=ends, max_new_tokens=max_new_tokens,
-                                            temperature=sample_at, autocast=autocast)
-            texts += decode_completions(tokenizer, out_ids, out_mask, ends)
+            out = generate(model, row_ids, mask, end_ids=ends, max_new_tokens=max_new_tokens,
+                           temperature=sample_at, autocast=autocast)
+            texts += decode_completions(tokenizer, out.ids, out.mask, ends)
             if progress is not None:
                 progress(len(texts) // (n or 1))
     return texts if n is None else [texts[i:i + n] for i in range(0, len(texts), n)]

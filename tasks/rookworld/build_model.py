@@ -247,8 +247,8 @@ def own_repeats_loss(model, batch, pieces: list[str], eos: int, device, autocast
     model.eval()
     with torch.no_grad():
         ids, mask = left_pad(prompts, eos, device)
-        completions, _, _ = generate(model, ids, mask, end_ids=eos, max_new_tokens=16, temperature=0.0,
-                                     autocast=autocast)
+        completions = generate(model, ids, mask, end_ids=eos, max_new_tokens=16, temperature=0.0,
+                               autocast=autocast).ids
     model.train()
     targets = [(i, len(p) + j - 1, c[j]) for i, (p, c) in enumerate(zip(prompts, completions.tolist()))
                for j in repeated_candidates(c, pieces)]

@@ -17,8 +17,9 @@ def rollout64(tiny_model_dir):
     torch.manual_seed(0)
     # a frequent token as EOS, so completion lengths vary a lot (what makes normalisation matter)
     eos = tok("a", add_special_tokens=False)["input_ids"][0]
-    comp, cmask, old = generate(model, ids, mask, end_ids=eos, max_new_tokens=24, temperature=1.5)
-    assert len(set(cmask.sum(1).tolist())) > 4
+    out = generate(model, ids, mask, end_ids=eos, max_new_tokens=24, temperature=1.5)
+    assert len(set(out.mask.sum(1).tolist())) > 4
     torch.manual_seed(1)
     adv = torch.randn(64)
-    return model, torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), cmask, old, adv
+    return (model, torch.cat([ids, out.ids], 1), torch.cat([mask, out.mask], 1), out.mask, out.logp,
+            adv)

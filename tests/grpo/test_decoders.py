@@ -95,8 +95,8 @@ def test_fast_decoders_match_the_models_own_forward(family, monkeypatch, order):
     monkeypatch.setattr(expected, "fits", staticmethod(lambda m: False))
     plain = generate(model, ids, mask, **kw)
     assert used[-1] is decoders.HFDecoder
-    assert torch.equal(fast[0], plain[0])
-    assert (fast[2] - plain[2]).abs().max().item() <= 1e-5
+    assert torch.equal(fast.ids, plain.ids)
+    assert (fast.logp - plain.logp).abs().max().item() <= 1e-5
 
 
 def test_sampled_logprobs_equal_the_training_forward(family):
@@ -107,17 +107,18 @@ def test_sampled_logprobs_equal_the_training_forward(family):
     ids, mask = _group_batch(tok)
     assert (mask[0] == 0).any() and (mask[-1] == 1).all()
     torch.manual_seed(0)
-    comp, cmask, logp = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=24, temperature=0.8)
-    scored = completion_logprobs(model, torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), comp.shape[1],
-                                 0.8, 4096)
-    assert ((scored - logp).abs() * cmask).max().item() <= 1e-5
+    out = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=24, temperature=0.8)
+    scored = completion_logprobs(model, torch.cat([ids, out.ids], 1),
+                                 torch.cat([mask, out.mask], 1), out.ids.shape[1], 0.8, 4096)
+    assert ((scored - out.logp).abs() * out.mask).max().item() <= 1e-5
 
 
 def test_greedy_decoding_equals_hf_generate(family):
     path, _ = family
     tok, model = load_tokenizer(path), load_policy(path, "cpu")
     ids, mask = _group_batch(tok, group=2)
-    ours, _, _ = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=20, temperature=0.0)
+    ours = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=20,
+                    temperature=0.0).ids
     with torch.no_grad():
         theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
                                 pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
@@ -146,9 +147,9 @@ def test_compiled_decode_step_equals_the_eager_one(arch, backend, tiny_model_dir
             torch.manual_seed(0)
             with torch._inductor.config.patch(fallback_random=True):
                 runs.append(generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=20, compile=compile))
-        (eager_ids, eager_mask, eager_logp), (ids_c, mask_c, logp_c) = runs
-        assert torch.equal(eager_ids, ids_c) and torch.equal(eager_mask, mask_c)
-        assert (eager_logp - logp_c).abs().max().item() <= 1e-5
+        eager, compiled = runs
+        assert torch.equal(eager.ids, compiled.ids) and torch.equal(eager.mask, compiled.mask)
+        assert (eager.logp - compiled.logp).abs().max().item() <= 1e-5
 
 
 @pytest.mark.slow
@@ -166,10 +167,12 @@ def test_the_compiled_step_ends_rows_at_any_end_as_the_eager_one_does(tiny_chat_
         with torch._inductor.config.patch(fallback_random=True):
             runs.append(generate(model, ids, mask, end_ids=ends, max_new_tokens=12, min_new_tokens=2,
                                  compile=compile, group_size=4))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-    lengths = runs[0][1].sum(1)
-    assert (lengths < runs[0][0].shape[1]).any() and (lengths > 2).all()   # ended, never before 2 tokens
-    assert (runs[0][2] - runs[1][2]).abs().max().item() <= 1e-5
+    eager, compiled = runs
+    assert torch.equal(eager.ids, compiled.ids) and torch.equal(eager.mask, compiled.mask)
+    lengths = eager.mask.sum(1)
+    # ended, never before 2 tokens
+    assert (lengths < eager.ids.shape[1]).any() and (lengths > 2).all()
+    assert (eager.logp - compiled.logp).abs().max().item() <= 1e-5
 
 
 @pytest.mark.slow
@@ -197,18 +200,20 @@ def test_the_compiled_step_samples_inside_itself_what_the_eager_loop_samples(tin
         finally:
             sys.setprofile(None)
         calls.append(count[0])
-    steps = runs[0][0].shape[1]
+    eager = runs[0]
+    steps = eager.ids.shape[1]
     assert steps > 3 and calls[0] == steps and calls[2] == 1, (steps, calls)
     for compiled in runs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(runs[0][:2], compiled[:2]))
-        assert all((a - b).abs().max() <= 1e-5 for a, b in zip(runs[0][2:], compiled[2:]))
-    assert (runs[0][0][:, :3] != tok.eos_token_id).all()
+        assert torch.equal(eager.ids, compiled.ids) and torch.equal(eager.mask, compiled.mask)
+        assert (eager.logp - compiled.logp).abs().max() <= 1e-5
+        assert (eager.sampler_logp - compiled.sampler_logp).abs().max() <= 1e-5
+    assert (eager.ids[:, :3] != tok.eos_token_id).all()
 
 
 def test_checking_for_the_end_every_few_steps_returns_what_checking_every_step_does(tiny_model_dir, monkeypatch):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
     ids, mask = left_pad(encode_prompts(tok, ["Repeat a: ", "Repeat e: "], True), tok.eos_token_id)
-    free, _, _ = generate(model, ids, mask, end_ids=-1, max_new_tokens=20, temperature=0.0)
+    free = generate(model, ids, mask, end_ids=-1, max_new_tokens=20, temperature=0.0).ids
     ends = []
     for eos in set(free.flatten().tolist()):  # tokens the rows emit greedily: each row ends somewhere
         for min_new_tokens in (0, 3, 11):
@@ -217,9 +222,10 @@ def test_checking_for_the_end_every_few_steps_returns_what_checking_every_step_d
                 monkeypatch.setattr(decoders, "DONE_CHECK_EVERY", every)
                 runs.append(generate(model, ids, mask, end_ids=eos, max_new_tokens=20, temperature=0.0,
                                      min_new_tokens=min_new_tokens))
-            for a, b in zip(*runs):
-                assert torch.equal(a, b)
-            ends.append(runs[0][0].shape[1])
+            a, b = runs
+            assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask)
+            assert torch.equal(a.logp, b.logp)
+            ends.append(a.ids.shape[1])
     assert any(n % decoders.DONE_CHECK_EVERY for n in ends if n < 20), ends  # some ended between two checks
 
 
@@ -244,19 +250,23 @@ def test_min_new_tokens_masks_eos_but_keeps_its_probability(tiny_model_dir):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
     ids, mask = _group_batch(tok)
     # pretend the greedy first token is EOS: with min_new_tokens it cannot be drawn
-    first = int(generate(model, ids, mask, end_ids=-1, max_new_tokens=1, temperature=0.0)[0][0, 0])
-    comp, cmask, logp = generate(model, ids, mask, end_ids=first, max_new_tokens=6, min_new_tokens=3, temperature=0.0)
+    first = int(generate(model, ids, mask, end_ids=-1, max_new_tokens=1, temperature=0.0).ids[0, 0])
+    out = generate(model, ids, mask, end_ids=first, max_new_tokens=6, min_new_tokens=3,
+                   temperature=0.0)
+    comp = out.ids
     assert (comp[:, :3] != first).all() and comp.shape[1] >= 3
-    scored = completion_logprobs(model, torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), comp.shape[1], 1.0, 4096)
-    assert ((scored - logp).abs() * cmask).max().item() <= 1e-5
+    scored = completion_logprobs(model, torch.cat([ids, comp], 1), torch.cat([mask, out.mask], 1),
+                                 comp.shape[1], 1.0, 4096)
+    assert ((scored - out.logp).abs() * out.mask).max().item() <= 1e-5
 
 
 def _sampled_inputs(tok, model):
     """completion_logprobs' arguments for 12 sampled tokens per row of a group batch, and the mask."""
     ids, mask = _group_batch(tok)
     torch.manual_seed(0)
-    comp, cmask, _ = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=12)
-    return (torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), comp.shape[1], 1.0, 4096), cmask
+    out = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=12)
+    return (torch.cat([ids, out.ids], 1), torch.cat([mask, out.mask], 1), out.ids.shape[1], 1.0,
+            4096), out.mask
 
 
 def test_shared_prompt_forward_equals_the_plain_one_with_gradients(any_model_dir):
@@ -407,9 +417,9 @@ def test_a_padded_decode_head_samples_what_the_plain_one_does(tiny_model_dir, tr
     for multiple in (1, 64):
         monkeypatch.setattr(decoders, "head_multiple", lambda device: multiple)
         runs.append(generate(model, ids, mask, end_ids=-1, max_new_tokens=12, temperature=0.0, compile=compile))
-    (plain_ids, _, plain_logp), (padded_ids, _, padded_logp) = runs
-    assert torch.equal(plain_ids, padded_ids) and int(padded_ids.max()) < 300
-    assert (plain_logp - padded_logp).abs().max().item() <= 1e-5
+    plain, padded = runs
+    assert torch.equal(plain.ids, padded.ids) and int(padded.ids.max()) < 300
+    assert (plain.logp - padded.logp).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("compile", EAGER_AND_COMPILED)
@@ -437,7 +447,9 @@ def test_bf16_copies_of_the_weights_decode_what_autocast_does(arch, traced, tiny
             torch.manual_seed(0)
             runs.append(generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=12, compile=compile,
                                  autocast=torch.autocast("cpu", dtype=torch.bfloat16)))
-        assert all(torch.equal(a, b) for a, b in zip(*runs))
+        a, b = runs
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask)
+        assert torch.equal(a.logp, b.logp)
         assert read[-2:] == [{torch.float32}, {torch.bfloat16}]
         with torch.no_grad():   # an update
             for p in model.parameters():
@@ -455,10 +467,11 @@ def test_past_the_compile_limit_decoding_says_so_and_goes_on_eagerly(tiny_model_
     ids, mask = _group_batch(tok)
     with torch._dynamo.config.patch(recompile_limit=1):   # (monkeypatch would delete it from torch's config)
         for rows in (8, 4):   # the second shape would be the second compilation
-            (eager_ids, _, eager_logp), (ids_c, _, logp_c) = [
+            eager, compiled = [
                 generate(model, ids[:rows], mask[:rows], end_ids=tok.eos_token_id, max_new_tokens=6,
                          temperature=0.0, compile=compile) for compile in (False, True)]
-            assert torch.equal(eager_ids, ids_c) and (eager_logp - logp_c).abs().max().item() <= 1e-5
+            assert torch.equal(eager.ids, compiled.ids)
+            assert (eager.logp - compiled.logp).abs().max().item() <= 1e-5
     assert "limit of 1 compilations; decoding goes on eagerly" in capsys.readouterr().err
     assert decoders._LIMIT_HIT
     torch._dynamo.reset()
@@ -476,7 +489,7 @@ def test_rows_that_finish_leave_the_decoder_and_no_row_draws_otherwise(any_model
         monkeypatch.setattr(decoders, "decoder_class", lambda model: decoders.HFDecoder)
     ids, mask = _group_batch(tok, group=8)
     torch.manual_seed(0)   # the ends: the 16 tokens the rows sample most, so that they end at many lengths
-    drawn = torch.bincount(generate(model, ids, mask, end_ids=-1, max_new_tokens=40)[0].flatten())
+    drawn = torch.bincount(generate(model, ids, mask, end_ids=-1, max_new_tokens=40).ids.flatten())
     settings = dict(end_ids=tuple(drawn.argsort(descending=True)[:16].tolist()), max_new_tokens=40,
                     temperature=1.0, top_k=100, with_sampler=True, compile=compile)
     kept, real = [], decoders.Draws.compact
@@ -493,12 +506,14 @@ def test_rows_that_finish_leave_the_decoder_and_no_row_draws_otherwise(any_model
         torch.manual_seed(1)
         with torch._inductor.config.patch(fallback_random=True):
             runs.append(generate(model, ids, mask, **settings))
-    (tokens, cmask, logp, sampled), (tokens0, cmask0, logp0, sampled0) = runs
+    left, stayed = runs
+    cmask = left.mask
     lengths = cmask.sum(1)
     assert lengths.min() < lengths.max() / 2, lengths   # rows of very different lengths
     assert min(k for k in kept if k) < ids.shape[0] / 2, kept   # the decoder ran fewer rows
     if compile and engine == "fast":   # the HF decoder runs eagerly whatever compile says
         assert all(k & (k - 1) == 0 for k in kept if k)
-    assert torch.equal(tokens, tokens0) and torch.equal(cmask, cmask0)
-    torch.testing.assert_close(logp * cmask, logp0 * cmask, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(sampled * cmask, sampled0 * cmask, atol=1e-5, rtol=1e-5)   # top-k's
+    assert torch.equal(left.ids, stayed.ids) and torch.equal(cmask, stayed.mask)
+    torch.testing.assert_close(left.logp * cmask, stayed.logp * cmask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(left.sampler_logp * cmask, stayed.sampler_logp * cmask, atol=1e-5,
+                               rtol=1e-5)   # top-k's

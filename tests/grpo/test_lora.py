@@ -40,8 +40,8 @@ def sampled(policy, model_dir, group=4, new=12):
     ids, mask = left_pad(encode_prompts(tok, ["Repeat a: ", "Repeat bb: "], True), tok.eos_token_id)
     ids, mask = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
     torch.manual_seed(0)
-    comp, cmask, old = generate(policy, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=new)
-    return torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), cmask, old
+    out = generate(policy, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=new)
+    return torch.cat([ids, out.ids], 1), torch.cat([mask, out.mask], 1), out.mask, out.logp
 
 
 def logprobs(model, inputs, attention, cmask):

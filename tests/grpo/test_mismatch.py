@@ -142,15 +142,15 @@ def test_the_sampler_logprob_is_the_truncated_renormalised_distributions():
     assert torch.allclose(sampled, logprob - torch.log(1 - p[:, 2]), atol=1e-5)
 
 
-def test_sample_groups_keeps_apart_sampler_logprobs_only_when_something_truncates(rollout64, tiny_model_dir):
+def test_sampler_logprobs_are_kept_apart_only_when_something_truncates(rollout64, tiny_model_dir):
     from grpo.model import load_tokenizer
-    from grpo.rollout import sample_groups
+    from grpo.rollout import Sampler
     model, tok = rollout64[0], load_tokenizer(tiny_model_dir)
-    kw = dict(group_size=4, prepend_bos=True, generation_batch=8, seed=1, first_row=0, max_new_tokens=10,
+    kw = dict(group_size=4, prepend_bos=True, generation_batch=8, max_new_tokens=10,
               temperature=1.0, top_k=0, min_new_tokens=0, autocast=None, device="cpu")
-    plain = sample_groups(model, tok, ["ab", "cd"], top_p=1.0, **kw)
+    plain = Sampler(model, tok, top_p=1.0, **kw).sample(["ab", "cd"], seed=1, first_row=0)
     assert plain.sampler_logp is plain.old_logp   # nothing truncated: the policy's own, no second tensor
-    nucleus = sample_groups(model, tok, ["ab", "cd"], top_p=0.9, **kw)
+    nucleus = Sampler(model, tok, top_p=0.9, **kw).sample(["ab", "cd"], seed=1, first_row=0)
     m = nucleus.completion_mask.bool()
     gap = (nucleus.old_logp - nucleus.sampler_logp)[m]   # log of the kept mass: <= 0, and < 0 where it cut
     assert (gap <= 1e-6).all() and (gap < -1e-3).any()

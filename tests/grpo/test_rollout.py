@@ -8,8 +8,8 @@ from grpo.rollout import flat_groups
 from grpo.decoders import completion_mask, generate, sample_token
 from grpo.model import (completion_logprobs, declared_end_ids, end_ids, load_policy, load_tokenizer,
                         position_ids_from_mask, turn_end)
-from grpo.rollout import (Rollout, decode_completions, encode_prompts, left_pad, merge, merge_rounds, missing_groups,
-                          sample_groups, truncated_rows)
+from grpo.rollout import (Rollout, Sampler, decode_completions, encode_prompts, left_pad, merge,
+                          merge_rounds, missing_groups, truncated_rows)
 from helpers import read_jsonl
 
 
@@ -47,8 +47,8 @@ def test_greedy_generation_does_not_depend_on_left_padding(any_model_dir):
     kw = dict(end_ids=-1, max_new_tokens=12, temperature=0.0)
     batch = generate(model, ids, mask, **kw)
     alone = generate(model, alone_ids, alone_mask, **kw)
-    assert torch.equal(batch[0][0], alone[0][0])
-    assert (batch[2][0] - alone[2][0]).abs().max().item() <= 1e-5
+    assert torch.equal(batch.ids[0], alone.ids[0])
+    assert (batch.logp[0] - alone.logp[0]).abs().max().item() <= 1e-5
 
 
 def test_sampling_logprobs_equal_training_logprobs(any_model_dir):
@@ -57,11 +57,11 @@ def test_sampling_logprobs_equal_training_logprobs(any_model_dir):
     prompts = encode_prompts(tok, ["Repeat a: ", "Repeat d: and more"], prepend_bos=True)
     ids, mask = left_pad(prompts, tok.eos_token_id)
     torch.manual_seed(1)
-    comp, cmask, sample_logp = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=20,
-                                        temperature=0.7, top_k=50, top_p=0.9)
-    logp = completion_logprobs(model, torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1),
-                               comp.shape[1], 0.7, 4096)
-    assert ((logp - sample_logp).abs() * cmask).max().item() <= 1e-5
+    out = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=20, temperature=0.7,
+                   top_k=50, top_p=0.9)
+    logp = completion_logprobs(model, torch.cat([ids, out.ids], 1), torch.cat([mask, out.mask], 1),
+                               out.ids.shape[1], 0.7, 4096)
+    assert ((logp - out.logp).abs() * out.mask).max().item() <= 1e-5
 
 
 def test_completion_mask_keeps_first_eos_and_hides_the_rest():
@@ -79,10 +79,11 @@ def test_completion_mask_keeps_first_eos_and_hides_the_rest():
 def test_generation_stops_each_row_at_its_first_eos(tiny_model_dir):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
     ids, mask = left_pad(encode_prompts(tok, ["Repeat a: ", "Repeat e: "], False), tok.eos_token_id)
-    free, _, _ = generate(model, ids, mask, end_ids=-1, max_new_tokens=10, temperature=0.0)
+    free = generate(model, ids, mask, end_ids=-1, max_new_tokens=10, temperature=0.0).ids
     # pretend the token row 0 emits greedily at step 2 is EOS: row 0 must stop there
     eos = int(free[0, 2])
-    comp, cmask, _ = generate(model, ids, mask, end_ids=eos, max_new_tokens=10, temperature=0.0)
+    out = generate(model, ids, mask, end_ids=eos, max_new_tokens=10, temperature=0.0)
+    comp, cmask = out.ids, out.mask
     first0 = int((free[0] == eos).int().argmax())
     assert cmask[0].sum().item() == first0 + 1
     assert (comp[0, first0:] == eos).all()
@@ -96,8 +97,9 @@ def test_generation_stops_each_row_at_its_first_eos(tiny_model_dir):
 def test_generation_ends_when_every_row_has_finished(tiny_model_dir):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
     ids, mask = left_pad(encode_prompts(tok, ["Repeat a: ", "Repeat a: "], False), tok.eos_token_id)
-    free, _, _ = generate(model, ids, mask, end_ids=-1, max_new_tokens=6, temperature=0.0)
-    comp, _, _ = generate(model, ids, mask, end_ids=int(free[0, 1]), max_new_tokens=50, temperature=0.0)
+    free = generate(model, ids, mask, end_ids=-1, max_new_tokens=6, temperature=0.0).ids
+    comp = generate(model, ids, mask, end_ids=int(free[0, 1]), max_new_tokens=50,
+                    temperature=0.0).ids
     assert comp.shape[1] == int((free[0] == free[0, 1]).int().argmax()) + 1
 
 
@@ -134,9 +136,10 @@ def test_conversation_logprobs_equal_the_training_forwards_under_left_padding(ti
     tok, model = load_tokenizer(tiny_chat_model_dir), load_policy(tiny_chat_model_dir, "cpu")
     long = [*CHAT, {"role": "assistant", "content": "a"}, {"role": "user", "content": "Now repeat b, twice"}]
     torch.manual_seed(0)
-    batch = sample_groups(model, tok, [CHAT, long], group_size=2, prepend_bos=False, generation_batch=4, seed=0,
-                          first_row=0, max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=0,
-                          autocast=None, device="cpu")
+    sampler = Sampler(model, tok, group_size=2, prepend_bos=False, generation_batch=4,
+                      max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=0,
+                      autocast=None, device="cpu")
+    batch = sampler.sample([CHAT, long], seed=0, first_row=0)
     T = batch.completion_len
     for row, conversation in zip(range(4), [CHAT, CHAT, long, long]):
         prompt = batch.input_ids[row, :-T][batch.attention[row, :-T].bool()].tolist()
@@ -174,11 +177,12 @@ def test_completion_mask_keeps_the_first_of_several_ends():
 def test_generation_stops_at_an_end_of_turn_as_at_eos(tiny_chat_model_dir):
     tok, model = load_tokenizer(tiny_chat_model_dir), load_policy(tiny_chat_model_dir, "cpu")
     ids, mask = left_pad(encode_prompts(tok, [CHAT, [CHAT[1]]], False), tok.eos_token_id)
-    free, _, _ = generate(model, ids, mask, end_ids=-1, max_new_tokens=10, temperature=0.0)
+    free = generate(model, ids, mask, end_ids=-1, max_new_tokens=10, temperature=0.0).ids
     # pretend the token row 0 emits greedily at step 2 is the end of turn: row 0 must stop there
     turn = int(free[0, 2])
     ends = (tok.eos_token_id, turn)
-    comp, cmask, _ = generate(model, ids, mask, end_ids=ends, max_new_tokens=10, temperature=0.0)
+    out = generate(model, ids, mask, end_ids=ends, max_new_tokens=10, temperature=0.0)
+    comp, cmask = out.ids, out.mask
     first = int((free[0] == turn).int().argmax())
     assert cmask[0].sum().item() == first + 1 and comp[0, first] == turn
     assert (comp[0, first + 1:] == tok.eos_token_id).all()   # filled with the pad (EOS), masked
@@ -188,8 +192,8 @@ def test_generation_stops_at_an_end_of_turn_as_at_eos(tiny_chat_model_dir):
     if not (free[1] == turn).any():  # row 1 never emits it: it runs the full length, truncated
         assert comp.shape[1] == 10 and cmask[1].sum().item() == 10 and truncated_rows(comp, cmask, ends)[1]
     # never before min_new_tokens: every end is banned until then
-    comp, cmask, _ = generate(model, ids, mask, end_ids=ends, max_new_tokens=10, temperature=0.0,
-                              min_new_tokens=first + 2)
+    comp = generate(model, ids, mask, end_ids=ends, max_new_tokens=10, temperature=0.0,
+                    min_new_tokens=first + 2).ids
     assert not (comp[0, :first + 2] == turn).any() and not (comp[0, :first + 2] == tok.eos_token_id).any()
 
 

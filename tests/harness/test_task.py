@@ -959,9 +959,9 @@ def complete_7_rows(tiny_model_dir):
 def test_eval_completions_greedy_is_the_argmax_decoding(tiny_model_dir, complete_7_rows):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
     ids, mask = left_pad(encode_prompts(tok, EVAL_PROMPTS, True), tok.eos_token_id)
-    out, out_mask, _ = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=12, temperature=0.0)
+    out = generate(model, ids, mask, end_ids=tok.eos_token_id, max_new_tokens=12, temperature=0.0)
     greedy = complete_7_rows(EVAL_PROMPTS)
-    assert greedy == decode_completions(tok, out, out_mask, tok.eos_token_id)
+    assert greedy == decode_completions(tok, out.ids, out.mask, tok.eos_token_id)
     assert len(set(greedy)) == len(EVAL_PROMPTS)   # distinct: the test below can tell the prompts' samples apart
 
 
