@@ -273,8 +273,8 @@ def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer
     # ---- rollout: G completions per prompt, sampled ids and logprobs kept -----------------------
     batch = draw(0)
     run.phase_done("gen")
-    # ---- rewards: the task scores the decoded text; a failing reward gets min_reward ------------
-    batch = batch.score(run.scorer)   # rewards, their parts and the failures, per completion
+    # ---- rewards: the task's, of the decoded text; shaping takes penalties off them later ------
+    batch = batch.score(run.scorer)   # harness/task.py score: --reward-weights, a failure's floor
     for rounds in on.rounds:   # --dynamic-sampling: more rounds while groups are flat
         batch, counts = rounds(  # every rank
             batch, lambda n: draw(n).score(run.scorer), cfg, G, P, tokenizer.eos_token_id)
@@ -284,9 +284,8 @@ def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer
     if reference is not None:
         batch.ref_logp = reference_logprobs(  # every rank
             reference, batch, cfg, run.autocast, guard)
-    for name, penalty in on.penalty:   # --overlong-buffer, --kl-in reward
-        batch.penalties[name] = penalty(batch, cfg, kl.coef, KL_ESTIMATORS)
-    batch.shape()   # shaped_rewards: the rewards less the penalties
+    # shaped_rewards: the task's rewards less the penalties (--overlong-buffer, --kl-in reward)
+    batch.shape({name: penalty(batch, cfg, kl.coef, KL_ESTIMATORS) for name, penalty in on.penalty})
     run.phase_done("ref")
     # ---- advantages: each completion against its group, every rank's groups ---------------------
     rewards = torch.cat(distributed.gather_objects(batch.shaped_rewards))  # every rank

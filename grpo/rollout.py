@@ -137,10 +137,11 @@ class Rollout:
     # mismatch (grpo/variants.py mismatch_weight)
     sampler_logp: torch.Tensor = None
 
-    def shape(self) -> "Rollout":
-        """shaped_rewards: the task's rewards less each penalty, in the order they were added."""
-        self.shaped_rewards = self.rewards
-        for penalty in self.penalties.values():
+    def shape(self, penalties: dict) -> "Rollout":
+        """penalties ({name: [B]}, none by default) and shaped_rewards: the task's rewards less
+        each penalty, in order."""
+        self.penalties, self.shaped_rewards = penalties, self.rewards
+        for penalty in penalties.values():
             self.shaped_rewards = self.shaped_rewards - penalty
         return self
 
