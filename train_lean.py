@@ -98,13 +98,14 @@ def loss_denominator(mask, cfg) -> float:
 
 
 def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef: float = None,
-              *, ref_logp=None, entropy=None, **inputs):
+              *, ref_logp=None, entropy=None, on=None, **inputs):
     """One micro-batch's loss, divided by its whole mini-batch's denominator over every device (so
     summed micro-batch gradients are one large batch's), and its statistics (sums over its loss
     tokens). kl_coef: the step's (default --kl-coef; none in the loss with --kl-in reward); inputs:
     [B, T] tensors by name that a variant's term reads (pg_mask, cov_mask, sampler_logp: the
-    sampler's logprobs, measured against train_logp, by default this forward's)."""
-    on = variants.on(cfg)   # the variants set: their terms (none by default)
+    sampler's logprobs, measured against train_logp, by default this forward's); on: the run's
+    variants.on(cfg)."""
+    on = on or variants.on(cfg)   # the variants set: their terms (none by default)
     kl_coef = variants.loss_kl_coef(cfg, cfg.kl_coef if kl_coef is None else kl_coef)
     adv = advantages[:, None].to(logp.dtype)
     t = variants.tokens(logp=logp, old_logp=old_logp, adv=adv, mask=mask.to(logp.dtype),
@@ -154,20 +155,20 @@ def statistics(ratio, t, ref_logp, cfg, more=()) -> dict:
 # ---- the update: mini-batches of micro-batches, gradients summed over devices -------------------
 
 def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, cfg, autocast,
-               kl_coef: float, update_index: int = 0, **inputs) -> Counter:
+               kl_coef: float, update_index: int = 0, on=None, **inputs) -> Counter:
     """Forward and backward of one mini-batch (rows), cut into micro-batches by micro (rows or
     --micro-batch-tokens, harness/guards.py Micro), then a variant's second loss (the pretraining
     mix); returns the summed statistics. inputs: [B, ...] tensors by name for grpo_loss, each
-    micro-batch's rows picked."""
+    micro-batch's rows picked; on: the run's variants.on(cfg)."""
     optimizer.zero_grad(set_to_none=True)
-    sums, on = Counter(), variants.on(cfg)
+    sums, on = Counter(), on or variants.on(cfg)
     for part in micro.split(batch, rows):
         logp, entropy = token_logprobs(policy, batch, part, cfg, autocast, with_entropy=True,
                                        entropy_grad=on.reads_entropy)
         ref_logp = None if batch.ref_logp is None else batch.ref_logp[part]
         loss, stats = grpo_loss(logp, batch.old_logp[part], batch.advantages[part], mask[part],
                                 denominator, cfg, kl_coef, ref_logp=ref_logp, entropy=entropy,
-                                **{k: v[part] for k, v in inputs.items()})
+                                on=on, **{k: v[part] for k, v in inputs.items()})
         loss.backward()
         peak, tokens = stats.pop("mismatch_max", 0.0), mask[part].sum().item()
         sums.update(stats, loss=loss.item(), tokens=tokens,
@@ -178,12 +179,14 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
     return sums
 
 
-def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: float = None) -> dict:
+def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: float = None,
+           on=None) -> dict:
     """--ppo-epochs passes over the batch in shuffled mini-batches, one optimizer step each; returns
-    the step's record entries. A non-finite update is skipped (guard.step), the weights kept."""
+    the step's record entries. A non-finite update is skipped (guard.step), the weights kept. on:
+    the run's variants.on(cfg)."""
     params, kl_coef = trainable_parameters(policy), cfg.kl_coef if kl_coef is None else kl_coef
     B, mini = batch.input_ids.shape[0], layout.mini_batch_per_device
-    mask, on = loss_mask(batch, cfg), variants.on(cfg)
+    mask, on = loss_mask(batch, cfg), on or variants.on(cfg)
     totals, grad_norms, skipped, peaks = Counter(), [], 0, []
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B) if mini < B else torch.arange(B)
@@ -201,7 +204,7 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
                 inputs.update(chosen(policy, batch, rows, mask, guard, cfg, autocast))  # every rank
             sums = guard.fit(functools.partial(  # every rank
                 accumulate, policy, optimizer, batch, rows, mask=mask, denominator=denominator,
-                cfg=cfg, autocast=autocast, kl_coef=kl_coef, update_index=len(grad_norms),
+                cfg=cfg, autocast=autocast, kl_coef=kl_coef, update_index=len(grad_norms), on=on,
                 **inputs))
             distributed.sum_gradients(params)  # every rank
             peaks.append(max(distributed.gather_objects(sums.pop("mismatch_max"))))  # every rank
@@ -246,6 +249,7 @@ def main(argv=None):
         optimizer = make_optimizer(policy, cfg)   # AdamW, or --optimizer muon (grpo/optim.py)
         kl = variants.AdaptiveKL(cfg)   # --kl-coef; with --kl-target a controller's, checkpointed
         guard = run.start_training(optimizer, kl)  # every rank
+        on = variants.on(cfg)   # the variants set: what each adds at each point of the step
         sampler = Sampler(   # the policy's completions of prompts, with the run's settings
             policy, tokenizer, group_size=cfg.group_size,
             prepend_bos=run.prepend_bos, generation_batch=layout.generation_batch,
@@ -254,17 +258,17 @@ def main(argv=None):
             device=run.device, compile=cfg.compile == "on")
         for step in run.steps():  # every rank   (checkpoints, a stop on Ctrl-C, the final model)
             rec, rows = train_step(  # every rank
-                step, run, task, sampler, policy, reference, tokenizer, optimizer, guard, kl)
+                step, run, task, sampler, policy, reference, tokenizer, optimizer, guard, kl, on)
             run.end_step(rec, rows)  # every rank   (the record, the line, the evaluation when due)
 
 
-def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer, guard, kl):
+def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer, guard, kl, on):
     """One GRPO step on this rank's share: its record (the stages add to it) and every rank's rows of
-    it (run.check_rewards gathers them)."""
+    it (run.check_rewards gathers them). on: what the variants set add at each point (none by
+    default)."""
     cfg, layout, rank, world = run.cfg, run.layout, run.rank, run.world
     G, P, B = cfg.group_size, layout.prompts_per_device, layout.completions_per_device
     rec, rng = {"step": step}, random.Random(stream_seed(cfg.seed, step))
-    on = variants.on(cfg)   # the variants set, their additions at each point: none by default
 
     def draw(round: int):   # prompts, G completions each; a later round's rows past earlier ones
         prompts = task.prompts(layout.prompts_per_step, rng)[rank * P:(rank + 1) * P]
@@ -288,10 +292,10 @@ def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer
     batch.shape({name: penalty(batch, cfg, kl.coef, KL_ESTIMATORS) for name, penalty in on.penalty})
     run.phase_done("ref")
     # ---- advantages: each completion against its group, every rank's groups ---------------------
-    rewards = torch.cat(distributed.gather_objects(batch.shaped_rewards))  # every rank
-    parts = None   # the reward's parts, for an advantage that reads them (GDPO)
-    if variants.declared(ADVANTAGES[cfg.advantage], "reads_parts"):
-        parts = torch.cat(distributed.gather_objects(torch.tensor(batch.parts)))  # every rank
+    # with the reward's parts ([B, 0] without --reward-weights), which an advantage may read (GDPO)
+    gathered = distributed.gather_objects(  # every rank
+        (batch.shaped_rewards, torch.tensor(batch.parts, dtype=torch.float32)))
+    rewards, parts = (torch.cat(every) for every in zip(*gathered))
     adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.advantage, parts=parts,
                                                  weights=list(run.scorer.weights.values()))
     batch.advantages = adv[rank * B:(rank + 1) * B].to(run.device)
@@ -303,7 +307,7 @@ def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer
     for prepare in on.prepare:   # --ptx-coef's texts, --mismatch-correction's logprobs
         prepare(batch, step, run, policy, guard)  # every rank
     rec.update(update(  # every rank
-        policy, optimizer, batch, cfg, layout, run.autocast, guard, kl.coef))
+        policy, optimizer, batch, cfg, layout, run.autocast, guard, kl.coef, on))
     for after in on.after_step:   # --kl-target moves the coefficient, --ref-sync-steps the reference
         rec.update(after(rec, step, policy, reference, kl, cfg))
     return rec, rows

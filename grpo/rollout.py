@@ -124,7 +124,7 @@ class Rollout:
     shaped_rewards: torch.Tensor = None  # [B] what the advantages are made of: rewards less every penalty
     # the means of the reward's parts (the task's reward_breakdown), by name
     part_means: dict = dataclasses.field(default_factory=dict)
-    parts: list = None   # per row, its --reward-weights parts' values in order (--advantage gdpo)
+    parts: list = None   # per row, its --reward-weights parts' values in order ([] without)
     errors: dict = dataclasses.field(default_factory=dict)       # failed rewards by kind
     ref_logp: torch.Tensor = None    # [B, T] the frozen reference's, when the run has a KL penalty
     advantages: torch.Tensor = None  # [B] on the device
@@ -152,8 +152,9 @@ class Rollout:
     def score(self, scorer) -> "Rollout":
         """Fill rewards, part_means, errors and parts with scorer(prompts, completions)
         (harness/task.py Scorer)."""
-        rewards, self.part_means, self.errors, self.parts = scorer(self.prompts, self.texts)
+        rewards, self.part_means, self.errors, parts = scorer(self.prompts, self.texts)
         self.rewards = torch.from_numpy(rewards)
+        self.parts = [[] for _ in self.texts] if parts is None else parts
         return self
 
 
@@ -197,6 +198,12 @@ class Sampler:
     autocast: object     # the context generate() runs under (grpo/model.py model_autocast)
     device: torch.device
     compile: bool = False
+    ends: tuple = dataclasses.field(init=False)   # EOS, and an instruct model's end of turn
+    context: int = dataclasses.field(init=False)  # the model's positions (None: not declared)
+
+    def __post_init__(self):   # the model's, read once
+        self.ends = end_ids(self.policy, self.tokenizer)
+        self.context = context_length(self.policy.config)
 
     def sample(self, prompts: list, *, seed: int, first_row: int) -> Rollout:
         """group_size completions of each prompt, generation_batch rows at a time.
@@ -205,10 +212,9 @@ class Sampler:
         (first_row plus its offset here): the rollouts depend neither on the number of devices
         (for the same generation batch) nor on a resume."""
         policy, tokenizer, group_size = self.policy, self.tokenizer, self.group_size
-        ends = end_ids(policy, tokenizer)   # EOS, and an instruct model's end of turn
-        eos = ends[0]
+        ends, eos = self.ends, self.ends[0]
         ids = encode_prompts(tokenizer, prompts, self.prepend_bos, self.max_new_tokens,
-                             context_length(policy.config))
+                             self.context)
         prompt_ids, prompt_mask = left_pad(ids, eos, self.device)
         prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
         prompt_mask = prompt_mask.repeat_interleave(group_size, 0)

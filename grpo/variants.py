@@ -49,7 +49,6 @@ DECLARED = {   # each property a variant function may declare, and its value whe
     "token_ratios": False,   # a policy loss that needs a ratio per token (not per sequence)
     "switch": None,   # what the step runs besides when it is chosen (a Switch, below)
     "per_sequence": False,   # a ratio or mismatch weight of one value per sequence
-    "reads_parts": False,   # an advantage that reads the reward's parts (parts, weights)
 }
 
 
@@ -216,7 +215,7 @@ def gdpo_check(cfg):
     return None
 
 
-@declares(reads_parts=True, check=gdpo_check)
+@declares(check=gdpo_check)
 def gdpo(r, eps, parts=None, weights=None, default=None):
     """each --reward-weights part normalised in its group as 'group' does, weighted and summed, then
     divided by the batch's std of the sums + eps (GDPO)"""
@@ -262,9 +261,11 @@ def token_advantage_spread(totals, tokens: int, batch) -> dict:
 
 
 SHAPED = Switch(stats=token_advantage_statistics, record=token_advantage_spread)
+# the switch of a table's choice that declares none: every per-token advantage's statistics
+UNDECLARED = {"token_advantage": SHAPED}
 
 
-@declares(knobs=("shaping_alpha", "shaping_kappa"), switch=SHAPED)
+@declares(knobs=("shaping_alpha", "shaping_kappa"))
 def entropy_shaped(t, cfg, **_):
     """A + min(alpha H, |A| / kappa) at each token, H its entropy (no gradient): more credit where
     the policy was unsure, never past |A| / kappa, so A keeps its sign (Cheng et al. 2025)"""
@@ -669,7 +670,9 @@ def on(cfg) -> types.SimpleNamespace:
     """The additions to the step of the variants set, point by point (Switch), each a list, empty
     by default: those of SWITCHES that are on, then the switches the chosen choices declare."""
     chosen = [switch for switch in SWITCHES.values() if switch.on(cfg)]
-    chosen += [declared(entry(flag, getattr(cfg, flag)), "switch") for flag in OWN]
+    for flag, (default, _) in DEFAULTS.items():
+        if getattr(cfg, flag) != default:   # the default adds nothing
+            chosen.append(declared(entry(flag, getattr(cfg, flag)), "switch") or UNDECLARED.get(flag))
     chosen = [switch for switch in chosen if switch is not None]
     return types.SimpleNamespace(reads_entropy=any(s.reads_entropy for s in chosen), **{
         point: [getattr(s, point) for s in chosen if getattr(s, point) is not None]
