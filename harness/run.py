@@ -107,6 +107,10 @@ class Run:
         raise SystemExit(128 + signum)
 
     def __exit__(self, *exc):
+        stop = getattr(self, "stop", None)
+        if isinstance(exc[1], RuntimeError) and stop is not None and stop.requested and \
+                distributed.world_size() > 1:   # a collective failed: a peer stopped on it first
+            exc = (guards.StoppedBySignal, guards.StoppedBySignal(stop.signum), exc[2])
         self.stack.__exit__(*exc)
         if exc[0] is None and self.exit_code:
             sys.exit(self.exit_code)
