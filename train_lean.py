@@ -308,7 +308,7 @@ def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer
         prepare(batch, step, run, policy, guard)  # every rank
     rec.update(update(  # every rank
         policy, optimizer, batch, cfg, layout, run.autocast, guard, kl.coef, on))
-    for after in on.after_step:   # --kl-target moves the coefficient, --ref-sync-steps the reference
+    for after in on.after_step:   # --kl-target moves the coefficient; --ref-sync-steps, the reference
         rec.update(after(rec, step, policy, reference, kl, cfg))
     return rec, rows
 

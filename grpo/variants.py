@@ -672,7 +672,8 @@ def on(cfg) -> types.SimpleNamespace:
     chosen = [switch for switch in SWITCHES.values() if switch.on(cfg)]
     for flag, (default, _) in DEFAULTS.items():
         if getattr(cfg, flag) != default:   # the default adds nothing
-            chosen.append(declared(entry(flag, getattr(cfg, flag)), "switch") or UNDECLARED.get(flag))
+            choice = entry(flag, getattr(cfg, flag))
+            chosen.append(declared(choice, "switch") or UNDECLARED.get(flag))
     chosen = [switch for switch in chosen if switch is not None]
     return types.SimpleNamespace(reads_entropy=any(s.reads_entropy for s in chosen), **{
         point: [getattr(s, point) for s in chosen if getattr(s, point) is not None]

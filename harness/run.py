@@ -5,7 +5,7 @@
         settings.txt written, the RNGs seeded
     with run:                                   every way out closes what the run opened; a failure after a
                                                 completed step saves that step (harness/checkpoint.py Saver)
-        task = run.open_task()                  the task, its answers checked (and --ptx-coef's texts)
+        task = run.open_task()                  the task, its answers checked (and --ptx-coef's)
         policy, reference, tokenizer = run.load_models()    and the start-up header
         guard = run.start_training(optimizer, kl)   --resume's state (the optimizer's, the KL controller's),
                                                 the micro-batch, logs, checkpoints, step 0's eval
@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 from grpo import decoders, distributed, packing, ptx
 from grpo.model import (ModelLoadError, context_length, declared_end_ids, end_ids, frozen_copy, load_config,
-                        load_policy, load_tokenizer, load_trainable, model_autocast, reference_weights)
+                        load_policy, load_tokenizer, load_trainable, model_autocast,
+                        reference_weights)
 from grpo.rollout import encode_prompts, stream_seed, wants_bos
 from harness import checkpoint, cli, config, guards, log, memory, paths, progress, rundir, screen
 from harness import task as task_lib
@@ -132,8 +133,9 @@ class Run:
             os._exit(128 + signum)
 
     def open_task(self):
-        """The task, its prompts checked where they enter (run.mix_source: --ptx-coef's texts, or None). The first step's
-        prompts are drawn now, to be checked with the tokenizer and the model's config before the weights load."""
+        """The task, its prompts checked where they enter (run.mix_source: --ptx-coef's texts, or
+        None). The first step's prompts are drawn now, to be checked with the tokenizer and the
+        model's config before the weights load."""
         cfg = self.cfg
         try:
             here = os.getcwd()
@@ -194,8 +196,8 @@ class Run:
             log.warn(f"the chat template ends a turn with {self.tokenizer.convert_ids_to_tokens(undeclared[0])} "
                      f"(id {undeclared[0]}), which neither the tokenizer's EOS nor the model's "
                      f"generation_config.json eos_token_id declares: completions end there too")
-        if self.reference is not None:   # whether its forwards take packed rows: probed now, as the policy's
-            with reference_weights(self.reference) as model:   # was for the header
+        if self.reference is not None:   # whether its forwards take packed rows: probed now (the
+            with reference_weights(self.reference) as model:   # policy's was, for the header)
                 packing.packs(model)
         if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/model.py)
             self.policy.activation_checkpointing_enable({"use_reentrant": False})

@@ -206,13 +206,14 @@ def test_the_check_knows_the_collectives():
 
 
 def test_a_variant_adds_a_collective_only_where_every_rank_runs_it():
-    """A switch's addition at a point outside grpo/variants.py EVERY_RANK runs where ranks may differ
-    (inside guard.fit's retry, in the loss): it must make no collective. Each switch of SWITCHES and
-    of the tables' choices, checked."""
+    """A switch's addition at a point outside grpo/variants.py EVERY_RANK runs where ranks may
+    differ (inside guard.fit's retry, in the loss): it must make no collective. Each switch of
+    SWITCHES and of the tables' choices, checked."""
     from grpo import variants
     known = collectives([Module(p) for p in sources()])
-    switches = [*variants.SWITCHES.values(), *(variants.declared(f, "switch") for flag in variants.OWN
-                                              for f in variants.table(flag).values())]
+    chosen = [variants.declared(f, "switch") for flag in variants.OWN
+              for f in variants.table(flag).values()]
+    switches = [*variants.SWITCHES.values(), *chosen]
     added = [(point, getattr(s, point)) for s in switches if s is not None for point in POINTS
              if getattr(s, point) is not None and point not in EVERY_RANK]
     assert added   # the check sees them

@@ -402,8 +402,8 @@ def test_top_entropy_mask_keeps_kl_and_entropy_on_every_token():
     logp = leaf(LOGP)
     ref = torch.tensor([[0.0, 0.2, -0.1], [0.5, 0.1, 0.0]])
     pg_mask = torch.tensor([[True, False, False], [False, True, False]])
-    loss, stats = grpo_loss(logp, OLD, ADV, MASK, 5.0, loss_config(kl_coef=0.1, top_entropy_quantile=0.5),
-                            ref_logp=ref, pg_mask=pg_mask)
+    cfg = loss_config(kl_coef=0.1, top_entropy_quantile=0.5)   # the mask's own setting
+    loss, stats = grpo_loss(logp, OLD, ADV, MASK, 5.0, cfg, ref_logp=ref, pg_mask=pg_mask)
     expected = 0.0
     for i, t, v in _per_token_surrogate(LOGP, ADV, MASK):
         d = float(ref[i, t] - LOGP[i, t])
@@ -917,15 +917,17 @@ def test_no_variant_adds_anything_to_the_default_step():
     from harness.config import Config
     on = variants.on(Config())
     assert not on.reads_entropy
-    assert {point: getattr(on, point) for point in variants.POINTS} == {p: [] for p in variants.POINTS}
+    assert {p: getattr(on, p) for p in variants.POINTS} == {p: [] for p in variants.POINTS}
 
 
 def test_each_switch_is_on_when_its_setting_is(monkeypatch):
     from grpo import variants
     from harness.config import Config
-    settings = {"dynamic-sampling": {"dynamic_sampling": True}, "overlong-buffer": {"overlong_buffer": 4},
-                "kl-in-reward": {"kl_in": "reward", "kl_coef": 0.1}, "pretraining-mix": {"ptx_coef": 0.1},
-                "dual-clip": {"dual_clip": 3.0}, "top-entropy": {"top_entropy_quantile": 0.2},
+    settings = {"dynamic-sampling": {"dynamic_sampling": True},
+                "overlong-buffer": {"overlong_buffer": 4},
+                "kl-in-reward": {"kl_in": "reward", "kl_coef": 0.1},
+                "pretraining-mix": {"ptx_coef": 0.1}, "dual-clip": {"dual_clip": 3.0},
+                "top-entropy": {"top_entropy_quantile": 0.2},
                 "entropy-bonus": {"entropy_coef": 0.01}, "kl-target": {"kl_target": 0.01},
                 "ref-sync": {"ref_sync_steps": 2}}
     assert set(settings) == set(variants.SWITCHES)
@@ -934,7 +936,8 @@ def test_each_switch_is_on_when_its_setting_is(monkeypatch):
     assert variants.on(Config(kl_in="reward", kl_coef=0.0)).penalty == []   # no reference: no KL
 
 
-def test_a_policy_loss_gets_the_token_mask_its_switch_computes(monkeypatch, tiny_model_dir, tmp_path, clean_env):
+def test_a_policy_loss_gets_the_token_mask_its_switch_computes(monkeypatch, tiny_model_dir,
+                                                               tmp_path, clean_env):
     # a scratch variant in one place: its mask, computed before the micro-batches, reaches its term
     import train_lean
     from grpo import variants
