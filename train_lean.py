@@ -263,8 +263,8 @@ def main(argv=None):
 
 
 def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer, guard, kl, on):
-    """One GRPO step on this rank's share: its record (the stages add to it) and every rank's rows of
-    it (run.check_rewards gathers them). on: what the variants set add at each point (none by
+    """One GRPO step on this rank's share: its record (the stages add to it) and every rank's rows
+    of it (run.check_rewards gathers them). on: what the variants set add at each point (none by
     default)."""
     cfg, layout, rank, world = run.cfg, run.layout, run.rank, run.world
     G, P, B = cfg.group_size, layout.prompts_per_device, layout.completions_per_device
@@ -308,7 +308,7 @@ def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer
         prepare(batch, step, run, policy, guard)  # every rank
     rec.update(update(  # every rank
         policy, optimizer, batch, cfg, layout, run.autocast, guard, kl.coef, on))
-    for after in on.after_step:   # --kl-target moves the coefficient; --ref-sync-steps, the reference
+    for after in on.after_step:   # --kl-target's coefficient, --ref-sync-steps' reference move
         rec.update(after(rec, step, policy, reference, kl, cfg))
     return rec, rows
 
