@@ -47,13 +47,22 @@ class _Wait:
 
 @contextlib.contextmanager
 def _collective(what: str):
-    """Marks this rank as waiting in a collective while inside (read by _say_waits)."""
+    """Marks this rank as waiting in a collective while inside (read by _say_waits); an error
+    raised in it is marked too (failed_collective)."""
     global _waiting
     _waiting = _Wait(what)
     try:
         yield
+    except RuntimeError as e:   # a peer left: one that stopped on a signal, or crashed
+        e.collective = what
+        raise
     finally:
         _waiting = None
+
+
+def failed_collective(exc) -> bool:
+    """Whether exc is a collective's failure (the peer that left it may have been asked to stop)."""
+    return getattr(exc, "collective", None) is not None
 
 
 def _say_waits() -> None:

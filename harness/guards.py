@@ -395,5 +395,5 @@ class StopOnSignal:
         os.close(self.wakeup)
         for s, h in self.previous.items():
             signal.signal(s, h)
-        if self.requested and distributed.world_size() > 1 and isinstance(exc, RuntimeError):
+        if self.requested and distributed.failed_collective(exc):
             raise StoppedBySignal(self.signum) from exc   # a collective failed: a peer gave up first

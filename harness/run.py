@@ -109,8 +109,8 @@ class Run:
 
     def __exit__(self, *exc):
         stop = getattr(self, "stop", None)
-        if isinstance(exc[1], RuntimeError) and stop is not None and stop.requested and \
-                distributed.world_size() > 1:   # a collective failed: a peer stopped on it first
+        if stop is not None and stop.requested and distributed.failed_collective(exc[1]):
+            # a peer asked to stop too left the collective first: this rank stops, not fails
             exc = (guards.StoppedBySignal, guards.StoppedBySignal(stop.signum), exc[2])
         self.stack.__exit__(*exc)
         if exc[0] is None and self.exit_code:
