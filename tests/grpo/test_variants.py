@@ -920,7 +920,7 @@ def test_no_variant_adds_anything_to_the_default_step():
     assert {p: getattr(on, p) for p in variants.POINTS} == {p: [] for p in variants.POINTS}
 
 
-def test_each_switch_is_on_when_its_setting_is(monkeypatch):
+def test_each_switch_is_on_when_its_setting_is():
     from grpo import variants
     from harness.config import Config
     settings = {"dynamic-sampling": {"dynamic_sampling": True},
