@@ -112,7 +112,7 @@ def _saved_bytes(config, layers, rows, group, prompt, new, dtype, checkpointing)
 
     import torch
     from transformers import AutoModelForCausalLM
-    from grpo.model import completion_logprobs
+    from grpo.model import checkpoint_layers, completion_logprobs
     from harness.guards import saved_bytes as count   # what --micro-batch-tokens auto counts
     config = copy.deepcopy(config)
     config.num_hidden_layers = layers
@@ -121,7 +121,7 @@ def _saved_bytes(config, layers, rows, group, prompt, new, dtype, checkpointing)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     if checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        checkpoint_layers(model)
     prompts = max(1, rows // group)
     ids = torch.randint(3, 300, (prompts, prompt + new)).repeat_interleave(rows // prompts, 0)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")

@@ -364,23 +364,34 @@ def _chosen_logprobs(hidden, targets, weight, bias, temperature, with_entropy=Fa
         return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
-@contextlib.contextmanager
-def _checkpointed_layers(model, on: bool):
-    """Recompute each layer in backward when the model has gradient checkpointing enabled.
+def checkpoint_layers(model) -> None:
+    """--gradient-checkpointing: each layer recomputes its activations in backward.
 
     Hugging Face checkpoints a layer only while that layer is in training mode, and the policy stays
-    in eval mode (dropout off). So only the layer modules themselves are switched, for this forward:
-    their submodules, dropout included, stay in eval mode. Yields whether any layer checkpoints.
+    in eval mode (dropout off). So a hook switches each layer module alone to training mode for a
+    forward with gradients, and back after it: its submodules, dropout included, stay in eval mode.
     """
-    layers = ([m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-              if on else [])
-    for m in layers:
-        m.training = True
-    try:
-        yield bool(layers)
-    finally:
-        for m in layers:
-            m.training = False
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False) is True:
+            m.register_forward_pre_hook(lambda layer, _: setattr(layer, "training",
+                                                                  torch.is_grad_enabled()))
+            m.register_forward_hook(lambda layer, *_: setattr(layer, "training", False))
+
+
+def checkpoints(model) -> bool:
+    """Whether this forward recomputes model's layers in backward (checkpoint_layers)."""
+    return torch.is_grad_enabled() and getattr(model, "is_gradient_checkpointing", False)
+
+
+def _padded_rows(model, input_ids, attention_mask, n_completion: int, share_prompts: bool):
+    """The padded forward: the last hidden states whose logits predict the completion tokens
+    [B x n_completion, width], and those tokens [B x n_completion]."""
+    targets = input_ids[:, -n_completion:].reshape(-1)
+    # a checkpointed layer drops its KV cache (Hugging Face), so prompts are not shared then
+    hidden = _completion_hidden(model, input_ids, attention_mask, n_completion,
+                                share_prompts and not checkpoints(model))
+    return hidden.reshape(input_ids.shape[0] * n_completion, -1), targets
 
 
 def _completion_hidden(model, input_ids, attention_mask, n_completion: int, share_prompts: bool):
@@ -428,7 +439,7 @@ def completion_logprobs(model, input_ids, attention_mask, n_completion: int, tem
     autocast = autocast or torch.autocast(input_ids.device.type, enabled=False)
     batch, width = input_ids.shape
     pack = pack and packing.packs(model)
-    with autocast, _checkpointed_layers(model, torch.is_grad_enabled()) as checkpointing:
+    with autocast:
         if pack:
             predict = (attention_mask[:, -n_completion:] if predict is None else predict).bool()
             hidden, colmap = packing.packed_hidden(model, input_ids, attention_mask,
@@ -436,11 +447,8 @@ def completion_logprobs(model, input_ids, attention_mask, n_completion: int, tem
             hidden = hidden[colmap[:, width - n_completion - 1:width - 1][predict]]
             targets = input_ids[:, -n_completion:][predict]
         else:
-            # a checkpointed layer drops its KV cache (Hugging Face), so prompts are not shared
-            hidden = _completion_hidden(model, input_ids, attention_mask, n_completion,
-                                        share_prompts and not checkpointing)
-            hidden = hidden.reshape(batch * n_completion, -1)
-            targets = input_ids[:, -n_completion:].reshape(-1)
+            hidden, targets = _padded_rows(model, input_ids, attention_mask, n_completion,
+                                           share_prompts)
         head = model.get_output_embeddings()
         weight, bias = padded_head(head, head_rows or head_multiple(input_ids.device))
         recompute = torch.is_grad_enabled() and hidden.shape[0] > chunk_rows

@@ -154,21 +154,25 @@ _FITS = weakref.WeakKeyDictionary()   # model -> (packs, why not)
 
 
 def packs(model) -> bool:
-    """Whether the model's forward takes packed rows, checked once per model: its attention is
-    SDPA's (then the packed function's, which is SDPA without a layout) and the packed forward
-    gives the padded one's hidden states on a small probe (a prompt shared by two rows of
-    different lengths, and a row alone). Else the model keeps its own attention."""
-    if model not in _FITS:
-        config = model.config
-        before = config._attn_implementation
-        why = None if before in ("sdpa", NAME) else f"its attention is {before}, not SDPA"
-        if why is None:
-            padded = _probe(model, None)
-            config._attn_implementation = NAME
-            why = _probe(model, padded)
-        config._attn_implementation = NAME if why is None else before
-        _FITS[model] = (why is None, why)
-    return _FITS[model][0]
+    """Whether the model's forward takes packed rows (fit: checked once per model)."""
+    return (_FITS.get(model) or fit(model))[0]
+
+
+def fit(model) -> tuple:
+    """(whether the model's forward takes packed rows, why not), checked now and kept: its attention
+    is SDPA's (then the packed function's, which is SDPA without a layout) and the packed forward
+    gives the padded one's hidden states on a small probe (a prompt shared by two rows of different
+    lengths, and a row alone). Else the model keeps its own attention."""
+    config = model.config
+    before = config._attn_implementation
+    why = None if before in ("sdpa", NAME) else f"its attention is {before}, not SDPA"
+    if why is None:
+        padded = _probe(model, None)
+        config._attn_implementation = NAME
+        why = _probe(model, padded)
+    config._attn_implementation = NAME if why is None else before
+    _FITS[model] = (why is None, why)
+    return _FITS[model]
 
 
 def describe(model) -> str:

@@ -29,9 +29,9 @@ import time
 from tqdm import tqdm
 
 from grpo import decoders, distributed, packing, ptx
-from grpo.model import (ModelLoadError, context_length, declared_end_ids, end_ids, frozen_copy, load_config,
-                        load_policy, load_tokenizer, load_trainable, model_autocast,
-                        reference_weights)
+from grpo.model import (ModelLoadError, checkpoint_layers, context_length, declared_end_ids, end_ids,
+                        frozen_copy, load_config, load_policy, load_tokenizer, load_trainable,
+                        model_autocast, reference_weights)
 from grpo.rollout import encode_prompts, stream_seed, wants_bos
 from harness import checkpoint, cli, config, guards, log, memory, paths, progress, rundir, screen
 from harness import task as task_lib
@@ -200,7 +200,7 @@ class Run:
             with reference_weights(self.reference) as model:   # policy's was, for the header)
                 packing.packs(model)
         if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/model.py)
-            self.policy.activation_checkpointing_enable({"use_reentrant": False})
+            checkpoint_layers(self.policy)
         # the task's held-out evaluate(complete): greedy decoding, or seeded samples; rank 0 alone evaluates
         self.complete = functools.partial(
             task_lib.eval_completions, self.policy, self.tokenizer, prepend_bos=self.prepend_bos, device=device,

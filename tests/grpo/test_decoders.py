@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import grpo.decoders as decoders
-from grpo.model import completion_logprobs
+from grpo.model import checkpoint_layers, completion_logprobs
 from grpo.model import end_ids, load_policy, load_tokenizer
 from grpo.decoders import generate, sample_token
 from grpo.rollout import encode_prompts, left_pad
@@ -286,19 +286,31 @@ def test_shared_prompt_forward_equals_the_plain_one_with_gradients(any_model_dir
         assert (a - b).norm() <= 1e-5 * a.norm()
 
 
-def test_gradient_checkpointing_gives_the_same_gradients_with_dropout_off(tiny_model_dir):
+def test_gradient_checkpointing_recomputes_each_layer_with_the_same_gradients(tiny_model_dir):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
     inputs, cmask = _sampled_inputs(tok, model)
-    grads = []
+    with torch.no_grad():   # the first forward probes whether the model packs (grpo/packing.py)
+        completion_logprobs(model, *inputs)
+    calls, mlp = [], model.transformer.h[0].mlp   # a recomputed layer runs its MLP in backward
+    mlp.forward = lambda *a, forward=mlp.forward: calls.append(1) or forward(*a)   # (no hooks then)
+    grads, counts = [], []
     for on in (False, True):
         if on:
-            model.activation_checkpointing_enable({"use_reentrant": False})
+            checkpoint_layers(model)
         model.zero_grad()
+        calls.clear()
         (completion_logprobs(model, *inputs) * cmask).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
+        counts.append(len(calls))
+    assert counts[0] == 1 and counts[1] > 1
     assert not any(m.training for m in model.modules())  # switched back: dropout never ran
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    # without gradients (sampling, the reference's pass) nothing checkpoints: the KV cache is kept
+    with torch.no_grad():
+        assert model(inputs[0][:1], use_cache=True).past_key_values is not None
+    generate(model, inputs[0][:2], inputs[1][:2], end_ids=tok.eos_token_id, max_new_tokens=3)
+    assert not any(m.training for m in model.modules())
 
 
 def test_inverse_cdf_sampling_never_draws_a_zero_probability_token():
