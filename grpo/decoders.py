@@ -20,14 +20,19 @@ _BUFFERS = weakref.WeakKeyDictionary()
 
 
 def _zeros(model, name, shape, dtype, device, keep: bool, reuse=None):
-    """A zeroed tensor; with keep, the same one for the same model, name and shape at every call;
-    else in reuse's memory where it is large enough (a tensor about to be dropped: zeroing memory
-    already touched costs a fraction of fresh memory's page faults)."""
-    if not keep:
-        size = torch.Size(shape).numel()
-        if reuse is not None and reuse.dtype == dtype and reuse.numel() >= size:
-            return reuse.view(-1)[:size].view(shape).zero_()
-        return torch.zeros(shape, dtype=dtype, device=device)
+    """A zeroed tensor; with keep, the same one for the same model, name and shape at every call
+    (_kept); else in reuse's memory where it is large enough (a tensor about to be dropped: zeroing
+    memory already touched costs a fraction of fresh memory's page faults)."""
+    if keep:
+        return _kept(model, name, shape, dtype, device)
+    size = torch.Size(shape).numel()
+    if reuse is not None and reuse.dtype == dtype and reuse.numel() >= size:
+        return reuse.view(-1)[:size].view(shape).zero_()
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _kept(model, name, shape, dtype, device):
+    """A zeroed tensor, the same one for the same model, name and shape at every call."""
     kept = _BUFFERS.setdefault(model, {})
     key = (name, tuple(shape), dtype, str(device))
     if key not in kept:
@@ -126,16 +131,7 @@ class PreallocatedDecoder(Decoder):
         self.shape = (groups, kv_heads, group, rep, head_dim)
         self.device_type = device.type
         self.head = self._padded_head(model, device, compile)
-        # the compiled step is the class's function, called with self: a bound method stored on self
-        # would be a reference cycle, its K/V buffers then left to wait for the cycle collector
-        self.compiled = None
-        if compile and not _LIMIT_HIT:
-            # every decoder's step is one code object to torch.compile: each model and shape bucket
-            # compiled counts against one limit (8 by default), past which a fullgraph compile fails
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                       RECOMPILE_LIMIT)
-            self.compiled = torch.compile(type(self)._advance_traced, fullgraph=True, dynamic=False,
-                                          mode="reduce-overhead" if device.type == "cuda" else None)
+        self.compiled = _compiled(type(self), device) if compile and not _LIMIT_HIT else None
 
     def select(self, rows, prefill, step: int):
         """A decoder of the same class for `rows` (its prompts' keys from the prefill, the new
@@ -177,6 +173,11 @@ class PreallocatedDecoder(Decoder):
     def advance(self, draws, step: int, banned):
         if self.compiled is None:
             return super().advance(draws, step, banned)
+        self._advance_compiled(draws, step, banned)
+
+    def _advance_compiled(self, draws, step: int, banned):
+        """advance() by the compiled step; eager from the first time torch.compile's limit of
+        compilations is reached."""
         if self.device_type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         try:
@@ -233,23 +234,11 @@ class PreallocatedDecoder(Decoder):
 
     @staticmethod
     def _matmul_tensors(model, name, tensors, device, keep: bool) -> list:
-        """tensors (a matmul's weights and biases, None for none) as the decode step reads them:
-        under bf16 autocast on a GPU, bf16 copies made once per generate(), where autocast would
-        cast them again at every compiled step; compiled, kept from call to call and refreshed in
-        place (a replayed graph reads them where it was recorded). Elsewhere the tensors
-        themselves."""
-        dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
-                 else None)
-        if dtype is None or not decode_copies(device):
+        """tensors (a matmul's weights and biases, None for none) as the decode step reads them: the
+        tensors themselves, or under bf16 autocast on a GPU their _copies."""
+        if not (torch.is_autocast_enabled(device.type) and decode_copies(device)):
             return tensors
-        real = [t for t in tensors if t is not None]
-        if keep:
-            copies = [_zeros(model, f"{name}{i}", t.shape, dtype, device, True)
-                      for i, t in enumerate(real)]
-            torch._foreach_copy_(copies, real)
-        else:
-            copies = [t.to(dtype) for t in real]
-        return [None if t is None else copies.pop(0) for t in tensors]
+        return _copies(model, name, tensors, torch.get_autocast_dtype(device.type), device, keep)
 
     def _attend(self, q, k, v, step, kp, vp, kn, vn, bias, scores, scale: float):
         """Softmax attention of q (rows x heads x D, in `_heads` form) over its group's prompt (kp,
@@ -286,6 +275,18 @@ class PreallocatedDecoder(Decoder):
         return out.transpose(1, 2).reshape(self.y.shape)
 
 
+def _compiled(cls, device):
+    """cls's _advance_traced, compiled (on CUDA, its graphs replayed). The class's function, called
+    with self: a bound method stored on self would be a reference cycle, its K/V buffers then left
+    to wait for the cycle collector."""
+    # every decoder's step is one code object to torch.compile: each model and shape bucket
+    # compiled counts against one limit (8 by default), past which a fullgraph compile fails
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               RECOMPILE_LIMIT)
+    return torch.compile(cls._advance_traced, fullgraph=True, dynamic=False,
+                         mode="reduce-overhead" if device.type == "cuda" else None)
+
+
 def _merged(t, width: int):
     """t [groups, H_kv, group, rep, columns] as [groups, H_kv, group x rep, width]: its first width
     columns."""
@@ -297,6 +298,20 @@ def decode_copies(device) -> bool:
     """Whether decoding reads bf16 copies of the matmul weights under bf16 autocast: on a GPU (on a
     CPU, eager autocast's own cache of casts does the same)."""
     return device.type == "cuda"
+
+
+def _copies(model, name, tensors, dtype, device, keep: bool) -> list:
+    """tensors in dtype (None stays None), made once per generate(), where autocast would cast them
+    again at every compiled step; with keep (compiled), kept from call to call and refreshed in
+    place (a replayed graph reads them where it was recorded)."""
+    real = [t for t in tensors if t is not None]
+    if keep:
+        copies = [_kept(model, f"{name}{i}", t.shape, dtype, device)
+                  for i, t in enumerate(real)]
+        torch._foreach_copy_(copies, real)
+    else:
+        copies = [t.to(dtype) for t in real]
+    return [None if t is None else copies.pop(0) for t in tensors]
 
 
 def compile_counts() -> dict:
@@ -575,23 +590,13 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     if logprob_temperature(temperature) != 1:  # x / 1 is x: an op a token saved
         logits = logits / logprob_temperature(temperature)
     logprobs = torch.log_softmax(logits, dim=-1)
-    filtered = logits
-    if banned is not None:
-        filtered = filtered.clone()
-        for banned_id in as_ends(banned):   # scalar fills: no index tensor copied to the device
-            filtered[:, banned_id] = float("-inf")
+    # the distribution drawn from: the policy's unless banned ids or (sampling) top-k, top-p cut it
+    top_k, top_p = (top_k, top_p) if temperature != 0 else (0, 1.0)
+    filtered = (_truncated(logits, banned, top_k, top_p)
+                if banned is not None or 0 < top_k < logits.shape[-1] or top_p < 1 else logits)
     if temperature == 0:
         token = filtered.argmax(-1)
     else:
-        if top_k > 0 and top_k < logits.shape[-1]:
-            kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
-            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-        if top_p < 1.0:
-            sorted_logits, order = torch.sort(filtered, descending=True, dim=-1)
-            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-            # drop a token when the tokens ranked above it already hold top_p of the mass
-            drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
-            filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = logprobs.exp() if filtered is logits else torch.softmax(filtered, dim=-1)
         token = sample_index(probs, rows, batch)
     logprob = logprobs.gather(-1, token[:, None]).squeeze(-1)
@@ -601,6 +606,26 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     if temperature == 0 or filtered is logits:
         return token, logprob, logprob
     return token, logprob, torch.log_softmax(filtered, -1).gather(-1, token[:, None]).squeeze(-1)
+
+
+def _truncated(logits, banned, top_k: int, top_p: float):
+    """logits, -inf where a token cannot be drawn: banned (an id or ids), outside the top_k, ranked
+    past top_p of the mass."""
+    filtered = logits
+    if banned is not None:
+        filtered = filtered.clone()
+        for banned_id in as_ends(banned):   # scalar fills: no index tensor copied to the device
+            filtered[:, banned_id] = float("-inf")
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return filtered
 
 
 # on a GPU, rows that have finished are noticed only every this many steps: a check reads a flag
@@ -646,18 +671,16 @@ class Draws:
             with_sampler=self.with_sampler, rows=self.rows, batch=self.done.shape[0])
         done = self.done if self.rows is None else self.done[self.rows]
         token = token.masked_fill(done, self.end_ids[0])
+        for kept, drawn in zip((self.tokens, self.logprobs, self.sampled),
+                               (token, logprob, *sampler)):   # the sampler's: with_sampler
+            if self.rows is None:
+                kept.index_copy_(1, column, drawn[:, None])
+            else:
+                kept[self.rows, column] = drawn
         if self.rows is None:
-            self.tokens.index_copy_(1, column, token[:, None])
-            self.logprobs.index_copy_(1, column, logprob[:, None])
-            if self.with_sampler:
-                self.sampled.index_copy_(1, column, sampler[0][:, None])
             self.done |= is_end(token, self.end_ids)
-            return
-        self.tokens[self.rows, column] = token
-        self.logprobs[self.rows, column] = logprob
-        if self.with_sampler:
-            self.sampled[self.rows, column] = sampler[0]
-        self.done[self.rows] = done | is_end(token, self.end_ids)
+        else:
+            self.done[self.rows] = done | is_end(token, self.end_ids)
 
     def compact(self, decoder, prefill, step: int, compiled: bool):
         """The decoder for the rows still running once at most half of those it runs are: the live
@@ -700,40 +723,31 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
     preallocated decoder fits. with_sampler: Completions.sampler_logp too. group_size: rows per
     prompt (compiled: kept when two groups draw one prompt, so nothing recompiles).
     """
-    autocast = autocast or torch.autocast(prompt_ids.device.type, enabled=False)
-    with autocast:  # entered once: autocast keeps its bf16 copies of the weights for the whole loop
-        return _generate(model, prompt_ids, prompt_mask, as_ends(end_ids),
-                         max_new_tokens=max_new_tokens, sampling=(temperature, top_k, top_p),
-                         min_new_tokens=min_new_tokens, compile=compile,
-                         with_sampler=with_sampler, group_size=group_size)
-
-
-def _generate(model, prompt_ids, prompt_mask, ends, *, max_new_tokens, sampling, min_new_tokens,
-              compile, with_sampler, group_size):
-    batch = prompt_ids.shape[0]
-    # a group's rows share their prompt: each distinct one is prefilled once, then its KV copied
-    prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0,
-                                    return_inverse=True)
-    width = prompt_ids.shape[1]
-    out = model(input_ids=prompts[:, :width], attention_mask=prompts[:, width:],
-                position_ids=position_ids_from_mask(prompts[:, width:]), use_cache=True,
-                logits_to_keep=1)
-    prefill = out.past_key_values
-    decoder = decoder_for(model, prefill, inverse, prompt_mask, max_new_tokens, compile=compile,
-                          group_size=group_size)
-    draws = Draws(model, batch, max_new_tokens, ends, sampling, with_sampler, prompt_ids.device,
-                  keep=decoder.compiled is not None)
-    draws.draw(out.logits[inverse, -1], draws.columns[:1], ends if min_new_tokens > 0 else None)
-    last = 0  # the last column drawn
-    every = done_check_every(prompt_ids.device)
-    for step in range(max_new_tokens - 1):
-        if (step + 1) % every == 0:
-            if bool(draws.done.all()):
-                break
-            # rows that finished leave the decoder once half of it has: no step for them
-            decoder = draws.compact(decoder, prefill, step, decoder.compiled is not None)
-        decoder.advance(draws, step, ends if step + 1 < min_new_tokens else None)
-        last = step + 1
+    (batch, width), ends = prompt_ids.shape, as_ends(end_ids)
+    # entered once: autocast keeps its bf16 copies of the weights for the whole loop
+    with autocast or torch.autocast(prompt_ids.device.type, enabled=False):
+        # a group's rows share their prompt: each distinct one is prefilled once, then its KV copied
+        prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0,
+                                        return_inverse=True)
+        out = model(input_ids=prompts[:, :width], attention_mask=prompts[:, width:],
+                    position_ids=position_ids_from_mask(prompts[:, width:]), use_cache=True,
+                    logits_to_keep=1)
+        prefill = out.past_key_values
+        decoder = decoder_for(model, prefill, inverse, prompt_mask, max_new_tokens, compile=compile,
+                              group_size=group_size)
+        draws = Draws(model, batch, max_new_tokens, ends, (temperature, top_k, top_p), with_sampler,
+                      prompt_ids.device, keep=decoder.compiled is not None)
+        draws.draw(out.logits[inverse, -1], draws.columns[:1], ends if min_new_tokens > 0 else None)
+        last = 0  # the last column drawn
+        every = done_check_every(prompt_ids.device)
+        for step in range(max_new_tokens - 1):
+            if (step + 1) % every == 0:
+                if bool(draws.done.all()):
+                    break
+                # rows that finished leave the decoder once half of it has: no step for them
+                decoder = draws.compact(decoder, prefill, step, decoder.compiled is not None)
+            decoder.advance(draws, step, ends if step + 1 < min_new_tokens else None)
+            last = step + 1
     mask = completion_mask(draws.tokens[:, :last + 1], ends)
     # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
     if bool(draws.done.all()):
