@@ -65,6 +65,16 @@ def step_batches(source, step_seed: int, updates: int, per_update: int, tokenize
             for u in range(updates)]
 
 
+def problem(cfg) -> str | None:
+    """The mix's settings without the mix (--ptx-coef 0)."""
+    if (cfg.ptx_file or cfg.ptx_batch_size != type(cfg).__dataclass_fields__[
+            "ptx_batch_size"].default) and not cfg.ptx_coef:
+        given = f"file {cfg.ptx_file}" if cfg.ptx_file else f"batch-size {cfg.ptx_batch_size}"
+        return (f"--ptx-{given} with --ptx-coef 0 (no pretraining mix): give --ptx-coef above 0, "
+                f"or leave it out")
+    return None
+
+
 def prepare(batch, step: int, run, policy, guard) -> None:
     """Before the step's update: batch.extra["ptx"], this device's share of each update's texts
     (step_batches) from the run's source (the task's demonstrations, or --ptx-file)."""

@@ -78,6 +78,9 @@ class Switch:
     an entry of SWITCHES with its `on`; a table's choice declares its own (declares(switch=...)).
     """
     on: typing.Callable = None   # cfg -> whether it is set (a table's choice: when chosen)
+    # cfg -> why its settings cannot run with the others (one line, the harness's exit 2), or None;
+    # checked before anything loads, whether the switch is on or not (its knobs without it)
+    check: typing.Callable = None
     # after the scoring: (batch, draw, cfg, group_size, groups, pad_id) -> (batch, record entries);
     # draw(n) samples and scores round n. Every rank.
     rounds: typing.Callable = None
@@ -102,7 +105,8 @@ class Switch:
     after_step: typing.Callable = None
 
 
-POINTS = [f.name for f in dataclasses.fields(Switch) if f.name not in ("on", "reads_entropy")]
+POINTS = [f.name for f in dataclasses.fields(Switch)
+          if f.name not in ("on", "check", "reads_entropy")]
 # the points every rank runs together, outside any retry: an addition there may call a collective
 # (a gather over ranks); elsewhere it must not (tests/test_repository.py checks)
 EVERY_RANK = ("rounds", "prepare", "mini_batch")
@@ -635,11 +639,42 @@ def steer_kl(rec, step, policy, reference, kl, cfg) -> dict:
     return kl.after_step(rec["kl"], cfg.batch_size)
 
 
+def kl_target_problem(cfg) -> str | None:
+    """--kl-target needs a KL term to steer; --kl-horizon, a target; and a horizon long enough that
+    a step moves the coefficient by at most 20 percent (the error is clipped to +-0.2, its step,
+    x batch / horizon, is not)."""
+    if cfg.kl_target and not cfg.kl_coef:
+        return (f"--kl-target {cfg.kl_target} steers the KL coefficient, and --kl-coef 0 has no KL "
+                f"term: pass a --kl-coef above 0 to start from, or leave --kl-target out")
+    if cfg.kl_horizon != type(cfg).__dataclass_fields__["kl_horizon"].default and not cfg.kl_target:
+        return (f"--kl-horizon {cfg.kl_horizon} without --kl-target (a fixed --kl-coef): give a "
+                f"--kl-target, or leave --kl-horizon out")
+    if cfg.kl_target and 5 * cfg.kl_horizon <= cfg.batch_size:
+        n, h = cfg.batch_size, cfg.kl_horizon
+        return (f"--kl-horizon {h} with --batch-size {n}: a step below --kl-target would multiply "
+                f"the KL coefficient by 1 - 0.2 x {n} / {h} = {1 - 0.2 * n / h:.3g}, to 0 or past "
+                f"it; give --kl-horizon {n // 5 + 1} or more (from {n}, a step moves it by at most "
+                f"20 percent)")
+    return None
+
+
 def follow_policy(rec, step, policy, reference, kl, cfg) -> dict:
     """--ref-sync-steps N (TR-DPO): every N steps the reference moves toward the policy."""
     if step % cfg.ref_sync_steps == 0:
         sync_reference(reference, policy, cfg.ref_sync_alpha)
     return {}
+
+
+def ref_sync_problem(cfg) -> str | None:
+    """A moving reference needs one (a KL term), and one of its own weights (not LoRA's)."""
+    if cfg.ref_sync_steps and not cfg.kl_coef:
+        return (f"--ref-sync-steps {cfg.ref_sync_steps} moves the reference, and --kl-coef 0 has "
+                f"none: pass a --kl-coef above 0, or leave --ref-sync-steps out")
+    if cfg.ref_sync_steps and cfg.lora_rank:
+        return (f"--ref-sync-steps {cfg.ref_sync_steps} with --lora-rank {cfg.lora_rank}: the "
+                f"reference is the policy's own weights with the adapters off, which cannot move "
+                f"alone; leave one out")
+    return None
 
 
 def overlong(batch, cfg, kl_coef: float, estimators: dict) -> torch.Tensor:
@@ -654,15 +689,17 @@ SWITCHES = {
                               penalty=("overlong_penalty", overlong)),
     "kl-in-reward": Switch(on=lambda cfg: cfg.kl_in == "reward" and cfg.kl_coef != 0,
                            penalty=("kl_reward_penalty", kl_in_reward)),
-    "pretraining-mix": Switch(on=lambda cfg: cfg.ptx_coef != 0, prepare=ptx.prepare,
-                              backward=ptx.backward, record=ptx.record),
+    "pretraining-mix": Switch(on=lambda cfg: cfg.ptx_coef != 0, check=ptx.problem,
+                              prepare=ptx.prepare, backward=ptx.backward, record=ptx.record),
     "dual-clip": Switch(on=lambda cfg: cfg.dual_clip is not None, pg=dual_clip),
     "top-entropy": Switch(on=lambda cfg: cfg.top_entropy_quantile < 1,
                           mini_batch=high_entropy_tokens, pg=top_entropy_only),
     "entropy-bonus": Switch(on=lambda cfg: cfg.entropy_coef != 0, loss=entropy_bonus,
                             reads_entropy=True),
-    "kl-target": Switch(on=lambda cfg: bool(cfg.kl_target), after_step=steer_kl),
-    "ref-sync": Switch(on=lambda cfg: bool(cfg.ref_sync_steps), after_step=follow_policy),
+    "kl-target": Switch(on=lambda cfg: bool(cfg.kl_target), check=kl_target_problem,
+                        after_step=steer_kl),
+    "ref-sync": Switch(on=lambda cfg: bool(cfg.ref_sync_steps), check=ref_sync_problem,
+                       after_step=follow_policy),
 }
 
 

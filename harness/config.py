@@ -285,10 +285,12 @@ def unused_knob(cfg: Config) -> str | None:
 
 def variant_problem(cfg: Config) -> str | None:
     """Why the run's variants cannot run together or with the other settings, from what each
-    declares (grpo/variants.py DECLARED): a knob set for another choice, each choice's own check,
-    a per-sequence ratio under a loss of token ratios, --dual-clip with a loss it cannot bound."""
+    declares (grpo/variants.py DECLARED, Switch.check): a knob set for another choice, each choice's
+    and each switch's own check, a per-sequence ratio under a loss of token ratios, --dual-clip with
+    a loss it cannot bound."""
     chosen = {name: variants.entry(name, getattr(cfg, name)) for name in variants.DEFAULTS}
     checks = [variants.declared(f, "check") for f in chosen.values()]
+    checks += [switch.check for switch in variants.SWITCHES.values()]
     for problem in (unused_knob(cfg), *(check(cfg) for check in checks if check)):
         if problem:
             return problem
@@ -311,8 +313,7 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     check_ranges(cfg)
     layout = split_batch(cfg, world)
     check_lengths_and_schedule(cfg)
-    check_kl(cfg)
-    check_adapters_and_mix(cfg)
+    check_adapters(cfg)
     check_variants(cfg)
     check_machine(cfg)
     return layout
@@ -386,40 +387,14 @@ def check_lengths_and_schedule(cfg: Config) -> None:
                           f"to 0 or past it; keep their product below 1")
 
 
-def check_kl(cfg: Config) -> None:
-    """The KL coefficient's controller (--kl-target, --kl-horizon) and a moving reference need a KL."""
-    if cfg.kl_target and not cfg.kl_coef:
-        raise ConfigError(f"--kl-target {cfg.kl_target} steers the KL coefficient, and --kl-coef 0 has no KL term: "
-                          f"pass a --kl-coef above 0 to start from, or leave --kl-target out")
-    if cfg.kl_horizon != FIELDS["kl_horizon"].default and not cfg.kl_target:
-        raise ConfigError(f"--kl-horizon {cfg.kl_horizon} without --kl-target (a fixed --kl-coef): give a --kl-target, "
-                          f"or leave --kl-horizon out")
-    # the controller's error is clipped to +-0.2, its step (x batch / horizon) is not
-    if cfg.kl_target and 5 * cfg.kl_horizon <= cfg.batch_size:
-        n, h = cfg.batch_size, cfg.kl_horizon
-        raise ConfigError(f"--kl-horizon {h} with --batch-size {n}: a step below --kl-target "
-                          f"would multiply the KL coefficient by 1 - 0.2 x {n} / {h} = "
-                          f"{1 - 0.2 * n / h:.3g}, to 0 or past it; give --kl-horizon {n // 5 + 1} "
-                          f"or more (from {n}, a step moves it by at most 20 percent)")
-    if cfg.ref_sync_steps and not cfg.kl_coef:
-        raise ConfigError(f"--ref-sync-steps {cfg.ref_sync_steps} moves the reference, and --kl-coef 0 has none: "
-                          f"pass a --kl-coef above 0, or leave --ref-sync-steps out")
-
-
-def check_adapters_and_mix(cfg: Config) -> None:
-    """LoRA's settings need a rank (and peft), its reference cannot move; the mix's need --ptx-coef."""
+def check_adapters(cfg: Config) -> None:
+    """LoRA's settings need a rank, and peft."""
     if cfg.lora_target_modules and not cfg.lora_rank:
         raise ConfigError(f"--lora-target-modules {cfg.lora_target_modules} with --lora-rank 0 (full fine-tuning): "
                           f"give a rank above 0, or leave --lora-target-modules out")
-    if cfg.lora_rank and cfg.ref_sync_steps:
-        raise ConfigError(f"--ref-sync-steps {cfg.ref_sync_steps} with --lora-rank {cfg.lora_rank}: the reference is "
-                          f"the policy's own weights with the adapters off, which cannot move alone; leave one out")
     if cfg.lora_rank and importlib.util.find_spec("peft") is None:
         raise ConfigError(f"--lora-rank {cfg.lora_rank} needs the peft package, which is not installed: "
                           f"pip install peft (or --lora-rank 0 for full fine-tuning)")
-    if (cfg.ptx_file or cfg.ptx_batch_size != FIELDS["ptx_batch_size"].default) and not cfg.ptx_coef:
-        raise ConfigError(f"--ptx-{'file ' + cfg.ptx_file if cfg.ptx_file else f'batch-size {cfg.ptx_batch_size}'} "
-                          f"with --ptx-coef 0 (no pretraining mix): give --ptx-coef above 0, or leave it out")
 
 
 def check_variants(cfg: Config) -> None:

@@ -936,6 +936,25 @@ def test_each_switch_is_on_when_its_setting_is():
     assert variants.on(Config(kl_in="reward", kl_coef=0.0)).penalty == []   # no reference: no KL
 
 
+def test_a_switch_checks_its_settings_before_the_run_whether_it_is_on_or_not(monkeypatch):
+    # a switch's own rules stand beside it (Switch.check); the harness asks every switch's
+    from grpo import variants
+    from harness.config import Config, ConfigError, batch_layout
+    batch_layout(Config())   # the defaults pass every switch's check
+    for settings, words in (({"kl_horizon": 50}, "--kl-horizon 50 without --kl-target"),
+                            ({"ref_sync_steps": 2, "kl_coef": 0.0}, "--ref-sync-steps 2 moves"),
+                            ({"ptx_batch_size": 4}, "--ptx-batch-size 4 with --ptx-coef 0")):
+        with pytest.raises(ConfigError, match=words):
+            batch_layout(Config(**settings))
+    scratch = variants.Switch(on=lambda cfg: cfg.entropy_coef > 0.5,
+                              check=lambda cfg: f"--entropy-coef {cfg.entropy_coef} is too high"
+                              if cfg.entropy_coef > 0.5 else None)
+    monkeypatch.setitem(variants.SWITCHES, "scratch", scratch)
+    with pytest.raises(ConfigError, match="--entropy-coef 0.9 is too high"):
+        batch_layout(Config(entropy_coef=0.9))
+    batch_layout(Config(entropy_coef=0.1))
+
+
 def test_a_policy_loss_gets_the_token_mask_its_switch_computes(monkeypatch, tiny_model_dir,
                                                                tmp_path, clean_env):
     # a scratch variant in one place: its mask, computed before the micro-batches, reaches its term
