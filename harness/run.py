@@ -29,9 +29,9 @@ import time
 from tqdm import tqdm
 
 from grpo import decoders, distributed, packing, ptx
-from grpo.model import (ModelLoadError, checkpoint_layers, context_length, declared_end_ids, end_ids,
-                        frozen_copy, load_config, load_policy, load_tokenizer, load_trainable,
-                        model_autocast, reference_weights)
+from grpo.model import (ModelLoadError, checkpoint_layers, context_length, declared_end_ids,
+                        end_ids, frozen_copy, load_config, load_policy, load_tokenizer,
+                        load_trainable, model_autocast, reference_weights)
 from grpo.rollout import encode_prompts, stream_seed, wants_bos
 from harness import checkpoint, cli, config, guards, log, memory, paths, progress, rundir, screen
 from harness import task as task_lib
