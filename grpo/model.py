@@ -409,7 +409,7 @@ def _completion_hidden(model, input_ids, attention_mask, n_completion: int, shar
         share_prompts = prompts.shape[0] < input_ids.shape[0]
     if not share_prompts or split == 0:
         hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                  position_ids=positions).last_hidden_state
+                                  position_ids=positions, use_cache=False).last_hidden_state
         return hidden[:, split - 1:-1]  # the logits at position t predict token t + 1
     prompt_ids, prompt_mask = prompts[:, :split], prompts[:, split:]
     head = model.base_model(input_ids=prompt_ids, attention_mask=prompt_mask,

@@ -146,7 +146,7 @@ def packed_hidden(model, input_ids, attention_mask, split: int):
         lo = layout(valid.sum(1))
         ids, pos, colmap = input_ids[valid], positions[valid], _packed_index(valid, 0)
     hidden = model.base_model(input_ids=ids[None], position_ids=pos[None], attention_mask=_NO_MASK,
-                              lean_layout=lo).last_hidden_state[0]
+                              lean_layout=lo, use_cache=False).last_hidden_state[0]
     return hidden, colmap
 
 

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import grpo.decoders as decoders
 from grpo.model import checkpoint_layers, completion_logprobs
@@ -286,12 +287,16 @@ def test_shared_prompt_forward_equals_the_plain_one_with_gradients(any_model_dir
         assert (a - b).norm() <= 1e-5 * a.norm()
 
 
-def test_gradient_checkpointing_recomputes_each_layer_with_the_same_gradients(tiny_model_dir):
+def test_gradient_checkpointing_recomputes_each_layer_with_the_same_gradients(tiny_model_dir,
+                                                                             monkeypatch):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
     inputs, cmask = _sampled_inputs(tok, model)
     with torch.no_grad():   # the first forward probes whether the model packs (grpo/packing.py)
         completion_logprobs(model, *inputs)
     calls, mlp = [], model.transformer.h[0].mlp   # a recomputed layer runs its MLP in backward
+    caches, init = [], DynamicCache.__init__   # a training forward needs no KV cache
+    monkeypatch.setattr(DynamicCache, "__init__",
+                        lambda self, *a, **k: caches.append(1) or init(self, *a, **k))
     mlp.forward = lambda *a, forward=mlp.forward: calls.append(1) or forward(*a)   # (no hooks then)
     grads, counts = [], []
     for on in (False, True):
@@ -303,6 +308,7 @@ def test_gradient_checkpointing_recomputes_each_layer_with_the_same_gradients(ti
         grads.append([p.grad.clone() for p in model.parameters()])
         counts.append(len(calls))
     assert counts[0] == 1 and counts[1] > 1
+    assert caches == []   # (so Hugging Face has none to switch off under checkpointing, and say so)
     assert not any(m.training for m in model.modules())  # switched back: dropout never ran
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
