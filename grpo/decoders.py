@@ -52,7 +52,10 @@ class Decoder:
     compiled = None
 
     def advance(self, draws, step: int, banned):
-        """Feed the token drawn at column `step`; draw column step + 1 from the logits it gives."""
+        """Feed the token drawn at column `step`; draw column step + 1 from the logits it gives (by
+        the compiled step where there is one)."""
+        if self.compiled is not None:
+            return self._advance_compiled(draws, step, banned)
         draws.draw(self(draws.last(draws.columns[step:step + 1]), step),
                    draws.columns[step + 1:step + 2], banned)
 
@@ -86,8 +89,7 @@ class PreallocatedDecoder(Decoder):
                  compile: bool = False, group_size: int = None, reuse: dict = None):
         self.model, self.inverse, self.prompt_mask = model, inverse, prompt_mask
         reuse = reuse or {}
-        batch, width = prompt_mask.shape
-        device = prompt_mask.device
+        (batch, width), device = prompt_mask.shape, prompt_mask.device
         # a group: the rows of one prompt; compiled, the caller's group size, so that a step whose
         # groups drew the same prompt has the shapes of every other step (eager, such groups: one)
         n_prompts = int(inverse.max()) + 1
@@ -100,8 +102,7 @@ class PreallocatedDecoder(Decoder):
         groups, group = self.groups, self.group = per_group.shape
         dtype = torch.float32 if device.type == "cpu" else cache.layers[0].keys.dtype
         _, kv_heads, _, head_dim = cache.layers[0].keys.shape
-        heads = self.heads
-        rep = self.rep = heads // kv_heads
+        rep = self.rep = self.heads // kv_heads
         self.width = padded = padded_width(width, self.WIDTH_MULTIPLE, compile)
         n_layers, T = len(cache.layers), max_new_tokens
         # Everything is laid out by group: [groups, K/V heads, ...]. Keys are stored transposed
@@ -126,7 +127,7 @@ class PreallocatedDecoder(Decoder):
         self.q5 = self.q.view(groups, kv_heads, group, rep, head_dim)
         self.o = torch.empty(groups, kv_heads, group * rep, head_dim, dtype=dtype, device=device)
         self.o5 = self.o.view(groups, kv_heads, group, rep, head_dim)
-        self.y = torch.empty(batch, heads * head_dim, dtype=dtype, device=device)
+        self.y = torch.empty(batch, self.heads * head_dim, dtype=dtype, device=device)
         self.y5 = self.y.view(groups, group, kv_heads, rep, head_dim).transpose(1, 2)
         self.shape = (groups, kv_heads, group, rep, head_dim)
         self.device_type = device.type
@@ -167,13 +168,11 @@ class PreallocatedDecoder(Decoder):
     def __call__(self, token, step: int):
         """The eager step: the logits after `token`, written at column `step`."""
         new = min(len(self.columns), -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
-        return self._forward(token, self.columns[step:step + 1], self.positions[step],
-                             self.bias[step, ..., :self.width + new])
-
-    def advance(self, draws, step: int, banned):
-        if self.compiled is None:
-            return super().advance(draws, step, banned)
-        self._advance_compiled(draws, step, banned)
+        bias = self.bias[step, ..., :self.width + new]
+        # this token's scores, then weights, for every layer in turn: all, over the prompt, the new
+        scores = torch.empty(*self.shape[:-1], bias.shape[-1], dtype=bias.dtype, device=bias.device)
+        scores = scores, _merged(scores, self.width), scores[..., self.width:]
+        return self._forward(token, self.columns[step:step + 1], self.positions[step], bias, scores)
 
     def _advance_compiled(self, draws, step: int, banned):
         """advance() by the compiled step; eager from the first time torch.compile's limit of
@@ -189,7 +188,7 @@ class PreallocatedDecoder(Decoder):
                   flush=True)
             _LIMIT_HIT.append(True)
             self.compiled = None
-            super().advance(draws, step, banned)
+            self.advance(draws, step, banned)
 
     def _advance_traced(self, draws, column, position, bias, banned):
         """advance() as one compiled step: the model's step, the sampling and the bookkeeping of the
@@ -198,17 +197,12 @@ class PreallocatedDecoder(Decoder):
         token = draws.last(column)
         draws.draw(self._forward(token, column, position, bias), column + 1, banned)
 
-    def _forward(self, token, step, position, bias):
+    def _forward(self, token, step, position, bias, scores=None):
+        """The logits after token; scores: the eager step's buffers (_attend), None traced."""
         x, rotary = self._embed(token, position)
-        width, new = self.width, bias.shape[-1] - self.width
+        new = bias.shape[-1] - self.width
         new_k, new_v = self.new_k[..., :new].unbind(0), self.new_v[..., :new, :].unbind(0)
-        attend, scores = self._attend_traced, None
-        if self.compiled is None:  # this token's scores, then weights, for every layer in turn
-            attend = self._attend
-            scores = torch.empty(*self.shape[:-1], width + new, dtype=bias.dtype,
-                                 device=bias.device)
-            # all, over the prompt, over the new
-            scores = scores, _merged(scores, width), scores[..., width:]
+        attend = self._attend_traced if scores is None else self._attend
         for i, (layer, scale) in enumerate(zip(self.layers, self.scales)):
             q, k, v = self._qkv(layer, x, rotary)
             # bf16 autocast on a CPU: attention in the cache's fp32
@@ -585,8 +579,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     the truncated distribution drawn from (grpo/variants.py mismatch_weight; docs/algorithm.md).
     rows, batch: sample_index's.
     """
-    if logits.dtype != torch.float32:
-        logits = logits.float()
+    logits = logits.float()   # itself when it is float32 already
     if logprob_temperature(temperature) != 1:  # x / 1 is x: an op a token saved
         logits = logits / logprob_temperature(temperature)
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -738,8 +731,7 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
         draws = Draws(model, batch, max_new_tokens, ends, (temperature, top_k, top_p), with_sampler,
                       prompt_ids.device, keep=decoder.compiled is not None)
         draws.draw(out.logits[inverse, -1], draws.columns[:1], ends if min_new_tokens > 0 else None)
-        last = 0  # the last column drawn
-        every = done_check_every(prompt_ids.device)
+        last, every = 0, done_check_every(prompt_ids.device)   # last: the last column drawn
         for step in range(max_new_tokens - 1):
             if (step + 1) % every == 0:
                 if bool(draws.done.all()):

@@ -284,14 +284,11 @@ def lora_summary(lora, with_reference: bool) -> str:
 
 
 @contextlib.contextmanager
-def reference_weights(reference):
-    """The model that gives the reference's logprobs: a frozen copy as it is; with LoRA (the
-    PeftModel) the policy itself with its adapters switched off for the while."""
-    if not is_lora(reference):
-        yield reference
-        return
-    with reference.disable_adapter():
-        yield reference.get_base_model()
+def adapters_off(lora):
+    """With LoRA, the model that gives the reference's logprobs: the policy itself (lora, the
+    PeftModel's base model) with its adapters switched off for the while."""
+    with lora.disable_adapter():
+        yield lora.get_base_model()
 
 
 def sync_reference(reference, policy, alpha: float) -> None:

@@ -4,10 +4,11 @@ grpo/variants.py). A pass without gradient runs under guard.fit (retried with fe
 out-of-memory), so holds no collective; a gather after it is marked `# every rank`.
 """
 import functools
+from contextlib import nullcontext
 
 import torch
 
-from grpo.model import completion_logprobs, logprob_temperature, reference_weights
+from grpo.model import adapters_off, completion_logprobs, is_lora, logprob_temperature
 
 
 def token_logprobs(model, batch, rows, cfg, autocast, with_entropy: bool = False,
@@ -44,8 +45,8 @@ def _no_grad_pass(model, batch, micro, cfg, autocast, rows=None,
 
 def reference_logprobs(reference, batch, cfg, autocast, guard) -> torch.Tensor:
     """The reference's logprobs of every completion token, micro rows at a time. reference: a frozen
-    copy, or with LoRA the PeftModel (its adapters switched off)."""
-    with reference_weights(reference) as model:  # with LoRA: the policy, adapters off
+    copy, or with LoRA the PeftModel (its adapters switched off for the pass)."""
+    with adapters_off(reference) if is_lora(reference) else nullcontext(reference) as model:
         return no_grad_pass(model, batch, guard, cfg, autocast)  # every rank
 
 

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from grpo import decoders, distributed, packing, ptx
 from grpo.model import (ModelLoadError, checkpoint_layers, context_length, declared_end_ids,
                         end_ids, frozen_copy, load_config, load_policy, load_tokenizer,
-                        load_trainable, model_autocast, reference_weights)
+                        load_trainable, model_autocast)
 from grpo.rollout import encode_prompts, stream_seed, wants_bos
 from harness import checkpoint, cli, config, guards, log, memory, paths, progress, rundir, screen
 from harness import task as task_lib
@@ -196,9 +196,8 @@ class Run:
             log.warn(f"the chat template ends a turn with {self.tokenizer.convert_ids_to_tokens(undeclared[0])} "
                      f"(id {undeclared[0]}), which neither the tokenizer's EOS nor the model's "
                      f"generation_config.json eos_token_id declares: completions end there too")
-        if self.reference is not None:   # whether its forwards take packed rows: probed now (the
-            with reference_weights(self.reference) as model:   # policy's was, for the header)
-                packing.packs(model)
+        if self.reference is not None and self.lora is None:   # whether its forwards take packed
+            packing.packs(self.reference)   # rows: probed now (the policy's, LoRA's too, for the header)
         if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/model.py)
             checkpoint_layers(self.policy)
         # the task's held-out evaluate(complete): greedy decoding, or seeded samples; rank 0 alone evaluates
