@@ -378,7 +378,7 @@ def checkpoint_layers(model) -> None:
 
 def checkpoints(model) -> bool:
     """Whether this forward recomputes model's layers in backward (checkpoint_layers)."""
-    return torch.is_grad_enabled() and getattr(model, "is_gradient_checkpointing", False)
+    return torch.is_grad_enabled() and getattr(model, "is_activation_checkpointing", False)
 
 
 def _padded_rows(model, input_ids, attention_mask, n_completion: int, share_prompts: bool):

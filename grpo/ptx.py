@@ -67,8 +67,8 @@ def step_batches(source, step_seed: int, updates: int, per_update: int, tokenize
 
 def problem(cfg) -> str | None:
     """The mix's settings without the mix (--ptx-coef 0)."""
-    if (cfg.ptx_file or cfg.ptx_batch_size != type(cfg).__dataclass_fields__[
-            "ptx_batch_size"].default) and not cfg.ptx_coef:
+    default = type(cfg).__dataclass_fields__["ptx_batch_size"].default
+    if (cfg.ptx_file or cfg.ptx_batch_size != default) and not cfg.ptx_coef:
         given = f"file {cfg.ptx_file}" if cfg.ptx_file else f"batch-size {cfg.ptx_batch_size}"
         return (f"--ptx-{given} with --ptx-coef 0 (no pretraining mix): give --ptx-coef above 0, "
                 f"or leave it out")

@@ -196,8 +196,9 @@ class Run:
             log.warn(f"the chat template ends a turn with {self.tokenizer.convert_ids_to_tokens(undeclared[0])} "
                      f"(id {undeclared[0]}), which neither the tokenizer's EOS nor the model's "
                      f"generation_config.json eos_token_id declares: completions end there too")
-        if self.reference is not None and self.lora is None:   # whether its forwards take packed
-            packing.packs(self.reference)   # rows: probed now (the policy's, LoRA's too, for the header)
+        # whether the reference's forwards take packed rows: probed now (the policy's, which LoRA's
+        if self.reference is not None and self.lora is None:   # reference is, for the header)
+            packing.packs(self.reference)
         if cfg.gradient_checkpointing:  # layers recompute their activations in backward (grpo/model.py)
             checkpoint_layers(self.policy)
         # the task's held-out evaluate(complete): greedy decoding, or seeded samples; rank 0 alone evaluates

@@ -299,19 +299,21 @@ def test_gradient_checkpointing_recomputes_each_layer_with_the_same_gradients(ti
                         lambda self, *a, **k: caches.append(1) or init(self, *a, **k))
     mlp.forward = lambda *a, forward=mlp.forward: calls.append(1) or forward(*a)   # (no hooks then)
     grads, counts = [], []
-    for on in (False, True):
-        if on:
+    # the packed forward, then checkpointed: packed, and padded (its prompts then not shared)
+    for on, pack in ((False, True), (True, True), (True, False)):
+        if on and pack:   # switched on once, before the first checkpointed forward
             checkpoint_layers(model)
         model.zero_grad()
         calls.clear()
-        (completion_logprobs(model, *inputs) * cmask).sum().backward()
+        (completion_logprobs(model, *inputs, pack=pack) * cmask).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
         counts.append(len(calls))
-    assert counts[0] == 1 and counts[1] > 1
+    assert counts[0] == 1 and counts[1] > 1 and counts[2] > 1
     assert caches == []   # (so Hugging Face has none to switch off under checkpointing, and say so)
     assert not any(m.training for m in model.modules())  # switched back: dropout never ran
-    for a, b in zip(*grads):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    for checkpointed in grads[1:]:
+        for a, b in zip(grads[0], checkpointed):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
     # without gradients (sampling, the reference's pass) nothing checkpoints: the KV cache is kept
     with torch.no_grad():
         assert model(inputs[0][:1], use_cache=True).past_key_values is not None
