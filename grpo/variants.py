@@ -3,12 +3,13 @@ several (--advantage, --policy-loss, --importance-level, --kl-estimator, --loss-
 --mismatch-correction) is a small function in a table keyed by its flag value; train_lean.py's
 tables add the default to this file's, the mismatch correction's is this file's alone. A knob that
 is on or off is a Switch in SWITCHES: what it adds at each point of the step, which runs only the
-switches set (on), and its rules against the other settings (check); a choice whose function needs more than its formula declares a switch too
-(Clip-Cov's token masks). The others live where they act: DAPO's merge in grpo/rollout.py, PPO-ptx
-in ptx.py, LoRA in model.py, Muon and the schedules in optim.py. A new choice is one function, one
-entry (here or in train_lean.py's table) and a formula test (tests/grpo/test_variants.py lists
-them); its docstring is its --help text, what it needs besides is declared on it (declares), and
-DEFAULTS names what train_lean.py computes for each flag. Why each: docs/algorithm.md.
+switches set (on), and its rules against the other settings (check); a choice whose function needs
+more than its formula declares a switch too (Clip-Cov's token masks). The others live where they
+act: DAPO's merge in grpo/rollout.py, PPO-ptx in ptx.py, LoRA in model.py, Muon and the schedules in
+optim.py. A new choice is one function, one entry (here or in train_lean.py's table) and a formula
+test (tests/grpo/test_variants.py lists them); its docstring is its --help text, what it needs
+besides is declared on it (declares), and DEFAULTS names what train_lean.py computes for each flag.
+Why each: docs/algorithm.md.
 """
 import collections.abc
 import dataclasses
