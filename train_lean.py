@@ -23,6 +23,7 @@ from grpo import distributed, variants
 from grpo.model import trainable_parameters
 from grpo.optim import learning_rate, make_optimizer
 from grpo.passes import loss_mask, reference_logprobs, token_logprobs
+from grpo.decoders import graph_mode
 from grpo.rollout import Sampler, flat_groups, stream_seed
 from harness.run import Run
 
@@ -255,7 +256,8 @@ def main(argv=None):
             prepend_bos=run.prepend_bos, generation_batch=layout.generation_batch,
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
             top_p=cfg.top_p, min_new_tokens=cfg.min_new_tokens, autocast=run.autocast,
-            device=run.device, compile=cfg.compile == "on")
+            device=run.device, compile=cfg.compile == "on",
+            graph=graph_mode(cfg.decode_graph, run.device, cfg.compile == "on"))
         for step in run.steps():  # every rank   (checkpoints, a stop on Ctrl-C, the final model)
             rec, rows = train_step(  # every rank
                 step, run, task, sampler, policy, reference, tokenizer, optimizer, guard, kl, on)

@@ -10,6 +10,7 @@ import weakref
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from grpo.graphs import graph_for
 from grpo.model import (head_multiple, logprob_temperature, padded_head,
                         position_ids_from_mask)
 
@@ -51,11 +52,15 @@ class Decoder:
     """What generate() asks of a decoder: advance(), one decode step and the draw after it."""
     compiled = None
 
+    graph = None   # "capture": a replayed CUDA graph; "check": its stand-in (grpo/graphs.py)
+
     def advance(self, draws, step: int, banned):
         """Feed the token drawn at column `step`; draw column step + 1 from the logits it gives (by
-        the compiled step where there is one)."""
+        the compiled step or the graph where there is one)."""
         if self.compiled is not None:
             return self._advance_compiled(draws, step, banned)
+        if self.graph is not None:
+            return self._advance_graphed(draws, step, banned)
         draws.draw(self(draws.last(draws.columns[step:step + 1]), step),
                    draws.columns[step + 1:step + 2], banned)
 
@@ -86,14 +91,18 @@ class PreallocatedDecoder(Decoder):
     NEW_MULTIPLE = 16
 
     def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int,
-                 compile: bool = False, group_size: int = None, reuse: dict = None):
+                 compile: bool = False, group_size: int = None, reuse: dict = None,
+                 graph: str = None):
         self.model, self.inverse, self.prompt_mask = model, inverse, prompt_mask
-        reuse = reuse or {}
+        self.graph, reuse = graph, reuse or {}
+        # compiled or graphed, every tensor the step reads is kept from call to call (_kept): a
+        # replay reads the addresses it was recorded with
+        static = self.static = compile or graph is not None
         (batch, width), device = prompt_mask.shape, prompt_mask.device
         # a group: the rows of one prompt; compiled, the caller's group size, so that a step whose
         # groups drew the same prompt has the shapes of every other step (eager, such groups: one)
         n_prompts = int(inverse.max()) + 1
-        size = (group_size if compile and group_size
+        size = (group_size if static and group_size
                 else batch // n_prompts if batch % n_prompts == 0 else None)
         per_group = inverse.view(-1, size) if size and batch % size == 0 else None
         if per_group is None or not (per_group == per_group[:, :1]).all():  # not whole groups
@@ -103,35 +112,35 @@ class PreallocatedDecoder(Decoder):
         dtype = torch.float32 if device.type == "cpu" else cache.layers[0].keys.dtype
         _, kv_heads, _, head_dim = cache.layers[0].keys.shape
         rep = self.rep = self.heads // kv_heads
-        self.width = padded = padded_width(width, self.WIDTH_MULTIPLE, compile)
+        self.width = padded = padded_width(width, self.WIDTH_MULTIPLE, static)
         n_layers, T = len(cache.layers), max_new_tokens
         # Everything is laid out by group: [groups, K/V heads, ...]. Keys are stored transposed
         # (columns last), so that both score matmuls read them as they lie. Zeros, not empty: a
         # masked column's weight is exactly 0, and 0 * NaN would not be. One table per kind for all
         # layers: a token slices each table once.
         self.prompt_k = _zeros(model, "prompt_k", (n_layers, groups, kv_heads, head_dim, padded),
-                               dtype, device, compile)
+                               dtype, device, static)
         self.prompt_v = _zeros(model, "prompt_v", (n_layers, groups, kv_heads, padded, head_dim),
-                               dtype, device, compile)
+                               dtype, device, static)
         for i, layer in enumerate(cache.layers):
             self.prompt_k[i, ..., :width] = layer.keys[first].transpose(-1, -2)
             self.prompt_v[i, ..., :width, :] = layer.values[first]
         self.new_k = _zeros(model, "new_k", (n_layers, groups, kv_heads, group, head_dim, T), dtype,
-                            device, compile, reuse.get("new_k"))
+                            device, static, reuse.get("new_k"))
         self.new_v = _zeros(model, "new_v", (n_layers, groups, kv_heads, group, T, head_dim), dtype,
-                            device, compile, reuse.get("new_v"))
+                            device, static, reuse.get("new_v"))
         self.prompt_ks, self.prompt_vs = self.prompt_k.unbind(0), self.prompt_v.unbind(0)
         self._step_tables(prompt_mask, groups, group, width, padded, T, dtype, device)
         # the buffers a layer writes into: its scaled queries, and its attention output as rows
-        self.q = torch.empty(groups, kv_heads, group * rep, head_dim, dtype=dtype, device=device)
+        self.q = _zeros(model, "q", (groups, kv_heads, group * rep, head_dim), dtype, device, static)
         self.q5 = self.q.view(groups, kv_heads, group, rep, head_dim)
-        self.o = torch.empty(groups, kv_heads, group * rep, head_dim, dtype=dtype, device=device)
+        self.o = _zeros(model, "o", (groups, kv_heads, group * rep, head_dim), dtype, device, static)
         self.o5 = self.o.view(groups, kv_heads, group, rep, head_dim)
-        self.y = torch.empty(batch, self.heads * head_dim, dtype=dtype, device=device)
+        self.y = _zeros(model, "y", (batch, self.heads * head_dim), dtype, device, static)
         self.y5 = self.y.view(groups, group, kv_heads, rep, head_dim).transpose(1, 2)
         self.shape = (groups, kv_heads, group, rep, head_dim)
         self.device_type = device.type
-        self.head = self._padded_head(model, device, compile)
+        self.head = self._padded_head(model, device, static)
         self.compiled = _compiled(type(self), device) if compile and not _LIMIT_HIT else None
 
     def select(self, rows, prefill, step: int):
@@ -140,10 +149,11 @@ class PreallocatedDecoder(Decoder):
         # [layers, groups, K/V heads, group, ...] -> by row: the chosen rows' written columns
         written = [old.narrow(dim + 1, 0, step).transpose(2, 3).flatten(1, 2)[:, rows]
                    for old, dim in ((self.new_k, 4), (self.new_v, 3))]
-        compiled = self.compiled is not None   # eager, the new buffers reuse this one's memory
+        # eager, the new buffers reuse this one's memory
         new = type(self)(self.model, prefill, self.inverse[rows], self.prompt_mask[rows],
-                         self.new_k.shape[-1], compile=compiled,
-                         reuse=None if compiled else {"new_k": self.new_k, "new_v": self.new_v})
+                         self.new_k.shape[-1], compile=self.compiled is not None,
+                         reuse=None if self.static else {"new_k": self.new_k, "new_v": self.new_v},
+                         graph=self.graph)
         for by_row, kept, dim in zip(written, (new.new_k, new.new_v), (4, 3)):
             kept.transpose(2, 3).narrow(dim + 1, 0, step).copy_(   # regrouped as the new layout
                 by_row.view(kept.shape[0], kept.shape[1], kept.shape[3], *by_row.shape[2:]))
@@ -159,20 +169,47 @@ class PreallocatedDecoder(Decoder):
         written = torch.ones(T, T, dtype=torch.bool, device=device).tril()
         new_bias = torch.zeros(written.shape, dtype=dtype, device=device).masked_fill(
             ~written, float("-inf"))
-        self.bias = torch.cat([prompt_bias.expand(T, groups, padded),
-                               new_bias[:, None].expand(T, groups, T)], -1
-                              ).view(T, groups, 1, 1, 1, padded + T)
-        self.positions = prompt_mask.sum(-1) + torch.arange(T, device=device)[:, None]  # [T, rows]
-        self.columns = torch.arange(T, device=device)
+        bias = torch.cat([prompt_bias.expand(T, groups, padded),
+                          new_bias[:, None].expand(T, groups, T)], -1)
+        positions = prompt_mask.sum(-1) + torch.arange(T, device=device)[:, None]  # [T, rows]
+        self.bias, self.positions, self.columns = (
+            _kept(self.model, name, t.shape, t.dtype, device).copy_(t) if self.static else t
+            for name, t in (("bias", bias), ("positions", positions),
+                            ("columns", torch.arange(T, device=device))))
+        self.bias = self.bias.view(T, groups, 1, 1, 1, padded + T)
+        # graphed, the column the step writes: a tensor set before each replay
+        self.column = _kept(self.model, "column", (1,), torch.long, device) if self.graph else None
 
     def __call__(self, token, step: int):
         """The eager step: the logits after `token`, written at column `step`."""
         new = min(len(self.columns), -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
-        bias = self.bias[step, ..., :self.width + new]
+        return self._step(token, self.columns[step:step + 1], self.positions[step],
+                          self.bias[step, ..., :self.width + new])
+
+    def _step(self, token, column, position, bias):
+        """The logits after `token`, written at `column` (a one-element index)."""
         # this token's scores, then weights, for every layer in turn: all, over the prompt, the new
         scores = torch.empty(*self.shape[:-1], bias.shape[-1], dtype=bias.dtype, device=bias.device)
         scores = scores, _merged(scores, self.width), scores[..., self.width:]
-        return self._forward(token, self.columns[step:step + 1], self.positions[step], bias, scores)
+        return self._forward(token, column, position, bias, scores)
+
+    def _advance_graphed(self, draws, step: int, banned):
+        """advance() by _graphed_step replayed: one graph per shape and setting (graph_key), made
+        on first use and kept from call to call; the column it writes is set before each replay."""
+        self.column.fill_(step)
+        key = (type(self), self.prompt_k.shape, self.new_k.shape, draws.key(), banned,
+               torch.is_autocast_enabled(self.device_type),
+               torch.get_autocast_dtype(self.device_type))
+        graph_for(self.model, key, self.graph)(lambda: self._graphed_step(draws, banned))
+
+    def _graphed_step(self, draws, banned):
+        """The eager step and the draw after it in the shapes of every step: attention over every
+        new column under the mask of those written, the column and its rows' positions and mask
+        read through the column tensor."""
+        column = self.column
+        logits = self._step(draws.last(column), column, self.positions.index_select(0, column)[0],
+                            self.bias.index_select(0, column)[0])
+        draws.draw(logits, column + 1, banned)
 
     def _advance_compiled(self, draws, step: int, banned):
         """advance() by the compiled step; eager from the first time torch.compile's limit of
@@ -373,7 +410,7 @@ class GPT2Decoder(PreallocatedDecoder):
         if all(type(m) is Conv1D for m in mats):
             flat = self._matmul_tensors(
                 model, "gpt2", [p for m in mats for p in (m.weight, m.bias)],
-                self.prompt_k.device, self.compiled is not None)
+                self.prompt_k.device, self.static)
             mats = list(zip(flat[::2], flat[1::2]))
         self.mats = [mats[i:i + 4] for i in range(0, len(mats), 4)]
 
@@ -428,7 +465,7 @@ class LlamaDecoder(PreallocatedDecoder):
         if all(type(p) is torch.nn.Linear for p in mats):
             flat = self._matmul_tensors(
                 model, "llama", [t for p in mats for t in (p.weight, p.bias)],
-                self.prompt_k.device, self.compiled is not None)
+                self.prompt_k.device, self.static)
             mats = list(zip(flat[::2], flat[1::2]))
         self.mats = [mats[i:i + 7] for i in range(0, len(mats), 7)]
 
@@ -460,7 +497,7 @@ class HFDecoder(Decoder):
     architecture). Its cache grows every step, so it runs eagerly whatever `compile` says."""
 
     def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int,
-                 compile: bool = False, group_size: int = None):
+                 compile: bool = False, group_size: int = None, graph: str = None):
         cache.batch_select_indices(inverse)  # one row per completion, in the batch's order
         self.model, self.cache = model, cache
         self.attention = torch.cat(
@@ -492,6 +529,14 @@ DECODER_NAMES = {GPT2Decoder: "fast GPT-2 path", LlamaDecoder: "fast Llama-famil
                  HFDecoder: "generic HF forward (no fast path fits this model; decoding is slower)"}
 
 
+def graph_mode(choice: str, device, compile: bool):
+    """generate()'s graph for --decode-graph `choice`: "capture" on a GPU (auto, unless compiled:
+    torch.compile records its own graphs), "check" (the stand-in) anywhere it is asked, else None."""
+    if choice == "check":
+        return "check"
+    return "capture" if choice == "auto" and device.type == "cuda" and not compile else None
+
+
 def decoder_name(model) -> str:
     """The decoder generation uses for `model`, in words: "GPT2Decoder (fast GPT-2 path)", ..."""
     cls = decoder_class(model)
@@ -499,10 +544,10 @@ def decoder_name(model) -> str:
 
 
 def decoder_for(model, cache, inverse, prompt_mask, max_new_tokens: int, compile: bool = False,
-                group_size: int = None):
+                group_size: int = None, graph: str = None):
     """A decoder of decoder_class(model) for one generate() call."""
     return decoder_class(model)(model, cache, inverse, prompt_mask, max_new_tokens, compile=compile,
-                                group_size=group_size)
+                                group_size=group_size, graph=graph)
 
 
 # ---- sampling: one token per row, then a whole completion ---------------------------------------
@@ -641,7 +686,7 @@ class Draws:
 
     def __init__(self, model, batch: int, max_new_tokens: int, end_ids: tuple, sampling: tuple,
                  with_sampler: bool, device, keep: bool):
-        self.end_ids, self.with_sampler = end_ids, with_sampler
+        self.end_ids, self.with_sampler, self.model, self.keep = end_ids, with_sampler, model, keep
         self.temperature, self.top_k, self.top_p = sampling
         shape = (batch, max_new_tokens)
         self.tokens = _zeros(model, "tokens", shape, torch.long, device, keep).fill_(end_ids[0])
@@ -650,6 +695,13 @@ class Draws:
                         if with_sampler else None)
         self.done = _zeros(model, "done", (batch,), torch.bool, device, keep)
         self.columns = torch.arange(max_new_tokens, device=device)
+
+    def key(self) -> tuple:
+        """What a recorded draw depends on besides its buffers' shapes: the rows it runs and the
+        settings baked into its kernels."""
+        rows = None if self.rows is None else len(self.rows)
+        return (tuple(self.tokens.shape), rows, self.end_ids, self.temperature, self.top_k,
+                self.top_p, self.with_sampler)
 
     def last(self, column):
         """The tokens at `column` (a one-element index) of the rows the decoder runs."""
@@ -677,8 +729,8 @@ class Draws:
 
     def compact(self, decoder, prefill, step: int, compiled: bool):
         """The decoder for the rows still running once at most half of those it runs are: the live
-        rows (compiled: with finished ones up to a power of two, one compiled step per size);
-        else the decoder as it is. A host synchronisation."""
+        rows (compiled or graphed: with finished ones up to a power of two, one compiled step or
+        graph per size); else the decoder as it is. A host synchronisation."""
         running = self.done.shape[0] if self.rows is None else self.rows.shape[0]
         live = (~self.done).nonzero().squeeze(1)
         size = 1 << max(0, (live.shape[0] - 1).bit_length()) if compiled else live.shape[0]
@@ -688,7 +740,8 @@ class Draws:
             done = self.done.nonzero().squeeze(1)
             live = torch.cat([live, done[:size - live.shape[0]]]).sort().values
         own = live if self.rows is None else torch.searchsorted(self.rows, live)
-        self.rows = live
+        self.rows = (_kept(self.model, "rows", live.shape, live.dtype, live.device).copy_(live)
+                     if self.keep else live)
         return decoder.select(own, prefill, step)
 
 
@@ -709,11 +762,12 @@ class Completions:
 def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0,
              autocast=None, compile: bool = False, with_sampler: bool = False,
-             group_size: int = None) -> Completions:
+             group_size: int = None, graph: str = None) -> Completions:
     """Sample a completion per row of a left-padded prompt batch (Completions); a row ends at its
     first of end_ids (an id or ids: EOS, an end of turn; then end_ids[0], masked), never before
     min_new_tokens (the ends' probability still counts). compile: torch.compile where a
-    preallocated decoder fits. with_sampler: Completions.sampler_logp too. group_size: rows per
+    preallocated decoder fits; graph: the step as a replayed CUDA graph there ("capture"), or its
+    stand-in's checks ("check": grpo/graphs.py). with_sampler: Completions.sampler_logp too. group_size: rows per
     prompt (compiled: kept when two groups draw one prompt, so nothing recompiles).
     """
     (batch, width), ends = prompt_ids.shape, as_ends(end_ids)
@@ -727,9 +781,10 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
                     logits_to_keep=1)
         prefill = out.past_key_values
         decoder = decoder_for(model, prefill, inverse, prompt_mask, max_new_tokens, compile=compile,
-                              group_size=group_size)
+                              group_size=group_size, graph=graph)
+        static = getattr(decoder, "static", False)   # HFDecoder: eager whatever was asked
         draws = Draws(model, batch, max_new_tokens, ends, (temperature, top_k, top_p), with_sampler,
-                      prompt_ids.device, keep=decoder.compiled is not None)
+                      prompt_ids.device, keep=static)
         draws.draw(out.logits[inverse, -1], draws.columns[:1], ends if min_new_tokens > 0 else None)
         last, every = 0, done_check_every(prompt_ids.device)   # last: the last column drawn
         for step in range(max_new_tokens - 1):
@@ -737,7 +792,7 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
                 if bool(draws.done.all()):
                     break
                 # rows that finished leave the decoder once half of it has: no step for them
-                decoder = draws.compact(decoder, prefill, step, decoder.compiled is not None)
+                decoder = draws.compact(decoder, prefill, step, static)
             decoder.advance(draws, step, ends if step + 1 < min_new_tokens else None)
             last = step + 1
     mask = completion_mask(draws.tokens[:, :last + 1], ends)

@@ -198,6 +198,7 @@ class Sampler:
     autocast: object     # the context generate() runs under (grpo/model.py model_autocast)
     device: torch.device
     compile: bool = False
+    graph: str = None    # the decode step replayed as a CUDA graph ("capture") or checked ("check")
     ends: tuple = dataclasses.field(init=False)   # EOS, and an instruct model's end of turn
     context: int = dataclasses.field(init=False)  # the model's positions (None: not declared)
 
@@ -228,7 +229,7 @@ class Sampler:
                 max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                 top_k=self.top_k, top_p=self.top_p, min_new_tokens=self.min_new_tokens,
                 autocast=self.autocast, compile=self.compile, with_sampler=truncates,
-                group_size=group_size))
+                group_size=group_size, graph=self.graph))
         width, pad = max(c.ids.shape[1] for c in chunks), torch.nn.functional.pad
         def joined(parts, value=0):   # the chunks' rows in order, right-padded to the widest
             return torch.cat([pad(t, (0, width - t.shape[1]), value=value) for t in parts])

@@ -107,6 +107,11 @@ class Config(Settings):
                        "(seconds each), decoding then runs faster; off by default: the main job "
                        "decoded no faster for it on an H200 (BENCHMARKS.md; a bare flag means on)", ["on", "off"],
                        const="on", aliases={"true": "on", "false": "off"}, resume_free=True)
+    decode_graph: str = opt("auto", "the decode step as one CUDA graph, recorded once per shape and replayed every "
+                            "token (no compiler; GPT-2 and Llama-family models): auto on a GPU without --compile; "
+                            "check: a stand-in on any device runs the step eagerly and stops the run where a "
+                            "replay would differ (slow: to check a change to the decoder on a CPU)",
+                            ["auto", "off", "check"], resume_free=True)
     lora_rank: int = opt(0, "train LoRA adapters of this rank instead of every weight (needs peft: pip install "
                          "peft); the KL reference is then the same weights with the adapters off, no second model "
                          "(0: full fine-tuning)", must=">= 0", resume_fixed=ADAPTERS_FIXED)

@@ -28,7 +28,7 @@ import time
 
 from tqdm import tqdm
 
-from grpo import decoders, distributed, packing, ptx
+from grpo import decoders, distributed, graphs, packing, ptx
 from grpo.model import (ModelLoadError, checkpoint_layers, context_length, declared_end_ids,
                         end_ids, frozen_copy, load_config, load_policy, load_tokenizer,
                         load_trainable, model_autocast)
@@ -292,6 +292,7 @@ class Run:
         micro-batch probed with --micro-batch-size auto); the logs, reporter and checkpoints; the step-0 evaluation."""
         cfg = self.cfg
         self.compiles_before = decoders.compile_counts()   # a step's record counts its own (--compile)
+        self.graphs_before = dict(graphs.COUNTS)   # and its decode graphs made and replayed
         self.kl = kl   # --kl-target steers it (grpo/variants.py AdaptiveKL); a checkpoint holds where it was
         streak = self._resume_states(optimizer, kl) if self.resume_from else 0
         self.guard = self._guard(optimizer, streak)  # every rank
@@ -458,6 +459,9 @@ class Run:
                          f"skip(s); TORCH_LOGS=cudagraphs says why): each token launches its kernels one by "
                          f"one, the cost --compile is there to remove (said once; decode_graph_skips in each "
                          f"record)")
+        if decoders.graph_mode(cfg.decode_graph, self.device, cfg.compile == "on"):
+            rec.update({k: v - self.graphs_before[k] for k, v in graphs.COUNTS.items()})
+            self.graphs_before = dict(graphs.COUNTS)
         if not self.main:
             return
         if rec.get("ptx_cut") and not self.cut_said:   # learned, but not whole: said once, counted in every record

@@ -145,6 +145,10 @@ def header(loaded, layout, device, model, resume_from, lora=None) -> str:
     if cfg.compile == "on":
         fast = decoders.decoder_class(model) is not decoders.HFDecoder
         decoder += ", compiled (--compile on)" if fast else "; --compile has no effect on it"
+    elif decoders.decoder_class(model) is not decoders.HFDecoder:
+        decoder += {"capture": ", each step a replayed CUDA graph", None: "",
+                    "check": ", each step checked as a CUDA graph would replay it (--decode-graph check: slow)"
+                    }[decoders.graph_mode(cfg.decode_graph, device, False)]
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     # a flag and its value stay on one line when the header wraps (no-break spaces, made plain after wrapping)
     given = [f"{config.flag(n)}\xa0{_cut(values[n]) if n == 'system_prompt' else _text(values[n])}"
