@@ -37,10 +37,20 @@ def kernels(prof) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def profile_generate(model, ids, mask, eos, new_tokens, compile):
+def graph_calls(prof) -> dict:
+    """The CUDA runtime's graph calls in a profile: recorded (captures begun, graphs instantiated)
+    against replayed (graph launches). A replayed decode launches one a token."""
+    names = {"captures": ("cudaStreamBeginCapture",),
+             "instantiations": ("cudaGraphInstantiate", "cudaGraphInstantiateWithFlags"),
+             "launches": ("cudaGraphLaunch",)}
+    return {k: sum(1 for e in prof.events() if e.name in v) for k, v in names.items()}
+
+
+def profile_generate(model, ids, mask, eos, new_tokens, compile, graph=None):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
-    kwargs = dict(end_ids=eos, max_new_tokens=new_tokens, min_new_tokens=new_tokens, compile=compile)
-    generate(model, ids, mask, **kwargs)  # warm: compilation and allocations are not per token
+    kwargs = dict(end_ids=eos, max_new_tokens=new_tokens, min_new_tokens=new_tokens, compile=compile,
+                  graph=graph)
+    generate(model, ids, mask, **kwargs)  # warm: compilation, capture and allocations are not per token
     with profile(activities=activities) as prof:
         generate(model, ids, mask, **kwargs)
         if ids.is_cuda:
@@ -48,15 +58,17 @@ def profile_generate(model, ids, mask, eos, new_tokens, compile):
     return top_level_ops(prof), kernels(prof)
 
 
-def per_token(model, device, *, short=8, long=24, compile=False, prompts=8, group=8, width=20):
-    """(top-level aten ops, CUDA kernels) per decode token of generate() on `model`."""
+def per_token(model, device, *, short=8, long=24, compile=False, prompts=8, group=8, width=20,
+              graph=None):
+    """(top-level aten ops, CUDA kernels) per decode token of generate() on `model` (graph: a
+    replayed graph's kernels are counted as the ones it launches)."""
     torch.manual_seed(0)
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (prompts, width), device=device).repeat_interleave(group, 0)
     mask = torch.ones_like(ids)
     eos = model.config.eos_token_id if model.config.eos_token_id is not None else 0
-    a = profile_generate(model, ids, mask, eos, short, compile)
-    b = profile_generate(model, ids, mask, eos, long, compile)
+    a = profile_generate(model, ids, mask, eos, short, compile, graph)
+    b = profile_generate(model, ids, mask, eos, long, compile, graph)
     return tuple((y - x) / (long - short) for x, y in zip(a, b))
 
 

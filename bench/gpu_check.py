@@ -1,19 +1,24 @@
 """One GPU check: everything the GPU issue asks of a card, measured in one command, one table.
 
-    TORCH_LOGS=cudagraphs python bench/gpu_check.py --budget 540   # one GPU, offline; 9 minutes at most
+    python bench/gpu_check.py --budget 540 --baseline .gpu/base   # one GPU, offline; 9 minutes at most
     python bench/gpu_check.py --only trl,big # some sections again (their keys: --help)
     python bench/gpu_check.py --smoke        # the same sections, tiny, on the CPU (CI runs it)
 
 Sections, each a subprocess or a call with its own time limit (one failing is reported, the others
-go on), most wanted first: the main job (`make train`'s command, a few steps); the whole GRPO step
+go on), most wanted first: the main job at --baseline (a checkout of c2eee3e, the last commit whose
+step took 0.31 s on an H200; bench/gpu_kit.sh makes one) beside this checkout, in bf16, bf16 with
+cuDNN's attention off and fp32, and this checkout without its decode graph (where the main job's
+time went); the main job (`make train`'s command, a few steps); the whole GRPO step
 at the 124M shape (bench/run.py's workload: 64 = 8 x 8 completions of 144 tokens, KL on) with no
 speed flags, with --compile on, TRL's GRPOTrainer (when trl imports) and the floor; ours and TRL on
 the varied workload (bench/run.py --lengths varied), with the compacted decoder's compilations;
-decode tokens/s and ops (CUDA: kernels) per token; recompilations after the first step; peak memory;
+decode tokens/s and ops (CUDA: kernels) per token, eager, graphed and compiled, with the graphs
+recorded and replayed (the CUDA runtime's calls, profiled); recompilations after the first step; peak memory;
 same seed, same bits; monitor_memory.py's clean (exit 0) and leaking (exit 1) verdicts; an out-of-
 memory snapshot provoked and found where the console says (CUDA only); the same step at
 Qwen2.5-0.5B's shape (random weights, built here); monitor_memory.py --sweep under a 24 GB budget.
-It installs nothing and reads no network.
+Every command's output, with TORCH_LOGS=cudagraphs,recompiles, is kept in the work folder (one .log
+a run). It installs nothing and reads no network.
 """
 import argparse
 import glob
@@ -67,13 +72,19 @@ def train_command(path, s, out, extra=(), varied: bool = False):
 
 
 DEADLINE = [float("inf")]   # --budget: no command runs past it
+LOGS = []   # the work folder, where each command's output is kept
 
 
-def run(cmd, timeout, **kw):
+def run(cmd, timeout, cwd=REPO, **kw):
     left = DEADLINE[0] - time.monotonic()
     if left < 5:
         raise TimeoutError("the time budget is spent")
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=min(timeout, left), **kw)
+    env = {**os.environ, "TORCH_LOGS": os.environ.get("TORCH_LOGS", "cudagraphs,recompiles")}
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=min(timeout, left),
+                          env=env, **kw)
+    if LOGS:
+        with open(os.path.join(LOGS[0], f"{len(os.listdir(LOGS[0])):03d}.log"), "w") as f:
+            f.write(f"$ (cd {cwd}; {' '.join(cmd)})\n{proc.stdout}{proc.stderr}")
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -91,23 +102,64 @@ def graph_skips(recs) -> dict:
     return {"CUDA graph skips": sum(r.get("decode_graph_skips", 0) for r in recs)}
 
 
+def graph_counts(recs) -> dict:
+    """The decode graphs the run recorded and replayed (--decode-graph), all steps and after step 1."""
+    if not any("decode_graphs" in r for r in recs):
+        return {}
+    return {"decode graphs": sum(r["decode_graphs"] for r in recs),
+            "graphs after step 1": sum(r["decode_graphs"] for r in recs[1:]),
+            "replays": sum(r["decode_replays"] for r in recs)}
+
+
 def records(out: str) -> list:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if "samples_per_s" in r]
 
 
-def main_job_section(s, work):
-    """`make train`'s command (the default model, task and settings), a few steps, no evaluation."""
-    out = os.path.join(work, "main-job")
-    steps = 2 if s["model"] == "tiny" else 6
-    extra = ["--batch-size", "16"] if s["model"] == "tiny" else []
-    code, text = run([sys.executable, os.path.join(REPO, "train_lean.py"), "--steps", str(steps),
-                      "--eval-interval", "0", "--out-dir", out, "--log-level", "warning", *extra], 300)
+# the regression's arms: flags, and whether cuDNN's attention is switched off before the run
+ARMS = {"bf16": (["--dtype", "bf16"], False), "bf16 cudnn-sdp off": (["--dtype", "bf16"], True),
+        "fp32": (["--dtype", "fp32"], False)}
+
+
+def main_job(tree, s, out, flags=(), cudnn_off=False):
+    """`make train`'s command in checkout `tree` (a few steps, no evaluation): the median step and
+    phases over the steps after the first."""
+    steps = 2 if s["model"] == "tiny" else 8
+    args = ["train_lean.py", "--steps", str(steps), "--eval-interval", "0", "--out-dir", out,
+            "--log-level", "warning", *(["--batch-size", "16"] if s["model"] == "tiny" else []), *flags]
+    cmd = [sys.executable, *args]
+    if cudnn_off:   # the same command, cuDNN's attention kernels switched off in its process
+        cmd = [sys.executable, "-c", "import runpy, sys, torch; torch.backends.cuda.enable_cudnn_sdp(False); "
+               f"sys.path.insert(0, '.'); sys.argv = {args!r}; runpy.run_path(sys.argv[0], run_name='__main__')"]
+    code, text = run(cmd, 300, cwd=tree)
     if code:
         raise RuntimeError(f"exit {code}: {text.strip().splitlines()[-1] if text.strip() else ''}")
     recs = records(out)
+    return recs, phases(recs[1:] or recs)
+
+
+def regression_section(s, work, baseline):
+    """Where the main job's time went since c2eee3e: its step and phases there (--baseline) and
+    here, in each of ARMS, and here without the decode graph."""
+    if baseline is None:
+        return {"skipped": "no --baseline checkout (bench/gpu_kit.sh makes .gpu/base)"}
+    out, arms = {}, ARMS if s["model"] != "tiny" else ["bf16 cudnn-sdp off"]   # --smoke: each path once
+    runs = [(baseline, "base", arm) for arm in arms] + [(REPO, "here", arm) for arm in arms]
+    for tree, tag, arm in runs + [(REPO, "here", "bf16 graph off")]:
+        flags, cudnn_off = ARMS.get(arm, (["--dtype", "bf16", "--decode-graph", "off"], False))
+        _, times = main_job(tree, s, os.path.join(work, f"main-{tag}-{arm.replace(' ', '-')}"), flags,
+                            cudnn_off)
+        out[f"{tag} {arm}"] = " / ".join(f"{times.get(k, float('nan')):.3f}" for k in
+                                         ("step s", "generation s", "reference s", "training s"))
+    return {"step / generation / reference / training s": out}
+
+
+def main_job_section(s, work):
+    """`make train`'s command (the default model, task and settings), a few steps, no evaluation."""
+    recs, times = main_job(REPO, s, os.path.join(work, "main-job"))
     measured = recs[1:] or recs
-    return {"samples/s": statistics.median(r["samples_per_s"] for r in measured), **phases(measured),
+    return {"samples/s": statistics.median(r["samples_per_s"] for r in measured), **times,
+            **graph_counts(recs),
             "peak MB": max(r.get("cuda_peak_mb", r["rss_peak_mb"]) for r in recs),
             "compilations": sum(r.get("decode_compiles", 0) for r in recs), **graph_skips(recs),
             "reward first/last": f"{recs[0]['reward_mean']:.3f}/{recs[-1]['reward_mean']:.3f}"}
@@ -125,7 +177,7 @@ def step_section(path, s, work, name, extra=(), timeout=300, varied=False):
     peak = max(r.get("cuda_peak_mb", r["rss_peak_mb"]) for r in recs)
     later = sum(r.get("decode_compiles", 0) for r in recs[1:])
     return {"samples/s": statistics.median(measured), "max/min": max(measured) / min(measured),
-            **phases(recs[s["warmup"]:]), "peak MB": peak, **graph_skips(recs),
+            **phases(recs[s["warmup"]:]), "peak MB": peak, **graph_skips(recs), **graph_counts(recs),
             "compilations": sum(r.get("decode_compiles", 0) for r in recs), "recompiles after step 1": later,
             "out": out}
 
@@ -146,28 +198,40 @@ def peer_section(system, path, s, work, dtype, timeout=300, lengths="fixed"):
 
 
 def decode_section(path, s, device):
-    """generate()'s tokens/s on the step's batch (eager and compiled), and ops / CUDA kernels per token."""
+    """generate()'s tokens/s on the step's batch (eager, graphed: the default on a GPU, compiled), ops
+    / CUDA kernels per token, and the graphs the CUDA runtime recorded and launched in a call."""
     import torch
-    from bench.decode_ops import per_token
+    from torch.profiler import ProfilerActivity, profile
+    from bench.decode_ops import graph_calls, per_token
     from grpo.decoders import compile_counts, generate
     from grpo.model import load_policy, model_autocast
     model = load_policy(path, device)
     out = {}
-    for compile in (False, True):
-        ops, kernels = per_token(model, torch.device(device), compile=compile)
+    graphed = "capture" if device == "cuda" else "check"   # the CPU: the graph's stand-in
+    for tag, compile, graph in (("eager", False, None), ("graphed", False, graphed),
+                                ("compiled", True, None)):
+        # the stand-in runs the eager step's ops, slowly: on a CPU they are counted once
+        ops, kernels = (per_token(model, torch.device(device), compile=compile, graph=graph)
+                        if graph != "check" else (out["eager ops/token"], 0))
         torch.manual_seed(0)
         ids = torch.randint(3, 300, (s["batch"] // 8, 20), device=device).repeat_interleave(8, 0)
         kw = dict(end_ids=0, max_new_tokens=s["tokens"], min_new_tokens=s["tokens"], compile=compile,
+                  graph=graph,
                   autocast=model_autocast(torch.device(device), "bf16" if device == "cuda" else "fp32"))
-        generate(model, ids, torch.ones_like(ids), **kw)   # compiled: the compilation
+        generate(model, ids, torch.ones_like(ids), **kw)   # compiled: the compilation; graphed: capture
         start = time.perf_counter()
         generate(model, ids, torch.ones_like(ids), **kw)
         if device == "cuda":
             torch.cuda.synchronize()
-        tag = "compiled" if compile else "eager"
+        seconds = time.perf_counter() - start
         if compile and device == "cuda":   # the reason, where one was met: TORCH_LOGS=cudagraphs
             out["CUDA graph skips"] = compile_counts()["decode_graph_skips"]
-        out[f"{tag} tokens/s"] = ids.shape[0] * s["tokens"] / (time.perf_counter() - start)
+        if device == "cuda" and tag != "eager":   # one more call, profiled: graphs made and launched
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                generate(model, ids, torch.ones_like(ids), **kw)
+                torch.cuda.synchronize()
+            out[f"{tag} graph calls"] = graph_calls(prof)
+        out[f"{tag} tokens/s"] = ids.shape[0] * s["tokens"] / seconds
         out[f"{tag} {'kernels' if kernels else 'ops'}/token"] = kernels or ops
     return out
 
@@ -224,11 +288,12 @@ def sweep_section(path, s, work):
     return {"exit": code, "says": lines[-1].strip() if lines else text.strip().splitlines()[-1]}
 
 
-def sections(s, path, big, work, device, dtype) -> list:
+def sections(s, path, big, work, device, dtype, baseline) -> list:
     """(key, name, call), most wanted first: --budget skips from the end."""
     trl = importlib.util.find_spec("trl") is not None
     no_trl = {"skipped": "trl does not import"}
     return [
+        ("regression", "the main job since c2eee3e", lambda: regression_section(s, work, baseline)),
         ("main", "the main job (make train's, a few steps)", lambda: main_job_section(s, work)),
         ("default", "ours, defaults", lambda: step_section(path, s, work, "default")),
         ("varied", "ours, varied lengths", lambda: step_section(path, s, work, "varied", varied=True)),
@@ -253,8 +318,11 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=None, metavar="S",
                     help="seconds for the whole check: a section that would start or run past it is skipped "
                          "or stopped, and said (a lent GPU's lease is short)")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="a checkout of c2eee3e for the regression section (default: .gpu/base when "
+                         "there; --smoke: this checkout)")
     ap.add_argument("--only", default=None, metavar="KEYS",
-                    help="comma-separated section keys: main, default, varied, trl, trl-varied, compiled, bits, "
+                    help="comma-separated section keys: regression, main, default, varied, trl, trl-varied, compiled, bits, "
                          "decode, monitor, oom, floor, big, sweep (bits needs default's run)")
     args = ap.parse_args(argv)
     import torch
@@ -269,8 +337,12 @@ def main(argv=None):
     path, big = model_dir(s["model"], root), model_dir(s["big"], root)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="gpu-check-", dir=args.out)
+    LOGS.append(os.path.join(work, "logs"))
+    os.makedirs(LOGS[0])
     dtype = "bf16" if device == "cuda" else "fp32"
-    table = sections(s, path, big, work, device, dtype)
+    kit = os.path.join(REPO, ".gpu", "base")
+    baseline = args.baseline or (REPO if args.smoke else kit if os.path.isdir(kit) else None)
+    table = sections(s, path, big, work, device, dtype, baseline)
     only = args.only.split(",") if args.only else [key for key, _, _ in table]
     unknown = sorted(set(only) - {key for key, _, _ in table})
     if unknown:
