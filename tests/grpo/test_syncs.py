@@ -1,0 +1,97 @@
+"""grpo/syncs.py: the counter counts each kind of synchronising op once, and nothing else; and a
+default toy step stays within its bound of them (bench/syncs.py's count)."""
+import numpy as np
+import pytest
+import torch
+
+from grpo.syncs import SyncCounter, kind
+
+aten = torch.ops.aten
+T = torch.arange(6.0)
+MASK = T > 2
+
+# each: what it runs, and the kind it is counted as (once)
+SYNCS = {
+    "item": (lambda: T.sum().item(), "scalar"),
+    "bool": (lambda: bool(T.sum()), "scalar"),
+    "int": (lambda: int(T[1]), "scalar"),
+    "float": (lambda: float(T[1]), "scalar"),
+    "equal": (lambda: torch.equal(T, T), "scalar"),
+    "allclose": (lambda: torch.allclose(T, T), "scalar"),
+    "tolist": (lambda: T.tolist(), "list"),
+    "numpy": (lambda: T.numpy(), "list"),
+    "asarray": (lambda: np.asarray(T), "list"),
+    "cpu": (lambda: T.cpu(), "copy"),
+    "nonzero": (lambda: T.nonzero(), "nonzero"),
+    "argwhere": (lambda: torch.argwhere(T), "nonzero"),
+    "where": (lambda: torch.where(MASK), "nonzero"),
+    "mask index": (lambda: T[MASK], "mask"),
+    "mask fill by index": (lambda: T.clone().__setitem__(MASK, 0.0), "mask"),
+    "mask put": (lambda: T.clone().__setitem__(MASK, T[:3]), "mask"),
+    "masked_select": (lambda: T.masked_select(MASK), "mask"),
+    "unique": (lambda: T.unique(), "unique"),
+    "unique rows": (lambda: torch.unique(T.view(2, 3), dim=0), "unique"),
+    "unique_consecutive": (lambda: T.unique_consecutive(), "unique"),
+    "repeat_interleave": (lambda: T.repeat_interleave(torch.tensor([1, 2, 0, 1, 1, 1])),
+                          "repeat"),
+}
+# what stays on the device: sized by shapes alone
+NONE = {
+    "repeat_interleave sized": lambda: T.repeat_interleave(torch.tensor([1, 2, 0, 1, 1, 1]),
+                                                           output_size=6),
+    "repeat_interleave by int": lambda: T.repeat_interleave(2),
+    "index by ints": lambda: T[torch.tensor([1, 2])],
+    "index_select": lambda: T.index_select(0, torch.tensor([1, 2])),
+    "masked_fill": lambda: T.masked_fill(MASK, 0.0),
+    "where of three": lambda: torch.where(MASK, T, 0.0),
+    "sum": lambda: T.sum(),
+    "to the same device": lambda: T.to("cpu"),
+}
+
+
+@pytest.mark.parametrize("name", SYNCS)
+def test_each_synchronising_op_counts_once_as_its_kind(name):
+    run, expected = SYNCS[name]
+    with SyncCounter() as syncs:
+        run()
+    assert [what for what, _ in syncs.events] == [expected]
+    assert syncs.events[0][1].startswith("tests/grpo/test_syncs.py:")   # the line that made it
+
+
+@pytest.mark.parametrize("name", NONE)
+def test_ops_sized_by_shapes_alone_do_not_count(name):
+    with SyncCounter() as syncs:
+        NONE[name]()
+    assert syncs.events == []
+
+
+def test_a_boolean_index_counts_in_backward_too_and_the_optimizers_reads_do_not():
+    x = torch.nn.Parameter(torch.randn(5))
+    optimizer = torch.optim.AdamW([x])
+    with SyncCounter() as syncs:
+        x[x.detach() > 0].sum().backward()   # backward puts the gradient back by the mask
+        optimizer.step()   # reads its step counter (.item()): a host tensor on a GPU
+    assert [what for what, _ in syncs.events] == ["mask", "mask"]
+
+
+def test_a_copy_between_host_and_device_counts_unless_it_does_not_wait():
+    # the meta device stands in for a GPU: copies are classified by their devices alone
+    host, device = torch.empty(2), torch.empty(2, device="meta")
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert kind(aten._to_copy.default, (device,), {"device": cpu}) == "copy"
+    assert kind(aten._to_copy.default, (device,), {"device": cpu, "non_blocking": True}) == "copy"
+    assert kind(aten._to_copy.default, (host,), {"device": meta}) == "copy"
+    assert kind(aten._to_copy.default, (host,), {"device": meta, "non_blocking": True}) is None
+    assert kind(aten.copy_.default, (host, device), {}) == "copy"
+    assert kind(aten.copy_.default, (device, host), {}) == "copy"
+    assert kind(aten.copy_.default, (device, host, True), {}) is None
+    assert kind(aten._to_copy.default, (host,), {"dtype": torch.float64}) is None
+
+
+def test_the_counter_stops_counting_when_it_is_left():
+    with SyncCounter() as syncs:
+        T.sum().item()
+    T.sum().item()
+    with syncs:   # and counts on where it was entered again
+        T.tolist()
+    assert [what for what, _ in syncs.events] == ["scalar", "list"]
