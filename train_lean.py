@@ -15,6 +15,7 @@ import functools
 import math
 import random
 from collections import Counter
+from collections.abc import Mapping
 
 import torch
 
@@ -149,7 +150,26 @@ def statistics(ratio, t, ref_logp, cfg, more=()) -> dict:
             stats.update(extra(t))
         sums = [(v * t.mask).max() if k == "mismatch_max" else (v * t.mask).sum()
                 for k, v in stats.items()]
-        return dict(zip(stats, torch.stack(sums).tolist()))   # one device sync, not one each
+        return Statistics(stats, torch.stack(sums))
+
+
+class Statistics(Mapping):
+    """A micro-batch's statistics by name, floats, kept on the device as one tensor until the first
+    is read (a read waits for the device): accumulate reads every micro-batch's at once."""
+
+    def __init__(self, names, values):
+        self.names, self.values, self.read = list(names), values, None
+
+    def __getitem__(self, name):
+        if self.read is None:
+            self.read = dict(zip(self.names, self.values.tolist()))
+        return self.read[name]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
 
 
 # ---- the update: mini-batches of micro-batches, gradients summed over devices -------------------
@@ -161,7 +181,7 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
     mix); returns the summed statistics. inputs: [B, ...] tensors by name for grpo_loss, each
     micro-batch's rows picked; on: the run's variants.on(cfg)."""
     optimizer.zero_grad(set_to_none=True)
-    sums, on = Counter(), on or variants.on(cfg)
+    sums, on, parts = Counter(), on or variants.on(cfg), []
     for part in micro.split(batch, rows):
         logp, entropy = token_logprobs(policy, batch, part, cfg, autocast, with_entropy=True,
                                        entropy_grad=on.reads_entropy)
@@ -170,8 +190,14 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
                                 denominator, cfg, kl_coef, ref_logp=ref_logp, entropy=entropy,
                                 on=on, **{k: v[part] for k, v in inputs.items()})
         loss.backward()
-        peak, tokens = stats.pop("mismatch_max", 0.0), mask[part].sum().item()
-        sums.update(stats, loss=loss.item(), tokens=tokens,
+        # float64 holds each float32 sum and token count exactly: the host reads the very values
+        parts.append((stats.names, torch.cat([stats.values.double(), loss.detach().double()[None],
+                                              mask[part].sum().double()[None]])))
+    read = iter(torch.cat([values for _, values in parts]).tolist())   # the micro-batches' one read
+    for names, _ in parts:   # summed on the host in micro-batch order, as they were
+        stats = {name: next(read) for name in names}
+        loss, tokens, peak = next(read), int(next(read)), stats.pop("mismatch_max", 0.0)
+        sums.update(stats, loss=loss, tokens=tokens,
                     mismatch_tokens=tokens if "sampler_logp" in inputs else 0)
         sums["mismatch_max"] = max(sums["mismatch_max"], peak)
     for backward in on.backward:   # --ptx-coef's texts

@@ -100,13 +100,17 @@ def backward(policy, batch, micro, cfg, autocast, sums, update: int) -> None:
     device reports them, zero too)."""
     mix = batch.extra["ptx"][update]
     sums.update(ptx_nll=0.0, ptx_tokens=0)
+    parts = []
     for part in micro.split(mix, shared=0):
         logp = completion_logprobs(policy, mix.input_ids[part], mix.attention[part], mix.target.shape[1], 1.0,
                                    cfg.logprob_chunk_size, autocast, share_prompts=False,
                                    predict=mix.target[part])   # the head only at learned tokens
         loss, nll = ptx_loss(logp, mix.target[part], mix.tokens, cfg.ptx_coef)
         loss.backward()
-        sums.update(loss=loss.item(), ptx_nll=nll.item(), ptx_tokens=mix.target[part].sum().item())
+        # float64 holds the float32 values exactly: read once after the last micro-batch
+        parts.append(torch.stack([loss.detach(), nll, mix.target[part].sum()]).double())
+    for loss, nll, tokens in torch.stack(parts).tolist() if parts else ():   # summed in order
+        sums.update(loss=loss, ptx_nll=nll, ptx_tokens=tokens)
 
 
 def record(totals, tokens: int, batch) -> dict:
