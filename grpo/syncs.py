@@ -2,24 +2,26 @@
 SyncCounter() as syncs: ...; syncs.events lists each one's kind and the line of the repository that
 made it. Usable on the CPU, so the CPU tests bound a step's synchronisations before a GPU runs it.
 
-What counts (each once), by kind:
-    scalar    a tensor's value read by Python: .item(), bool(), int(), float() (aten's
-              _local_scalar_dense), torch.equal, torch.allclose
-    list      .tolist(), .numpy(), np.asarray(tensor): on the CPU no aten op, so a function mode
+What counts (each once), by kind, where it reads a tensor that lives on the device:
+    scalar    a value read by Python: .item(), bool(), int(), float() (aten's _local_scalar_dense),
+              torch.equal, torch.allclose
+    list      .tolist(), .numpy(), np.asarray(tensor) (on the CPU no aten op: a function mode)
+    copy      .cpu(), and any copy from a device to the host; on a device also a copy from the host
+              to it without non_blocking (torch waits for the stream before it returns)
     nonzero   nonzero, argwhere, torch.where(cond): the output's size is a count on the device
     mask      indexing, or assignment, by a boolean mask (index, index_put_), masked_select
     unique    unique, unique_consecutive (also sized by the data)
     repeat    repeat_interleave by a tensor of repeats without output_size
-    copy      a copy from a device to the host, and .cpu() (on the CPU no op: counted as the copy
-              it is on a device); on a device also a copy from the host to it without non_blocking
-              (torch waits for the stream before it returns)
 
-On the CPU every tensor is a host tensor, so the count is what the same code would make on a
-device where the code's tensors live there. It over-counts reads of tensors that live on the host
-anyway on a GPU (the rewards, what .cpu() returned, a tensor made from a list) and .cpu() of a
-host tensor; it under-counts copies from the host to the device (on the CPU `.to(device)` is no
-op). Not counted: torch.optim's reads (its step counters, host tensors on a GPU unless capturable
-or fused, which read none) and explicit waits (torch.cuda.synchronize, an event's: no tensor op).
+Which tensors live on the device is followed op by op, as it would be on a GPU, where on the CPU
+every tensor is a host tensor: a parameter does; so does a tensor moved with .to(a device), or made
+by a torch function given a device (torch.zeros(..., device=d)); so does an op's output when any
+of its inputs does. A tensor made without a device (torch.tensor(list), torch.arange(n),
+torch.from_numpy) does not, nor what .cpu() returns: under the counter .cpu() of a CPU tensor
+returns a copy, as it does on a GPU. What the CPU cannot tell, and so miscounts: a torch function
+given a host tensor's device (device=t.device) makes a device tensor here (over-counted reads), and
+a copy from the host to the device is no op (`.to(device)` on the CPU: under-counted, a GPU waits
+unless non_blocking). Explicit waits (torch.cuda.synchronize, an event's) are no tensor op.
 """
 import os
 import sys
@@ -28,6 +30,8 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
 
 aten = torch.ops.aten
 _SCALAR = {aten._local_scalar_dense.default, aten.equal.default, aten.allclose.default}
@@ -40,12 +44,15 @@ _INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
             aten._index_put_impl_.default}
 _COPIES = {aten._to_copy.default, aten.copy_.default}
 # Tensor methods that read every value on the host and dispatch no aten op on a CPU tensor
-_METHODS = {torch.Tensor.tolist: "list", torch.Tensor.numpy: "list", torch.Tensor.__array__: "list",
-            torch.Tensor.cpu: "copy"}
+_READS = {torch.Tensor.tolist: "list", torch.Tensor.numpy: "list", torch.Tensor.__array__: "list",
+          torch.Tensor.cpu: "copy"}
+# torch functions that make a tensor on the device they are given
+_FACTORIES = {torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.tensor,
+              torch.as_tensor, torch.rand, torch.randn, torch.randint, torch.randperm,
+              torch.linspace, torch.eye, torch.empty_strided}
 
 _HERE = os.path.realpath(__file__)
 _ROOT = os.path.dirname(os.path.dirname(_HERE)) + os.sep
-_OPTIM = os.path.dirname(os.path.realpath(torch.optim.__file__)) + os.sep
 
 
 def kind(func, args, kwargs) -> str | None:
@@ -78,49 +85,89 @@ def _copy_kind(func, args, kwargs) -> str | None:
     return "copy" if src.type == "cpu" and dst.type != "cpu" and waits else None
 
 
-def _where() -> str | None:
-    """The innermost line of the repository (outside this file) that the running op came from;
-    None where torch.optim made it."""
+def _where() -> str:
+    """The innermost line of the repository (outside this file) that the running op came from."""
     frame = sys._getframe(2)
     while frame is not None:
         path = os.path.realpath(frame.f_code.co_filename)
-        if path.startswith(_OPTIM):
-            return None
         if path.startswith(_ROOT) and path != _HERE and "site-packages" not in path:
             return f"{os.path.relpath(path, _ROOT)}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
 
 
+def _names_device(device) -> bool:
+    """Whether a device argument names the device (the run's, by the code's convention: a torch
+    device, or a string other than "cpu")."""
+    return device is not None and device != "cpu"
+
+
+def _target(args, kwargs):
+    """The device a Tensor.to call names, or None (a dtype alone)."""
+    return kwargs.get("device", next((a for a in args[1:] if isinstance(a, (torch.device, str))),
+                                     None))
+
+
 class SyncCounter:
     """A context that records the synchronising ops run in it (this thread's, and the autograd
-    engine's on its behalf): events, a (kind, where) pair each."""
+    engine's on its behalf): events, a (kind, where) pair each. device: tensors that live on the
+    device besides the parameters (which always do)."""
 
-    def __init__(self):
+    def __init__(self, device=()):
         self.events = []
+        self.device = WeakTensorKeyDictionary()   # the tensors that live on the device (by id)
+        self.place(device)
         self._inside = threading.local()   # in a counted Tensor method: its own ops not again
         counter = self
 
         class Dispatch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                found = None if getattr(counter._inside, "on", False) else kind(func, args, kwargs)
-                if found:
-                    counter.record(found)
-                return func(*args, **kwargs)
+                on_device = counter.on_device(tree_leaves((args, kwargs)))
+                if on_device and not getattr(counter._inside, "on", False):
+                    found = kind(func, args, kwargs)
+                    if found:
+                        counter.events.append((found, _where()))
+                out = func(*args, **kwargs)
+                if on_device:
+                    counter.place(tree_leaves(out))
+                return out
 
         class Function(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
-                if func not in _METHODS or getattr(counter._inside, "on", False):
-                    return func(*args, **(kwargs or {}))
-                counter.record(_METHODS[func])
-                counter._inside.on = True
-                try:
-                    return func(*args, **(kwargs or {}))
-                finally:
-                    counter._inside.on = False
+                kwargs = kwargs or {}
+                if getattr(counter._inside, "on", False):
+                    return func(*args, **kwargs)
+                if func in _READS and counter.on_device(args[:1]):
+                    counter.events.append((_READS[func], _where()))
+                if func in _READS:
+                    counter._inside.on = True
+                    try:
+                        out = func(*args, **kwargs)
+                    finally:
+                        counter._inside.on = False
+                    if func is torch.Tensor.cpu:   # a host copy, as on a GPU (a CPU tensor's is
+                        out = out.clone() if out is args[0] else out   # itself)
+                        counter.device.pop(out, None)
+                    return out
+                out = func(*args, **kwargs)
+                if func in _FACTORIES and _names_device(kwargs.get("device")) or (
+                        func is torch.Tensor.to and _names_device(_target(args, kwargs))):
+                    counter.place([out])
+                return out
 
         self._modes = (Function(), Dispatch())
+
+    def place(self, values) -> None:
+        """The tensors among values live on the device."""
+        for t in values:
+            if isinstance(t, torch.Tensor):
+                self.device[t] = True
+
+    def on_device(self, values) -> bool:
+        """Whether any of values is a tensor that lives on the device."""
+        return any(isinstance(t, torch.Tensor)
+                   and (isinstance(t, torch.nn.Parameter) or t in self.device) for t in values)
 
     def __enter__(self):
         for mode in self._modes:
@@ -130,11 +177,6 @@ class SyncCounter:
     def __exit__(self, *exc):
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
-
-    def record(self, found: str) -> None:
-        where = _where()
-        if where is not None:
-            self.events.append((found, where))
 
     @property
     def count(self) -> int:

@@ -1,5 +1,6 @@
-"""grpo/syncs.py: the counter counts each kind of synchronising op once, and nothing else; and a
-default toy step stays within its bound of them (bench/syncs.py's count)."""
+"""grpo/syncs.py: the counter counts each kind of synchronising op on a device tensor once, and
+nothing else; it follows which tensors live on the device; and a default toy step stays within its
+bound of them (bench/syncs.py's count)."""
 import numpy as np
 import pytest
 import torch
@@ -7,8 +8,9 @@ import torch
 from grpo.syncs import SyncCounter, kind
 
 aten = torch.ops.aten
-T = torch.arange(6.0)
+T = torch.arange(6.0)   # device tensors: the counters below are told so
 MASK = T > 2
+REPEATS = torch.tensor([1, 2, 0, 1, 1, 1])
 
 # each: what it runs, and the kind it is counted as (once)
 SYNCS = {
@@ -32,13 +34,11 @@ SYNCS = {
     "unique": (lambda: T.unique(), "unique"),
     "unique rows": (lambda: torch.unique(T.view(2, 3), dim=0), "unique"),
     "unique_consecutive": (lambda: T.unique_consecutive(), "unique"),
-    "repeat_interleave": (lambda: T.repeat_interleave(torch.tensor([1, 2, 0, 1, 1, 1])),
-                          "repeat"),
+    "repeat_interleave": (lambda: T.repeat_interleave(REPEATS), "repeat"),
 }
 # what stays on the device: sized by shapes alone
 NONE = {
-    "repeat_interleave sized": lambda: T.repeat_interleave(torch.tensor([1, 2, 0, 1, 1, 1]),
-                                                           output_size=6),
+    "repeat_interleave sized": lambda: T.repeat_interleave(REPEATS, output_size=6),
     "repeat_interleave by int": lambda: T.repeat_interleave(2),
     "index by ints": lambda: T[torch.tensor([1, 2])],
     "index_select": lambda: T.index_select(0, torch.tensor([1, 2])),
@@ -52,7 +52,7 @@ NONE = {
 @pytest.mark.parametrize("name", SYNCS)
 def test_each_synchronising_op_counts_once_as_its_kind(name):
     run, expected = SYNCS[name]
-    with SyncCounter() as syncs:
+    with SyncCounter(device=(T, MASK, REPEATS)) as syncs:
         run()
     assert [what for what, _ in syncs.events] == [expected]
     assert syncs.events[0][1].startswith("tests/grpo/test_syncs.py:")   # the line that made it
@@ -60,9 +60,34 @@ def test_each_synchronising_op_counts_once_as_its_kind(name):
 
 @pytest.mark.parametrize("name", NONE)
 def test_ops_sized_by_shapes_alone_do_not_count(name):
-    with SyncCounter() as syncs:
+    with SyncCounter(device=(T, MASK, REPEATS)) as syncs:
         NONE[name]()
     assert syncs.events == []
+
+
+@pytest.mark.parametrize("name", SYNCS)
+def test_the_same_ops_on_host_tensors_do_not_count(name):
+    with SyncCounter() as syncs:   # T, MASK and REPEATS unknown to it: host tensors
+        SYNCS[name][0]()
+    assert syncs.events == []
+
+
+def test_it_follows_which_tensors_live_on_the_device():
+    device = torch.device("cpu")   # the run's device, as the code names it
+    weight = torch.nn.Parameter(torch.ones(3))
+    with SyncCounter() as syncs:
+        host = torch.arange(3.0)   # made without a device
+        host.sum().item()
+        (host * weight).sum().item()   # computed from a parameter
+        moved = host.to(device)
+        moved.max().item()
+        made = torch.zeros(3, device=device)
+        (made + 1)[1:].tolist()   # a view of an op's output on it
+        back = made.cpu()   # counted; a host copy, as on a GPU
+        assert back is not made and back.data_ptr() != made.data_ptr()
+        back.tolist()
+        torch.tensor([1.0, 2.0]).sum().item()
+    assert [what for what, _ in syncs.events] == ["scalar", "scalar", "list", "copy"]
 
 
 def test_a_boolean_index_counts_in_backward_too_and_the_optimizers_reads_do_not():
@@ -70,7 +95,7 @@ def test_a_boolean_index_counts_in_backward_too_and_the_optimizers_reads_do_not(
     optimizer = torch.optim.AdamW([x])
     with SyncCounter() as syncs:
         x[x.detach() > 0].sum().backward()   # backward puts the gradient back by the mask
-        optimizer.step()   # reads its step counter (.item()): a host tensor on a GPU
+        optimizer.step()   # reads its step counter (.item()), made on the host
     assert [what for what, _ in syncs.events] == ["mask", "mask"]
 
 
@@ -89,7 +114,7 @@ def test_a_copy_between_host_and_device_counts_unless_it_does_not_wait():
 
 
 def test_the_counter_stops_counting_when_it_is_left():
-    with SyncCounter() as syncs:
+    with SyncCounter(device=(T,)) as syncs:
         T.sum().item()
     T.sum().item()
     with syncs:   # and counts on where it was entered again
