@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from grpo import packing
+from grpo.model import completion_logprobs, load_policy
 from grpo.syncs import SyncCounter, kind
 
 aten = torch.ops.aten
@@ -120,3 +122,21 @@ def test_the_counter_stops_counting_when_it_is_left():
     with syncs:   # and counts on where it was entered again
         T.tolist()
     assert [what for what, _ in syncs.events] == ["scalar", "list"]
+
+
+@pytest.mark.parametrize("predict", [False, True])
+def test_a_packed_forward_and_its_backward_read_the_device_once(tiny_model_dir, predict):
+    """The layout (and the positions whose logits are kept) built on the host from one read."""
+    model = load_policy(tiny_model_dir, "cpu")
+    assert packing.packs(model)   # its probe, once per model, before
+    ids = torch.randint(1, 100, (6, 10))
+    mask = torch.ones_like(ids)
+    mask[:3, :4] = 0   # two prompts, three rows each, left-padded; completions of 1 to 4 tokens
+    ids[3:, :5], mask[:, 9:] = ids[0, :5], torch.tensor([[0], [1], [0], [1], [0], [0]])
+    mask[::2, 8] = 0
+    chosen = (mask[:, 5:] * torch.tensor([1, 0, 1, 1, 1])).float() if predict else None
+    with SyncCounter(device=(ids, mask, chosen)) as syncs:
+        logp = completion_logprobs(model, ids, mask, 5, 1.0, 4096, predict=chosen)
+        logp.sum().backward()
+    assert [what for what, _ in syncs.events] == ["copy"]
+    assert syncs.events[0][1].startswith("grpo/packing.py:")
