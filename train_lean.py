@@ -222,7 +222,7 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
             inputs = {"sampler_logp": batch.sampler_logp} if not grad_norms else {}
             inputs.update(batch.inputs)
             # in batch order: a group's rows in one micro-batch share their prompt's forward
-            rows = rows.sort().values.to(batch.input_ids.device)
+            rows = rows.sort().values.to(batch.input_ids.device, non_blocking=True)
             # the denominator is global: gradients summed over ranks are the one-process gradient
             count = loss_denominator(mask[rows], cfg)
             denominator = max(distributed.all_sum([count])[0], 1)  # every rank
@@ -324,7 +324,7 @@ def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer
     rewards, parts = (torch.cat(every) for every in zip(*gathered))
     adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.advantage, parts=parts,
                                                  weights=list(run.scorer.weights.values()))
-    batch.advantages = adv[rank * B:(rank + 1) * B].to(run.device)
+    batch.advantages = adv[rank * B:(rank + 1) * B].to(run.device, non_blocking=True)
     rows = run.check_rewards(step, batch, rec)  # every rank   (all failed: the run stops)
     # ---- update: clipped PPO surrogate + KL, mini-batches of micro-batches ----------------------
     rec["lr"] = learning_rate(step, cfg)   # --lr-scheduler, after its warmup

@@ -49,10 +49,11 @@ def encode(texts, tokenizer, prepend_bos: bool, context: int | None, device=None
         rows.append(ids)
         learned.append([0] * len(start) + [1] * (len(ids) - len(start)))
     ids, attention = left_pad(rows, eos, device)
-    target = left_pad(learned, 0, device)[0][:, 1:].to(torch.float32)   # position t predicts token t + 1
-    if not target.any():
+    target = left_pad(learned, 0)[0][:, 1:].to(torch.float32)   # position t predicts token t + 1
+    if not target.any():   # on the host: no wait for the device
         raise ValueError(f"no --ptx-coef text leaves a token to learn (the first: {texts[0]!r:.80})")
-    return PtxBatch(ids, attention, target, int(target.sum().item()), cut)
+    return PtxBatch(ids, attention, target.to(device, non_blocking=True), int(target.sum().item()),
+                    cut)
 
 
 def step_batches(source, step_seed: int, updates: int, per_update: int, tokenizer, prepend_bos: bool, context,

@@ -6,8 +6,9 @@ What counts (each once), by kind, where it reads a tensor that lives on the devi
     scalar    a value read by Python: .item(), bool(), int(), float() (aten's _local_scalar_dense),
               torch.equal, torch.allclose
     list      .tolist(), .numpy(), np.asarray(tensor) (on the CPU no aten op: a function mode)
-    copy      .cpu(), and any copy from a device to the host; on a device also a copy from the host
-              to it without non_blocking (torch waits for the stream before it returns)
+    copy      .cpu(), and any copy from a device to the host; a copy from the host to the device
+              without non_blocking (.to(device), torch.tensor(data, device=device)), unless empty:
+              torch waits for the device's queue to drain before it returns
     nonzero   nonzero, argwhere, torch.where(cond): the output's size is a count on the device
     mask      indexing, or assignment, by a boolean mask (index, index_put_), masked_select
     unique    unique, unique_consecutive (also sized by the data)
@@ -17,11 +18,11 @@ Which tensors live on the device is followed op by op, as it would be on a GPU, 
 every tensor is a host tensor: a parameter does; so does a tensor moved with .to(a device), or made
 by a torch function given a device (torch.zeros(..., device=d)); so does an op's output when any
 of its inputs does. A tensor made without a device (torch.tensor(list), torch.arange(n),
-torch.from_numpy) does not, nor what .cpu() returns: under the counter .cpu() of a CPU tensor
-returns a copy, as it does on a GPU. What the CPU cannot tell, and so miscounts: a torch function
-given a host tensor's device (device=t.device) makes a device tensor here (over-counted reads), and
-a copy from the host to the device is no op (`.to(device)` on the CPU: under-counted, a GPU waits
-unless non_blocking). Explicit waits (torch.cuda.synchronize, an event's) are no tensor op.
+torch.from_numpy) does not, nor what .cpu() returns. Under the counter .cpu() of a CPU tensor, and
+.to(device) of a host one, return a copy, as they do on a GPU. What the CPU cannot tell, and so miscounts: a torch function
+given a host tensor's device (device=t.device) makes a device tensor here (over-counted reads and
+copies), and host code that names the device in a string ("cuda") is not told from the host.
+Explicit waits (torch.cuda.synchronize, an event's) are no tensor op: not counted.
 """
 import os
 import sys
@@ -46,10 +47,11 @@ _COPIES = {aten._to_copy.default, aten.copy_.default}
 # Tensor methods that read every value on the host and dispatch no aten op on a CPU tensor
 _READS = {torch.Tensor.tolist: "list", torch.Tensor.numpy: "list", torch.Tensor.__array__: "list",
           torch.Tensor.cpu: "copy"}
-# torch functions that make a tensor on the device they are given
-_FACTORIES = {torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.tensor,
-              torch.as_tensor, torch.rand, torch.randn, torch.randint, torch.randperm,
-              torch.linspace, torch.eye, torch.empty_strided}
+# torch functions that make a tensor on the device they are given; the first two copy host data
+_FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.full, torch.empty,
+              torch.arange, torch.rand, torch.randn, torch.randint, torch.randperm, torch.linspace,
+              torch.eye, torch.empty_strided}
+_COPYING = {torch.tensor, torch.as_tensor}
 
 _HERE = os.path.realpath(__file__)
 _ROOT = os.path.dirname(os.path.dirname(_HERE)) + os.sep
@@ -150,9 +152,16 @@ class SyncCounter:
                         out = out.clone() if out is args[0] else out   # itself)
                         counter.device.pop(out, None)
                     return out
+                made = func in _FACTORIES and _names_device(kwargs.get("device"))
+                moved = func is torch.Tensor.to and _names_device(_target(args, kwargs))
                 out = func(*args, **kwargs)
-                if func in _FACTORIES and _names_device(kwargs.get("device")) or (
-                        func is torch.Tensor.to and _names_device(_target(args, kwargs))):
+                moved = moved and not counter.on_device(args[:1])   # from the host
+                if (made and func in _COPYING or moved) and out.numel() \
+                        and not kwargs.get("non_blocking", False):
+                    counter.events.append(("copy", _where()))   # a copy to it that waits
+                if moved and out is args[0]:   # a copy on the device, as on a GPU
+                    out = out.clone()
+                if made or moved:
                     counter.place([out])
                 return out
 

@@ -82,14 +82,32 @@ def test_it_follows_which_tensors_live_on_the_device():
         host.sum().item()
         (host * weight).sum().item()   # computed from a parameter
         moved = host.to(device)
+        assert moved is not host and moved.data_ptr() != host.data_ptr()   # a copy, as on a GPU
         moved.max().item()
+        host.max().item()
         made = torch.zeros(3, device=device)
         (made + 1)[1:].tolist()   # a view of an op's output on it
         back = made.cpu()   # counted; a host copy, as on a GPU
         assert back is not made and back.data_ptr() != made.data_ptr()
         back.tolist()
         torch.tensor([1.0, 2.0]).sum().item()
-    assert [what for what, _ in syncs.events] == ["scalar", "scalar", "list", "copy"]
+    # host.to(device) is a copy to the device that waits
+    assert [what for what, _ in syncs.events] == ["scalar", "copy", "scalar", "list", "copy"]
+
+
+def test_a_copy_to_the_device_counts_unless_it_does_not_wait():
+    device = torch.device("cpu")
+    with SyncCounter() as syncs:
+        host = torch.arange(3.0)
+        host.to(device)
+        torch.tensor([1.0], device=device)
+        torch.tensor([], device=device)   # nothing to copy
+        torch.arange(3, device=device)   # made there: no copy
+        moved = host.to(device, non_blocking=True)
+        moved.to(device)   # there already
+        host.to(torch.float64)
+        host.to("cpu")
+    assert [what for what, _ in syncs.events] == ["copy", "copy"]
 
 
 def test_a_boolean_index_counts_in_backward_too_and_the_optimizers_reads_do_not():
