@@ -2,16 +2,16 @@
 counts and how the CPU's count differs from a GPU's).
 
     python bench/syncs.py                          # a tiny GPT-2, the toy task, defaults, 3 steps
-    python bench/syncs.py --model models/rook-tiny --task chess-env --steps 2
+    python bench/syncs.py --model models/rook-tiny --task chess --steps 2   # the main job
     python bench/syncs.py --args "--kl-coef 0" --places
 
 Runs train_lean.py's steps in this process, one thread, no evaluation, and counts what each step's
-phases make (gen, score, ref, train, as run.phase_done marks them; "end" is run.end_step: the record),
-then prints each step's counts and, with --places, the lines that made them. A step's total is its
-four phases': what "end" reads are host tensors on a GPU (the rewards, and what the train phase's
-.cpu() copied), shown apart. The decoder's stop
-check runs on the CPU every step, on CUDA every DONE_CHECK_EVERY steps (grpo/decoders.py): counted
-as on CUDA unless --cpu-checks (the outputs are the same either way).
+phases make (gen, score, ref, train, as run.phase_done marks them; "end" is run.end_step: the
+record), then prints each step's counts and, with --places, the lines that made them. A step's
+total is its four phases': what "end" reads are host tensors on a GPU (the rewards, and what the
+train phase's .cpu() copied), shown apart. The decoder's stop check runs on the CPU every step, on
+CUDA every DONE_CHECK_EVERY steps (grpo/decoders.py): counted as on CUDA unless --cpu-checks (the
+outputs are the same either way).
 """
 import argparse
 import os

@@ -50,10 +50,19 @@ class Layout:
                         for t in (getattr(self, f.name) for f in dataclasses.fields(self))))
 
 
-def _dense(lengths: torch.Tensor, start: int, total: int):
+def bucket(n: int) -> int:
+    """The width a block of n > 0 columns is padded to where widths are bucketed: the least of 16,
+    20, 24, 28, 32, 40, 48, ... (four sizes an octave: under 25% more columns) that holds n."""
+    step = max(4, 1 << max(0, (n - 1).bit_length() - 3))
+    return max(16, -(-n // step) * step)
+
+
+def _dense(lengths: torch.Tensor, start: int, total: int, buckets: bool = False):
     """(index [S, W], valid [S, W]) of S segments of `lengths` laid end to end from `start` in the
-    packed tokens, W the longest; an invalid slot points at a real token (its value is unused)."""
+    packed tokens, W the longest (buckets: bucket() of it); an invalid slot points at a real token
+    (its value is unused)."""
     width = int(lengths.max()) if lengths.numel() else 0
+    width = bucket(width) if buckets and width else width
     offsets = start + torch.cumsum(lengths, 0) - lengths
     cols = torch.arange(width)
     valid = cols < lengths[:, None]
@@ -68,15 +77,16 @@ def _causal(valid: torch.Tensor) -> torch.Tensor:
     return ((tril & valid[:, None, :]) | ~valid[:, :, None])[:, None]
 
 
-def layout(head_len, tail_len=None, parent=None) -> Layout:
+def layout(head_len, tail_len=None, parent=None, buckets: bool = False) -> Layout:
     """The Layout of heads of head_len [S] real tokens packed first, then tails of tail_len [R]
-    (None: no tails), tail r attending to head parent[r] before itself."""
+    (None: no tails), tail r attending to head parent[r] before itself; buckets: each block's
+    width bucketed (bucket()), the extra columns masked."""
     n_head = int(head_len.sum())
     total = n_head + (0 if tail_len is None else int(tail_len.sum()))
-    index, valid = _dense(head_len, 0, total)
+    index, valid = _dense(head_len, 0, total, buckets)
     out = Layout(index, _causal(valid), valid.flatten().nonzero().squeeze(1))
     if tail_len is not None and tail_len.numel() and int(tail_len.max()) > 0:
-        t_index, t_valid = _dense(tail_len, n_head, total)
+        t_index, t_valid = _dense(tail_len, n_head, total, buckets)
         prompt = valid[parent][:, None, None, :].expand(-1, 1, t_valid.shape[1], -1)
         prompt = prompt | ~t_valid[:, None, :, None]
         out.tail, out.tail_keys = t_index, torch.cat([index[parent], t_index], 1)
@@ -130,12 +140,15 @@ def _packed_index(valid, start: int):
     return index
 
 
-def packed_hidden(model, input_ids, attention_mask, split: int, keep):
+def packed_hidden(model, input_ids, attention_mask, split: int, keep, buckets: bool = None):
     """The last hidden states of the real tokens of the rows, packed, at the columns keep [B, W]
     (bool) marks, in row order, and their flat indices into [B, W] on the host: (hidden [K,
     width], kept [K]). Columns before `split` are the prompt, each distinct one run once (the rows'
-    heads); split 0: every row whole. One read from the device: the prompts, the mask and keep."""
+    heads); split 0: every row whole. One read from the device: the prompts, the mask and keep.
+    buckets: attention's block widths bucketed (default: on CUDA, where a new shape costs cuDNN a
+    new plan; on the CPU the extra masked columns would change the sums' rounding)."""
     (batch, width), device = attention_mask.shape, input_ids.device
+    buckets = device.type == "cuda" if buckets is None else buckets
     host = torch.cat([input_ids[:, :split], attention_mask.long(), keep.long()], 1).cpu()
     mask, keep = host[:, split:split + width], host[:, split + width:].bool()
     valid, positions = mask.bool(), (mask.cumsum(-1) - 1).clamp_min(0)
@@ -149,14 +162,14 @@ def packed_hidden(model, input_ids, attention_mask, split: int, keep):
         head_row = parent.new_empty(prompts.shape[0]).scatter_(0, parent, torch.arange(batch))
         tail_valid = valid[:, split:]
         head_len = head_valid.sum(1)
-        lo = layout(head_len, tail_valid.sum(1), parent)
+        lo = layout(head_len, tail_valid.sum(1), parent, buckets)
         source = torch.cat([flat[head_row, :split][head_valid], flat[:, split:][tail_valid]])
         pos = torch.cat([head_pos[head_valid], positions[:, split:][tail_valid]])
         head_map = _packed_index(head_valid, 0)
         tail_map = _packed_index(tail_valid, int(head_len.sum()))
         colmap = torch.cat([head_map[parent], tail_map], 1)
     else:
-        lo = layout(valid.sum(1))
+        lo = layout(valid.sum(1), buckets=buckets)
         source, pos, colmap = flat[valid], positions[valid], _packed_index(valid, 0)
     ids, pos, at = (t.to(device, non_blocking=True) for t in (source, pos, colmap[keep]))
     hidden = model.base_model(input_ids=input_ids.reshape(-1)[ids][None], position_ids=pos[None],

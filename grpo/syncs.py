@@ -19,10 +19,11 @@ every tensor is a host tensor: a parameter does; so does a tensor moved with .to
 by a torch function given a device (torch.zeros(..., device=d)); so does an op's output when any
 of its inputs does. A tensor made without a device (torch.tensor(list), torch.arange(n),
 torch.from_numpy) does not, nor what .cpu() returns. Under the counter .cpu() of a CPU tensor, and
-.to(device) of a host one, return a copy, as they do on a GPU. What the CPU cannot tell, and so miscounts: a torch function
-given a host tensor's device (device=t.device) makes a device tensor here (over-counted reads and
-copies), and host code that names the device in a string ("cuda") is not told from the host.
-Explicit waits (torch.cuda.synchronize, an event's) are no tensor op: not counted.
+.to(device) of a host one, return a copy, as they do on a GPU. What the CPU cannot tell, and so
+miscounts: a torch function given a host tensor's device (device=t.device) makes a device tensor
+here (over-counted reads and copies), and host code that names the device in a string ("cuda") is
+not told from the host. Explicit waits (torch.cuda.synchronize, an event's) are no tensor op: not
+counted.
 """
 import os
 import sys

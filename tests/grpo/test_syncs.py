@@ -158,3 +158,21 @@ def test_a_packed_forward_and_its_backward_read_the_device_once(tiny_model_dir, 
         logp.sum().backward()
     assert [what for what, _ in syncs.events] == ["copy"]
     assert syncs.events[0][1].startswith("grpo/packing.py:")
+
+
+def test_a_default_toy_step_stays_within_its_bound(tiny_model_dir, tmp_path, clean_env):
+    """bench/syncs.py's count of a default toy step (64 x 144 tokens, the stop check as often as on
+    CUDA): outside the decoder, one read to decode the completions, one per packed forward, the
+    update's three (token count, statistics, gradient norm) and the record's two copies; a275f24
+    made 94 in all, 55 of them outside the decoder (whose 39 grpo/decoders.py owns)."""
+    from bench.syncs import PHASES, count_steps
+    steps = count_steps(["--model", tiny_model_dir, "--task", "toy", "--steps", "2",
+                         "--eval-interval", "0", "--log-level", "warning",
+                         "--out-dir", str(tmp_path / "run")])
+    assert len(steps) == 2
+    for phases in steps:
+        outside = {name: [e for e in phases[name] if not e[1].startswith("grpo/decoders.py")]
+                   for name in PHASES}
+        assert [len(outside[name]) for name in PHASES] == [1, 0, 1, 6], outside
+        assert sum(len(phases[name]) for name in PHASES) <= 50
+        assert phases["end"] == []   # the record reads host tensors alone
