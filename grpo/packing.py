@@ -57,12 +57,12 @@ def bucket(n: int) -> int:
     return max(16, -(-n // step) * step)
 
 
-def _dense(lengths: torch.Tensor, start: int, total: int, buckets: bool = False):
+def _dense(lengths: torch.Tensor, start: int, total: int, most: int = None):
     """(index [S, W], valid [S, W]) of S segments of `lengths` laid end to end from `start` in the
-    packed tokens, W the longest (buckets: bucket() of it); an invalid slot points at a real token
-    (its value is unused)."""
+    packed tokens, W the longest (most: bucket() of it, at most `most`); an invalid slot points at
+    a real token (its value is unused)."""
     width = int(lengths.max()) if lengths.numel() else 0
-    width = bucket(width) if buckets and width else width
+    width = min(bucket(width), most) if most and width else width
     offsets = start + torch.cumsum(lengths, 0) - lengths
     cols = torch.arange(width)
     valid = cols < lengths[:, None]
@@ -77,16 +77,18 @@ def _causal(valid: torch.Tensor) -> torch.Tensor:
     return ((tril & valid[:, None, :]) | ~valid[:, :, None])[:, None]
 
 
-def layout(head_len, tail_len=None, parent=None, buckets: bool = False) -> Layout:
+def layout(head_len, tail_len=None, parent=None, buckets: tuple = None) -> Layout:
     """The Layout of heads of head_len [S] real tokens packed first, then tails of tail_len [R]
-    (None: no tails), tail r attending to head parent[r] before itself; buckets: each block's
-    width bucketed (bucket()), the extra columns masked."""
+    (None: no tails), tail r attending to head parent[r] before itself. buckets (the most columns
+    a head and a tail can have: the rows'): each block's width bucketed (bucket()), no wider than
+    that, the extra columns masked."""
     n_head = int(head_len.sum())
     total = n_head + (0 if tail_len is None else int(tail_len.sum()))
-    index, valid = _dense(head_len, 0, total, buckets)
+    most_head, most_tail = buckets or (None, None)
+    index, valid = _dense(head_len, 0, total, most_head)
     out = Layout(index, _causal(valid), valid.flatten().nonzero().squeeze(1))
     if tail_len is not None and tail_len.numel() and int(tail_len.max()) > 0:
-        t_index, t_valid = _dense(tail_len, n_head, total, buckets)
+        t_index, t_valid = _dense(tail_len, n_head, total, most_tail)
         prompt = valid[parent][:, None, None, :].expand(-1, 1, t_valid.shape[1], -1)
         prompt = prompt | ~t_valid[:, None, :, None]
         out.tail, out.tail_keys = t_index, torch.cat([index[parent], t_index], 1)
@@ -149,6 +151,7 @@ def packed_hidden(model, input_ids, attention_mask, split: int, keep, buckets: b
     new plan; on the CPU the extra masked columns would change the sums' rounding)."""
     (batch, width), device = attention_mask.shape, input_ids.device
     buckets = device.type == "cuda" if buckets is None else buckets
+    buckets = ((split, width - split) if split else (width, None)) if buckets else None
     host = torch.cat([input_ids[:, :split], attention_mask.long(), keep.long()], 1).cpu()
     mask, keep = host[:, split:split + width], host[:, split + width:].bool()
     valid, positions = mask.bool(), (mask.cumsum(-1) - 1).clamp_min(0)
