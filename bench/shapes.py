@@ -22,8 +22,8 @@ import train_lean  # noqa: E402
 from grpo import packing  # noqa: E402
 
 
-def blocks(head_len, tail_len, buckets) -> tuple:
-    """(head block shape, tail block shape or None) of one packed forward; buckets: layout()'s."""
+def blocks(head_len, tail_len, buckets: bool) -> tuple:
+    """(head block shape, tail block shape or None) of one packed forward."""
     lo = packing.layout(head_len, tail_len, torch.zeros_like(tail_len) if tail_len is not None
                         else None, buckets)
     head = (*lo.head.shape, lo.head.shape[1])
@@ -34,17 +34,10 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     flags = argv[1:] if argv[:1] == ["--"] else argv
     calls, layout, step, stepping = [], packing.layout, train_lean.train_step, []
-    hidden = packing.packed_hidden
 
-    def columns(model, input_ids, attention_mask, split, *args):   # the caps CUDA would give
-        width = input_ids.shape[1]
-        stepping[1:] = [(split, width - split) if split else (width, None)]
-        return hidden(model, input_ids, attention_mask, split, *args)
-
-    def recorded(head_len, tail_len=None, parent=None, buckets=None):
+    def recorded(head_len, tail_len=None, parent=None, buckets=False):
         if stepping:   # not the model's packing probe (packing.fit)
-            calls.append((head_len.clone(), None if tail_len is None else tail_len.clone(),
-                          stepping[1]))
+            calls.append((head_len.clone(), None if tail_len is None else tail_len.clone()))
         return layout(head_len, tail_len, parent, buckets)
 
     def train_step(*args, **kwargs):
@@ -55,15 +48,15 @@ def main(argv=None):
             stepping.clear()
 
     torch.set_num_threads(1)
-    packing.layout, packing.packed_hidden, train_lean.train_step = recorded, columns, train_step
+    packing.layout, train_lean.train_step = recorded, train_step
     try:
         train_lean.main(flags)
     finally:
-        packing.layout, packing.packed_hidden, train_lean.train_step = layout, hidden, step
+        packing.layout, train_lean.train_step = layout, step
     print(f"{len(calls)} packed forwards")
     cost = {}
     for buckets in (False, True):
-        shapes = [blocks(h, t, caps if buckets else None) for h, t, caps in calls]
+        shapes = [blocks(h, t, buckets) for h, t in calls]
         rows = sum(h[0] * h[1] + (t[0] * t[1] if t else 0) for h, t in shapes)
         cells = sum(h[0] * h[1] * h[2] + (t[0] * t[1] * t[2] if t else 0) for h, t in shapes)
         cost[buckets] = rows, cells
@@ -71,7 +64,7 @@ def main(argv=None):
               f"({len({h for h, _ in shapes})} head, {len({t for _, t in shapes})} tail blocks), "
               f"{rows} query rows, {cells} score cells")
     (rows, cells), (b_rows, b_cells) = cost[False], cost[True]
-    tokens = {int(h.sum()) + (0 if t is None else int(t.sum())) for h, t, _ in calls}
+    tokens = {int(h.sum()) + (0 if t is None else int(t.sum())) for h, t in calls}
     print(f"the buckets add {b_rows / rows - 1:.1%} query rows and {b_cells / cells - 1:.1%} score "
           f"cells; packed token counts (the projections' rows, not bucketed): {len(tokens)} "
           f"distinct")

@@ -51,18 +51,19 @@ class Layout:
 
 
 def bucket(n: int) -> int:
-    """The width a block of n > 0 columns is padded to where widths are bucketed: the least of 16,
-    20, 24, 28, 32, 40, 48, ... (four sizes an octave: under 25% more columns) that holds n."""
-    step = max(4, 1 << max(0, (n - 1).bit_length() - 3))
-    return max(16, -(-n // step) * step)
+    """The width a block of n > 0 columns is padded to where widths are bucketed: a multiple of 16
+    up to 256 (at most 15 more columns: a completion capped at a multiple of 16, as 144 is, keeps
+    its width), then of a sixteenth of the next power of two (under 1/8 more)."""
+    step = max(16, 1 << max(0, (n - 1).bit_length() - 4))
+    return -(-n // step) * step
 
 
-def _dense(lengths: torch.Tensor, start: int, total: int, most: int = None):
+def _dense(lengths: torch.Tensor, start: int, total: int, buckets: bool = False):
     """(index [S, W], valid [S, W]) of S segments of `lengths` laid end to end from `start` in the
-    packed tokens, W the longest (most: bucket() of it, at most `most`); an invalid slot points at
-    a real token (its value is unused)."""
+    packed tokens, W the longest (buckets: bucket() of it); an invalid slot points at a real token
+    (its value is unused)."""
     width = int(lengths.max()) if lengths.numel() else 0
-    width = min(bucket(width), most) if most and width else width
+    width = bucket(width) if buckets and width else width
     offsets = start + torch.cumsum(lengths, 0) - lengths
     cols = torch.arange(width)
     valid = cols < lengths[:, None]
@@ -77,18 +78,16 @@ def _causal(valid: torch.Tensor) -> torch.Tensor:
     return ((tril & valid[:, None, :]) | ~valid[:, :, None])[:, None]
 
 
-def layout(head_len, tail_len=None, parent=None, buckets: tuple = None) -> Layout:
+def layout(head_len, tail_len=None, parent=None, buckets: bool = False) -> Layout:
     """The Layout of heads of head_len [S] real tokens packed first, then tails of tail_len [R]
-    (None: no tails), tail r attending to head parent[r] before itself. buckets (the most columns
-    a head and a tail can have: the rows'): each block's width bucketed (bucket()), no wider than
-    that, the extra columns masked."""
+    (None: no tails), tail r attending to head parent[r] before itself; buckets: each block's
+    width bucketed (bucket()), the extra columns masked."""
     n_head = int(head_len.sum())
     total = n_head + (0 if tail_len is None else int(tail_len.sum()))
-    most_head, most_tail = buckets or (None, None)
-    index, valid = _dense(head_len, 0, total, most_head)
+    index, valid = _dense(head_len, 0, total, buckets)
     out = Layout(index, _causal(valid), valid.flatten().nonzero().squeeze(1))
     if tail_len is not None and tail_len.numel() and int(tail_len.max()) > 0:
-        t_index, t_valid = _dense(tail_len, n_head, total, most_tail)
+        t_index, t_valid = _dense(tail_len, n_head, total, buckets)
         prompt = valid[parent][:, None, None, :].expand(-1, 1, t_valid.shape[1], -1)
         prompt = prompt | ~t_valid[:, None, :, None]
         out.tail, out.tail_keys = t_index, torch.cat([index[parent], t_index], 1)
@@ -151,7 +150,6 @@ def packed_hidden(model, input_ids, attention_mask, split: int, keep, buckets: b
     new plan; on the CPU the extra masked columns would change the sums' rounding)."""
     (batch, width), device = attention_mask.shape, input_ids.device
     buckets = device.type == "cuda" if buckets is None else buckets
-    buckets = ((split, width - split) if split else (width, None)) if buckets else None
     host = torch.cat([input_ids[:, :split], attention_mask.long(), keep.long()], 1).cpu()
     mask, keep = host[:, split:split + width], host[:, split + width:].bool()
     valid, positions = mask.bool(), (mask.cumsum(-1) - 1).clamp_min(0)
