@@ -15,6 +15,7 @@ import functools
 import math
 import random
 from collections import Counter
+from collections.abc import Mapping
 
 import torch
 
@@ -150,7 +151,26 @@ def statistics(ratio, t, ref_logp, cfg, more=()) -> dict:
             stats.update(extra(t))
         sums = [(v * t.mask).max() if k == "mismatch_max" else (v * t.mask).sum()
                 for k, v in stats.items()]
-        return dict(zip(stats, torch.stack(sums).tolist()))   # one device sync, not one each
+        return Statistics(stats, torch.stack(sums))
+
+
+class Statistics(Mapping):
+    """A micro-batch's statistics by name, floats, kept on the device as one tensor until the first
+    is read (a read waits for the device): accumulate reads every micro-batch's at once."""
+
+    def __init__(self, names, values):
+        self.names, self.values, self.read = list(names), values, None
+
+    def __getitem__(self, name):
+        if self.read is None:
+            self.read = dict(zip(self.names, self.values.tolist()))
+        return self.read[name]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
 
 
 # ---- the update: mini-batches of micro-batches, gradients summed over devices -------------------
@@ -162,7 +182,7 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
     mix); returns the summed statistics. inputs: [B, ...] tensors by name for grpo_loss, each
     micro-batch's rows picked; on: the run's variants.on(cfg)."""
     optimizer.zero_grad(set_to_none=True)
-    sums, on = Counter(), on or variants.on(cfg)
+    sums, on, parts = Counter(), on or variants.on(cfg), []
     for part in micro.split(batch, rows):
         logp, entropy = token_logprobs(policy, batch, part, cfg, autocast, with_entropy=True,
                                        entropy_grad=on.reads_entropy)
@@ -171,8 +191,14 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
                                 denominator, cfg, kl_coef, ref_logp=ref_logp, entropy=entropy,
                                 on=on, **{k: v[part] for k, v in inputs.items()})
         loss.backward()
-        peak, tokens = stats.pop("mismatch_max", 0.0), mask[part].sum().item()
-        sums.update(stats, loss=loss.item(), tokens=tokens,
+        # float64 holds each float32 sum and token count exactly: the host reads the very values
+        parts.append((stats.names, torch.cat([stats.values.double(), loss.detach().double()[None],
+                                              mask[part].sum().double()[None]])))
+    read = iter(torch.cat([values for _, values in parts]).tolist())   # the micro-batches' one read
+    for names, _ in parts:   # summed on the host in micro-batch order, as they were
+        stats = {name: next(read) for name in names}
+        loss, tokens, peak = next(read), int(next(read)), stats.pop("mismatch_max", 0.0)
+        sums.update(stats, loss=loss, tokens=tokens,
                     mismatch_tokens=tokens if "sampler_logp" in inputs else 0)
         sums["mismatch_max"] = max(sums["mismatch_max"], peak)
     for backward in on.backward:   # --ptx-coef's texts
@@ -197,7 +223,7 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
             inputs = {"sampler_logp": batch.sampler_logp} if not grad_norms else {}
             inputs.update(batch.inputs)
             # in batch order: a group's rows in one micro-batch share their prompt's forward
-            rows = rows.sort().values.to(batch.input_ids.device)
+            rows = rows.sort().values.to(batch.input_ids.device, non_blocking=True)
             # the denominator is global: gradients summed over ranks are the one-process gradient
             count = loss_denominator(mask[rows], cfg)
             denominator = max(distributed.all_sum([count])[0], 1)  # every rank
@@ -300,7 +326,7 @@ def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer
     rewards, parts = (torch.cat(every) for every in zip(*gathered))
     adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.advantage, parts=parts,
                                                  weights=list(run.scorer.weights.values()))
-    batch.advantages = adv[rank * B:(rank + 1) * B].to(run.device)
+    batch.advantages = adv[rank * B:(rank + 1) * B].to(run.device, non_blocking=True)
     rows = run.check_rewards(step, batch, rec)  # every rank   (all failed: the run stops)
     # ---- update: clipped PPO surrogate + KL, mini-batches of micro-batches ----------------------
     rec["lr"] = learning_rate(step, cfg)   # --lr-scheduler, after its warmup

@@ -438,11 +438,16 @@ def completion_logprobs(model, input_ids, attention_mask, n_completion: int, tem
     pack = pack and packing.packs(model)
     with autocast:
         if pack:
-            predict = (attention_mask[:, -n_completion:] if predict is None else predict).bool()
-            hidden, colmap = packing.packed_hidden(model, input_ids, attention_mask,
-                                                   width - n_completion if share_prompts else 0)
-            hidden = hidden[colmap[:, width - n_completion - 1:width - 1][predict]]
-            targets = input_ids[:, -n_completion:][predict]
+            # the hidden states at the columns before the predicted tokens (each predicts the next)
+            keep = torch.zeros_like(input_ids, dtype=torch.bool)
+            keep[:, width - n_completion - 1:width - 1] = (
+                attention_mask[:, -n_completion:] if predict is None else predict)
+            hidden, kept = packing.packed_hidden(model, input_ids, attention_mask,
+                                                 width - n_completion if share_prompts else 0, keep)
+            targets = input_ids.reshape(-1)[(kept + 1).to(input_ids.device, non_blocking=True)]
+            # where each logprob lands in [batch, n_completion] flattened
+            place = kept // width * n_completion + kept % width - (width - n_completion - 1)
+            place = place.to(input_ids.device, non_blocking=True)
         else:
             hidden, targets = _padded_rows(model, input_ids, attention_mask, n_completion,
                                            share_prompts)
@@ -455,13 +460,13 @@ def completion_logprobs(model, input_ids, attention_mask, n_completion: int, tem
                     with_entropy, head.weight.shape[0], entropy_grad)
             parts.append(checkpoint(_chosen_logprobs, *args, use_reentrant=False) if recompute
                          else _chosen_logprobs(*args))
-        out = [_placed(torch.cat(p), predict, batch, n_completion) if pack
+        out = [_placed(torch.cat(p), place, batch, n_completion) if pack
                else torch.cat(p).view(batch, n_completion) for p in zip(*parts)]
     return tuple(out) if with_entropy else out[0]
 
 
-def _placed(values, predict, batch: int, n_completion: int):
-    """values of the predicted positions at their place in [batch, n_completion], 0 elsewhere."""
-    out = values.new_zeros(batch, n_completion)
-    out[predict] = values
-    return out
+def _placed(values, place, batch: int, n_completion: int):
+    """values of the predicted positions at place (indices into [batch, n_completion] flattened),
+    0 elsewhere."""
+    return values.new_zeros(batch * n_completion).index_copy(0, place, values).view(
+        batch, n_completion)

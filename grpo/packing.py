@@ -9,6 +9,9 @@ rows again:
 each distinct prompt once (causal), each completion over its prompt's keys and its own (causal),
 trimmed to the longest real row. A group's rows thus share one prompt forward, as the padded path's
 KV cache did, and the padding never enters a matmul outside attention.
+
+The layout depends on the rows' lengths and prompts alone: it is built on the host from one read of
+them (a read waits for the device), then moved to the device without waiting (non_blocking).
 """
 import dataclasses
 import weakref
@@ -40,13 +43,29 @@ class Layout:
     tail_keys: torch.Tensor = None
     tail_mask: torch.Tensor = None
 
+    def to(self, device) -> "Layout":
+        """This layout on `device`, its copies queued without waiting for them (host tensors:
+        the copy from pageable memory is staged before the call returns)."""
+        return Layout(*(None if t is None else t.to(device, non_blocking=True)
+                        for t in (getattr(self, f.name) for f in dataclasses.fields(self))))
 
-def _dense(lengths: torch.Tensor, start: int, total: int):
+
+def bucket(n: int) -> int:
+    """The width a block of n > 0 columns is padded to where widths are bucketed: a multiple of 16
+    up to 256 (at most 15 more columns: a completion capped at a multiple of 16, as 144 is, keeps
+    its width), then of a sixteenth of the next power of two (under 1/8 more)."""
+    step = max(16, 1 << max(0, (n - 1).bit_length() - 4))
+    return -(-n // step) * step
+
+
+def _dense(lengths: torch.Tensor, start: int, total: int, buckets: bool = False):
     """(index [S, W], valid [S, W]) of S segments of `lengths` laid end to end from `start` in the
-    packed tokens, W the longest; an invalid slot points at a real token (its value is unused)."""
+    packed tokens, W the longest (buckets: bucket() of it); an invalid slot points at a real token
+    (its value is unused)."""
     width = int(lengths.max()) if lengths.numel() else 0
+    width = bucket(width) if buckets and width else width
     offsets = start + torch.cumsum(lengths, 0) - lengths
-    cols = torch.arange(width, device=lengths.device)
+    cols = torch.arange(width)
     valid = cols < lengths[:, None]
     return (offsets[:, None] + cols).clamp_max(total - 1), valid
 
@@ -55,19 +74,20 @@ def _causal(valid: torch.Tensor) -> torch.Tensor:
     """[S, 1, W, W]: a query sees the valid keys at or before it; a padding query sees every key
     (its output is dropped, and a row with no key would be NaN)."""
     width = valid.shape[1]
-    tril = torch.ones(width, width, dtype=torch.bool, device=valid.device).tril()
+    tril = torch.ones(width, width, dtype=torch.bool).tril()
     return ((tril & valid[:, None, :]) | ~valid[:, :, None])[:, None]
 
 
-def layout(head_len, tail_len=None, parent=None) -> Layout:
+def layout(head_len, tail_len=None, parent=None, buckets: bool = False) -> Layout:
     """The Layout of heads of head_len [S] real tokens packed first, then tails of tail_len [R]
-    (None: no tails), tail r attending to head parent[r] before itself."""
+    (None: no tails), tail r attending to head parent[r] before itself; buckets: each block's
+    width bucketed (bucket()), the extra columns masked."""
     n_head = int(head_len.sum())
     total = n_head + (0 if tail_len is None else int(tail_len.sum()))
-    index, valid = _dense(head_len, 0, total)
+    index, valid = _dense(head_len, 0, total, buckets)
     out = Layout(index, _causal(valid), valid.flatten().nonzero().squeeze(1))
     if tail_len is not None and tail_len.numel() and int(tail_len.max()) > 0:
-        t_index, t_valid = _dense(tail_len, n_head, total)
+        t_index, t_valid = _dense(tail_len, n_head, total, buckets)
         prompt = valid[parent][:, None, None, :].expand(-1, 1, t_valid.shape[1], -1)
         prompt = prompt | ~t_valid[:, None, :, None]
         out.tail, out.tail_keys = t_index, torch.cat([index[parent], t_index], 1)
@@ -116,38 +136,47 @@ _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 def _packed_index(valid, start: int):
     """[S, W]: the packed index of each valid slot, its tokens packed row by row from `start`; -1
     elsewhere."""
-    index = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)
-    index[valid] = torch.arange(start, start + int(valid.sum()), device=valid.device)
+    index = torch.full(valid.shape, -1, dtype=torch.long)
+    index[valid] = torch.arange(start, start + int(valid.sum()))
     return index
 
 
-def packed_hidden(model, input_ids, attention_mask, split: int):
-    """The last hidden states of every real token of the rows, packed: (hidden [N, width], colmap
-    [B, W]), colmap the packed index of each row's column (-1 on padding). Columns before `split`
-    are the prompt, each distinct one run once (the rows' heads); split 0: every row whole."""
-    valid = attention_mask.bool()
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+def packed_hidden(model, input_ids, attention_mask, split: int, keep, buckets: bool = None):
+    """The last hidden states of the real tokens of the rows, packed, at the columns keep [B, W]
+    (bool) marks, in row order, and their flat indices into [B, W] on the host: (hidden [K,
+    width], kept [K]). Columns before `split` are the prompt, each distinct one run once (the rows'
+    heads); split 0: every row whole. One read from the device: the prompts, the mask and keep.
+    buckets: attention's block widths bucketed (default: on CUDA, where a new shape costs cuDNN a
+    new plan; on the CPU the extra masked columns would change the sums' rounding)."""
+    (batch, width), device = attention_mask.shape, input_ids.device
+    buckets = device.type == "cuda" if buckets is None else buckets
+    host = torch.cat([input_ids[:, :split], attention_mask.long(), keep.long()], 1).cpu()
+    mask, keep = host[:, split:split + width], host[:, split + width:].bool()
+    valid, positions = mask.bool(), (mask.cumsum(-1) - 1).clamp_min(0)
+    flat = torch.arange(batch * width).view(batch, width)   # each column's index in input_ids
     if split > 0:
-        prompts, parent = torch.unique(
-            torch.cat([input_ids[:, :split], attention_mask[:, :split]], 1), dim=0,
-            return_inverse=True)
-        head_ids, head_valid = prompts[:, :split], prompts[:, split:].bool()
+        prompts, parent = torch.unique(torch.cat([host[:, :split], mask[:, :split]], 1), dim=0,
+                                       return_inverse=True)
+        head_valid = prompts[:, split:].bool()
         head_pos = (prompts[:, split:].cumsum(-1) - 1).clamp_min(0)
-        tail_valid, tail_ids = valid[:, split:], input_ids[:, split:]
-        tail_pos = positions[:, split:]
-        head_len, tail_len = head_valid.sum(1), tail_valid.sum(1)
-        lo = layout(head_len, tail_len, parent)
-        ids = torch.cat([head_ids[head_valid], tail_ids[tail_valid]])
-        pos = torch.cat([head_pos[head_valid], tail_pos[tail_valid]])
+        # a head's ids are those of any of its rows: the last one's
+        head_row = parent.new_empty(prompts.shape[0]).scatter_(0, parent, torch.arange(batch))
+        tail_valid = valid[:, split:]
+        head_len = head_valid.sum(1)
+        lo = layout(head_len, tail_valid.sum(1), parent, buckets)
+        source = torch.cat([flat[head_row, :split][head_valid], flat[:, split:][tail_valid]])
+        pos = torch.cat([head_pos[head_valid], positions[:, split:][tail_valid]])
         head_map = _packed_index(head_valid, 0)
         tail_map = _packed_index(tail_valid, int(head_len.sum()))
         colmap = torch.cat([head_map[parent], tail_map], 1)
     else:
-        lo = layout(valid.sum(1))
-        ids, pos, colmap = input_ids[valid], positions[valid], _packed_index(valid, 0)
-    hidden = model.base_model(input_ids=ids[None], position_ids=pos[None], attention_mask=_NO_MASK,
-                              lean_layout=lo, use_cache=False).last_hidden_state[0]
-    return hidden, colmap
+        lo = layout(valid.sum(1), buckets=buckets)
+        source, pos, colmap = flat[valid], positions[valid], _packed_index(valid, 0)
+    ids, pos, at = (t.to(device, non_blocking=True) for t in (source, pos, colmap[keep]))
+    hidden = model.base_model(input_ids=input_ids.reshape(-1)[ids][None], position_ids=pos[None],
+                              attention_mask=_NO_MASK, lean_layout=lo.to(device),
+                              use_cache=False).last_hidden_state[0]
+    return hidden[at], flat[keep]
 
 
 _FITS = weakref.WeakKeyDictionary()   # model -> (packs, why not)
@@ -198,9 +227,9 @@ def _probe(model, padded):
                                     position_ids=(mask.cumsum(-1) - 1).clamp_min(0)
                                     ).last_hidden_state[real]
         try:
-            hidden, colmap = packed_hidden(model, ids, mask, 3)
+            hidden, _ = packed_hidden(model, ids, mask, 3, real)
         except NotPackable as e:
             return str(e)
-    if not torch.allclose(hidden[colmap[real]], padded, atol=1e-4, rtol=1e-4):
+    if not torch.allclose(hidden, padded, atol=1e-4, rtol=1e-4):
         return "its packed hidden states differ from its padded ones"
     return None

@@ -49,10 +49,11 @@ def encode(texts, tokenizer, prepend_bos: bool, context: int | None, device=None
         rows.append(ids)
         learned.append([0] * len(start) + [1] * (len(ids) - len(start)))
     ids, attention = left_pad(rows, eos, device)
-    target = left_pad(learned, 0, device)[0][:, 1:].to(torch.float32)   # position t predicts token t + 1
-    if not target.any():
+    target = left_pad(learned, 0)[0][:, 1:].to(torch.float32)   # position t predicts token t + 1
+    if not target.any():   # on the host: no wait for the device
         raise ValueError(f"no --ptx-coef text leaves a token to learn (the first: {texts[0]!r:.80})")
-    return PtxBatch(ids, attention, target, int(target.sum().item()), cut)
+    return PtxBatch(ids, attention, target.to(device, non_blocking=True), int(target.sum().item()),
+                    cut)
 
 
 def step_batches(source, step_seed: int, updates: int, per_update: int, tokenizer, prepend_bos: bool, context,
@@ -100,13 +101,17 @@ def backward(policy, batch, micro, cfg, autocast, sums, update: int) -> None:
     device reports them, zero too)."""
     mix = batch.extra["ptx"][update]
     sums.update(ptx_nll=0.0, ptx_tokens=0)
+    parts = []
     for part in micro.split(mix, shared=0):
         logp = completion_logprobs(policy, mix.input_ids[part], mix.attention[part], mix.target.shape[1], 1.0,
                                    cfg.logprob_chunk_size, autocast, share_prompts=False,
                                    predict=mix.target[part])   # the head only at learned tokens
         loss, nll = ptx_loss(logp, mix.target[part], mix.tokens, cfg.ptx_coef)
         loss.backward()
-        sums.update(loss=loss.item(), ptx_nll=nll.item(), ptx_tokens=mix.target[part].sum().item())
+        # float64 holds the float32 values exactly: read once after the last micro-batch
+        parts.append(torch.stack([loss.detach(), nll, mix.target[part].sum()]).double())
+    for loss, nll, tokens in torch.stack(parts).tolist() if parts else ():   # summed in order
+        sums.update(loss=loss, ptx_nll=nll, ptx_tokens=tokens)
 
 
 def record(totals, tokens: int, batch) -> dict:

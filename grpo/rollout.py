@@ -99,7 +99,8 @@ def left_pad(rows, pad_id: int, device=None):
         if r:
             ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
             mask[i, width - len(r):] = 1
-    return ids.to(device), mask.to(device)
+    # queued (the host tensors are staged at once): a copy that waits would wait for the device
+    return ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
 
 
 @dataclasses.dataclass
@@ -172,7 +173,8 @@ def decode_completions(tokenizer, completion_ids, mask, ends) -> list:
     """The text of each completion: its tokens up to, not including, its first end (ends: an id or
     ids)."""
     texts, ends = [], as_ends(ends)
-    for ids, m in zip(completion_ids.tolist(), mask.sum(1).tolist()):
+    lengths = mask.sum(1, keepdim=True).to(completion_ids.dtype)
+    for *ids, m in torch.cat([completion_ids, lengths], 1).tolist():   # one read of both
         ids = ids[:m]
         if ids and ids[-1] in ends:
             ids = ids[:-1]

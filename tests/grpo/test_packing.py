@@ -99,3 +99,28 @@ def test_a_model_with_a_sliding_window_stays_padded(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(completion_logprobs(model, ids, mask, T, 1.0, 4096),
                                    completion_logprobs(model, ids, mask, T, 1.0, 4096, pack=False))
+
+
+def test_bucketed_block_widths_give_the_unbucketed_hidden_states_and_gradients(any_model_dir):
+    """Attention's blocks padded to bucket() widths (on CUDA by default): the extra columns masked,
+    the same hidden states and gradients as the blocks at their own widths, to float round-off
+    (in float64: float32's reaches 1e-4 of a gradient's norm, the sums rounded in another order)."""
+    model = load_policy(any_model_dir, "cpu").double()
+    assert packing.packs(model)
+    ids, mask = group_batch(model.config.vocab_size)
+    heads, tails = packing.layout(torch.tensor([9, 4]), torch.tensor([6, 5]), torch.tensor([0, 1]),
+                                  buckets=True), packing.layout(torch.tensor([9]), buckets=True)
+    assert heads.head.shape[1] == heads.tail.shape[1] == tails.head.shape[1] == 16
+    out = []
+    for buckets in (False, True):
+        model.zero_grad(set_to_none=True)
+        for split in (9, 0):   # prompts shared, and every row whole
+            hidden, kept = packing.packed_hidden(model, ids, mask, split, mask.bool(), buckets)
+            hidden.square().sum().backward()
+            out.append((hidden.detach(), kept))
+        out.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for (a, kept), (b, kept_b) in zip(out[:2], out[3:5]):
+        assert torch.equal(kept, kept_b)
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    for a, b in zip(out[2], out[5]):   # relative to each gradient's size (some reach 300)
+        assert (a - b).norm() <= 1e-13 * a.norm()

@@ -9,6 +9,7 @@ import functools
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import train_lean as update
 from grpo import packing, passes
 from train_lean import RATIOS, group_advantages, grpo_loss, loss_denominator
 from grpo.model import completion_logprobs, load_tokenizer, trainable_parameters
-from grpo.ptx import encode
+from grpo.ptx import PtxBatch, encode, ptx_loss
 from harness.config import batch_layout
 from harness.guards import Guard
 from helpers import env, loss_config
@@ -182,6 +183,46 @@ def test_an_out_of_memory_in_a_token_selection_pass_retries_it_with_fewer_rows(
     assert hit[2].notes == ["out of memory at micro-batch 16: freed memory, retrying with 8"]
     assert hit[0] == plain[0]
     assert all(torch.equal(a, b) for a, b in zip(hit[1], plain[1]))
+
+
+@pytest.mark.parametrize("name", ["defaults", "sequence mask band", "pretraining mix"])
+def test_the_statistics_read_once_per_update_are_those_read_after_each_micro_batch(rollout64, batch,
+                                                                                   name):
+    """accumulate reads its micro-batches' sums once, after the last (the mix's texts' once too):
+    the sums (mismatch_max's peak too) are exactly those of reading each micro-batch's statistics,
+    loss and token count after its backward and summing them on the host in order, as before (the
+    record's every value)."""
+    model, cfg = rollout64[0], config_for(KNOBS[name])
+    rollout = as_rollout(batch, cfg, 0, 1)
+    if cfg.ptx_coef:
+        rollout.extra["ptx"] = [PtxBatch(**batch["ptx"]).for_device(0, 1)]
+    mask, rows, micro = passes.loss_mask(rollout, cfg), torch.arange(64), Guard(8, 64, print).cut
+    inputs, denominator = {"sampler_logp": rollout.sampler_logp}, loss_denominator(mask, cfg)
+    optimizer = torch.optim.SGD(trainable_parameters(model), lr=0.0)
+    sums = update.accumulate(model, optimizer, rollout, rows, micro, mask, denominator, cfg, None,
+                             cfg.kl_coef, **inputs)
+    direct = Counter()
+    for part in micro.split(rollout, rows):
+        logp, entropy = passes.token_logprobs(model, rollout, part, cfg, None, with_entropy=True)
+        loss, stats = grpo_loss(logp, rollout.old_logp[part], rollout.advantages[part], mask[part],
+                                denominator, cfg, cfg.kl_coef, ref_logp=rollout.ref_logp[part],
+                                entropy=entropy, **{k: v[part] for k, v in inputs.items()})
+        stats, tokens = dict(stats), mask[part].sum().item()
+        peak = stats.pop("mismatch_max")
+        direct.update(stats, loss=loss.item(), tokens=tokens, mismatch_tokens=tokens)
+        direct["mismatch_max"] = max(direct["mismatch_max"], peak)
+    if cfg.ptx_coef:   # the mix's texts after them (grpo/ptx.py backward), read one by one
+        mix = rollout.extra["ptx"][0]
+        direct.update(ptx_nll=0.0, ptx_tokens=0)
+        for part in micro.split(mix, shared=0):
+            logp = completion_logprobs(model, mix.input_ids[part], mix.attention[part],
+                                       mix.target.shape[1], 1.0, cfg.logprob_chunk_size,
+                                       share_prompts=False, predict=mix.target[part])
+            loss, nll = ptx_loss(logp, mix.target[part], mix.tokens, cfg.ptx_coef)
+            direct.update(loss=loss.item(), ptx_nll=nll.item(),
+                          ptx_tokens=mix.target[part].sum().item())
+    assert len(micro.split(rollout, rows)) == 8 and direct["mismatch_max"] > 0
+    assert sums == direct and all(type(sums[k]) is type(direct[k]) for k in direct)
 
 
 def test_dr_grpo_denominator_is_the_same_whatever_the_lengths(batch):
