@@ -489,6 +489,8 @@ def score(task, prompts, completions, failures: dict = None, weights: dict = Non
                     r = _number(parts["reward"] if "reward" in parts else task.reward(p, c))
             else:
                 r = _number(task.reward(p, c))
+        except TaskEnded:   # not a score: the task tried to end the run
+            raise
         except Exception as e:  # noqa: BLE001 - any scoring failure is the completion's fault
             kind = e.kind if isinstance(e, NotANumber) else type(e).__name__
             errors[kind] += 1

@@ -71,7 +71,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model_dir, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])   # SIGHUP: issue 72
 def test_a_signal_finishes_the_step_saves_and_exits_0(tiny_model_dir, tmp_path, sig):
     out = str(tmp_path / "out")
     proc = forked.start([TRAIN, "--model", tiny_model_dir, *SMALL, "--steps", "1000", "--out-dir", out],
