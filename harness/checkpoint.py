@@ -14,6 +14,7 @@ writing leaves at worst a stray temporary folder, never a broken latest checkpoi
 What the disk did to it later is what the manifest is for: --resume checks it against the files and
 continues from the newest intact checkpoint, and moves a damaged one aside (damaged-step_000120).
 """
+import contextlib
 import hashlib
 import json
 import os
@@ -256,10 +257,10 @@ def save(out_dir: str, step: int, policy, tokenizer, state: dict, keep: int) -> 
     torch.save({**state, "step": step}, os.path.join(tmp, STATE))
     write_manifest(tmp)
     if os.path.exists(final):  # the same step saved again (a resumed run interrupted at once)
-        shutil.rmtree(final)
+        drop(final)
     os.rename(tmp, final)
     for _, old in _checkpoints(folder)[:-keep]:
-        shutil.rmtree(old)
+        drop(old)
     for name in os.listdir(folder):  # temporaries of earlier killed runs
         if name.startswith(".tmp-"):
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
@@ -404,12 +405,26 @@ def _files(root: str) -> list:
             for d, _, names in os.walk(root) for n in names]
 
 
+def drop(path: str) -> None:
+    """Delete checkpoint `path`, but not what the run did not write there (the files its manifest
+    lists are the run's): those are copied to kept-step_N beside it first, and named."""
+    own = {MANIFEST, STATE}
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            own |= set(json.load(f))
+    aside = os.path.join(os.path.dirname(path), "kept-" + os.path.basename(path))
+    kept = copy_others(path, own, aside)
+    shutil.rmtree(path)
+    if kept:
+        log.warn(f"checkpoint {path} held files the run did not write ({', '.join(kept)}): "
+                 f"kept in {aside} as the checkpoint was deleted")
+
+
 def keep_others(folder: str, new: str) -> list:
     """The files in the model folder that the trainer did not write (a model card, a figure),
-    copied into its new version `new`; one whose name the new version also writes is kept as
-    NAME.kept. Returns them as kept. The trainer's own files are those MODEL_STEP lists; a folder
-    without the list (written before it was kept) holds only what save_pretrained wrote, and the
-    step file: its files with known endings are the trainer's."""
+    copied into its new version `new` (copy_others). The trainer's own files are those MODEL_STEP
+    lists; a folder without the list (written before it was kept) holds only what save_pretrained
+    wrote, and the step file: its files with known endings are the trainer's."""
     if not os.path.isdir(folder):
         return []
     try:
@@ -417,6 +432,12 @@ def keep_others(folder: str, new: str) -> list:
             own = set(json.load(f).get("files", ()))
     except (OSError, ValueError, AttributeError):
         own = set()
+    return copy_others(folder, own, new)
+
+
+def copy_others(folder: str, own: set, new: str) -> list:
+    """The files under folder that `own` does not name (empty: those without TRAINER_ENDINGS),
+    copied into `new`; one whose name is taken there kept as NAME.kept. Returns them as kept."""
     kept = []
     for name in sorted(_files(folder)):
         if name in own or not own and name.endswith(TRAINER_ENDINGS):

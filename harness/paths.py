@@ -17,15 +17,12 @@ import json
 import os
 import tempfile
 
-from harness import checkpoint, config, log, memory
-from harness.places import WORDS, place
+from harness import checkpoint, config, log, memory, places
+from harness.places import LOCK, SETTINGS, WORDS, place
 
-# OUT_DIR/.lock (harness/rundir.py): held while a run trains; left after it, it marks a run's folder
-LOCK = ".lock"
-SETTINGS = "settings.txt"
-# the folders of OUT_DIR that a run replaces as a whole later: no one else's file may lie inside
-REPLACED = {"model": "the run replaces with its trained model at its end",
-            checkpoint.SUBDIR: "the run keeps (and prunes) its checkpoints in"}
+# OUT_DIR/.lock (harness/rundir.py): held while a run trains; left after it, it marks a run's folder.
+# OUT_DIR's folders that a run replaces as a whole later: no one else's file may lie inside
+REPLACED = {name: "the run " + does for name, does in places.REPLACED.items()}
 # what a run writes into OUT_DIR besides its logs, and what for (in messages: "..., which <role>")
 OUT_DIR_WRITES = {**REPLACED, "tensorboard": "the run writes its TensorBoard events to",
                   "wandb": "the run writes its W&B run to",
@@ -106,18 +103,6 @@ def _refusal(w: Entry, where: str, other: str, role: str, fix: str):
     return config.ConfigError(f"{head} {WORDS[where]} {other}, which {role}: {fix} {w.setting}")
 
 
-def _replaced_by_another(path: str):
-    """(the folder, its role) of a run's folder that path lies in and that run replaces, or None:
-    an ancestor named as one of REPLACED whose parent holds a run's lock file."""
-    folder = os.path.dirname(path)
-    while folder != os.path.dirname(folder):
-        name, parent = os.path.basename(folder), os.path.dirname(folder)
-        if name in REPLACED and os.path.isfile(os.path.join(parent, LOCK)):
-            return folder, f"the run in {parent} replaces"
-        folder = parent
-    return None
-
-
 def _other_run_inside(folder: str):
     """A folder under `folder` that is another run's (it holds a lock file), or None."""
     for root, _, names in os.walk(folder):
@@ -135,7 +120,7 @@ def check(cfg, options) -> list:
             where = place(w.real, other.real)
             if where:
                 raise _refusal(w, where, other.shown, other.role, "pass another")
-        replaced = _replaced_by_another(w.real)
+        replaced = places.replaced(w.real)
         if replaced:
             raise _refusal(w, "inside", *replaced, "pass another")
         held = os.path.isdir(w.real) and _other_run_inside(w.real)

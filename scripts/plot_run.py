@@ -24,7 +24,7 @@ unless --title names it.
 
 Exit codes: 0 drawn; 2 bad input, one line naming it: a missing, empty or damaged metrics file or
 one without step records, a --window below 1, a figure format matplotlib does not write, or a
-figure on an input or inside a run's model folder (OUT/model, which the trainer replaces).
+figure on an input or inside a run's model or checkpoints folder (the trainer replaces them).
 """
 import argparse
 import json
@@ -278,15 +278,12 @@ def read_records(path: str) -> list:
 
 
 def check_png(png: str, inputs: list) -> None:
-    """The figure's path: a format matplotlib writes, not on (or around) an input, not inside the
-    model folder of the run beside an input, not a folder."""
+    """The figure's path: a format matplotlib writes, not on (or around) an input, not inside a
+    run's model or checkpoints folder (harness/places.py), not a folder."""
     wrong = places.figure_error("PNG", png)
     if wrong:
         raise UsageError(wrong)
-    # OUT/model is the trainer's (harness/paths.py REPLACED): its final save replaces the folder
-    models = [("the run", os.path.join(os.path.dirname(os.path.abspath(path)), "model"),
-               "replaces with its trained model at its end") for path in inputs]
-    clash = places.clash([("METRICS", path, "reads") for path in inputs] + models, [("PNG", png)])
+    clash = places.clash([("METRICS", path, "reads") for path in inputs], [("PNG", png)])
     if clash:
         raise UsageError(clash)
 

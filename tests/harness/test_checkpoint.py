@@ -117,6 +117,27 @@ def test_a_signal_during_the_final_save_waits_for_it(tiny_model_dir, tmp_path, w
     assert checkpoint.damage(str(out / "checkpoints" / "step_000001")) is None
 
 
+def test_pruning_deletes_only_what_the_checkpoint_lists(tiny_model_dir, tmp_path, capsys):
+    """Issue 72 finding 1: a figure a tool wrote into OUT/checkpoints/step_N was deleted without a
+    word with the checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    first = checkpoint.save(str(tmp_path), 1, model, tokenizer, {}, keep=1)
+    os.makedirs(os.path.join(first, "notes"))
+    for name in ("p.png", "notes/n.txt"):
+        with open(os.path.join(first, name), "w") as f:
+            f.write("mine")
+    checkpoint.save(str(tmp_path), 2, model, tokenizer, {}, keep=1)
+    aside = tmp_path / "checkpoints" / "kept-step_000001"
+    assert not os.path.exists(first) and sorted(os.listdir(aside)) == ["notes", "p.png"]
+    assert (aside / "notes" / "n.txt").read_text() == "mine"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"train_lean.py: checkpoint {first} held files the run did not write (notes/n.txt, "
+        f"p.png): kept in {aside} as the checkpoint was deleted")
+    assert saved_steps(tmp_path) == [2]
+
+
 def test_candidates_skip_half_written_and_incomplete_checkpoints(tmp_path):
     folder = tmp_path / "checkpoints"
     for name, complete in (("step_000002", True), ("step_000010", False), (".tmp-step_000012", True),

@@ -80,12 +80,22 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, args):
      "--summary run/m.jsonl lands on run/m.jsonl, which the watched run writes"),
     # issue 54 case 13: "no such file"
     (["--from-log", "run"], "--from-log run is a folder: pass the run's log, run/metrics.jsonl"),
+    # issue 72 finding 1: written where the run deletes it at its next save
+    (["--from-log", "a.jsonl", "--summary", "run/checkpoints/step_000006/s.json"],
+     "--summary run/checkpoints/step_000006/s.json lies inside {run}/checkpoints, which the run "
+     "in {run} keeps (and prunes) its checkpoints in: pass another --summary"),
+    (["--from-log", "a.jsonl", "--plot", "run/model/p.png"],
+     "--plot run/model/p.png lies inside {run}/model, which the run in {run} replaces with its "
+     "trained model at its end"),
 ])
 def test_an_output_on_an_input_and_a_folder_to_read_are_one_line(tmp_path, args, said):
     (tmp_path / "a.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "link").symlink_to(tmp_path / "a.jsonl")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")
+    for folder in ("model", "checkpoints/step_000006"):
+        (tmp_path / "run" / folder).mkdir(parents=True)
+    said = said.format(run=tmp_path / "run")
     r = monitor(*args, cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith(f"monitor_memory.py: error: {said}"), r.stderr
     assert r.stderr.count("\n") == 1 and (tmp_path / "a.jsonl").read_text() == '{"step": 1}\n'

@@ -175,6 +175,7 @@ def test_nothing_to_draw_a_bad_window_or_figure_path_is_one_line_and_exit_2(tmp_
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "evals.jsonl").write_text('{"kind": "eval", "step": 0, "acc": 0.5}\n')
     inside_model = str(tmp_path / "run" / "model" / "plot.png")
+    inside_checkpoint = str(tmp_path / "run" / "checkpoints" / "step_000003" / "p.png")
     for argv, said in (
             ([str(tmp_path / "empty.jsonl"), "a.png"],
              f"{tmp_path / 'empty.jsonl'} holds no step record (it is empty)"),
@@ -186,8 +187,14 @@ def test_nothing_to_draw_a_bad_window_or_figure_path_is_one_line_and_exit_2(tmp_
             ([run, str(tmp_path / "x.foo")], f"PNG {tmp_path / 'x.foo'}: a figure is written as "
                                              f".png (or .pdf, .svg, ...), not .foo"),
             ([run, inside_model], f"PNG {inside_model} lies inside {tmp_path / 'run' / 'model'}, "
-                                  f"which the run replaces with its trained model at its end")):
+                                  f"which the run in {tmp_path / 'run'} replaces with its trained "
+                                  f"model at its end"),
+            # issue 72 finding 1: drawn, then deleted with the checkpoint two steps later
+            ([run, inside_checkpoint], f"PNG {inside_checkpoint} lies inside "
+                                       f"{tmp_path / 'run' / 'checkpoints'}, which the run in "
+                                       f"{tmp_path / 'run'} keeps (and prunes) its checkpoints in")):
         assert script.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("plot_run.py: error: ") and said in err and err.count("\n") == 1, err
     assert not os.path.exists(tmp_path / "run" / "model") and not os.path.exists("a.png")
+    assert not os.path.exists(inside_checkpoint)
