@@ -344,14 +344,28 @@ def identity(task) -> str:
     return f"{getattr(task, 'name', '')} ({type(task).__module__}.{type(task).__qualname__})"
 
 
+# the trainer's own modules: never the task's helpers, wherever the task's file lies
+TRAINER_MODULES = ("__main__", "train_lean", "harness", "grpo")
+
+
 def code_fingerprint(task) -> str | None:
-    """A short hash of the source file of the task's class (what --task path/to/file.py:Name or a
-    module names), kept with the checkpoints: a --resume after the file was edited says so. None
-    where the class has no file (built in a notebook)."""
+    """A short hash of the task's code, kept with the checkpoints: a --resume after it was edited
+    says so. Its code: the source file of the task's class (what --task path/to/file.py:Name or a
+    module names) and every module imported from that file's folder or below it (the helpers it
+    imports), the trainer's own left out. None where the class has no file (a notebook's)."""
     task = task.task if isinstance(task, CheckedTask) else task
     try:
-        with open(inspect.getsourcefile(type(task)), "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()[:16]
+        source = os.path.realpath(inspect.getsourcefile(type(task)))
+        folder = os.path.dirname(source) + os.sep
+        helpers = {os.path.realpath(m.__file__) for name, m in list(sys.modules.items())
+                   if name.split(".")[0] not in TRAINER_MODULES
+                   and str(getattr(m, "__file__", None)).endswith(".py")}
+        digest = hashlib.sha256()
+        for path in [source, *sorted(p for p in helpers - {source} if p.startswith(folder))]:
+            digest.update(b"" if path == source else os.path.relpath(path, folder).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+        return digest.hexdigest()[:16]
     except (TypeError, OSError):
         return None
 

@@ -427,6 +427,24 @@ def test_a_resume_after_the_tasks_file_was_edited_says_so_and_marks_the_record(t
     assert marked[:3] == [None] * 3 and " -> " in marked[3] and marked[4] is None
 
 
+def test_a_resume_after_a_module_the_task_imports_was_edited_says_so(tiny_model_dir, tmp_path,
+                                                                    capsys):
+    """Issue 72 finding 7: the fingerprint missed the modules beside the task's file (the README
+    says a task file imports them): a reward edited there changed a resumed run unsaid."""
+    import train_lean
+    (tmp_path / "helper_72.py").write_text("def score(prompt, completion):\n    return 0.5\n")
+    (tmp_path / "uses.py").write_text("from helper_72 import score\nfrom tasks.toy import ToyTask"
+                                      "\n\nclass Uses(ToyTask):\n    reward = staticmethod(score)\n")
+    args = ["--model", tiny_model_dir, *SMALL, "--task", f"{tmp_path / 'uses.py'}:Uses",
+            "--out-dir", str(tmp_path / "run")]
+    train_lean.main([*args, "--steps", "1"])
+    with open(tmp_path / "helper_72.py", "a") as f:
+        f.write("# a fix to the reward\n")
+    train_lean.main([*args, "--steps", "2", "--resume"])
+    assert "--resume: the task's code changed since step 1 was saved" in capsys.readouterr().err
+    assert " -> " in read_jsonl(tmp_path / "run" / "metrics.jsonl")[1]["task_changed"]
+
+
 def test_a_resume_on_another_device_count_is_refused_in_one_line(tiny_model_dir, tmp_path, monkeypatch,
                                                                   capsys):
     """Issue 59 case 6: a 2-rank run resumed in one process (and the reverse) neither went on
