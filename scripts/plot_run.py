@@ -268,7 +268,7 @@ def read_records(path: str) -> list:
             continue
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             record = None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise UsageError(f"{path} line {number} is not a record of a run (a JSON object with "
@@ -312,9 +312,14 @@ def plot(argv) -> None:
     check_png(args.png, args.metrics)
     runs = [read_records(path) for path in args.metrics]
     for path, records in zip(args.metrics, runs):
-        if not any(r.get("kind") != "eval" for r in records):   # a blank reward panel says nothing
+        steps = [r for r in records if r.get("kind") != "eval"]
+        if not steps:   # a blank reward panel says nothing
             what = "only eval records" if records else "it is empty"
             raise UsageError(f"{path} holds no step record ({what}): nothing to plot")
+        if not any(all(is_number(r.get(key)) for r in steps) for key, _ in REWARD_LINES):
+            wrong = sum(not is_number(r.get("reward_mean")) for r in steps)
+            raise UsageError(f"{path} holds no reward to plot: {wrong} of its {len(steps)} step "
+                             f"records have no finite reward_mean")
     title = args.title or "GRPO, " + " / ".join(dict.fromkeys(map(what_ran, args.metrics)))
     save(build_figure(runs, args.metrics, args.window, title), title, args.png)
 

@@ -504,3 +504,29 @@ def test_a_damaged_line_is_named_by_number_and_the_run_stays_one(tmp_path):
         "monitor_memory.py: m.jsonl line 22 is no record (its 'rss_mb' is 'abc', not a number): skipped",
         "monitor_memory.py: m.jsonl line 31 is no record (it is not JSON): skipped"]
     assert "39 training records, steps 1-40" in r.stdout and "runs" not in r.stdout
+
+
+def test_readings_that_are_no_numbers_are_named_and_the_leak_still_found(tmp_path):
+    """Issue 72 findings 8 and 17: two NaN readings turned a 3 MB/step leak into "no leak", exit 0;
+    null readings were dropped unnamed; a deeply nested line was a RecursionError."""
+    lines = [json.dumps({"step": s, "rss_mb": 500.0 + 3 * s}) for s in range(1, 61)]
+    lines[9] = json.dumps({"step": 10, "rss_mb": float("nan")})   # Python's json writes NaN
+    lines[19] = json.dumps({"step": 20, "rss_mb": float("inf")})
+    lines[29] = json.dumps({"step": 30, "rss_mb": None})
+    lines[39] = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n")
+    r = monitor("--from-log", "m.jsonl", cwd=tmp_path)
+    assert r.returncode == 1 and "LEAK" in r.stdout, r.stdout + r.stderr
+    assert r.stderr.splitlines() == [
+        "monitor_memory.py: m.jsonl line 10 is no record (its 'rss_mb' is 'nan', not a number): skipped",
+        "monitor_memory.py: m.jsonl line 20 is no record (its 'rss_mb' is 'inf', not a number): skipped",
+        "monitor_memory.py: m.jsonl line 30 is no record (its 'rss_mb' is 'None', not a number): "
+        "skipped",
+        "monitor_memory.py: m.jsonl line 40 is no record (it is not JSON): skipped"]
+
+
+def test_non_finite_readings_never_carry_a_verdict():
+    steps = list(range(60))
+    values = [500.0 + 3 * s for s in steps]
+    values[20] = values[40] = float("nan")
+    assert memwatch.judge_series(steps, values)["verdict"] == "LEAK"
