@@ -37,8 +37,14 @@ from harness import checkpoint, cli, config, guards, log, memory, paths, progres
 from harness import task as task_lib
 
 
-def usage_error(message: str):
-    log.warn(f"error: {message}")  # under torchrun every rank fails alike; rank 0 says so
+def usage_error(message: str, every_rank: bool = False):
+    """One line, exit 2. Under torchrun every rank fails alike and rank 0 says so; every_rank:
+    before the ranks meet, a rank's own mistake (a GRPO_ variable set on it alone) is said by that
+    rank too, named."""
+    rank = os.environ.get("RANK", "0")
+    if every_rank and rank != "0":
+        print(f"train_lean.py: rank {rank}: error: {message}", file=sys.stderr, flush=True)
+    log.warn(f"error: {message}")
     sys.exit(2)
 
 
@@ -48,7 +54,7 @@ class Run:
         try:
             self.loaded = cli.load(argv, builtin=builtin, default_task=default_task)
             cfg = self.cfg = self.loaded.cfg
-            self.layout = config.batch_layout(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+            self.layout = config.batch_layout(cfg, world=config.launched_world())
             outs = paths.check(cfg, self.loaded.options)   # none on what it reads or another writes
             rundir.check_paths(cfg)
             paths.check_made(cfg, outs)   # nothing in the way of what it makes steps later
@@ -63,7 +69,7 @@ class Run:
             lock, self.resume_from, self.doomed = rundir.prepare(cfg, self.loaded.options, outs,
                                                                  self.evaluating)
         except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
-            usage_error(str(e))
+            usage_error(str(e), every_rank=True)
         self.rank, self.world, self.device = distributed.init(cfg.device)  # every rank
         # the same settings on all ranks, or none starts (a GRPO_ variable set on one rank only)
         ranks = distributed.gather_objects(  # every rank

@@ -426,7 +426,7 @@ def resume_point(cfg, options, evaluating: bool, main: bool) -> str:
                                                       resume_from):
         log.warn(note)
     saved_devices = checkpoint.saved_devices(resume_from)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = config.launched_world()
     if not cfg.eval_only and saved_devices != world:
         raise config.ConfigError(
             f"--resume: {resume_from} was saved by a run on {saved_devices} device(s) and this "
