@@ -115,6 +115,10 @@ def check(cfg, options) -> list:
     """The run's writes, once each is checked against the rule (module docstring): ConfigError."""
     # a conflict is said of the flag that placed the path: the logs a flag names before OUT_DIR's
     ins, outs = reads(cfg, options), sorted(writes(cfg), key=lambda w: w.setting == "--out-dir")
+    for e in (*ins, *outs):   # printed, such a path is another one (a newline breaks the line)
+        if any(ord(c) < 32 or ord(c) == 127 for c in e.real):
+            raise config.ConfigError(f"{e.setting} {e.given!r}: {e.real!r} holds a control "
+                                     f"character: pass a path without one")
     for i, w in enumerate(outs):
         for other in (*ins, *outs[i + 1:]):
             where = place(w.real, other.real)

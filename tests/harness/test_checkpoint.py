@@ -13,8 +13,8 @@ import torch
 
 import forked
 
-from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting, read_jsonl, records,
-                     train, usage_error, user_env, weights)
+from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting, one_line_error,
+                     read_jsonl, records, train, usage_error, user_env, weights)
 from harness import checkpoint
 
 
@@ -540,6 +540,53 @@ def test_a_full_disk_at_the_final_save_is_said_beside_the_traceback(tiny_model_d
     said = [line for line in result.stderr.splitlines() if line.startswith("train_lean.py: could not save step 2")]
     assert len(said) == 1 and "the steps after the start are lost" in said[0], result.stderr
     assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+FILLED_AT_STEP_2 = """
+import os
+from tasks.toy import ToyTask
+
+class Filler(ToyTask):
+    calls = 0
+
+    def reward(self, prompt, completion):
+        Filler.calls += 1
+        if Filler.calls == 9:   # step 2's first reward (8 a step): the disk fills under the run
+            disk = os.environ["DISK"]
+            with open(os.path.join(disk, "filler"), "wb") as f:
+                f.write(bytes(os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize - 100_000))
+        return super().reward(prompt, completion)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs: a real full disk")
+def test_a_full_disk_at_a_checkpoint_is_named_and_the_room_check_counts_every_checkpoint(
+        tiny_model_dir, tmp_path):
+    """Issue 72 finding 10: a full disk at a periodic checkpoint was "unexpected pos 64 vs 0" and
+    iostream errors; the start-up room check counted one checkpoint where --keep-checkpoints 2
+    holds three at once (two kept, one being written)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("no tmpfs mount here")
+    try:
+        (tmp_path / "filler.py").write_text(FILLED_AT_STEP_2)
+        args = ["--model", tiny_model_dir, *SMALL, "--task", f"{tmp_path / 'filler.py'}:Filler",
+                "--steps", "3", "--save-interval", "1", "--out-dir", str(disk / "out")]
+        refused = train(*args, "--keep-checkpoints", "3")   # 13 x 616 KB weights
+        assert "6 MB free on its disk, but the trained model and the 4 checkpoint(s) it holds at " \
+               "once take about 8 MB (13 x the weights of" in one_line_error(refused)
+        full = train(*args, extra_env={"DISK": str(disk)})
+        assert full.returncode == 1, full.stderr
+        said = (f"checkpoint step 2 was not written: the disk of {disk / 'out' / 'checkpoints'} is "
+                f"full")
+        assert f"could not save step 2 after the failure either (DiskFull: {said}" in full.stderr
+        assert full.stderr.strip().splitlines()[-1].startswith(f"harness.checkpoint.DiskFull: {said}")
+        assert saved_steps(disk / "out") == [1]   # and no partial one left taking the room
+        assert os.listdir(disk / "out" / "checkpoints") == ["step_000001"]
+    finally:
+        subprocess.run(["umount", str(disk)])
 
 
 @pytest.mark.slow
