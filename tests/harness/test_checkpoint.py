@@ -453,7 +453,9 @@ def test_a_resume_on_another_device_count_is_refused_in_one_line(tiny_model_dir,
     import train_lean
     args = ["--model", tiny_model_dir, *SMALL, "--task", "toy", "--out-dir", str(tmp_path / "run")]
     train_lean.main([*args, "--steps", "1"])
-    monkeypatch.setenv("WORLD_SIZE", "2")   # as torchrun --nproc_per_node 2 would start it
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                        ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)   # as torchrun --nproc_per_node 2 would start it
     with pytest.raises(SystemExit) as e:
         train_lean.main([*args, "--steps", "2", "--resume"])
     assert e.value.code == 2
