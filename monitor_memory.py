@@ -304,9 +304,10 @@ class LogFollower:
 def read_log(path, memory_only: bool = False):
     """The records of a finished log, a line at a time and only their numbers (and kind; with
     memory_only, what the leak analysis reads: step, kind, the *_mb readings, the allocator's
-    retries): memory grows with the steps, not with the file's texts. A line that is no record (not JSON, a step that is no whole number, a memory
-    reading that is no number, NaN, inf, null or past a petabyte) is skipped and said by its number, so one damaged line neither
-    splits the run nor enters it."""
+    retries): memory grows with the steps, not with the file's texts. A line that is no record (not
+    JSON, or nested past any depth; a step that is no whole number; a memory reading that is no
+    number, NaN, inf, null or past a petabyte) is skipped and said by its number, so one damaged
+    line neither splits the run nor enters it."""
     records, skipped = [], []
     try:
         f = open(path, "rb")

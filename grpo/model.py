@@ -186,7 +186,7 @@ def load_policy(name_or_path: str, device: str):
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar says nothing useful here
     before = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()   # its load report: what matters in it is said below, in a line
+    hf_logging.set_verbosity_error()   # its load report: what matters is said below, in a line
     try:
         model, info = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=torch.float32,
                                        output_loading_info=True, ignore_mismatched_sizes=True)

@@ -248,18 +248,21 @@ class DiskFull(OSError):
 
 @contextlib.contextmanager
 def room_for(tmp: str, what: str, need: int):
-    """Inside, the write of `what` into tmp (deleted when the write fails); a failure with less free
-    than `need` bytes left on the disk (or the system's own "no space" or quota error) is DiskFull."""
+    """Inside, the write of `what` into tmp (deleted when the write fails); a failure with less
+    free than `need` bytes left on the disk (or the system's "no space" or quota error) is
+    DiskFull."""
     try:
         yield
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)   # a partial write holds the room the next one needs
         free, cause = shutil.disk_usage(os.path.dirname(tmp)).free, e
-        while cause is not None and getattr(cause, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
+        while cause is not None and getattr(cause, "errno", None) not in (errno.ENOSPC,
+                                                                          errno.EDQUOT):
             cause = cause.__cause__ or cause.__context__
         if free < need or cause is not None:
-            raise DiskFull(f"{what} was not written: the disk of {os.path.dirname(tmp)} is full "
-                           f"({free / 2**20:.1f} MB free; it takes about {need / 2**20:.1f} MB)") from e
+            raise DiskFull(f"{what} was not written: the disk of {os.path.dirname(tmp)} is "
+                           f"full ({free / 2**20:.1f} MB free; it takes about "
+                           f"{need / 2**20:.1f} MB)") from e
         raise
 
 
@@ -276,7 +279,7 @@ def save(out_dir: str, step: int, policy, tokenizer, state: dict, keep: int) -> 
     shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing this step
     os.makedirs(tmp)
     with room_for(tmp, f"checkpoint step {step}", 3 * weight_bytes(policy)):   # and AdamW's moments
-        if is_lora(policy):  # the adapters and the model's config: --resume loads them onto --model again
+        if is_lora(policy):  # the adapters and the model's config: --resume loads them onto --model
             policy.save_pretrained(tmp, save_embedding_layers=False)
             policy.get_base_model().config.save_pretrained(tmp)
         else:
@@ -412,7 +415,8 @@ def save_model(folder: str, policy, tokenizer, step: int) -> str:
             adapter = os.path.join(tmp, ADAPTER)
             policy.save_pretrained(adapter, save_embedding_layers=False)
             base = policy.peft_config[policy.active_adapter].base_model_name_or_path
-            add_lora(load_policy(base, "cpu"), 0, 0, adapter=adapter).merge_and_unload().save_pretrained(tmp)
+            merged = add_lora(load_policy(base, "cpu"), 0, 0, adapter=adapter).merge_and_unload()
+            merged.save_pretrained(tmp)
         else:
             policy.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -47,7 +47,8 @@ def launched_world() -> int:
     torchrun did not make the environment: WORLD_SIZE no whole number from 1, or above 1 without
     torchrun's other variables (a cluster's shell sets WORLD_SIZE for its own jobs)."""
     text = os.environ.get("WORLD_SIZE", "1")
-    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
     count = text.isdigit() and int(text) >= 1
     if not count or int(text) > 1 and missing:
         raise ConfigError(f"WORLD_SIZE={text} " + (f"is set, but not {missing[0]}" if count else

@@ -324,11 +324,12 @@ def time_limit(seconds: float, stuck=None):
 
 
 class StopOnSignal:
-    """SIGINT/SIGTERM/SIGHUP set `requested`; the loop finishes its step, saves and exits 0. The step has
-    `grace` seconds: then, or at a second signal, it is given up (StoppedBySignal), the last finished
-    step is saved and the run exits 128 + the signal's number; except while a checkpoint or the model
-    is written (deferred()): a kill there would leave neither. A launcher kills soon after its one
-    SIGTERM (torchrun, Slurm and Kubernetes 30 s later), so waiting longer loses the steps trained.
+    """SIGINT/SIGTERM/SIGHUP set `requested`; the loop finishes its step, saves and exits 0. The
+    step has `grace` seconds: then, or at a second signal, it is given up (StoppedBySignal), the
+    last finished step is saved and the run exits 128 + the signal's number; except while a
+    checkpoint or the model is written (deferred()): a kill there would leave neither. A launcher
+    kills soon after its one SIGTERM (torchrun, Slurm and Kubernetes 30 s later), so waiting longer
+    loses the steps trained.
 
     Python runs a handler only in the main thread, between bytecodes: a main thread held in native code
     (a collective whose peer is stopped or gone silent) runs none. So the signal is also read from

@@ -20,7 +20,7 @@ import tempfile
 from harness import checkpoint, config, log, memory, places
 from harness.places import LOCK, SETTINGS, WORDS, place
 
-# OUT_DIR/.lock (harness/rundir.py): held while a run trains; left after it, it marks a run's folder.
+# OUT_DIR/.lock (harness/rundir.py): held while a run trains; left after, it marks a run's folder.
 # OUT_DIR's folders that a run replaces as a whole later: no one else's file may lie inside
 REPLACED = {name: "the run " + does for name, does in places.REPLACED.items()}
 # what a run writes into OUT_DIR besides its logs, and what for (in messages: "..., which <role>")

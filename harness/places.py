@@ -1,7 +1,8 @@
 """Where paths lie against each other: the one rule of what a program here writes (train_lean.py's
 in harness/paths.py; monitor_memory.py's and scripts/plot_run.py's outputs against their inputs). A
 write may not land on (a link to it and a hard link included), inside or around a path the program
-reads, nor another it writes, nor inside a run's folder that the run replaces (replaced). It imports nothing heavy: the tools load it at once."""
+reads, nor another it writes, nor inside a run's folder that the run replaces (replaced). It imports
+nothing heavy: the tools load it at once."""
 import os
 
 WORDS = {"on": "lands on", "inside": "lies inside", "around": "lies around"}

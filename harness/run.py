@@ -131,10 +131,10 @@ class Run:
 
     def _stuck(self, why: str, code: int, where: str) -> None:
         """From guards.StopOnSignal's timer or the reward timeout's: the step was given up, but it
-        does not end (where: the main thread stays in native code, a collective whose peer is stopped
-        or silent, or the task's code swallowed the exception). Rank 0 saves the last finished step
-        as the saver would (the weights stay still: in a reward or that collective, nothing updates
-        them); every rank then ends at once, said."""
+        does not end (where: the main thread stays in native code, a collective whose peer is
+        stopped or silent, or the task's code swallowed the exception). Rank 0 saves the last
+        finished step as the saver would (the weights stay still: in a reward or that collective,
+        nothing updates them); every rank then ends at once, said."""
         try:   # a save that fails still ends the process (this thread is its last way out)
             if self.main:
                 log.warn(self.saver.stopped(why) + f" ({where})")
@@ -330,8 +330,8 @@ class Run:
         if self.evaluating and self.start_step == 0 and self.main:  # where the run starts from
             self._first_evaluation(self.metrics_file, self.reporter, self.items_path)
         self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate",
-                                      config.reward_weights(cfg), cfg.group_size, cfg.reward_timeout,
-                                      self._stuck)
+                                      config.reward_weights(cfg), cfg.group_size,
+                                      cfg.reward_timeout, self._stuck)
         self.phases = self.stack.enter_context(memory.Phases(self.device, self.rank, cfg, self.info))
         return self.guard
 

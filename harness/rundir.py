@@ -211,10 +211,12 @@ def check_space(cfg, model: str) -> None:
     held = cfg.keep_checkpoints + 1 if cfg.save_interval else 1
     free, need = shutil.disk_usage(cfg.out_dir).free, (1 + 3 * held) * weights
     if free < need:
-        raise config.ConfigError(f"--out-dir {cfg.out_dir}: {free / 2**20:.0f} MB free on its disk, but "
-                                 f"the trained model and the {held} checkpoint(s) it holds at once take "
-                                 f"about {need / 2**20:.0f} MB ({1 + 3 * held} x the weights of {model}): "
-                                 f"free some space or pass an --out-dir on another disk")
+        raise config.ConfigError(f"--out-dir {cfg.out_dir}: {free / 2**20:.0f} MB free on its "
+                                 f"disk, but the trained model and the {held} checkpoint(s) it "
+                                 f"holds at once take about {need / 2**20:.0f} MB "
+                                 f"({1 + 3 * held} x the weights of {model}): free some space or "
+                                 f"pass an --out-dir "
+                                 f"on another disk")
 
 
 def _continues(resume_from, out_dir: str) -> bool:

@@ -79,8 +79,8 @@ class Always(Half):
 
 def torchrun(*args, extra_env=None):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           TRAIN, *args], capture_output=True, text=True, env=env(**(extra_env or {})),
-                          timeout=300)
+                           TRAIN, *args], capture_output=True, text=True,
+                          env=env(**(extra_env or {})), timeout=300)
 
 
 def test_reward_errors_are_decided_on_the_global_count_and_shown_by_rank_0(tiny_model_dir, tmp_path):

@@ -223,8 +223,9 @@ def broken_model(tiny_model_dir, tmp_path, case: str) -> str:
     folder = tmp_path / case
     if case == "bert":   # an encoder: transformers loads it as BertLMHeadModel
         from transformers import BertConfig, BertLMHeadModel
-        BertLMHeadModel(BertConfig(vocab_size=320, hidden_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, intermediate_size=64)).save_pretrained(folder)
+        bert = BertLMHeadModel(BertConfig(vocab_size=320, hidden_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, intermediate_size=64))
+        bert.save_pretrained(folder)
         return str(folder)
     shutil.copytree(tiny_model_dir, folder)
     conf = json.loads((folder / "config.json").read_text())

@@ -252,8 +252,8 @@ def test_the_same_values_from_the_environment_are_caught_alike(tmp_path, capsys,
 
 
 @pytest.mark.parametrize("world,said", [
-    ("2", "WORLD_SIZE=2 is set, but not RANK: torchrun sets it"), ("two", "WORLD_SIZE=two is no "
-                                                                  "device count: torchrun sets it")])
+    ("2", "WORLD_SIZE=2 is set, but not RANK: torchrun sets it"),
+    ("two", "WORLD_SIZE=two is no device count: torchrun sets it")])
 def test_world_size_without_torchrun_is_one_line_and_locks_nothing(world, said, tiny_model_dir,
                                                                    tmp_path, capsys, monkeypatch,
                                                                    clean_env):

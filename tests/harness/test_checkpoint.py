@@ -13,8 +13,8 @@ import torch
 
 import forked
 
-from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting, one_line_error,
-                     read_jsonl, records, train, usage_error, user_env, weights)
+from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting,
+                     one_line_error, read_jsonl, records, train, usage_error, user_env, weights)
 from harness import checkpoint
 
 
@@ -433,8 +433,9 @@ def test_a_resume_after_a_module_the_task_imports_was_edited_says_so(tiny_model_
     says a task file imports them): a reward edited there changed a resumed run unsaid."""
     import train_lean
     (tmp_path / "helper_72.py").write_text("def score(prompt, completion):\n    return 0.5\n")
-    (tmp_path / "uses.py").write_text("from helper_72 import score\nfrom tasks.toy import ToyTask"
-                                      "\n\nclass Uses(ToyTask):\n    reward = staticmethod(score)\n")
+    (tmp_path / "uses.py").write_text("from helper_72 import score\nfrom tasks.toy import "
+                                      "ToyTask\n\nclass Uses(ToyTask):\n    reward = "
+                                      "staticmethod(score)\n")
     args = ["--model", tiny_model_dir, *SMALL, "--task", f"{tmp_path / 'uses.py'}:Uses",
             "--out-dir", str(tmp_path / "run")]
     train_lean.main([*args, "--steps", "1"])
@@ -584,7 +585,8 @@ def test_a_full_disk_at_a_checkpoint_is_named_and_the_room_check_counts_every_ch
         said = (f"checkpoint step 2 was not written: the disk of {disk / 'out' / 'checkpoints'} is "
                 f"full")
         assert f"could not save step 2 after the failure either (DiskFull: {said}" in full.stderr
-        assert full.stderr.strip().splitlines()[-1].startswith(f"harness.checkpoint.DiskFull: {said}")
+        last = full.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"harness.checkpoint.DiskFull: {said}")
         assert saved_steps(disk / "out") == [1]   # and no partial one left taking the room
         assert os.listdir(disk / "out" / "checkpoints") == ["step_000001"]
     finally:

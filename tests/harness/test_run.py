@@ -127,7 +127,8 @@ def test_a_timeout_the_task_swallows_saves_the_last_step_and_exits(tiny_model_di
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,extra", [("slow-init", []), (None, ["--eval-interval", "5"]),
-                                        (None, ["--eval-only"])], ids=["build", "eval", "eval-only"])
+                                        (None, ["--eval-only"])],
+                         ids=["build", "eval", "eval-only"])
 def test_ctrl_c_before_the_first_step_is_one_line(tiny_model_dir, tmp_path, mode, extra):
     """Issue 72 finding 13: Ctrl-C in a task's slow __init__ (or the model's load, the packing
     probe) was a KeyboardInterrupt traceback, where SIGTERM at the same moment said one line."""

@@ -40,6 +40,7 @@ def test_a_summary_inside_a_runs_checkpoints_is_refused(tmp_path):
     r = subprocess.run([sys.executable, CHAOS, "--summary", str(inside)], env=env(),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and r.stderr.strip().endswith(
-        f"chaos.py: error: --summary {inside} lies inside {tmp_path / 'run' / 'checkpoints'}, which "
+        f"chaos.py: error: --summary {inside} lies inside {tmp_path / 'run' / 'checkpoints'}, "
+        f"which "
         f"the run in {tmp_path / 'run'} keeps (and prunes) its checkpoints in: pass another "
         f"--summary"), r.stderr

@@ -518,8 +518,10 @@ def test_readings_that_are_no_numbers_are_named_and_the_leak_still_found(tmp_pat
     r = monitor("--from-log", "m.jsonl", cwd=tmp_path)
     assert r.returncode == 1 and "LEAK" in r.stdout, r.stdout + r.stderr
     assert r.stderr.splitlines() == [
-        "monitor_memory.py: m.jsonl line 10 is no record (its 'rss_mb' is 'nan', not a number): skipped",
-        "monitor_memory.py: m.jsonl line 20 is no record (its 'rss_mb' is 'inf', not a number): skipped",
+        "monitor_memory.py: m.jsonl line 10 is no record (its 'rss_mb' is 'nan', not a number): "
+        "skipped",
+        "monitor_memory.py: m.jsonl line 20 is no record (its 'rss_mb' is 'inf', not a number): "
+        "skipped",
         "monitor_memory.py: m.jsonl line 30 is no record (its 'rss_mb' is 'None', not a number): "
         "skipped",
         "monitor_memory.py: m.jsonl line 40 is no record (it is not JSON): skipped"]

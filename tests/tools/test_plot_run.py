@@ -192,7 +192,8 @@ def test_nothing_to_draw_a_bad_window_or_figure_path_is_one_line_and_exit_2(tmp_
             # issue 72 finding 1: drawn, then deleted with the checkpoint two steps later
             ([run, inside_checkpoint], f"PNG {inside_checkpoint} lies inside "
                                        f"{tmp_path / 'run' / 'checkpoints'}, which the run in "
-                                       f"{tmp_path / 'run'} keeps (and prunes) its checkpoints in")):
+                                       f"{tmp_path / 'run'} keeps (and prunes) its checkpoints "
+                                       f"in")):
         assert script.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("plot_run.py: error: ") and said in err and err.count("\n") == 1, err
