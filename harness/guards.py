@@ -323,9 +323,17 @@ def time_limit(seconds: float, stuck=None):
         raise RewardTimeout(seconds)
 
 
+def stop_signals() -> list:
+    """The signals that stop a run: SIGINT, SIGTERM and SIGHUP (a closed terminal or SSH session),
+    less those ignored when it starts: a run under nohup (SIGHUP) or in a script's background
+    (SIGINT) is meant to outlive them."""
+    return [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+            if signal.getsignal(s) is not signal.SIG_IGN]
+
+
 class StopOnSignal:
-    """SIGINT/SIGTERM/SIGHUP set `requested`; the loop finishes its step, saves and exits 0. The
-    step has `grace` seconds: then, or at a second signal, it is given up (StoppedBySignal), the
+    """A stop signal (stop_signals) sets `requested`; the loop finishes its step, saves and exits 0.
+    The step has `grace` seconds: then, or at a second signal, it is given up (StoppedBySignal), the
     last finished step is saved and the run exits 128 + the signal's number; except while a
     checkpoint or the model is written (deferred()): a kill there would leave neither. A launcher
     kills soon after its one SIGTERM (torchrun, Slurm and Kubernetes 30 s later), so waiting longer
@@ -338,7 +346,6 @@ class StopOnSignal:
     code swallowed the exception), the timer calls `stuck(why, code, where)`, which saves what it
     safely can and ends the process. Restores the previous handlers on exit."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # a closed terminal or SSH: SIGHUP
     STUCK_S = STUCK_S
 
     def __init__(self, info, grace: float, stuck):
@@ -379,7 +386,7 @@ class StopOnSignal:
     def _read_wakeups(self, fd: int) -> None:
         while data := os.read(fd, 64):   # the write end closed on exit: b""
             for signum in data:
-                if signum in self.SIGNALS:
+                if signum in self.previous:
                     self._arm(signum)
         os.close(fd)
 
@@ -403,7 +410,7 @@ class StopOnSignal:
         self.step_over = threading.Event()
 
     def __enter__(self):
-        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        self.previous = {s: signal.signal(s, self._handle) for s in stop_signals()}
         read, self.wakeup = os.pipe()
         os.set_blocking(self.wakeup, False)
         self.previous_wakeup = signal.set_wakeup_fd(self.wakeup, warn_on_full_buffer=False)

@@ -93,7 +93,7 @@ class Run:
         self.lock = lock.file   # open while the run lives (rank 0): where OUT_DIR is now (rundir.where_now)
         # a stop unwinds and says so (by default SIGTERM and SIGHUP end the process where it stands,
         # unsaid, and SIGINT is a traceback)
-        for signum in guards.StopOnSignal.SIGNALS:
+        for signum in guards.stop_signals():
             self.stack.callback(signal.signal, signum, signal.signal(signum, self._terminated))
         self.stack.push(distributed.close)   # every rank, on the way out (told of an exception)
         self.exit_code, self.cut_said, self.no_tokens_said, self.overwritten = 0, False, False, None

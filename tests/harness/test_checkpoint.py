@@ -86,6 +86,23 @@ def test_a_signal_finishes_the_step_saves_and_exits_0(tiny_model_dir, tmp_path, 
     assert "stopped after step" in stdout
 
 
+@pytest.mark.slow
+def test_under_nohup_a_closed_terminal_leaves_the_run_going(tiny_model_dir, tmp_path):
+    """SIGHUP stops a run (issue 72 finding 3), unless the run was started with it ignored: nohup
+    asks the run to outlive its terminal."""
+    out = str(tmp_path / "out")
+    metrics = os.path.join(out, "metrics.jsonl")
+    proc = subprocess.Popen([sys.executable, TRAIN, "--model", tiny_model_dir, *SMALL, "--steps",
+                             "4", "--out-dir", out], env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    wait_for(lambda: os.path.exists(metrics) and len(open(metrics).readlines()) >= 1, proc)
+    proc.send_signal(signal.SIGHUP)
+    stdout, stderr = proc.communicate(timeout=PROCESS_DEADLINE_S)
+    assert proc.returncode == 0 and "SIGHUP" not in stdout + stderr, stderr
+    assert len(records(metrics)) == 4
+
+
 # train_lean.py with harness/checkpoint.py's argv[1] (save: a checkpoint, save_model: the final
 # model) raising the signal argv[2] as it starts writing: a Ctrl-C or kill -TERM in the write
 SIGNAL_IN_WRITE = """
