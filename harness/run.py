@@ -24,6 +24,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 
 from tqdm import tqdm
@@ -100,6 +101,7 @@ class Run:
         self.skips_said = False
         self.progress, self.started = None, time.perf_counter()   # the console's (start_training)
         self.task_changed = None   # "old -> new" fingerprints of an edited task's file (_task_code)
+        self.ending = None   # _terminated's timer
 
     def __enter__(self):
         return self
@@ -113,6 +115,12 @@ class Run:
             log.warn(f"stopped ({name}) before the first step: nothing was trained, nothing to save")
         else:
             log.warn(f"stopped ({name}): the run's checkpoints keep what it trained (--resume)")
+        if self.ending is None:   # a task that swallows the exit (a bare except) holds it no more
+            swallowed = (name, 128 + signum, "the task's code swallowed the stop")
+            self.ending = threading.Timer(self.cfg.stop_grace + guards.STUCK_S, self._stuck,
+                                          swallowed)
+            self.ending.daemon = True
+            self.ending.start()
         raise guards.Exiting(128 + signum)
 
     def __exit__(self, *exc):
@@ -122,7 +130,11 @@ class Run:
         if stop is not None and stop.requested and distributed.failed_collective(exc[1]):
             # a peer asked to stop too left the collective first: this rank stops, not fails
             exc = (guards.StoppedBySignal, guards.StoppedBySignal(stop.signum), exc[2])
-        self.stack.__exit__(*exc)
+        try:
+            self.stack.__exit__(*exc)
+        finally:
+            if self.ending is not None:   # the exit got out: nothing to end
+                self.ending.cancel()
         if exc[0] is None and self.exit_code:
             sys.exit(self.exit_code)
         if exc[0] is not None and issubclass(exc[0], guards.StoppedBySignal):   # said by the saver
@@ -136,7 +148,7 @@ class Run:
         finished step as the saver would (the weights stay still: in a reward or that collective,
         nothing updates them); every rank then ends at once, said."""
         try:   # a save that fails still ends the process (this thread is its last way out)
-            if self.main:
+            if self.main and hasattr(self, "saver"):   # else before the first step: nothing to save
                 log.warn(self.saver.stopped(why) + f" ({where})")
             else:
                 log.warn_here(f"stopped ({why}) while {where}")

@@ -36,6 +36,12 @@ class Hostile(ToyTask):
         if os.environ.get("MODE") == "slow-init":
             print("building", flush=True)
             time.sleep(600)
+        while os.environ.get("MODE") == "swallow-init":
+            print("building", flush=True)
+            try:   # a slow call wrapped in a bare except
+                time.sleep(60)
+            except:  # noqa: E722
+                pass
 
     def reward(self, prompt, completion):
         Hostile.calls += 1
@@ -111,6 +117,22 @@ def test_a_stop_the_task_swallows_saves_the_last_step_and_exits(tiny_model_dir, 
     saved = tmp_path / "out" / "checkpoints" / "step_000001"
     assert (f"stopped (SIGTERM) in step 2: saved step 1 to {saved}; continue with --resume (the "
             f"task's code swallowed the stop)") in err
+
+
+@pytest.mark.slow
+def test_a_stop_the_tasks_build_swallows_ends_the_run(tiny_model_dir, tmp_path):
+    """Issue 72's rule before the first step: a task's `__init__` that swallowed the exit held the
+    run past --stop-grace, for as long as it ran."""
+    proc = forked.start([TRAIN, *hostile(tmp_path, tiny_model_dir, "--stop-grace", "1")],
+                        env(MODE="swallow-init"))
+    line_starting(proc, "building", PROCESS_DEADLINE_S)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines() == [
+        "train_lean.py: stopped (SIGTERM) before the first step: nothing was trained, nothing to "
+        "save",
+        "train_lean.py: stopped (SIGTERM) while the task's code swallowed the stop"]
 
 
 @pytest.mark.slow
