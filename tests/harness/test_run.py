@@ -37,8 +37,8 @@ class Hostile(ToyTask):
             print("building", flush=True)
             time.sleep(600)
         while os.environ.get("MODE") == "swallow-init":
-            print("building", flush=True)
-            try:   # a slow call wrapped in a bare except
+            try:   # a slow call wrapped in a bare except (the signal comes once "building" is read)
+                print("building", flush=True)
                 time.sleep(60)
             except:  # noqa: E722
                 pass
