@@ -105,34 +105,24 @@ def test_a_task_that_forks_cannot_end_or_unlock_the_run(tiny_model_dir, tmp_path
 
 
 @pytest.mark.slow
-def test_a_stop_the_task_swallows_saves_the_last_step_and_exits(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("mode,said", [
+    ("swallow", ["stopped (SIGTERM) in step 2: saved step 1 to {out}/checkpoints/step_000001; "
+                 "continue with --resume (the task's code swallowed the stop)"]),
+    ("swallow-init", ["stopped (SIGTERM) before the first step: nothing was trained, nothing to "
+                      "save", "stopped (SIGTERM) while the task's code swallowed the stop"])],
+    ids=["reward", "build"])
+def test_a_stop_the_task_swallows_ends_the_run_said(tiny_model_dir, tmp_path, mode, said):
     """Issue 72 finding 4: a reward's bare `except:` swallowed the stop; every SIGTERM was ignored
-    for as long as it ran, and a kill -9 then lost the steps trained."""
+    for as long as it ran, and a kill -9 then lost the steps trained. A task's `__init__` doing the
+    same held the run before its first step."""
     proc = forked.start([TRAIN, *hostile(tmp_path, tiny_model_dir, "--stop-grace", "1")],
-                        env(MODE="swallow"))
-    line_starting(proc, "hung", PROCESS_DEADLINE_S)
+                        env(MODE=mode))
+    line_starting(proc, "hung" if mode == "swallow" else "building", PROCESS_DEADLINE_S)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
-    saved = tmp_path / "out" / "checkpoints" / "step_000001"
-    assert (f"stopped (SIGTERM) in step 2: saved step 1 to {saved}; continue with --resume (the "
-            f"task's code swallowed the stop)") in err
-
-
-@pytest.mark.slow
-def test_a_stop_the_tasks_build_swallows_ends_the_run(tiny_model_dir, tmp_path):
-    """Issue 72's rule before the first step: a task's `__init__` that swallowed the exit held the
-    run past --stop-grace, for as long as it ran."""
-    proc = forked.start([TRAIN, *hostile(tmp_path, tiny_model_dir, "--stop-grace", "1")],
-                        env(MODE="swallow-init"))
-    line_starting(proc, "building", PROCESS_DEADLINE_S)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
-    assert err.strip().splitlines() == [
-        "train_lean.py: stopped (SIGTERM) before the first step: nothing was trained, nothing to "
-        "save",
-        "train_lean.py: stopped (SIGTERM) while the task's code swallowed the stop"]
+    lines = [f"train_lean.py: {line.format(out=tmp_path / 'out')}" for line in said]
+    assert err.strip().splitlines()[-len(lines):] == lines, err
 
 
 @pytest.mark.slow
