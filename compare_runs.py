@@ -64,7 +64,7 @@ def evaluations(run: str) -> dict:
                 continue
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 record = line
             wrong = "it is not JSON" if record is line else log.items_problem(record)
             if wrong:

@@ -146,6 +146,8 @@ def judge_series(steps, values, warmup=WARMUP, leak_mb_per_step=LEAK_MB_PER_STEP
     whatever step a resumed run starts from.
     """
     steps, values = np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
+    finite = np.isfinite(values)   # a verdict never rests on a NaN or inf reading's slopes
+    steps, values = steps[finite], values[finite]
     s, v = steps[warmup:], values[warmup:]
     out = {"points": int(len(s)), "warmup": int(min(warmup, len(steps)))}
     if len(steps):

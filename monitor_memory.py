@@ -294,7 +294,7 @@ class LogFollower:
         for line in lines:
             try:
                 rec = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue  # a corrupt or foreign line is not a step; skipping it is all we can do
             if isinstance(rec, dict):
                 records.append(rec)
@@ -304,9 +304,10 @@ class LogFollower:
 def read_log(path, memory_only: bool = False):
     """The records of a finished log, a line at a time and only their numbers (and kind; with
     memory_only, what the leak analysis reads: step, kind, the *_mb readings, the allocator's
-    retries): memory grows with the steps, not with the file's texts. A line that is no record (not JSON, a step that is no whole number, a memory
-    reading that is no number) is skipped and said by its number, so one damaged line neither
-    splits the run nor enters it."""
+    retries): memory grows with the steps, not with the file's texts. A line that is no record (not
+    JSON, or nested past any depth; a step that is no whole number; a memory reading that is no
+    number, NaN, inf, null or past a petabyte) is skipped and said by its number, so one damaged
+    line neither splits the run nor enters it."""
     records, skipped = [], []
     try:
         f = open(path, "rb")
@@ -318,7 +319,7 @@ def read_log(path, memory_only: bool = False):
                 continue
             try:
                 rec = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):   # not JSON, or nested past any depth
                 rec = None
             wrong = "it is not JSON" if rec is None else not_a_record(rec)
             if wrong:
@@ -343,8 +344,8 @@ def not_a_record(rec):
         return f"it is a {type(rec).__name__}"
     if not isinstance(rec.get("step"), int) or isinstance(rec.get("step"), bool):
         return f"its step is {str(rec.get('step'))[:40]!r}, not a whole number"
-    bad = next((k for k, v in rec.items() if k.endswith("_mb") and v is not None and
-                (isinstance(v, bool) or not isinstance(v, (int, float)))), None)
+    bad = next((k for k, v in rec.items() if k.endswith("_mb") and (
+        isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= 1e12)), None)
     return None if bad is None else f"its {bad!r} is {str(rec[bad])[:40]!r}, not a number"
 
 

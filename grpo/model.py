@@ -35,7 +35,7 @@ def _from_pretrained(cls, name_or_path: str, **kwargs):
         kwargs["local_files_only"] = True
     try:
         return cls.from_pretrained(name_or_path, **kwargs)
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever transformers or safetensors raises on a folder
         # transformers' messages run over several lines: all of it, on one (its first line alone
         # can stop mid-list)
         text = " ".join(str(e).split()) or type(e).__name__
@@ -185,7 +185,26 @@ def load_policy(name_or_path: str, device: str):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar says nothing useful here
-    model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=torch.float32)
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()   # its load report: what matters is said below, in a line
+    try:
+        model, info = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=torch.float32,
+                                       output_loading_info=True, ignore_mismatched_sizes=True)
+    finally:
+        hf_logging.set_verbosity(before)
+    # weights transformers would start at random values: a config that does not fit its weights
+    wrong = [*info["missing_keys"], *(f"{k} (saved {tuple(a)}, configured {tuple(b)})"
+                                      for k, a, b in info["mismatched_keys"])]
+    if wrong:
+        raise ModelLoadError(f"--model {name_or_path}: its config.json does not fit its weights: "
+                             f"{len(wrong)} tensor(s) would start from random values "
+                             f"({', '.join(sorted(wrong)[:2])}{', ...' if len(wrong) > 2 else ''})")
+    with torch.no_grad():   # what the sampler needs: a decoder that returns its key/value cache
+        cache = model(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=True).past_key_values
+    if cache is None:
+        raise ModelLoadError(f"--model {name_or_path}: a {model.config.model_type} model that "
+                             f"returns no key/value cache is no causal LM this trainer samples "
+                             f"from (a decoder: GPT-2, Llama, Qwen2, ...)")
     # fp32 master weights always: bf16 is used through autocast, never as the stored weights,
     # because AdamW updates on bf16 weights round away most of a 1e-5 learning rate.
     fuse_tanh_gelu(model)

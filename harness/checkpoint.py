@@ -14,6 +14,8 @@ writing leaves at worst a stray temporary folder, never a broken latest checkpoi
 What the disk did to it later is what the manifest is for: --resume checks it against the files and
 continues from the newest intact checkpoint, and moves a damaged one aside (damaged-step_000120).
 """
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -239,6 +241,35 @@ def fingerprint(model) -> str:
     return digest.hexdigest()[:16]
 
 
+class DiskFull(OSError):
+    """A save that failed for want of room on its disk, named as such (the writers' own errors
+    say "unexpected pos" or "iostream error")."""
+
+
+@contextlib.contextmanager
+def room_for(tmp: str, what: str, need: int):
+    """Inside, the write of `what` into tmp (deleted when the write fails); a failure with less
+    free than `need` bytes left on the disk (or the system's "no space" or quota error) is
+    DiskFull."""
+    try:
+        yield
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)   # a partial write holds the room the next one needs
+        free, cause = shutil.disk_usage(os.path.dirname(tmp)).free, e
+        while cause is not None and getattr(cause, "errno", None) not in (errno.ENOSPC,
+                                                                          errno.EDQUOT):
+            cause = cause.__cause__ or cause.__context__
+        if free < need or cause is not None:
+            raise DiskFull(f"{what} was not written: the disk of {os.path.dirname(tmp)} is "
+                           f"full ({free / 2**20:.1f} MB free; it takes about "
+                           f"{need / 2**20:.1f} MB)") from e
+        raise
+
+
+def weight_bytes(policy) -> int:
+    return sum(t.numel() * t.element_size() for t in policy.state_dict().values())
+
+
 def save(out_dir: str, step: int, policy, tokenizer, state: dict, keep: int) -> str:
     """Write checkpoint `step` atomically, drop all but the newest `keep`; return its path."""
     check_finite(policy, f"checkpoint step {step}")
@@ -247,19 +278,20 @@ def save(out_dir: str, step: int, policy, tokenizer, state: dict, keep: int) -> 
     tmp = os.path.join(folder, f".tmp-step_{step:06d}")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing this step
     os.makedirs(tmp)
-    if is_lora(policy):  # the adapters and the model's config: --resume loads them onto --model again
-        policy.save_pretrained(tmp, save_embedding_layers=False)
-        policy.get_base_model().config.save_pretrained(tmp)
-    else:
-        policy.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save({**state, "step": step}, os.path.join(tmp, STATE))
-    write_manifest(tmp)
+    with room_for(tmp, f"checkpoint step {step}", 3 * weight_bytes(policy)):   # and AdamW's moments
+        if is_lora(policy):  # the adapters and the model's config: --resume loads them onto --model
+            policy.save_pretrained(tmp, save_embedding_layers=False)
+            policy.get_base_model().config.save_pretrained(tmp)
+        else:
+            policy.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save({**state, "step": step}, os.path.join(tmp, STATE))
+        write_manifest(tmp)
     if os.path.exists(final):  # the same step saved again (a resumed run interrupted at once)
-        shutil.rmtree(final)
+        drop(final)
     os.rename(tmp, final)
     for _, old in _checkpoints(folder)[:-keep]:
-        shutil.rmtree(old)
+        drop(old)
     for name in os.listdir(folder):  # temporaries of earlier killed runs
         if name.startswith(".tmp-"):
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
@@ -378,18 +410,20 @@ def save_model(folder: str, policy, tokenizer, step: int) -> str:
     check_finite(policy, f"the model of step {step}")
     tmp = temporary(folder)
     shutil.rmtree(tmp, ignore_errors=True)
-    if is_lora(policy):
-        adapter = os.path.join(tmp, ADAPTER)
-        policy.save_pretrained(adapter, save_embedding_layers=False)
-        base = policy.peft_config[policy.active_adapter].base_model_name_or_path
-        add_lora(load_policy(base, "cpu"), 0, 0, adapter=adapter).merge_and_unload().save_pretrained(tmp)
-    else:
-        policy.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    written = sorted(_files(tmp)) + [MODEL_STEP]
-    with open(os.path.join(tmp, MODEL_STEP), "w", encoding="utf-8") as f:
-        json.dump({"step": step, "files": written}, f)
-    kept = keep_others(folder, tmp)
+    with room_for(tmp, f"the model of step {step}", weight_bytes(policy)):
+        if is_lora(policy):
+            adapter = os.path.join(tmp, ADAPTER)
+            policy.save_pretrained(adapter, save_embedding_layers=False)
+            base = policy.peft_config[policy.active_adapter].base_model_name_or_path
+            merged = add_lora(load_policy(base, "cpu"), 0, 0, adapter=adapter).merge_and_unload()
+            merged.save_pretrained(tmp)
+        else:
+            policy.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        written = sorted(_files(tmp)) + [MODEL_STEP]
+        with open(os.path.join(tmp, MODEL_STEP), "w", encoding="utf-8") as f:
+            json.dump({"step": step, "files": written}, f)
+        kept = keep_others(folder, tmp)
     shutil.rmtree(folder, ignore_errors=True)
     os.rename(tmp, folder)
     if kept:
@@ -404,12 +438,26 @@ def _files(root: str) -> list:
             for d, _, names in os.walk(root) for n in names]
 
 
+def drop(path: str) -> None:
+    """Delete checkpoint `path`, but not what the run did not write there (the files its manifest
+    lists are the run's): those are copied to kept-step_N beside it first, and named."""
+    own = {MANIFEST, STATE}
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            own |= set(json.load(f))
+    aside = os.path.join(os.path.dirname(path), "kept-" + os.path.basename(path))
+    kept = copy_others(path, own, aside)
+    shutil.rmtree(path)
+    if kept:
+        log.warn(f"checkpoint {path} held files the run did not write ({', '.join(kept)}): "
+                 f"kept in {aside} as the checkpoint was deleted")
+
+
 def keep_others(folder: str, new: str) -> list:
     """The files in the model folder that the trainer did not write (a model card, a figure),
-    copied into its new version `new`; one whose name the new version also writes is kept as
-    NAME.kept. Returns them as kept. The trainer's own files are those MODEL_STEP lists; a folder
-    without the list (written before it was kept) holds only what save_pretrained wrote, and the
-    step file: its files with known endings are the trainer's."""
+    copied into its new version `new` (copy_others). The trainer's own files are those MODEL_STEP
+    lists; a folder without the list (written before it was kept) holds only what save_pretrained
+    wrote, and the step file: its files with known endings are the trainer's."""
     if not os.path.isdir(folder):
         return []
     try:
@@ -417,6 +465,12 @@ def keep_others(folder: str, new: str) -> list:
             own = set(json.load(f).get("files", ()))
     except (OSError, ValueError, AttributeError):
         own = set()
+    return copy_others(folder, own, new)
+
+
+def copy_others(folder: str, own: set, new: str) -> list:
+    """The files under folder that `own` does not name (empty: those without TRAINER_ENDINGS),
+    copied into `new`; one whose name is taken there kept as NAME.kept. Returns them as kept."""
     kept = []
     for name in sorted(_files(folder)):
         if name in own or not own and name.endswith(TRAINER_ENDINGS):

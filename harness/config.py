@@ -37,7 +37,25 @@ class ConfigError(ValueError):
 RANGES = {"at least 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
           "in [0, 1)": lambda v: 0 <= v < 1, "in (0, 1)": lambda v: 0 < v < 1,
           "> 1": lambda v: v > 1, "in (0, 1]": lambda v: 0 < v <= 1,
-          "in [0, 2**32)": lambda v: 0 <= v < 2**32}
+          "in [0, 2**32)": lambda v: 0 <= v < 2**32,
+          # durations (seconds): at most 11 days, within what a timer or a wait takes
+          "in [0, 1e6]": lambda v: 0 <= v <= 1e6, "in (0, 1e6]": lambda v: 0 < v <= 1e6}
+
+
+def launched_world() -> int:
+    """The device count torchrun launched the run on (WORLD_SIZE; 1 without it). ConfigError where
+    torchrun did not make the environment: WORLD_SIZE no whole number from 1, or above 1 without
+    torchrun's other variables (a cluster's shell sets WORLD_SIZE for its own jobs)."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    count = text.isdigit() and int(text) >= 1
+    if not count or int(text) > 1 and missing:
+        raise ConfigError(f"WORLD_SIZE={text} " + (f"is set, but not {missing[0]}" if count else
+                                                   "is no device count") +
+                          f": torchrun sets it for a run on several devices (torchrun "
+                          f"--nproc_per_node N train_lean.py ...); unset it to run in one process")
+    return int(text)
 
 
 # The checkpoint's adapters are built with these and loaded as saved (peft's adapter config wins): a new value
@@ -75,7 +93,7 @@ class Config(Settings):
                              ["stop", "tolerate"], resume_free=True)
     reward_timeout: float = opt(0.0, "give a step up when its rewards take longer than this many seconds "
                                 "(saving the last finished step, exit 1); 0: off, a slow reward says so "
-                                "every minute and Ctrl-C or SIGTERM stops it", must=">= 0",
+                                "every minute and Ctrl-C or SIGTERM stops it", must="in [0, 1e6]",
                                 resume_free=True)
     # the task's held-out evaluation (its evaluate(complete), greedy decoding)
     eval_interval: int = opt(100, "evaluate before training, every N steps and after the last (0: off); "
@@ -155,7 +173,7 @@ class Config(Settings):
                              must="at least 1", resume_free=True)
     stop_grace: float = opt(20.0, "seconds a step may take to finish after Ctrl-C or SIGTERM; then it is "
                             "given up and the last finished step saved (torchrun, Slurm and Kubernetes "
-                            "kill 30 s after their SIGTERM)", must="> 0", resume_free=True)
+                            "kill 30 s after their SIGTERM)", must="in (0, 1e6]", resume_free=True)
     # where memory goes (harness/memory.py; monitor_memory.py --trace sets both)
     trace_memory: int = opt(0, "trace N steps (0: off; at least 2) for leak evidence: allocation sites (tracemalloc), "
                             "live tensors by shape, on CUDA the allocator's history, in OUT_DIR/memory/trace.json; "

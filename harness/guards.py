@@ -278,6 +278,11 @@ class StoppedBySignal(BaseException):
         self.signum, self.why, self.code = signum, signal.Signals(signum).name, 128 + signum
 
 
+class Exiting(SystemExit):
+    """The run's own exit on a stop before the steps (harness/run.py _terminated): a task fence
+    (harness/task.py fenced) passes it on where it takes a SystemExit for the task's own."""
+
+
 class RewardTimeout(StoppedBySignal):
     """A step's rewards ran past --reward-timeout: the step is given up as a signal would (exit 1)."""
 
@@ -286,45 +291,67 @@ class RewardTimeout(StoppedBySignal):
         self.signum, self.why, self.code = None, f"--reward-timeout {seconds:g} s", 1
 
 
+# how long a step given up may take to end (a stop or a timeout raised into it) before the run
+# saves the last finished step and ends the process where it stands
+STUCK_S = 5.0
+
+
 @contextlib.contextmanager
-def time_limit(seconds: float):
+def time_limit(seconds: float, stuck=None):
     """Inside, RewardTimeout once `seconds` have passed (0: never), raised by a SIGALRM handler: a
-    call blocked in the main thread (a pipe, a socket, a sleep) returns for it."""
+    call blocked in the main thread (a pipe, a socket, a sleep) returns for it. A task that swallows
+    it cannot disarm it: it is raised again every second, the block raises it once it returns, and
+    STUCK_S after the first, stuck(why, code) is called (it saves and ends the process)."""
     if not seconds:
         yield
         return
+    fired = []
 
     def expired(signum, frame):
+        fired.append(1)
+        if stuck is not None and len(fired) > STUCK_S:
+            stuck(RewardTimeout(seconds).why, 1, "the task's code swallowed the timeout")
         raise RewardTimeout(seconds)
     previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+    if fired:   # a reward returned a score for a call the timeout cut short
+        raise RewardTimeout(seconds)
+
+
+def stop_signals() -> list:
+    """The signals that stop a run: SIGINT, SIGTERM and SIGHUP (a closed terminal or SSH session),
+    less those ignored when it starts: a run under nohup (SIGHUP) or in a script's background
+    (SIGINT) is meant to outlive them."""
+    return [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+            if signal.getsignal(s) is not signal.SIG_IGN]
 
 
 class StopOnSignal:
-    """SIGINT/SIGTERM set `requested`; the loop finishes its step, saves and exits 0. The step has
-    `grace` seconds: then, or at a second signal, it is given up (StoppedBySignal), the last finished
-    step is saved and the run exits 128 + the signal's number; except while a checkpoint or the model
-    is written (deferred()): a kill there would leave neither. A launcher kills soon after its one
-    SIGTERM (torchrun, Slurm and Kubernetes 30 s later), so waiting longer loses the steps trained.
+    """A stop signal (stop_signals) sets `requested`; the loop finishes its step, saves and exits 0.
+    The step has `grace` seconds: then, or at a second signal, it is given up (StoppedBySignal), the
+    last finished step is saved and the run exits 128 + the signal's number; except while a
+    checkpoint or the model is written (deferred()): a kill there would leave neither. A launcher
+    kills soon after its one SIGTERM (torchrun, Slurm and Kubernetes 30 s later), so waiting longer
+    loses the steps trained.
 
     Python runs a handler only in the main thread, between bytecodes: a main thread held in native code
     (a collective whose peer is stopped or gone silent) runs none. So the signal is also read from
     the wakeup fd by a thread, which starts the grace's timer; the give-up is the signal again, sent
-    to the main thread; if that thread still runs no handler STUCK_S later, the timer calls
-    `stuck(signum)`, which saves what it safely can and ends the process. Restores the previous
-    handlers on exit."""
+    to the main thread; if the step has not unwound STUCK_S later (no handler ran, or the task's
+    code swallowed the exception), the timer calls `stuck(why, code, where)`, which saves what it
+    safely can and ends the process. Restores the previous handlers on exit."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-    STUCK_S = 5.0
+    STUCK_S = STUCK_S
 
     def __init__(self, info, grace: float, stuck):
         self.requested, self.info, self.previous, self.writing = False, info, {}, False
         self.grace, self.stuck, self.armed, self.lock = grace, stuck, False, threading.Lock()
+        self.raised = False
         self.step_over, self.unwinding = threading.Event(), threading.Event()
 
     @contextlib.contextmanager
@@ -339,7 +366,7 @@ class StopOnSignal:
     def _handle(self, signum, frame):
         self.signum = signum
         if self.requested and not self.writing:
-            self.unwinding.set()
+            self.raised = True   # unwinding is set once it reaches the loop (__exit__), not here
             raise StoppedBySignal(signum)
         self._arm(signum)
         self.requested = True
@@ -359,7 +386,7 @@ class StopOnSignal:
     def _read_wakeups(self, fd: int) -> None:
         while data := os.read(fd, 64):   # the write end closed on exit: b""
             for signum in data:
-                if signum in self.SIGNALS:
+                if signum in self.previous:
                     self._arm(signum)
         os.close(fd)
 
@@ -371,7 +398,9 @@ class StopOnSignal:
                 if self.unwinding.wait(self.STUCK_S):
                     return
                 if not self.writing:
-                    self.stuck(signum)
+                    self.stuck(signal.Signals(signum).name, 128 + signum,
+                               "the task's code swallowed the stop" if self.raised
+                               else "held in a collective")
                     return
             step_over.wait(0.1)
 
@@ -381,7 +410,7 @@ class StopOnSignal:
         self.step_over = threading.Event()
 
     def __enter__(self):
-        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        self.previous = {s: signal.signal(s, self._handle) for s in stop_signals()}
         read, self.wakeup = os.pipe()
         os.set_blocking(self.wakeup, False)
         self.previous_wakeup = signal.set_wakeup_fd(self.wakeup, warn_on_full_buffer=False)

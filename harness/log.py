@@ -202,7 +202,7 @@ def keep_until(path: str, step: int) -> None:
             continue
         try:
             record = json.loads(line)
-        except ValueError:   # not JSON, or not UTF-8
+        except (ValueError, RecursionError):   # not JSON (or nested past any depth), or not UTF-8
             record = None
         if not isinstance(record, dict):
             bad.append(number)

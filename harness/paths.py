@@ -17,15 +17,12 @@ import json
 import os
 import tempfile
 
-from harness import checkpoint, config, log, memory
-from harness.places import WORDS, place
+from harness import checkpoint, config, log, memory, places
+from harness.places import LOCK, SETTINGS, WORDS, place
 
-# OUT_DIR/.lock (harness/rundir.py): held while a run trains; left after it, it marks a run's folder
-LOCK = ".lock"
-SETTINGS = "settings.txt"
-# the folders of OUT_DIR that a run replaces as a whole later: no one else's file may lie inside
-REPLACED = {"model": "the run replaces with its trained model at its end",
-            checkpoint.SUBDIR: "the run keeps (and prunes) its checkpoints in"}
+# OUT_DIR/.lock (harness/rundir.py): held while a run trains; left after, it marks a run's folder.
+# OUT_DIR's folders that a run replaces as a whole later: no one else's file may lie inside
+REPLACED = {name: "the run " + does for name, does in places.REPLACED.items()}
 # what a run writes into OUT_DIR besides its logs, and what for (in messages: "..., which <role>")
 OUT_DIR_WRITES = {**REPLACED, "tensorboard": "the run writes its TensorBoard events to",
                   "wandb": "the run writes its W&B run to",
@@ -106,18 +103,6 @@ def _refusal(w: Entry, where: str, other: str, role: str, fix: str):
     return config.ConfigError(f"{head} {WORDS[where]} {other}, which {role}: {fix} {w.setting}")
 
 
-def _replaced_by_another(path: str):
-    """(the folder, its role) of a run's folder that path lies in and that run replaces, or None:
-    an ancestor named as one of REPLACED whose parent holds a run's lock file."""
-    folder = os.path.dirname(path)
-    while folder != os.path.dirname(folder):
-        name, parent = os.path.basename(folder), os.path.dirname(folder)
-        if name in REPLACED and os.path.isfile(os.path.join(parent, LOCK)):
-            return folder, f"the run in {parent} replaces"
-        folder = parent
-    return None
-
-
 def _other_run_inside(folder: str):
     """A folder under `folder` that is another run's (it holds a lock file), or None."""
     for root, _, names in os.walk(folder):
@@ -130,12 +115,16 @@ def check(cfg, options) -> list:
     """The run's writes, once each is checked against the rule (module docstring): ConfigError."""
     # a conflict is said of the flag that placed the path: the logs a flag names before OUT_DIR's
     ins, outs = reads(cfg, options), sorted(writes(cfg), key=lambda w: w.setting == "--out-dir")
+    for e in (*ins, *outs):   # printed, such a path is another one (a newline breaks the line)
+        if any(ord(c) < 32 or ord(c) == 127 for c in e.real):
+            raise config.ConfigError(f"{e.setting} {e.given!r}: {e.real!r} holds a control "
+                                     f"character: pass a path without one")
     for i, w in enumerate(outs):
         for other in (*ins, *outs[i + 1:]):
             where = place(w.real, other.real)
             if where:
                 raise _refusal(w, where, other.shown, other.role, "pass another")
-        replaced = _replaced_by_another(w.real)
+        replaced = places.replaced(w.real)
         if replaced:
             raise _refusal(w, "inside", *replaced, "pass another")
         held = os.path.isdir(w.real) and _other_run_inside(w.real)

@@ -1,10 +1,29 @@
 """Where paths lie against each other: the one rule of what a program here writes (train_lean.py's
 in harness/paths.py; monitor_memory.py's and scripts/plot_run.py's outputs against their inputs). A
 write may not land on (a link to it and a hard link included), inside or around a path the program
-reads, nor another it writes. It imports nothing heavy: the tools load it at once."""
+reads, nor another it writes, nor inside a run's folder that the run replaces (replaced). It imports
+nothing heavy: the tools load it at once."""
 import os
 
 WORDS = {"on": "lands on", "inside": "lies inside", "around": "lies around"}
+LOCK, SETTINGS = ".lock", "settings.txt"   # a run's OUT_DIR holds both: its lock stays after it
+# the folders of a run's OUT_DIR that the run replaces or prunes as a whole, and what it does there
+REPLACED = {"model": "replaces with its trained model at its end",
+            "checkpoints": "keeps (and prunes) its checkpoints in"}
+
+
+def replaced(path: str):
+    """(the folder, "the run in OUT_DIR <does>") of a run's folder that resolved path lies inside
+    and that run replaces or prunes, or None: an ancestor named in REPLACED beside a run's lock,
+    settings or log. No program here writes there: the run would delete it."""
+    folder = os.path.dirname(path)
+    while folder != os.path.dirname(folder):
+        name, parent = os.path.basename(folder), os.path.dirname(folder)
+        marks = (LOCK, SETTINGS, "metrics.jsonl")
+        if name in REPLACED and any(os.path.isfile(os.path.join(parent, m)) for m in marks):
+            return folder, f"the run in {parent} {REPLACED[name]}"
+        folder = parent
+    return None
 
 
 def place(a: str, b: str):
@@ -25,6 +44,9 @@ def clash(others: list, writes: list):
     (flag, path) of the outputs, none on another either. A path of None is left out."""
     outs = [(name, path) for name, path in writes if path is not None]
     for i, (name, path) in enumerate(outs):
+        run = replaced(os.path.realpath(path))
+        if run:
+            return f"{name} {path} lies inside {run[0]}, which {run[1]}: pass another {name}"
         for other, other_path, does in (*others, *((n, p, "writes") for n, p in outs[i + 1:])):
             where = other_path is not None and place(os.path.realpath(path),
                                                      os.path.realpath(other_path))

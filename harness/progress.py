@@ -168,7 +168,7 @@ def _lines(path: str):
         for line in f:
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(record, dict):
                 yield record

@@ -24,6 +24,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 
 from tqdm import tqdm
@@ -37,8 +38,14 @@ from harness import checkpoint, cli, config, guards, log, memory, paths, progres
 from harness import task as task_lib
 
 
-def usage_error(message: str):
-    log.warn(f"error: {message}")  # under torchrun every rank fails alike; rank 0 says so
+def usage_error(message: str, every_rank: bool = False):
+    """One line, exit 2. Under torchrun every rank fails alike and rank 0 says so; every_rank:
+    before the ranks meet, a rank's own mistake (a GRPO_ variable set on it alone) is said by that
+    rank too, named."""
+    rank = os.environ.get("RANK", "0")
+    if every_rank and rank != "0":
+        print(f"train_lean.py: rank {rank}: error: {message}", file=sys.stderr, flush=True)
+    log.warn(f"error: {message}")
     sys.exit(2)
 
 
@@ -48,7 +55,7 @@ class Run:
         try:
             self.loaded = cli.load(argv, builtin=builtin, default_task=default_task)
             cfg = self.cfg = self.loaded.cfg
-            self.layout = config.batch_layout(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+            self.layout = config.batch_layout(cfg, world=config.launched_world())
             outs = paths.check(cfg, self.loaded.options)   # none on what it reads or another writes
             rundir.check_paths(cfg)
             paths.check_made(cfg, outs)   # nothing in the way of what it makes steps later
@@ -63,7 +70,7 @@ class Run:
             lock, self.resume_from, self.doomed = rundir.prepare(cfg, self.loaded.options, outs,
                                                                  self.evaluating)
         except (config.ConfigError, checkpoint.CheckpointError, task_lib.TaskError) as e:
-            usage_error(str(e))
+            usage_error(str(e), every_rank=True)
         self.rank, self.world, self.device = distributed.init(cfg.device)  # every rank
         # the same settings on all ranks, or none starts (a GRPO_ variable set on one rank only)
         ranks = distributed.gather_objects(  # every rank
@@ -85,52 +92,68 @@ class Run:
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(lock)          # the lock on OUT_DIR, released last
         self.lock = lock.file   # open while the run lives (rank 0): where OUT_DIR is now (rundir.where_now)
-        # SIGTERM unwinds and says so (by default it ends the process where it stands, unsaid)
-        self.stack.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, self._terminated))
+        # a stop unwinds and says so (by default SIGTERM and SIGHUP end the process where it stands,
+        # unsaid, and SIGINT is a traceback)
+        for signum in guards.stop_signals():
+            self.stack.callback(signal.signal, signum, signal.signal(signum, self._terminated))
         self.stack.push(distributed.close)   # every rank, on the way out (told of an exception)
         self.exit_code, self.cut_said, self.no_tokens_said, self.overwritten = 0, False, False, None
         self.skips_said = False
         self.progress, self.started = None, time.perf_counter()   # the console's (start_training)
         self.task_changed = None   # "old -> new" fingerprints of an edited task's file (_task_code)
+        self.ending = None   # _terminated's timer
 
     def __enter__(self):
         return self
 
     def _terminated(self, signum, frame):
-        """SIGTERM outside the steps (the model's load, the step-0 evaluation; during them
-        guards.StopOnSignal finishes the step and saves it): an exit that runs every way out's
-        clean-up, said (exit status 143, as by default)."""
+        """A stop outside the steps (the task's build, the model's load, the step-0 evaluation;
+        during them guards.StopOnSignal finishes the step and saves it): an exit that runs every
+        way out's clean-up, said (exit status 128 + the signal's number, as by default)."""
         name = signal.Signals(signum).name
         if self.progress is None or self.progress.first is None:
             log.warn(f"stopped ({name}) before the first step: nothing was trained, nothing to save")
         else:
             log.warn(f"stopped ({name}): the run's checkpoints keep what it trained (--resume)")
-        raise SystemExit(128 + signum)
+        if self.ending is None:   # a task that swallows the exit (a bare except) holds it no more
+            swallowed = (name, 128 + signum, "the task's code swallowed the stop")
+            self.ending = threading.Timer(self.cfg.stop_grace + guards.STUCK_S, self._stuck,
+                                          swallowed)
+            self.ending.daemon = True
+            self.ending.start()
+        raise guards.Exiting(128 + signum)
 
     def __exit__(self, *exc):
         stop = getattr(self, "stop", None)
+        if stop is not None:
+            stop.unwinding.set()   # the step given up has reached the run: no need to end it
         if stop is not None and stop.requested and distributed.failed_collective(exc[1]):
             # a peer asked to stop too left the collective first: this rank stops, not fails
             exc = (guards.StoppedBySignal, guards.StoppedBySignal(stop.signum), exc[2])
-        self.stack.__exit__(*exc)
+        try:
+            self.stack.__exit__(*exc)
+        finally:
+            if self.ending is not None:   # the exit got out: nothing to end
+                self.ending.cancel()
         if exc[0] is None and self.exit_code:
             sys.exit(self.exit_code)
         if exc[0] is not None and issubclass(exc[0], guards.StoppedBySignal):   # said by the saver
             sys.exit(exc[1].code)
         return False
 
-    def _stuck(self, signum: int) -> None:
-        """From guards.StopOnSignal's timer: the step was given up, but the main thread stays in
-        native code (a collective whose peer is stopped or silent) and runs no handler. Rank 0 saves
-        the last finished step as the saver would (the weights stay still: that collective will not
-        complete, its peers give up too); every rank then ends at once, said."""
+    def _stuck(self, why: str, code: int, where: str) -> None:
+        """From guards.StopOnSignal's timer or the reward timeout's: the step was given up, but it
+        does not end (where: the main thread stays in native code, a collective whose peer is
+        stopped or silent, or the task's code swallowed the exception). Rank 0 saves the last
+        finished step as the saver would (the weights stay still: in a reward or that collective,
+        nothing updates them); every rank then ends at once, said."""
         try:   # a save that fails still ends the process (this thread is its last way out)
-            if self.main:
-                log.warn(self.saver.stopped(signal.Signals(signum).name) + " (held in a collective)")
+            if self.main and hasattr(self, "saver"):   # else before the first step: nothing to save
+                log.warn(self.saver.stopped(why) + f" ({where})")
             else:
-                log.warn_here(f"stopped ({signal.Signals(signum).name}) while held in a collective")
+                log.warn_here(f"stopped ({why}) while {where}")
         finally:
-            os._exit(128 + signum)
+            os._exit(code)
 
     def open_task(self):
         """The task, its prompts checked where they enter (run.mix_source: --ptx-coef's texts, or
@@ -273,7 +296,7 @@ class Run:
     def _first_evaluation(self, metrics_file, reporter=None, items_path=None) -> None:
         """The evaluation before any training (step 0, or --eval-only). A TaskError there (a
         held-out prompt too long for the model, a metric that is no number) loses nothing yet: one
-        line, exit 2, as at start-up. Nor does Ctrl-C: one line, exit 0."""
+        line, exit 2, as at start-up. Nor does a stop (_terminated)."""
         try:
             record, entry = task_lib.evaluate(self.task, self.complete, self.start_step, metrics_file,
                                               reporter, items_path)
@@ -282,10 +305,6 @@ class Run:
                 self.progress.compare(self.start_step, entry)
         except task_lib.TaskError as e:
             usage_error(f"the task's evaluation at step {self.start_step}: {e}")
-        except KeyboardInterrupt:   # nothing trained yet: the clean stop is at once, not after it
-            log.warn(f"stopped (Ctrl-C) during the evaluation at step {self.start_step}, before "
-                     f"any training: nothing to save")
-            sys.exit(0)
 
     def start_training(self, optimizer, kl) -> guards.Guard:
         """Before the first step: --resume's optimizer, reference and RNG states; the guard of the update (its
@@ -324,7 +343,8 @@ class Run:
         if self.evaluating and self.start_step == 0 and self.main:  # where the run starts from
             self._first_evaluation(self.metrics_file, self.reporter, self.items_path)
         self.scorer = task_lib.Scorer(self.task, cfg.reward_errors == "tolerate",
-                                      config.reward_weights(cfg), cfg.group_size, cfg.reward_timeout)
+                                      config.reward_weights(cfg), cfg.group_size,
+                                      cfg.reward_timeout, self._stuck)
         self.phases = self.stack.enter_context(memory.Phases(self.device, self.rank, cfg, self.info))
         return self.guard
 

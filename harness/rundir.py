@@ -199,18 +199,24 @@ def _placed_outside(cfg, path: str):
     return None
 
 
-def check_space(out_dir: str, model: str) -> None:
-    """Refuse a disk that clearly cannot hold the trained model and one checkpoint: about 4 x the weights'
-    files (the model; a checkpoint's weights and AdamW's two moments). A hub id's size is not known here."""
+def check_space(cfg, model: str) -> None:
+    """Refuse a disk that clearly cannot hold the trained model and the checkpoints the run holds at
+    once (with periodic saves --keep-checkpoints and the one being written, else the last): the
+    model's weights' files, and 3 x them a checkpoint (its weights and AdamW's two moments). A hub
+    id's size is not known here."""
     if not os.path.isdir(model):
         return
     weights = sum(os.path.getsize(os.path.join(model, n)) for n in os.listdir(model)
                   if n.endswith((".safetensors", ".bin")))
-    free, need = shutil.disk_usage(out_dir).free, 4 * weights
+    held = cfg.keep_checkpoints + 1 if cfg.save_interval else 1
+    free, need = shutil.disk_usage(cfg.out_dir).free, (1 + 3 * held) * weights
     if free < need:
-        raise config.ConfigError(f"--out-dir {out_dir}: {free / 2**20:.0f} MB free on its disk, but the trained model "
-                                 f"and one checkpoint take about {need / 2**20:.0f} MB (4 x the weights of {model}): "
-                                 f"free some space or pass an --out-dir on another disk")
+        raise config.ConfigError(f"--out-dir {cfg.out_dir}: {free / 2**20:.0f} MB free on its "
+                                 f"disk, but the trained model and the {held} checkpoint(s) it "
+                                 f"holds at once take about {need / 2**20:.0f} MB "
+                                 f"({1 + 3 * held} x the weights of {model}): free some space or "
+                                 f"pass an --out-dir "
+                                 f"on another disk")
 
 
 def _continues(resume_from, out_dir: str) -> bool:
@@ -410,7 +416,7 @@ def prepare(cfg, options, outs: list, evaluating: bool) -> tuple:
         resume_from = resume_point(cfg, options, evaluating, main) if cfg.resume else None
         found = earlier_records(cfg, resume_from, left)
         if not cfg.eval_only:
-            check_space(cfg.out_dir, resume_from or cfg.model)
+            check_space(cfg, resume_from or cfg.model)
     except BaseException:
         lock_held.close()
         raise
@@ -426,7 +432,7 @@ def resume_point(cfg, options, evaluating: bool, main: bool) -> str:
                                                       resume_from):
         log.warn(note)
     saved_devices = checkpoint.saved_devices(resume_from)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = config.launched_world()
     if not cfg.eval_only and saved_devices != world:
         raise config.ConfigError(
             f"--resume: {resume_from} was saved by a run on {saved_devices} device(s) and this "

@@ -157,7 +157,8 @@ def build(target, options=None, name: str = ""):
         if dataclasses.is_dataclass(options):
             options = dataclasses.asdict(options)
         try:
-            task = target(**(options or {}))
+            with fenced("__init__()"):
+                task = target(**(options or {}))
         except TaskError:
             raise
         except (TypeError, ValueError) as e:
@@ -280,11 +281,52 @@ class CheckedTask:
         self.task, self._system, self._task_name = task, system, task_name
 
     def __getattr__(self, name):
-        return getattr(self.task, name)
+        value = getattr(self.task, name)
+        if not callable(value) or isinstance(value, type):
+            return value
+
+        @functools.wraps(value)
+        def call(*args, **kwargs):   # every call into the task's code, fenced
+            with fenced(f"{name}()"):
+                return value(*args, **kwargs)
+        return call
 
     def prompts(self, n: int, rng) -> list:
-        got = draw_prompts(self.task, n, rng)
+        with fenced("prompts()"):
+            got = draw_prompts(self.task, n, rng)
         return got if self._system is None else with_system(got, self._system, self._task_name)
+
+
+class TaskEnded(RuntimeError):
+    """The task's code raised SystemExit, KeyboardInterrupt or another BaseException of its own: a
+    task may not end the run, so the run fails as on any error (the last finished step saved)."""
+
+
+@contextlib.contextmanager
+def fenced(what: str):
+    """Around each call of the trainer into the task's code (CheckedTask, build). The task's own
+    BaseException (sys.exit(0), KeyboardInterrupt) becomes TaskEnded: never an exit 0, an unsaid
+    stop or a run unsaved. A process the task forked that comes back here, returning or raising,
+    ends at once: the trainer's clean-up (its locks, logs and files) is the parent's alone."""
+    pid = os.getpid()
+    try:
+        yield
+    except BaseException as e:
+        if os.getpid() != pid:
+            _leave(e.code if isinstance(e, SystemExit) else 1)
+        if isinstance(e, (Exception, guards.StoppedBySignal, guards.Exiting)):
+            raise
+        raise TaskEnded(f"the task's {what} raised {type(e).__name__}"
+                        f"{f' ({e})' if str(e) else ''}: a task's code may not end the run") from e
+    if os.getpid() != pid:
+        _leave(0)
+
+
+def _leave(code) -> None:
+    """A forked process of the task's ends here: what it printed is flushed, nothing else run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 def complete_with_system(complete, system: str, task_name: str, prompts, *args, **kwargs):
@@ -302,14 +344,28 @@ def identity(task) -> str:
     return f"{getattr(task, 'name', '')} ({type(task).__module__}.{type(task).__qualname__})"
 
 
+# the trainer's own modules: never the task's helpers, wherever the task's file lies
+TRAINER_MODULES = ("__main__", "train_lean", "harness", "grpo")
+
+
 def code_fingerprint(task) -> str | None:
-    """A short hash of the source file of the task's class (what --task path/to/file.py:Name or a
-    module names), kept with the checkpoints: a --resume after the file was edited says so. None
-    where the class has no file (built in a notebook)."""
+    """A short hash of the task's code, kept with the checkpoints: a --resume after it was edited
+    says so. Its code: the source file of the task's class (what --task path/to/file.py:Name or a
+    module names) and every module imported from that file's folder or below it (the helpers it
+    imports), the trainer's own left out. None where the class has no file (a notebook's)."""
     task = task.task if isinstance(task, CheckedTask) else task
     try:
-        with open(inspect.getsourcefile(type(task)), "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()[:16]
+        source = os.path.realpath(inspect.getsourcefile(type(task)))
+        folder = os.path.dirname(source) + os.sep
+        helpers = {os.path.realpath(m.__file__) for name, m in list(sys.modules.items())
+                   if name.split(".")[0] not in TRAINER_MODULES
+                   and str(getattr(m, "__file__", None)).endswith(".py")}
+        digest = hashlib.sha256()
+        for path in [source, *sorted(p for p in helpers - {source} if p.startswith(folder))]:
+            digest.update(b"" if path == source else os.path.relpath(path, folder).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+        return digest.hexdigest()[:16]
     except (TypeError, OSError):
         return None
 
@@ -447,6 +503,8 @@ def score(task, prompts, completions, failures: dict = None, weights: dict = Non
                     r = _number(parts["reward"] if "reward" in parts else task.reward(p, c))
             else:
                 r = _number(task.reward(p, c))
+        except TaskEnded:   # not a score: the task tried to end the run
+            raise
         except Exception as e:  # noqa: BLE001 - any scoring failure is the completion's fault
             kind = e.kind if isinstance(e, NotANumber) else type(e).__name__
             errors[kind] += 1
@@ -491,8 +549,9 @@ class Scorer:
     named, with what to try."""
 
     def __init__(self, task, tolerate: bool, weights: dict = None, group_size: int = None,
-                 timeout: float = 0):
+                 timeout: float = 0, stuck=None):
         self.task, self.tolerate, self.weights, self.timeout = task, tolerate, weights or {}, timeout
+        self.stuck = stuck   # the run's way out of a timeout the task swallows (guards.time_limit)
         self.group_size = group_size   # a failed reward ranks below its group's valid ones (score)
         self.shown, self.flat_named = set(), False
         self.steps, self.flat_steps = 0, 0   # this process's steps, and those whose groups were all flat
@@ -508,7 +567,7 @@ class Scorer:
                             + " (Ctrl-C or SIGTERM gives the step up, saving the last one)",
                             self.EVERY_S)
         try:
-            with guards.time_limit(self.timeout):
+            with guards.time_limit(self.timeout, self.stuck):
                 return (*score(self.task, prompts, completions, self.failures, self.weights, rows,
                                self.group_size, done=done), rows)
         except guards.RewardTimeout as e:
@@ -583,12 +642,17 @@ class Scorer:
 
 
 def _from_task(e):
-    """The traceback of an exception caught in score() without score()'s own frame: the task's frames first."""
-    return e.__traceback__.tb_next or e.__traceback__
+    """The traceback of an exception caught in score() without this module's frames (score's, the
+    fence's): the task's frames first."""
+    tb = e.__traceback__
+    while tb.tb_next and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return tb
 
 
 def _where(fn) -> str:
     try:
+        fn = inspect.unwrap(fn)   # CheckedTask's fence
         return f" ({fn.__qualname__}, {inspect.getsourcefile(fn)} line {inspect.getsourcelines(fn)[1]})"
     except (TypeError, OSError, AttributeError):
         return ""

@@ -44,6 +44,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+from harness import places  # noqa: E402  (light: the rule of what a program here writes)
 TRAIN = os.path.join(REPO, "train_lean.py")
 # Keys of a record that differ between identical runs.
 VOLATILE = ("_time_s", "samples_per_s", "tokens_per_s", "rss_mb", "rss_peak_mb")
@@ -437,6 +439,9 @@ def main(argv=None) -> int:
     if args.task == "chess" and not find_stockfish():
         p.error("--task chess needs Stockfish (apt-get install stockfish), or use --task toy")
 
+    clash = places.clash([], [("--summary", args.summary)])
+    if clash:
+        p.error(clash)
     work = args.work_dir or tempfile.mkdtemp(prefix="chaos-")
     if os.path.exists(os.path.join(work, "chaos")) or os.path.exists(os.path.join(work, "reference")):
         p.error(f"--work-dir {work} holds an earlier chaos run: pass an empty folder")

@@ -24,7 +24,7 @@ unless --title names it.
 
 Exit codes: 0 drawn; 2 bad input, one line naming it: a missing, empty or damaged metrics file or
 one without step records, a --window below 1, a figure format matplotlib does not write, or a
-figure on an input or inside a run's model folder (OUT/model, which the trainer replaces).
+figure on an input or inside a run's model or checkpoints folder (the trainer replaces them).
 """
 import argparse
 import json
@@ -268,7 +268,7 @@ def read_records(path: str) -> list:
             continue
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             record = None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise UsageError(f"{path} line {number} is not a record of a run (a JSON object with "
@@ -278,15 +278,12 @@ def read_records(path: str) -> list:
 
 
 def check_png(png: str, inputs: list) -> None:
-    """The figure's path: a format matplotlib writes, not on (or around) an input, not inside the
-    model folder of the run beside an input, not a folder."""
+    """The figure's path: a format matplotlib writes, not on (or around) an input, not inside a
+    run's model or checkpoints folder (harness/places.py), not a folder."""
     wrong = places.figure_error("PNG", png)
     if wrong:
         raise UsageError(wrong)
-    # OUT/model is the trainer's (harness/paths.py REPLACED): its final save replaces the folder
-    models = [("the run", os.path.join(os.path.dirname(os.path.abspath(path)), "model"),
-               "replaces with its trained model at its end") for path in inputs]
-    clash = places.clash([("METRICS", path, "reads") for path in inputs] + models, [("PNG", png)])
+    clash = places.clash([("METRICS", path, "reads") for path in inputs], [("PNG", png)])
     if clash:
         raise UsageError(clash)
 
@@ -315,9 +312,14 @@ def plot(argv) -> None:
     check_png(args.png, args.metrics)
     runs = [read_records(path) for path in args.metrics]
     for path, records in zip(args.metrics, runs):
-        if not any(r.get("kind") != "eval" for r in records):   # a blank reward panel says nothing
+        steps = [r for r in records if r.get("kind") != "eval"]
+        if not steps:   # a blank reward panel says nothing
             what = "only eval records" if records else "it is empty"
             raise UsageError(f"{path} holds no step record ({what}): nothing to plot")
+        if not any(all(is_number(r.get(key)) for r in steps) for key, _ in REWARD_LINES):
+            wrong = sum(not is_number(r.get("reward_mean")) for r in steps)
+            raise UsageError(f"{path} holds no reward to plot: {wrong} of its {len(steps)} step "
+                             f"records have no finite reward_mean")
     title = args.title or "GRPO, " + " / ".join(dict.fromkeys(map(what_ran, args.metrics)))
     save(build_figure(runs, args.metrics, args.window, title), title, args.png)
 

@@ -77,9 +77,10 @@ class Always(Half):
 '''
 
 
-def torchrun(*args):
+def torchrun(*args, extra_env=None):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           TRAIN, *args], capture_output=True, text=True, env=env(), timeout=300)
+                           TRAIN, *args], capture_output=True, text=True,
+                          env=env(**(extra_env or {})), timeout=300)
 
 
 def test_reward_errors_are_decided_on_the_global_count_and_shown_by_rank_0(tiny_model_dir, tmp_path):
@@ -131,7 +132,7 @@ def test_ranks_with_different_settings_refuse_to_start_in_one_line(tiny_model_di
 
 
 RANK_1_HUNG = '''
-import os, signal, time
+import os, signal, sys, time
 from tasks.toy import ToyTask
 
 class Hung(ToyTask):
@@ -139,10 +140,20 @@ class Hung(ToyTask):
 
     def reward(self, prompt, completion):
         Hung.calls += 1   # 4 a step on each rank
+        if Hung.calls == 1 and os.environ.get("FORK"):   # a helper that ends as helpers do
+            child = os.fork()
+            if child == 0:
+                sys.exit()
+            os.waitpid(child, 0)
         if Hung.calls == 5 and os.environ["RANK"] == "1" and os.environ.get("HANG"):
             print("hung", os.getpid(), flush=True)
             if os.environ["HANG"] == "stop":   # as a process stopped by a debugger or a full node
                 os.kill(os.getpid(), signal.SIGSTOP)
+            while os.environ["HANG"] == "swallow":
+                try:   # a slow call wrapped in a bare except
+                    time.sleep(60)
+                except:  # noqa: E722
+                    pass
             time.sleep(600)
         return super().reward(prompt, completion)
 '''
@@ -179,6 +190,41 @@ def test_one_sigterm_to_torchrun_with_a_rank_hung_saves_the_last_step_on_every_r
     alone = train(*args[args.index(TRAIN) + 1:], "--steps", "4", "--resume")
     assert alone.returncode == 2, alone.stderr[-3000:]
     assert "was saved by a run on 2 device(s) and this one runs on 1" in alone.stderr
+
+
+def test_a_stop_one_ranks_task_swallows_still_saves_the_last_step(tiny_model_dir, tmp_path):
+    """Issue 72 finding 4 under torchrun: rank 1's reward swallowed the give-up, rank 0 waited
+    for it in a collective."""
+    _, proc, _ = hung_torchrun(tiny_model_dir, tmp_path, "swallow")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    saved = tmp_path / "out" / "checkpoints" / "step_000001"
+    assert f"stopped (SIGTERM) in step 2: saved step 1 to {saved}; continue with --resume" in err
+    assert "rank 1: stopped (SIGTERM) while the task's code swallowed the stop" in err, err[-3000:]
+
+
+def test_a_helper_each_ranks_task_forks_cannot_end_the_run(tiny_model_dir, tmp_path):
+    """Issue 72 finding 2 under torchrun: the child ran the trainer's clean-up (the process
+    group's, the locks')."""
+    (tmp_path / "hung.py").write_text(RANK_1_HUNG)
+    done = torchrun("--model", tiny_model_dir, *SMALL, "--task", f"{tmp_path / 'hung.py'}:Hung",
+                    "--steps", "2", "--out-dir", str(tmp_path / "out"), extra_env={"FORK": "1"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert [r["step"] for r in records(tmp_path / "out" / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_bad_value_on_one_rank_only_is_said_by_that_rank(tiny_model_dir, tmp_path):
+    """Issue 72 finding 9: a GRPO_ variable with a bad value on rank 1 alone: the run failed with no
+    line from the trainer, only torchrun's exit codes."""
+    (tmp_path / "launch.py").write_text(ONE_RANK_APART.format(train=TRAIN))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", str(tmp_path / "launch.py"), "GRPO_TEMPERATURE",
+                           "-1", "--model", tiny_model_dir, *SMALL, "--task", "toy",
+                           "--out-dir", str(tmp_path / "out")], capture_output=True, text=True,
+                          env=env(), timeout=300)
+    said = [line for line in proc.stderr.splitlines() if "error:" in line and "rank 1" in line]
+    assert proc.returncode != 0 and len(said) == 1, proc.stderr[-3000:]
+    assert said[0].startswith("train_lean.py: rank 1: error: --temperature -1.0 must be >= 0")
 
 
 def test_a_rank_held_in_a_collective_by_a_stopped_peer_saves_and_ends_on_sigterm(

@@ -213,3 +213,47 @@ def test_the_emulated_bf16_warning_is_printed_by_rank_0_alone(tmp_path):
         errs.append(err)
     said = "warning: this CPU has no native bf16"
     assert [err.count(said) for err in errs] == [1, 0]
+
+
+def broken_model(tiny_model_dir, tmp_path, case: str) -> str:
+    """A copy of the tiny model broken as `case` says: a model folder transformers fails on, or
+    loads with weights it makes up."""
+    import json
+    import shutil
+    folder = tmp_path / case
+    if case == "bert":   # an encoder: transformers loads it as BertLMHeadModel
+        from transformers import BertConfig, BertLMHeadModel
+        bert = BertLMHeadModel(BertConfig(vocab_size=320, hidden_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, intermediate_size=64))
+        bert.save_pretrained(folder)
+        return str(folder)
+    shutil.copytree(tiny_model_dir, folder)
+    conf = json.loads((folder / "config.json").read_text())
+    if case == "truncated":
+        with open(folder / "model.safetensors", "r+b") as f:
+            f.truncate(1000)
+    conf.update({"sizes": {"n_embd": 96}, "typed": {"n_layer": "two"}, "layers": {"n_layer": 4},
+                 "untied": {"tie_word_embeddings": False}}.get(case, {}))
+    (folder / "config.json").write_text(json.dumps(conf))
+    return str(folder)
+
+
+@pytest.mark.parametrize("case,said", [
+    ("truncated", "cannot load --model {}: Error while deserializing header"),
+    ("sizes", "--model {}: its config.json does not fit its weights: 28 tensor(s) would start from "
+              "random values (transformer.h.0.attn.c_attn.bias (saved (192,), configured (288,))"),
+    ("typed", "cannot load --model {}: Validation error for field 'n_layer'"),
+    ("layers", "--model {}: its config.json does not fit its weights: 24 tensor(s) would start"),
+    ("untied", "--model {}: its config.json does not fit its weights: 1 tensor(s) would start from "
+               "random values (lm_head.weight)"),
+    ("bert", "--model {}: a bert model that returns no key/value cache is no causal LM")])
+def test_a_model_transformers_fails_on_or_makes_up_is_one_line(tiny_model_dir, tmp_path, case,
+                                                               said):
+    """Issue 72 finding 14: a truncated safetensors file, a config that does not fit the weights
+    or has a wrong-typed field were tracebacks; more layers than weights or an untied head trained
+    from random weights, said only in transformers' report; a BERT loaded, then failed in the
+    decoder."""
+    folder = broken_model(tiny_model_dir, tmp_path, case)
+    with pytest.raises(ModelLoadError) as e:
+        load_policy(folder, "cpu")
+    assert str(e.value).startswith(said.format(folder)) and "\n" not in str(e.value), str(e.value)

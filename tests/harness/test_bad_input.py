@@ -3,6 +3,7 @@ value of the wrong type, out of range or empty, plus missing, unreadable or wron
 no model and task files that fail, output folders that are not this run's, damaged checkpoints, task files
 whose prompts or min_reward are wrong, models whose tokenizer does not fit them. Each must exit with code 2
 and one line naming the flag or file, with no traceback, before a model is loaded."""
+import os
 import pathlib
 import shutil
 
@@ -68,7 +69,10 @@ RANGES = [
     ("--clip-cov-ub", "9", "is a knob of --policy-loss clip-cov"), ("--cov-ratio", "0.1", "clip-cov or kl-cov"),
     ("--shaping-alpha", "0.3", "is a knob of --token-advantage entropy, and the run's is sequence"),
     ("--shaping-kappa", "0.5", "at least 1"), ("--shaping-alpha", "-1", ">= 0"),
-    ("--stop-grace", "0", "> 0"), ("--reward-timeout", "-1", ">= 0"),
+    ("--stop-grace", "0", "(0, 1e6]"), ("--reward-timeout", "-1", "[0, 1e6]"),
+    # issue 72 finding 16: accepted, then an OverflowError (timestamp out of range)
+    ("--stop-grace", "1e12", "--stop-grace 1000000000000.0 must be in (0, 1e6]"),
+    ("--reward-timeout", "1e12", "[0, 1e6]"),
     ("--advantage", "gdpo", "name them with --reward-weights"),
     ("--reward-weights", "a", "'a' is not name=weight"), ("--reward-weights", "a=1,a=2", "each name once"),
     ("--reward-weights", "a=inf", "'a=inf' is not name=weight"), ("--reward-weights", "=1", "is not name=weight"),
@@ -245,3 +249,19 @@ def test_the_same_values_from_the_environment_are_caught_alike(tmp_path, capsys,
                            needle.replace(flag, config.env_name(flag[2:].replace("-", "_")))
                            if needle == flag else needle, capsys)
         monkeypatch.delenv(config.env_name(flag[2:].replace("-", "_")))
+
+
+@pytest.mark.parametrize("world,said", [
+    ("2", "WORLD_SIZE=2 is set, but not RANK: torchrun sets it"),
+    ("two", "WORLD_SIZE=two is no device count: torchrun sets it")])
+def test_world_size_without_torchrun_is_one_line_and_locks_nothing(world, said, tiny_model_dir,
+                                                                   tmp_path, capsys, monkeypatch,
+                                                                   clean_env):
+    """Issue 72 finding 15: WORLD_SIZE left by a cluster's shell was KeyError: 'LOCAL_RANK', and
+    the run's folder stayed locked."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    expect_usage_error(["--model", tiny_model_dir, "--task", "toy", "--out-dir",
+                        str(tmp_path / "out")], said, capsys)
+    assert not os.path.exists(tmp_path / "out")

@@ -13,8 +13,8 @@ import torch
 
 import forked
 
-from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting, read_jsonl, records,
-                     train, usage_error, user_env, weights)
+from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting,
+                     one_line_error, read_jsonl, records, train, usage_error, user_env, weights)
 from harness import checkpoint
 
 
@@ -71,7 +71,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model_dir, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])   # SIGHUP: issue 72
 def test_a_signal_finishes_the_step_saves_and_exits_0(tiny_model_dir, tmp_path, sig):
     out = str(tmp_path / "out")
     proc = forked.start([TRAIN, "--model", tiny_model_dir, *SMALL, "--steps", "1000", "--out-dir", out],
@@ -84,6 +84,23 @@ def test_a_signal_finishes_the_step_saves_and_exits_0(tiny_model_dir, tmp_path, 
     done = len(records(metrics))
     assert done < 1000 and saved_steps(out) == [done]  # the step in flight was finished, logged and saved
     assert "stopped after step" in stdout
+
+
+@pytest.mark.slow
+def test_under_nohup_a_closed_terminal_leaves_the_run_going(tiny_model_dir, tmp_path):
+    """SIGHUP stops a run (issue 72 finding 3), unless the run was started with it ignored: nohup
+    asks the run to outlive its terminal."""
+    out = str(tmp_path / "out")
+    metrics = os.path.join(out, "metrics.jsonl")
+    proc = subprocess.Popen([sys.executable, TRAIN, "--model", tiny_model_dir, *SMALL, "--steps",
+                             "4", "--out-dir", out], env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    wait_for(lambda: os.path.exists(metrics) and len(open(metrics).readlines()) >= 1, proc)
+    proc.send_signal(signal.SIGHUP)
+    stdout, stderr = proc.communicate(timeout=PROCESS_DEADLINE_S)
+    assert proc.returncode == 0 and "SIGHUP" not in stdout + stderr, stderr
+    assert len(records(metrics)) == 4
 
 
 # train_lean.py with harness/checkpoint.py's argv[1] (save: a checkpoint, save_model: the final
@@ -115,6 +132,27 @@ def test_a_signal_during_the_final_save_waits_for_it(tiny_model_dir, tmp_path, w
     assert checkpoint.model_step(str(out / "model")) == 1 and not (out / "model.tmp").exists()
     # the step, whole, for --resume
     assert checkpoint.damage(str(out / "checkpoints" / "step_000001")) is None
+
+
+def test_pruning_deletes_only_what_the_checkpoint_lists(tiny_model_dir, tmp_path, capsys):
+    """Issue 72 finding 1: a figure a tool wrote into OUT/checkpoints/step_N was deleted without a
+    word with the checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    first = checkpoint.save(str(tmp_path), 1, model, tokenizer, {}, keep=1)
+    os.makedirs(os.path.join(first, "notes"))
+    for name in ("p.png", "notes/n.txt"):
+        with open(os.path.join(first, name), "w") as f:
+            f.write("mine")
+    checkpoint.save(str(tmp_path), 2, model, tokenizer, {}, keep=1)
+    aside = tmp_path / "checkpoints" / "kept-step_000001"
+    assert not os.path.exists(first) and sorted(os.listdir(aside)) == ["notes", "p.png"]
+    assert (aside / "notes" / "n.txt").read_text() == "mine"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"train_lean.py: checkpoint {first} held files the run did not write (notes/n.txt, "
+        f"p.png): kept in {aside} as the checkpoint was deleted")
+    assert saved_steps(tmp_path) == [2]
 
 
 def test_candidates_skip_half_written_and_incomplete_checkpoints(tmp_path):
@@ -406,6 +444,25 @@ def test_a_resume_after_the_tasks_file_was_edited_says_so_and_marks_the_record(t
     assert marked[:3] == [None] * 3 and " -> " in marked[3] and marked[4] is None
 
 
+def test_a_resume_after_a_module_the_task_imports_was_edited_says_so(tiny_model_dir, tmp_path,
+                                                                    capsys):
+    """Issue 72 finding 7: the fingerprint missed the modules beside the task's file (the README
+    says a task file imports them): a reward edited there changed a resumed run unsaid."""
+    import train_lean
+    (tmp_path / "helper_72.py").write_text("def score(prompt, completion):\n    return 0.5\n")
+    (tmp_path / "uses.py").write_text("from helper_72 import score\nfrom tasks.toy import "
+                                      "ToyTask\n\nclass Uses(ToyTask):\n    reward = "
+                                      "staticmethod(score)\n")
+    args = ["--model", tiny_model_dir, *SMALL, "--task", f"{tmp_path / 'uses.py'}:Uses",
+            "--out-dir", str(tmp_path / "run")]
+    train_lean.main([*args, "--steps", "1"])
+    with open(tmp_path / "helper_72.py", "a") as f:
+        f.write("# a fix to the reward\n")
+    train_lean.main([*args, "--steps", "2", "--resume"])
+    assert "--resume: the task's code changed since step 1 was saved" in capsys.readouterr().err
+    assert " -> " in read_jsonl(tmp_path / "run" / "metrics.jsonl")[1]["task_changed"]
+
+
 def test_a_resume_on_another_device_count_is_refused_in_one_line(tiny_model_dir, tmp_path, monkeypatch,
                                                                   capsys):
     """Issue 59 case 6: a 2-rank run resumed in one process (and the reverse) neither went on
@@ -414,7 +471,9 @@ def test_a_resume_on_another_device_count_is_refused_in_one_line(tiny_model_dir,
     import train_lean
     args = ["--model", tiny_model_dir, *SMALL, "--task", "toy", "--out-dir", str(tmp_path / "run")]
     train_lean.main([*args, "--steps", "1"])
-    monkeypatch.setenv("WORLD_SIZE", "2")   # as torchrun --nproc_per_node 2 would start it
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                        ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)   # as torchrun --nproc_per_node 2 would start it
     with pytest.raises(SystemExit) as e:
         train_lean.main([*args, "--steps", "2", "--resume"])
     assert e.value.code == 2
@@ -501,6 +560,54 @@ def test_a_full_disk_at_the_final_save_is_said_beside_the_traceback(tiny_model_d
     said = [line for line in result.stderr.splitlines() if line.startswith("train_lean.py: could not save step 2")]
     assert len(said) == 1 and "the steps after the start are lost" in said[0], result.stderr
     assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+FILLED_AT_STEP_2 = """
+import os
+from tasks.toy import ToyTask
+
+class Filler(ToyTask):
+    calls = 0
+
+    def reward(self, prompt, completion):
+        Filler.calls += 1
+        if Filler.calls == 9:   # step 2's first reward (8 a step): the disk fills under the run
+            disk = os.environ["DISK"]
+            with open(os.path.join(disk, "filler"), "wb") as f:
+                f.write(bytes(os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize - 100_000))
+        return super().reward(prompt, completion)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs: a real full disk")
+def test_a_full_disk_at_a_checkpoint_is_named_and_the_room_check_counts_every_checkpoint(
+        tiny_model_dir, tmp_path):
+    """Issue 72 finding 10: a full disk at a periodic checkpoint was "unexpected pos 64 vs 0" and
+    iostream errors; the start-up room check counted one checkpoint where --keep-checkpoints 2
+    holds three at once (two kept, one being written)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("no tmpfs mount here")
+    try:
+        (tmp_path / "filler.py").write_text(FILLED_AT_STEP_2)
+        args = ["--model", tiny_model_dir, *SMALL, "--task", f"{tmp_path / 'filler.py'}:Filler",
+                "--steps", "3", "--save-interval", "1", "--out-dir", str(disk / "out")]
+        refused = train(*args, "--keep-checkpoints", "3")   # 13 x 616 KB weights
+        assert "6 MB free on its disk, but the trained model and the 4 checkpoint(s) it holds at " \
+               "once take about 8 MB (13 x the weights of" in one_line_error(refused)
+        full = train(*args, extra_env={"DISK": str(disk)})
+        assert full.returncode == 1, full.stderr
+        said = (f"checkpoint step 2 was not written: the disk of {disk / 'out' / 'checkpoints'} is "
+                f"full")
+        assert f"could not save step 2 after the failure either (DiskFull: {said}" in full.stderr
+        last = full.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"harness.checkpoint.DiskFull: {said}")
+        assert saved_steps(disk / "out") == [1]   # and no partial one left taking the room
+        assert os.listdir(disk / "out" / "checkpoints") == ["step_000001"]
+    finally:
+        subprocess.run(["umount", str(disk)])
 
 
 @pytest.mark.slow

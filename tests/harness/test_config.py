@@ -97,7 +97,8 @@ def test_cuda_on_a_machine_without_it_is_refused():
 
 # for each range opt(..., must=...) may declare: a value just outside it, and its edge (inside)
 OUTSIDE = {"at least 1": (0, 1), ">= 0": (-1, 0), "> 0": (0.0, 1e-9), "> 1": (1.0, 1.5), "in (0, 1]": (0.0, 1.0),
-           "in [0, 1)": (1.0, 0.0), "in (0, 1)": (1.0, 0.5), "in [0, 2**32)": (2**32, 2**32 - 1)}
+           "in [0, 1)": (1.0, 0.0), "in (0, 1)": (1.0, 0.5), "in [0, 2**32)": (2**32, 2**32 - 1),
+           "in [0, 1e6]": (1e6 + 1, 1e6), "in (0, 1e6]": (0.0, 1e6)}
 
 
 @pytest.mark.parametrize("name", [n for n, f in config.FIELDS.items() if f.metadata["must"]])

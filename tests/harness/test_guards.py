@@ -334,7 +334,7 @@ def test_micro_batch_tokens_auto_takes_the_budget_from_the_free_memory(tiny_mode
 def stop_on_signal(grace: float, stuck_s: float = 5.0):
     """A StopOnSignal whose lines and stuck() calls are kept."""
     said, stuck = [], []
-    stop = harness.guards.StopOnSignal(said.append, grace, stuck.append)
+    stop = harness.guards.StopOnSignal(said.append, grace, lambda *why: stuck.append(why))
     stop.STUCK_S = stuck_s
     return stop, said, stuck
 
@@ -379,7 +379,44 @@ def test_a_main_thread_that_runs_no_handler_is_ended_by_stuck():
             with contextlib.suppress(harness.guards.StoppedBySignal):   # the pending SIGTERM's
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
                 time.sleep(0.01)
-    assert stuck == [signal.SIGTERM]
+    assert stuck == [("SIGTERM", 143, "held in a collective")]
+
+
+def test_a_stop_the_task_swallows_is_ended_by_stuck():
+    """Issue 72 finding 4: a reward's bare `except:` took the give-up for its own error, and the
+    step ran on past every SIGTERM (minutes) with nothing saved."""
+    stop, said, stuck = stop_on_signal(0.2, stuck_s=0.3)
+    with stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.perf_counter() + 10
+        while not stuck and time.perf_counter() < deadline:
+            try:   # a slow call wrapped in a bare except
+                time.sleep(0.05)
+            except BaseException:  # noqa: B036 - the task's mistake under test
+                pass
+    assert stuck == [("SIGTERM", 143, "the task's code swallowed the stop")]
+
+
+def test_a_timeout_the_task_swallows_still_gives_the_step_up(monkeypatch):
+    """Issue 72 finding 6: the timeout's exception, caught by the reward, became a score of 0.0
+    counted as valid, and the one-shot timer was spent: the other rewards ran unbounded."""
+    with pytest.raises(harness.guards.RewardTimeout):   # raised again once the reward returns
+        with harness.guards.time_limit(0.1):
+            try:
+                time.sleep(5)
+            except BaseException:  # noqa: B036
+                pass
+    monkeypatch.setattr(harness.guards, "STUCK_S", 1)
+    stuck, start = [], time.perf_counter()
+    with contextlib.suppress(harness.guards.RewardTimeout):
+        with harness.guards.time_limit(0.1, lambda *why: stuck.append(why)):
+            while not stuck and time.perf_counter() - start < 10:   # a reward that never returns
+                try:
+                    time.sleep(5)
+                except BaseException:  # noqa: B036
+                    pass
+    assert stuck == [("--reward-timeout 0.1 s", 1, "the task's code swallowed the timeout")]
+    assert time.perf_counter() - start < 5
 
 
 def test_a_write_is_never_given_up():

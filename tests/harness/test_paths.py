@@ -196,3 +196,16 @@ def test_a_reporters_folder_counts_only_when_the_run_reports_there(tmp_path):
     with pytest.raises(config.ConfigError, match="wandb is a file, where the run makes a folder"):
         cfg = load("--out-dir", str(tmp_path), "--report-to", "wandb")
         paths.check_made(cfg, paths.check(cfg, None))
+
+
+@pytest.mark.parametrize("flag,name", [("--out-dir", "a\nb"), ("--log-completions", "c\tx.jsonl"),
+                                       ("--log-file", "m\x7f.jsonl")])
+def test_a_path_with_a_control_character_is_one_line(flag, name, tiny_model_dir, tmp_path, capsys,
+                                                     clean_env):
+    """Issue 72 finding 11: a newline in a path: the header printed a space (a path that does not
+    exist) and the `saved` lines broke in two."""
+    given = str(tmp_path / name)
+    args = toy(tiny_model_dir, "--out-dir", str(tmp_path / "out"), flag, given)
+    err = usage_error(args, capsys)
+    assert f"error: {flag} {given!r}: " in err and "holds a control character" in err, err
+    assert os.listdir(tmp_path) == []

@@ -1,12 +1,15 @@
 """harness/run.py: what the run says around the algorithm's steps, in-process on the tiny model."""
 
 import re
+import signal
 
 import pytest
 
+import forked
 import train_lean
 from grpo.rollout import stream_seed
-from helpers import SMALL, records, train
+from harness.task import TaskEnded
+from helpers import PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting, records, train
 
 
 def test_a_step_whose_loss_saw_no_tokens_is_named_once(tiny_model_dir, tmp_path, capsys, clean_env):
@@ -21,28 +24,134 @@ def test_a_step_whose_loss_saw_no_tokens_is_named_once(tiny_model_dir, tmp_path,
             "without ending, and --mask-truncated leaves such completions out of the loss") in err
 
 
-INTERRUPTED_TASK = """
+HOSTILE_TASK = """
+import os, sys, time
 from tasks.toy import ToyTask
 
-class Interrupted(ToyTask):
+class Hostile(ToyTask):
+    calls = 0
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        if os.environ.get("MODE") == "slow-init":
+            print("building", flush=True)
+            time.sleep(600)
+        while os.environ.get("MODE") == "swallow-init":
+            try:   # a slow call wrapped in a bare except (the signal comes once "building" is read)
+                print("building", flush=True)
+                time.sleep(60)
+            except:  # noqa: E722
+                pass
+
+    def reward(self, prompt, completion):
+        Hostile.calls += 1
+        mode, step_2 = os.environ.get("MODE"), Hostile.calls == 9   # 8 rewards a step
+        if mode == "exit" and step_2:
+            sys.exit(0)
+        if mode == "interrupt" and step_2:
+            raise KeyboardInterrupt
+        if mode == "fork" and Hostile.calls in (1, 9):   # a helper that exits, one that returns
+            child = os.fork()
+            if child == 0 and Hostile.calls == 1:
+                sys.exit()
+            if child:
+                os.waitpid(child, 0)
+        if mode == "swallow" and step_2:
+            print("hung", flush=True)
+            while True:
+                try:   # a slow call wrapped in a bare except
+                    time.sleep(60)
+                except:  # noqa: E722
+                    pass
+        return super().reward(prompt, completion)
+
     def evaluate(self, complete):
-        complete(["Repeat a: "])
-        raise KeyboardInterrupt   # where Ctrl-C lands during a long evaluation
+        print("evaluating", flush=True)
+        time.sleep(600)
 """
 
 
-@pytest.mark.slow   # a process of its own (or a traced run): seconds
-def test_ctrl_c_during_the_evaluation_before_training_is_a_clean_stop(tiny_model_dir, tmp_path):
-    """It was a KeyboardInterrupt traceback and exit 130; nothing is trained yet, so the run stops
-    at once, with one line."""
-    (tmp_path / "interrupted.py").write_text(INTERRUPTED_TASK)
-    task = f"{tmp_path / 'interrupted.py'}:Interrupted"
-    for extra in ([], ["--eval-only"]):
-        proc = train("--model", tiny_model_dir, "--task", task, *SMALL[:-4], "--eval-interval", "5",
-                     "--out-dir", str(tmp_path / "out"), "--overwrite", *extra)
-        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
-        assert proc.stderr.strip() == ("train_lean.py: stopped (Ctrl-C) during the evaluation at "
-                                       "step 0, before any training: nothing to save")
+def hostile(tmp_path, model: str, *more) -> list:
+    """The arguments of a 3-step run of HOSTILE_TASK (its MODE from the environment)."""
+    (tmp_path / "hostile.py").write_text(HOSTILE_TASK)
+    return ["--model", model, *SMALL, "--task", f"{tmp_path / 'hostile.py'}:Hostile", "--steps",
+            "3", "--save-interval", "0", "--out-dir", str(tmp_path / "out"), *more]
+
+
+@pytest.mark.parametrize("mode,raised", [("exit", "SystemExit (0)"),
+                                         ("interrupt", "KeyboardInterrupt")])
+def test_a_task_that_exits_fails_the_run_saving_what_it_trained(tiny_model_dir, tmp_path, capsys,
+                                                                monkeypatch, clean_env, mode,
+                                                                raised):
+    """Issue 72 finding 5: sys.exit(0) in a reward ended the run with exit 0, unsaid and unsaved; a
+    KeyboardInterrupt of its own was a traceback with the steps since the last checkpoint lost."""
+    monkeypatch.setenv("MODE", mode)
+    with pytest.raises(TaskEnded, match=f"the task's reward\\(\\) raised {re.escape(raised)}: "):
+        train_lean.main(hostile(tmp_path, tiny_model_dir))
+    saved = tmp_path / "out" / "checkpoints" / "step_000001"
+    assert f"the run failed after step 1: saved it to {saved}" in capsys.readouterr().err
+
+
+@pytest.mark.slow   # processes of their own: seconds
+def test_a_task_that_forks_cannot_end_or_unlock_the_run(tiny_model_dir, tmp_path):
+    """Issue 72 finding 2: a forked helper ending with sys.exit() ran the trainer's clean-up in the
+    child: the run's locks went, another run overwrote its files, and it ended in a traceback."""
+    args = hostile(tmp_path, tiny_model_dir, "--log-completions", str(tmp_path / "c.jsonl"))
+    done = train(*args, extra_env={"MODE": "fork"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert [r["step"] for r in records(tmp_path / "out" / "metrics.jsonl")] == [1, 2, 3]
+    assert len((tmp_path / "c.jsonl").read_text().splitlines()) == 24
+    assert done.stdout.count("saved the trained model") == 1   # by the run, not a child too
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,said", [
+    ("swallow", ["stopped (SIGTERM) in step 2: saved step 1 to {out}/checkpoints/step_000001; "
+                 "continue with --resume (the task's code swallowed the stop)"]),
+    ("swallow-init", ["stopped (SIGTERM) before the first step: nothing was trained, nothing to "
+                      "save", "stopped (SIGTERM) while the task's code swallowed the stop"])],
+    ids=["reward", "build"])
+def test_a_stop_the_task_swallows_ends_the_run_said(tiny_model_dir, tmp_path, mode, said):
+    """Issue 72 finding 4: a reward's bare `except:` swallowed the stop; every SIGTERM was ignored
+    for as long as it ran, and a kill -9 then lost the steps trained. A task's `__init__` doing the
+    same held the run before its first step."""
+    proc = forked.start([TRAIN, *hostile(tmp_path, tiny_model_dir, "--stop-grace", "1")],
+                        env(MODE=mode))
+    line_starting(proc, "hung" if mode == "swallow" else "building", PROCESS_DEADLINE_S)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    lines = [f"train_lean.py: {line.format(out=tmp_path / 'out')}" for line in said]
+    assert err.strip().splitlines()[-len(lines):] == lines, err
+
+
+@pytest.mark.slow
+def test_a_timeout_the_task_swallows_saves_the_last_step_and_exits(tiny_model_dir, tmp_path):
+    """Issue 72 finding 6: the timeout's exception, swallowed, became a valid score of 0.0, and
+    the spent timer left the other rewards unbounded."""
+    done = train(*hostile(tmp_path, tiny_model_dir, "--reward-timeout", "1"),
+                 extra_env={"MODE": "swallow"})
+    assert done.returncode == 1, done.stderr
+    saved = tmp_path / "out" / "checkpoints" / "step_000001"
+    assert (f"stopped (--reward-timeout 1 s) in step 2: saved step 1 to {saved}; continue with "
+            f"--resume (the task's code swallowed the timeout)") in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,extra", [("slow-init", []), (None, ["--eval-interval", "5"]),
+                                        (None, ["--eval-only"])],
+                         ids=["build", "eval", "eval-only"])
+def test_ctrl_c_before_the_first_step_is_one_line(tiny_model_dir, tmp_path, mode, extra):
+    """Issue 72 finding 13: Ctrl-C in a task's slow __init__ (or the model's load, the packing
+    probe) was a KeyboardInterrupt traceback, where SIGTERM at the same moment said one line."""
+    args = hostile(tmp_path, tiny_model_dir, *extra)
+    proc = forked.start([TRAIN, *args], env(**({"MODE": mode} if mode else {})))
+    line_starting(proc, "building" if mode else "evaluating", PROCESS_DEADLINE_S)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip() == ("train_lean.py: stopped (SIGINT) before the first step: nothing was "
+                           "trained, nothing to save")
 
 
 def test_the_console_says_how_long_the_run_has_left(tiny_model_dir, tmp_path, capsys, clean_env):

@@ -1097,3 +1097,24 @@ def test_a_long_scoring_says_it_is_still_going(monkeypatch, capsys):
     assert len(lines) >= 2 and all(re.fullmatch(said, line) for line in lines), lines
     time.sleep(0.2)
     assert not capsys.readouterr().out   # closed with the scoring
+
+
+def test_the_fence_passes_failures_and_the_runs_stops_and_ends_the_tasks_own_exits():
+    """Issue 72: a task's SystemExit or KeyboardInterrupt is no way out of the run (TaskEnded, a
+    failure that saves); its ordinary errors, the run's give-up and the run's exit pass as they
+    are."""
+    import harness.guards
+    from harness.task import TaskEnded, fenced
+    for raised, said in ((SystemExit(0), "SystemExit (0)"),
+                         (KeyboardInterrupt(), "KeyboardInterrupt")):
+        with pytest.raises(TaskEnded, match=re.escape(f"the task's reward() raised {said}: ")):
+            with fenced("reward()"):
+                raise raised
+    for passed in (ValueError("x"), harness.guards.StoppedBySignal(15),
+                   harness.guards.Exiting(130)):
+        with pytest.raises(type(passed)):
+            with fenced("reward()"):
+                raise passed
+    task = CheckedTask(SimpleNamespace(name="t", reward=lambda p, c: sys.exit(2)))
+    with pytest.raises(TaskEnded, match=r"the task's reward\(\) raised SystemExit \(2\)"):
+        task.reward("p", "c")

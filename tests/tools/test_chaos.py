@@ -30,3 +30,17 @@ def test_a_run_killed_and_resumed_three_times_equals_the_uninterrupted_one(tmp_p
     assert s["engines_left_running"] == []
     if find_stockfish():
         assert s["task"] == "chess" and s["engine_kills"] >= 1
+
+
+def test_a_summary_inside_a_runs_checkpoints_is_refused(tmp_path):
+    """Issue 72 finding 1: every tool's outputs follow the one rule (harness/places.py)."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".lock").write_text("")
+    inside = tmp_path / "run" / "checkpoints" / "step_000002" / "s.json"
+    r = subprocess.run([sys.executable, CHAOS, "--summary", str(inside)], env=env(),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and r.stderr.strip().endswith(
+        f"chaos.py: error: --summary {inside} lies inside {tmp_path / 'run' / 'checkpoints'}, "
+        f"which "
+        f"the run in {tmp_path / 'run'} keeps (and prunes) its checkpoints in: pass another "
+        f"--summary"), r.stderr

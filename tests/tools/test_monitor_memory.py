@@ -80,12 +80,22 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, args):
      "--summary run/m.jsonl lands on run/m.jsonl, which the watched run writes"),
     # issue 54 case 13: "no such file"
     (["--from-log", "run"], "--from-log run is a folder: pass the run's log, run/metrics.jsonl"),
+    # issue 72 finding 1: written where the run deletes it at its next save
+    (["--from-log", "a.jsonl", "--summary", "run/checkpoints/step_000006/s.json"],
+     "--summary run/checkpoints/step_000006/s.json lies inside {run}/checkpoints, which the run "
+     "in {run} keeps (and prunes) its checkpoints in: pass another --summary"),
+    (["--from-log", "a.jsonl", "--plot", "run/model/p.png"],
+     "--plot run/model/p.png lies inside {run}/model, which the run in {run} replaces with its "
+     "trained model at its end"),
 ])
 def test_an_output_on_an_input_and_a_folder_to_read_are_one_line(tmp_path, args, said):
     (tmp_path / "a.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "link").symlink_to(tmp_path / "a.jsonl")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")
+    for folder in ("model", "checkpoints/step_000006"):
+        (tmp_path / "run" / folder).mkdir(parents=True)
+    said = said.format(run=tmp_path / "run")
     r = monitor(*args, cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith(f"monitor_memory.py: error: {said}"), r.stderr
     assert r.stderr.count("\n") == 1 and (tmp_path / "a.jsonl").read_text() == '{"step": 1}\n'
@@ -494,3 +504,31 @@ def test_a_damaged_line_is_named_by_number_and_the_run_stays_one(tmp_path):
         "monitor_memory.py: m.jsonl line 22 is no record (its 'rss_mb' is 'abc', not a number): skipped",
         "monitor_memory.py: m.jsonl line 31 is no record (it is not JSON): skipped"]
     assert "39 training records, steps 1-40" in r.stdout and "runs" not in r.stdout
+
+
+def test_readings_that_are_no_numbers_are_named_and_the_leak_still_found(tmp_path):
+    """Issue 72 findings 8 and 17: two NaN readings turned a 3 MB/step leak into "no leak", exit 0;
+    null readings were dropped unnamed; a deeply nested line was a RecursionError."""
+    lines = [json.dumps({"step": s, "rss_mb": 500.0 + 3 * s}) for s in range(1, 61)]
+    lines[9] = json.dumps({"step": 10, "rss_mb": float("nan")})   # Python's json writes NaN
+    lines[19] = json.dumps({"step": 20, "rss_mb": float("inf")})
+    lines[29] = json.dumps({"step": 30, "rss_mb": None})
+    lines[39] = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n")
+    r = monitor("--from-log", "m.jsonl", cwd=tmp_path)
+    assert r.returncode == 1 and "LEAK" in r.stdout, r.stdout + r.stderr
+    assert r.stderr.splitlines() == [
+        "monitor_memory.py: m.jsonl line 10 is no record (its 'rss_mb' is 'nan', not a number): "
+        "skipped",
+        "monitor_memory.py: m.jsonl line 20 is no record (its 'rss_mb' is 'inf', not a number): "
+        "skipped",
+        "monitor_memory.py: m.jsonl line 30 is no record (its 'rss_mb' is 'None', not a number): "
+        "skipped",
+        "monitor_memory.py: m.jsonl line 40 is no record (it is not JSON): skipped"]
+
+
+def test_non_finite_readings_never_carry_a_verdict():
+    steps = list(range(60))
+    values = [500.0 + 3 * s for s in steps]
+    values[20] = values[40] = float("nan")
+    assert memwatch.judge_series(steps, values)["verdict"] == "LEAK"

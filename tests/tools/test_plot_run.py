@@ -175,6 +175,7 @@ def test_nothing_to_draw_a_bad_window_or_figure_path_is_one_line_and_exit_2(tmp_
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "evals.jsonl").write_text('{"kind": "eval", "step": 0, "acc": 0.5}\n')
     inside_model = str(tmp_path / "run" / "model" / "plot.png")
+    inside_checkpoint = str(tmp_path / "run" / "checkpoints" / "step_000003" / "p.png")
     for argv, said in (
             ([str(tmp_path / "empty.jsonl"), "a.png"],
              f"{tmp_path / 'empty.jsonl'} holds no step record (it is empty)"),
@@ -186,8 +187,34 @@ def test_nothing_to_draw_a_bad_window_or_figure_path_is_one_line_and_exit_2(tmp_
             ([run, str(tmp_path / "x.foo")], f"PNG {tmp_path / 'x.foo'}: a figure is written as "
                                              f".png (or .pdf, .svg, ...), not .foo"),
             ([run, inside_model], f"PNG {inside_model} lies inside {tmp_path / 'run' / 'model'}, "
-                                  f"which the run replaces with its trained model at its end")):
+                                  f"which the run in {tmp_path / 'run'} replaces with its trained "
+                                  f"model at its end"),
+            # issue 72 finding 1: drawn, then deleted with the checkpoint two steps later
+            ([run, inside_checkpoint], f"PNG {inside_checkpoint} lies inside "
+                                       f"{tmp_path / 'run' / 'checkpoints'}, which the run in "
+                                       f"{tmp_path / 'run'} keeps (and prunes) its checkpoints "
+                                       f"in")):
         assert script.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("plot_run.py: error: ") and said in err and err.count("\n") == 1, err
     assert not os.path.exists(tmp_path / "run" / "model") and not os.path.exists("a.png")
+    assert not os.path.exists(inside_checkpoint)
+
+
+def test_a_log_with_no_reward_or_a_line_nested_past_any_depth_is_one_line(tmp_path, capsys):
+    """Issue 72 findings 12 and 17: records without reward values drew a blank figure, exit 0; a
+    deeply nested JSON line was a RecursionError."""
+    script = plot_run()
+    (tmp_path / "none.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n"
+                                                 for s in (1, 2)))
+    (tmp_path / "nan.jsonl").write_text('{"step": 1, "reward_mean": NaN}\n{"step": 2}\n')
+    (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + '\n{"step": 1}\n')
+    for name, said in (("none", "none.jsonl holds no reward to plot: 2 of its 2 step records "
+                                "have no finite reward_mean"),
+                       ("nan", "nan.jsonl holds no reward to plot: 2 of its 2 step records have "
+                               "no finite reward_mean"),
+                       ("deep", "deep.jsonl line 1 is not a record of a run")):
+        assert script.main([str(tmp_path / f"{name}.jsonl"), str(tmp_path / "p.png")]) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+    assert not os.path.exists(tmp_path / "p.png")
