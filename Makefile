@@ -40,13 +40,15 @@ bench: install .venv-bench/.installed
 train: install stockfish
 	$(PY) train_lean.py $(ARGS)
 
-# The first five minutes: a tiny random GPT-2 (scripts/make_tiny_model.py) learns to answer tasks/add.py's sums,
-# judged on 40 sums it never trains on, and the run's picture (scripts/plot_run.py). Offline, no Stockfish;
-# SEED=1 another run, ARGS more flags. --overwrite: a second `make demo` starts over.
+# The first five minutes: a tiny random GPT-2 (scripts/make_tiny_model.py) learns to answer
+# tasks/add.py's sums, judged on 40 sums it never trains on, then the run's picture
+# (scripts/plot_run.py). Offline, no Stockfish; SEED=1 another run, ARGS more flags.
+# --overwrite: a second `make demo` starts over.
 SEED ?= 0
 demo: install
 	$(PY) scripts/make_tiny_model.py out/demo-model
-	$(PY) train_lean.py --task add --model out/demo-model --seed $(SEED) --out-dir out/demo --overwrite $(ARGS)
+	$(PY) train_lean.py --task add --model out/demo-model --seed $(SEED) --out-dir out/demo \
+	  --overwrite $(ARGS)
 	$(PY) scripts/plot_run.py out/demo/metrics.jsonl out/demo.png
 
 # Rebuild models/rook-tiny from its seed, in the three stages that made it (docs/chess.md says what each does
