@@ -27,7 +27,7 @@ def test_one_run_and_two_seeds_make_pngs(tmp_path, capsys):
     script.main([a, b, str(two), "--window", "2"])
     for png in (one, two):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert capsys.readouterr().out.split() == [str(one), str(two)]
+    assert capsys.readouterr().out.splitlines() == [str(one), str(two)]   # paths may hold spaces
 
 
 def test_it_labels_what_ran_and_draws_every_metric_with_its_interval(tmp_path, monkeypatch):
