@@ -40,6 +40,26 @@ bench: install .venv-bench/.installed
 train: install stockfish
 	$(PY) train_lean.py $(ARGS)
 
+# The first five minutes: a tiny random GPT-2 (scripts/make_tiny_model.py) learns to answer
+# tasks/add.py's sums, judged on 40 sums it never trains on, then the run's picture
+# (scripts/plot_run.py). Offline, no Stockfish; SEED=1 another run, ARGS more flags.
+# --overwrite: a second `make demo` starts over.
+SEED ?= 0
+demo: install
+	$(PY) scripts/make_tiny_model.py out/demo-model
+	$(PY) train_lean.py --task add --model out/demo-model --seed $(SEED) --out-dir out/demo \
+	  --overwrite $(ARGS)
+	$(PY) scripts/plot_run.py out/demo/metrics.jsonl out/demo.png
+
+# The memory monitor finds a leak: the toy task with a reward that keeps every completion's data
+# (tasks/leaky.py), 60 steps of a tiny model; docs/memory.md says what it prints. The monitor exits
+# 1 for LEAK, which is this demo's success.
+leak-demo: install
+	$(PY) scripts/make_tiny_model.py out/tiny
+	$(PY) monitor_memory.py --steps 60 --batch-size 8 --every 20 --warmup 10 --trace \
+	  --summary out/leak.json --plot out/leak.png -- --model out/tiny --task tasks/leaky.py:LeakyToy \
+	  --group-size 4 --max-new-tokens 8 --out-dir out/leak --device cpu --overwrite; test $$? = 1
+
 # Rebuild models/rook-tiny from its seed, in the three stages that made it (docs/chess.md says what each does
 # and BENCHMARKS.md how long it takes).
 default-model: install stockfish
@@ -59,4 +79,4 @@ test: $(VENV)/.installed-test stockfish
 test-fast: $(VENV)/.installed-test stockfish
 	$(PY) -m pytest -q $(XDIST) tests -m "not slow" $(ARGS)
 
-.PHONY: install stockfish train default-model test test-fast bench
+.PHONY: install stockfish train demo leak-demo default-model test test-fast bench

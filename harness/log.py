@@ -231,7 +231,9 @@ def write(f, record: dict) -> None:
     f.write(json.dumps({k: _plain(v) for k, v in record.items()}, ensure_ascii=False) + "\n")
 
 
-STEP_FIELDS = [("reward_mean", "reward {:.3f}"), ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"), ("ptx_loss", "ptx {:.3f}"),
+# a variant's field (token_adv: --token-advantage shaping) is in a record, and so shown, only when it is on
+STEP_FIELDS = [("reward_mean", "reward {:.3f}"), ("loss", "loss {:+.4f}"), ("token_adv", "token_adv {:+.3f}"),
+               ("token_adv_std", "token_adv_std {:.3f}"), ("kl", "kl {:.4f}"), ("ptx_loss", "ptx {:.3f}"),
                ("clip_frac", "clip {:.3f}"), ("entropy", "ent {:.2f}"), ("grad_norm", "gnorm {:.3f}"),
                ("completion_len_mean", "len {:.1f}"), ("samples_per_s", "{:.1f} samples/s"),
                ("step_time_s", "{:.2f}s"), ("rss_mb", "rss {:.0f}MB"), ("cuda_peak_mb", "peak {:.0f}MB")]

@@ -10,8 +10,9 @@ What is drawn where (one colour per quantity; one line style per run, for seeds 
                    every value lies in [0, 1], on an axis within [0, 1] (the tenths that hold
                    them): a point per evaluation and, for a metric given per item, its 95%
                    interval (NAME_lo to NAME_hi) as an error bar and its item count (NAME_n) in
-                   its label; each metric has its own marker and is set a little apart along the
-                   step axis, so that metrics of equal value (all at 0) stay visible
+                   its label; each metric has its own marker and is set a little after the one
+                   before it along the step axis (the first at its steps), so that metrics of
+                   equal value (all at 0) stay visible
   other held-out   the eval records' other numbers (a margin, a score beyond 1), on an axis of
                    their own, drawn alike; this panel only when there are some
   left out         counts (NAME_n, and any *_n or n, such as the chess task's p_n: items, not
@@ -118,11 +119,13 @@ def rate_limits(evals_of_runs: list, keys: list) -> tuple:
 
 def dodge(evals_of_runs: list, count: int) -> list:
     """Each of count metrics' offset along the step axis: a small share of the evaluations' spacing,
-    so that metrics of the same value (rates that all stay at 0) stay apart, each visible."""
+    so that metrics of the same value (rates that all stay at 0) stay apart, each visible. The first
+    metric at its steps, the others after them: none before the step it was taken at (step 0's
+    at no negative step)."""
     steps = sorted({r["step"] for evals in evals_of_runs for r in evals})
     spacing = min((b - a for a, b in zip(steps, steps[1:])), default=1)
     share = min(0.05, 0.4 / count)   # all of them within less than half the spacing
-    return [(i - (count - 1) / 2) * share * spacing for i in range(count)]
+    return [i * share * spacing for i in range(count)]
 
 
 def draw_metrics(ax, runs: list, keys: list) -> None:

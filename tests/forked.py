@@ -32,14 +32,19 @@ def _start(environment: dict):
     if _context is None:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["train_lean"])
-        saved = dict(os.environ)
+        saved, saved_tempdir = dict(os.environ), tempfile.tempdir
         os.environ.clear()
         os.environ.update({k: v for k, v in environment.items() if k != "OMP_NUM_THREADS"})
+        # the server's socket lies in a folder of TMPDIR's, and a socket's path holds at most 107
+        # bytes: under a long TMPDIR (a user's may be) the folder goes to /tmp
+        if len(tempfile.gettempdir()) > 60 and os.access("/tmp", os.W_OK):
+            tempfile.tempdir = "/tmp"
         try:
             multiprocessing.forkserver.ensure_running()
         finally:
             os.environ.clear()
             os.environ.update(saved)
+            tempfile.tempdir = saved_tempdir
         _context = ctx
     return _context
 

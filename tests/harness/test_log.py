@@ -187,6 +187,14 @@ def test_the_console_line_says_the_share_of_flat_groups_when_half_or_more():
         "step 3/9 | reward 0.500 ~0.4 (+0.1 [+0.0, +0.2]) | loss +0.1000 | eta 1m15s"
 
 
+def test_the_console_line_says_the_per_token_advantage_when_shaping_is_on():
+    """Issue 70: --token-advantage's effect was in the records only."""
+    from harness import log
+    rec = {"step": 3, "reward_mean": 0.5, "loss": 0.1, "token_adv": -0.0123, "token_adv_std": 0.456}
+    assert log.step_line(rec, 9) == \
+        "step 3/9 | reward 0.500 | loss +0.1000 | token_adv -0.012 | token_adv_std 0.456"
+
+
 def test_the_count_moves_as_each_batch_of_a_call_finishes():
     """One complete() call may decode every held-out prompt (4 minutes of chess --eval-only): a
     complete that says its batches (the trainer's) moves the count as each finishes, not at the

@@ -12,7 +12,7 @@ def test_two_settings_of_two_seeds_make_one_png(tmp_path, capsys):
     png = tmp_path / "ablation.png"
     plot_ablation.main([str(png), *(f"setting {n}={','.join(paths)}" for n, paths in runs.items())])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert capsys.readouterr().out.split() == [str(png)]
+    assert capsys.readouterr().out.splitlines() == [str(png)]   # a path may hold spaces
 
 
 def test_a_setting_without_its_runs_is_a_usage_error(tmp_path, capsys):

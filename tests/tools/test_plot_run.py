@@ -27,7 +27,7 @@ def test_one_run_and_two_seeds_make_pngs(tmp_path, capsys):
     script.main([a, b, str(two), "--window", "2"])
     for png in (one, two):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert capsys.readouterr().out.split() == [str(one), str(two)]
+    assert capsys.readouterr().out.splitlines() == [str(one), str(two)]   # paths may hold spaces
 
 
 def test_it_labels_what_ran_and_draws_every_metric_with_its_interval(tmp_path, monkeypatch):
@@ -104,7 +104,10 @@ def test_a_real_run_draws_rates_on_a_rate_axis_and_the_reward_with_its_mean(
         segments = bars.lines[2][0].get_segments()
         assert [s[:, 1].tolist() for s in segments] == [[r[f"{key}_lo"], r[f"{key}_hi"]]
                                                         for r in evals]
-        assert [s[0, 0] for s in segments] == pytest.approx([0, 2, 4], abs=0.1)
+        assert [s[0, 0] for s in segments] == pytest.approx([0, 2, 4], abs=0.2)
+    # the first metric at its steps, the others just after: none before step 0 (issue 70)
+    assert rates.containers[0].lines[0].get_xdata().tolist() == [0, 2, 4]
+    assert min(x for line in rates.lines for x in line.get_xdata()) == 0
 
 
 def test_counts_stay_off_the_rate_axis_and_changes_are_marked(tmp_path, monkeypatch):
@@ -135,8 +138,8 @@ def test_counts_stay_off_the_rate_axis_and_changes_are_marked(tmp_path, monkeypa
               for line in rates.lines if line.get_gid() == script.CHANGED]
     # p_legal_rate at step 5 above, a_format_rate at step 10 below; the rest overlap step 0's
     assert [(x, y, mark) for [x], y, mark in marked] == [
-        (pytest.approx(5, abs=0.2), [0.05], script.UP),
-        (pytest.approx(10, abs=0.2), [0.7], script.DOWN)]
+        (pytest.approx(5, abs=0.3), [0.05], script.UP),
+        (pytest.approx(10, abs=0.3), [0.7], script.DOWN)]
     assert "95% interval wholly above the first evaluation's (step 0)" in labels(rates)
     assert script.eval_metrics(evals, rates_only=True) == ["p_legal_rate", "a_format_rate"]
 
