@@ -6,7 +6,7 @@
 
 Sections, each a subprocess or a call with its own time limit (one failing is reported, the others
 go on), most wanted first: the main job at --baseline (a checkout of c2eee3e, the last commit whose
-step took 0.31 s on an H200; bench/gpu_kit.sh makes one) beside this checkout, in bf16, bf16 with
+step took 0.31 s on an H200: `git archive c2eee3e | tar -x -C .gpu/base`) beside this checkout, in bf16, bf16 with
 cuDNN's attention off and fp32, and this checkout without its decode graph (where the main job's
 time went); the main job (`make train`'s command, a few steps); the whole GRPO step
 at the 124M shape (bench/run.py's workload: 64 = 8 x 8 completions of 144 tokens, KL on) with no
@@ -142,7 +142,7 @@ def regression_section(s, work, baseline):
     """Where the main job's time went since c2eee3e: its step and phases there (--baseline) and
     here, in each of ARMS, and here without the decode graph."""
     if baseline is None:
-        return {"skipped": "no --baseline checkout (bench/gpu_kit.sh makes .gpu/base)"}
+        return {"skipped": "no --baseline checkout (git archive c2eee3e | tar -x -C .gpu/base)"}
     out, arms = {}, ARMS if s["model"] != "tiny" else ["bf16 cudnn-sdp off"]   # --smoke: each path once
     runs = [(baseline, "base", arm) for arm in arms] + [(REPO, "here", arm) for arm in arms]
     for tree, tag, arm in runs + [(REPO, "here", "bf16 graph off")]:
