@@ -4,6 +4,7 @@ Fixtures live in conftest.py; everything a test imports comes from here, never f
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -224,3 +225,20 @@ def write_run(folder, offset):
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in [evals[0], *steps, evals[1]])
     return os.path.join(folder, "metrics.jsonl")
+
+
+def header_rows(stdout: str) -> tuple:
+    """The header (its title and the indented lines under it) and its rows, name -> value: a row's
+    first line is its name and value two spaces apart, the lines under it (indented further)
+    continue a value that wrapped, at a space, which a path may hold too."""
+    lines = stdout.splitlines()
+    end = next(i for i, line in enumerate(lines[1:], 1) if not line.startswith(" "))
+    rows = {}
+    for line in lines[1:end]:
+        row = re.fullmatch(r"  (\S+(?: \S+)*)  +(.*)", line)
+        if row:
+            name = row[1]
+            rows[name] = row[2]
+        else:
+            rows[name] += " " + line.strip()
+    return "\n".join(lines[:end]), rows

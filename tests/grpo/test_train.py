@@ -11,7 +11,7 @@ import train_lean
 from grpo import variants
 from harness import config
 
-from helpers import REPO, read_jsonl as records, user_env
+from helpers import REPO, header_rows, read_jsonl as records, user_env
 
 STEP_KEYS = {"step", "reward_mean", "reward_std", "frac_zero_std", "loss", "kl", "clip_frac", "ratio_mean",
              "grad_norm", "completion_len_mean", "step_time_s", "gen_time_s", "train_time_s", "samples_per_s",
@@ -54,7 +54,9 @@ def test_two_steps_write_every_key(two_steps):
         assert r["kl"] >= 0 and 0 <= r["frac_zero_std"] <= 1
     # one update per step, on-policy: the ratio is 1 and nothing is clipped
     assert abs(recs[0]["ratio_mean"] - 1) < 1e-5 and recs[0]["clip_frac"] == 0
-    assert f"metrics      {out / 'metrics.jsonl'}" in proc.stdout and "step 2/2" in proc.stdout
+    # the header names the records' file (a long path wraps: read as rows)
+    assert header_rows(proc.stdout)[1]["metrics"] == f"{out / 'metrics.jsonl'}"
+    assert "step 2/2" in proc.stdout
     assert "prompts (groups) per step" in (out / "settings.txt").read_text()   # the full table, in the run folder
 
 

@@ -10,28 +10,11 @@ import train_lean
 from harness import cli, screen
 from harness.config import batch_layout
 from grpo.model import load_policy
-from helpers import EVALUATED_TASK, SMALL, read_jsonl, without_tokenizer
+from helpers import EVALUATED_TASK, SMALL, header_rows, read_jsonl, without_tokenizer
 
 
 def toy(model, out, *extra):
     return ["--model", model, "--task", "toy", *SMALL, "--steps", "1", "--out-dir", str(out), *extra]
-
-
-def header_rows(stdout: str) -> tuple:
-    """The header (its title and the indented lines under it) and its rows, name -> value: a row's
-    first line is its name and value two spaces apart, the lines under it (indented further)
-    continue a value that wrapped, at a space, which a path may hold too."""
-    lines = stdout.splitlines()
-    end = next(i for i, line in enumerate(lines[1:], 1) if not line.startswith(" "))
-    rows = {}
-    for line in lines[1:end]:
-        row = re.fullmatch(r"  (\S+(?: \S+)*)  +(.*)", line)
-        if row:
-            name = row[1]
-            rows[name] = row[2]
-        else:
-            rows[name] += " " + line.strip()
-    return "\n".join(lines[:end]), rows
 
 
 def test_the_header_says_what_runs_and_where_its_results_go(tiny_model_dir, tmp_path, capsys, clean_env):
