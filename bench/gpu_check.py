@@ -4,6 +4,9 @@
     python bench/gpu_check.py --only trl,big # some sections again (their keys: --help)
     python bench/gpu_check.py --smoke        # the same sections, tiny, on the CPU (CI runs it)
 
+`sh bench/gpu_kit.sh` makes what a GPU call carries (wheels, Stockfish, the baseline) and
+`sh bench/gpu_kit.sh --command` prints the command to run there.
+
 Sections, each a subprocess or a call with its own time limit (one failing is reported, the others
 go on), most wanted first: the main job at --baseline (a checkout of c2eee3e, the last commit whose
 step took 0.31 s on an H200: `git archive c2eee3e | tar -x -C .gpu/base`) beside this checkout, in bf16, bf16 with
