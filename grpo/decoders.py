@@ -3,7 +3,9 @@ A decoder turns the token just drawn into the next logits: HFDecoder any causal 
 LlamaDecoder (Llama, Qwen2, Mistral without sliding windows) are fast paths on preallocated K/V
 buffers (docs/algorithm.md, "Decoding"), each tested against HFDecoder and HF generate.
 """
+import bisect
 import dataclasses
+import math
 import sys
 import weakref
 
@@ -43,6 +45,13 @@ def _kept(model, name, shape, dtype, device):
     return kept[key].zero_()
 
 
+def _index(values: list, device) -> torch.Tensor:
+    """values (ints built on the host) as an index tensor on device, copied without waiting: on a
+    GPU from pinned memory (a copy from pageable memory waits for the device)."""
+    host = torch.tensor(values, dtype=torch.long)
+    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+
+
 # compilations of the decode step a process may make (model x shape bucket; torch's default: 8)
 RECOMPILE_LIMIT = 64
 _LIMIT_HIT = []   # not empty once it was reached
@@ -64,9 +73,9 @@ class Decoder:
         draws.draw(self(draws.last(draws.columns[step:step + 1]), step),
                    draws.columns[step + 1:step + 2], banned)
 
-    def select(self, rows, prefill, step: int):
-        """This decoder for its `rows` alone (indices of its own rows), the columns before `step`
-        written; prefill: generate()'s own prompt cache."""
+    def select(self, rows: list, prefill, step: int):
+        """This decoder for its `rows` alone (indices of its own rows, a host list), the columns
+        before `step` written; prefill: generate()'s own prompt cache."""
         raise NotImplementedError
 
 
@@ -90,7 +99,7 @@ class PreallocatedDecoder(Decoder):
     WIDTH_MULTIPLE = 16
     NEW_MULTIPLE = 16
 
-    def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int,
+    def __init__(self, model, cache, inverse: list, prompt_mask, max_new_tokens: int,
                  compile: bool = False, group_size: int = None, reuse: dict = None,
                  graph: str = None):
         self.model, self.inverse, self.prompt_mask = model, inverse, prompt_mask
@@ -100,15 +109,16 @@ class PreallocatedDecoder(Decoder):
         static = self.static = compile or graph is not None
         (batch, width), device = prompt_mask.shape, prompt_mask.device
         # a group: the rows of one prompt; compiled, the caller's group size, so that a step whose
-        # groups drew the same prompt has the shapes of every other step (eager, such groups: one)
-        n_prompts = int(inverse.max()) + 1
+        # groups drew the same prompt has the shapes of every other step (eager, such groups: one);
+        # decided on the host, from the prompt of each row (inverse)
+        n_prompts = max(inverse) + 1
         size = (group_size if static and group_size
                 else batch // n_prompts if batch % n_prompts == 0 else None)
-        per_group = inverse.view(-1, size) if size and batch % size == 0 else None
-        if per_group is None or not (per_group == per_group[:, :1]).all():  # not whole groups
-            per_group = inverse.view(batch, 1)
-        first = per_group[:, 0]  # prompt of each group, in batch order
-        groups, group = self.groups, self.group = per_group.shape
+        if not size or batch % size or any(inverse[i] != inverse[i - i % size]
+                                           for i in range(batch)):   # not whole groups
+            size = 1
+        groups, group = self.groups, self.group = batch // size, size
+        first = _index(inverse[::size], device)   # prompt of each group, in batch order
         dtype = torch.float32 if device.type == "cpu" else cache.layers[0].keys.dtype
         _, kv_heads, _, head_dim = cache.layers[0].keys.shape
         rep = self.rep = self.heads // kv_heads
@@ -143,14 +153,16 @@ class PreallocatedDecoder(Decoder):
         self.head = self._padded_head(model, device, static)
         self.compiled = _compiled(type(self), device) if compile and not _LIMIT_HIT else None
 
-    def select(self, rows, prefill, step: int):
+    def select(self, rows: list, prefill, step: int):
         """A decoder of the same class for `rows` (its prompts' keys from the prefill, the new
         columns before `step` copied), laid out by row unless the rows are whole groups."""
+        index = _index(rows, self.prompt_mask.device)
         # [layers, groups, K/V heads, group, ...] -> by row: the chosen rows' written columns
-        written = [old.narrow(dim + 1, 0, step).transpose(2, 3).flatten(1, 2)[:, rows]
+        written = [old.narrow(dim + 1, 0, step).transpose(2, 3).flatten(1, 2)[:, index]
                    for old, dim in ((self.new_k, 4), (self.new_v, 3))]
         # eager, the new buffers reuse this one's memory
-        new = type(self)(self.model, prefill, self.inverse[rows], self.prompt_mask[rows],
+        new = type(self)(self.model, prefill, [self.inverse[r] for r in rows],
+                         self.prompt_mask[index],
                          self.new_k.shape[-1], compile=self.compiled is not None,
                          reuse=None if self.static else {"new_k": self.new_k, "new_v": self.new_v},
                          graph=self.graph)
@@ -496,16 +508,18 @@ class HFDecoder(Decoder):
     """One-token decode steps through the model's own forward and its DynamicCache (any
     architecture). Its cache grows every step, so it runs eagerly whatever `compile` says."""
 
-    def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int,
+    def __init__(self, model, cache, inverse: list, prompt_mask, max_new_tokens: int,
                  compile: bool = False, group_size: int = None, graph: str = None):
-        cache.batch_select_indices(inverse)  # one row per completion, in the batch's order
+        # one row per completion, in the batch's order
+        cache.batch_select_indices(_index(inverse, prompt_mask.device))
         self.model, self.cache = model, cache
         self.attention = torch.cat(
             [prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], max_new_tokens)], 1)
         self.width = prompt_mask.shape[1]
         self.position = prompt_mask.sum(-1, keepdim=True)
 
-    def select(self, rows, prefill, step: int):
+    def select(self, rows: list, prefill, step: int):
+        rows = _index(rows, self.attention.device)
         self.cache.batch_select_indices(rows)
         self.attention, self.position = self.attention[rows], self.position[rows]
         return self
@@ -543,9 +557,10 @@ def decoder_name(model) -> str:
     return f"{cls.__name__} ({DECODER_NAMES[cls]})"
 
 
-def decoder_for(model, cache, inverse, prompt_mask, max_new_tokens: int, compile: bool = False,
-                group_size: int = None, graph: str = None):
-    """A decoder of decoder_class(model) for one generate() call."""
+def decoder_for(model, cache, inverse: list, prompt_mask, max_new_tokens: int,
+                compile: bool = False, group_size: int = None, graph: str = None):
+    """A decoder of decoder_class(model) for one generate() call; inverse: each row's prompt (its
+    row in the cache), a host list."""
     return decoder_class(model)(model, cache, inverse, prompt_mask, max_new_tokens, compile=compile,
                                 group_size=group_size, graph=graph)
 
@@ -666,23 +681,54 @@ def _truncated(logits, banned, top_k: int, top_p: float):
     return filtered
 
 
-# on a GPU, rows that have finished are noticed only every this many steps: a check reads a flag
-# back from the device (a host synchronisation); the steps past the end are trimmed off (same
-# outputs). On a CPU, where a check costs nothing, every step.
+# On a GPU a check of which rows have finished reads their flags back from the device: a host
+# synchronisation, which empties the device's queue of steps. Checks there are at least this many
+# steps apart, and at most CHECK_SPREAD times the steps drawn so far; the steps past the end are
+# trimmed off (same outputs). On a CPU, where a check costs nothing, every step.
 DONE_CHECK_EVERY = 8
+CHECK_SPREAD = 0.5
 
 
-def done_check_every(device) -> int:
-    return DONE_CHECK_EVERY if device.type == "cuda" else 1
+def check_spacing(device) -> tuple:
+    """(the fewest steps between two checks, the most as a share of the steps drawn)."""
+    return (DONE_CHECK_EVERY, CHECK_SPREAD) if device.type == "cuda" else (1, 0.0)
+
+
+class Checks:
+    """When generate() reads which rows have finished (one read serves the stop and Draws.compact):
+    first where a row can have ended (past min_new_tokens), then where the pace at which rows ended
+    since the last read predicts the decoder's next move (a compaction, or the stop), within
+    check_spacing's bounds. The bounds keep the steps decoded past the last end below
+    max(every, spread x the longest completion); docs/algorithm.md, "Decoding"."""
+
+    def __init__(self, device, min_new_tokens: int):
+        self.every, self.spread = check_spacing(device)
+        self.next = max(self.every, min_new_tokens + 1)   # in columns drawn
+        self.last = (0, 0)   # columns drawn, rows finished at the last check
+
+    def due(self, columns: int) -> bool:
+        return columns == self.next
+
+    def after(self, columns: int, done: list, running: int):
+        """Schedules the next check after one at `columns` drawn that read `done` (every row's
+        flag), the decoder then running `running` rows."""
+        finished = sum(done)
+        live, (then, before), self.last = len(done) - finished, self.last, (columns, finished)
+        # rows to end before the next move: down to half those running, or all
+        need = live - running // 2 if live > running // 2 else live
+        pace = (finished - before) / (columns - then)
+        soon = math.ceil(need / pace) if pace else math.inf
+        self.next = columns + min(max(soon, self.every),
+                                  max(self.every, int(columns * self.spread)))
 
 
 class Draws:
     """What generate() records of each row, one column per step, in place: the tokens drawn (EOS
     from a row's first on), their logprobs, the sampler's logprobs (with_sampler) and which rows
     have finished. rows: the rows the decoder still runs (None: all), the others' columns left as
-    they are (EOS, logprob 0). Compiled, the buffers are kept from call to call (a replayed graph
-    writes where it was recorded)."""
-    rows = None
+    they are (EOS, logprob 0), kept_rows the same on the host. Compiled, the buffers are kept from
+    call to call (a replayed graph writes where it was recorded)."""
+    rows = kept_rows = None
 
     def __init__(self, model, batch: int, max_new_tokens: int, end_ids: tuple, sampling: tuple,
                  with_sampler: bool, device, keep: bool):
@@ -727,21 +773,27 @@ class Draws:
         else:
             self.done[self.rows] = done | is_end(token, self.end_ids)
 
-    def compact(self, decoder, prefill, step: int, compiled: bool):
+    @property
+    def running(self) -> int:
+        """How many rows the decoder runs."""
+        return self.done.shape[0] if self.rows is None else len(self.kept_rows)
+
+    def compact(self, decoder, prefill, step: int, compiled: bool, done: list):
         """The decoder for the rows still running once at most half of those it runs are: the live
         rows (compiled or graphed: with finished ones up to a power of two, one compiled step or
-        graph per size); else the decoder as it is. A host synchronisation."""
-        running = self.done.shape[0] if self.rows is None else self.rows.shape[0]
-        live = (~self.done).nonzero().squeeze(1)
-        size = 1 << max(0, (live.shape[0] - 1).bit_length()) if compiled else live.shape[0]
-        if size > running // 2 or not live.shape[0]:
+        graph per size); else the decoder as it is. done: every row's flag, read on the host; the
+        rows' indices are built there and copied to the device without waiting."""
+        live = [i for i, d in enumerate(done) if not d]
+        size = 1 << max(0, (len(live) - 1).bit_length()) if compiled else len(live)
+        if size > self.running // 2 or not live:
             return decoder
-        if size > live.shape[0]:   # finished rows fill the bucket: they draw EOS, unrecorded
-            done = self.done.nonzero().squeeze(1)
-            live = torch.cat([live, done[:size - live.shape[0]]]).sort().values
-        own = live if self.rows is None else torch.searchsorted(self.rows, live)
-        self.rows = (_kept(self.model, "rows", live.shape, live.dtype, live.device).copy_(live)
-                     if self.keep else live)
+        if size > len(live):   # finished rows fill the bucket: they draw EOS, unrecorded
+            live = sorted(live + [i for i, d in enumerate(done) if d][:size - len(live)])
+        # where each is among the rows the decoder runs (both sorted)
+        own = live if self.rows is None else [bisect.bisect_left(self.kept_rows, i) for i in live]
+        self.kept_rows, device = live, self.done.device
+        self.rows = (_kept(self.model, "rows", (size,), torch.long, device).copy_(
+            _index(live, device), non_blocking=True) if self.keep else _index(live, device))
         return decoder.select(own, prefill, step)
 
 
@@ -756,6 +808,18 @@ class Completions:
     # with_sampler: the logprobs of ids under the distribution drawn from, which top_k, top_p and
     # min_new_tokens truncate and renormalise (sample_token); else None
     sampler_logp: torch.Tensor | None = None
+
+
+def _distinct_rows(rows: torch.Tensor) -> tuple:
+    """(the distinct rows of `rows` in torch.unique's order, sorted; each row's index among them, a
+    host list), from one read of rows."""
+    listed = list(map(tuple, rows.tolist()))
+    distinct = sorted(set(listed))
+    where, first = {row: i for i, row in enumerate(distinct)}, {}
+    for i, row in enumerate(listed):
+        first.setdefault(row, i)
+    return (rows.index_select(0, _index([first[row] for row in distinct], rows.device)),
+            [where[row] for row in listed])
 
 
 @torch.no_grad()
@@ -774,8 +838,7 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
     # entered once: autocast keeps its bf16 copies of the weights for the whole loop
     with autocast or torch.autocast(prompt_ids.device.type, enabled=False):
         # a group's rows share their prompt: each distinct one is prefilled once, then its KV copied
-        prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0,
-                                        return_inverse=True)
+        prompts, inverse = _distinct_rows(torch.cat([prompt_ids, prompt_mask], 1))
         out = model(input_ids=prompts[:, :width], attention_mask=prompts[:, width:],
                     position_ids=position_ids_from_mask(prompts[:, width:]), use_cache=True,
                     logits_to_keep=1)
@@ -785,20 +848,24 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
         static = getattr(decoder, "static", False)   # HFDecoder: eager whatever was asked
         draws = Draws(model, batch, max_new_tokens, ends, (temperature, top_k, top_p), with_sampler,
                       prompt_ids.device, keep=static)
-        draws.draw(out.logits[inverse, -1], draws.columns[:1], ends if min_new_tokens > 0 else None)
-        last, every = 0, done_check_every(prompt_ids.device)   # last: the last column drawn
+        draws.draw(out.logits[_index(inverse, prompt_ids.device), -1], draws.columns[:1],
+                   ends if min_new_tokens > 0 else None)
+        last, checks = 0, Checks(prompt_ids.device, min_new_tokens)   # last: the last column drawn
         for step in range(max_new_tokens - 1):
-            if (step + 1) % every == 0:
-                if bool(draws.done.all()):
+            if checks.due(step + 1):
+                done = draws.done.tolist()   # the check's one read
+                if all(done):
                     break
                 # rows that finished leave the decoder once half of it has: no step for them
-                decoder = draws.compact(decoder, prefill, step, static)
+                decoder = draws.compact(decoder, prefill, step, static, done)
+                checks.after(step + 1, done, draws.running)
             decoder.advance(draws, step, ends if step + 1 < min_new_tokens else None)
             last = step + 1
     mask = completion_mask(draws.tokens[:, :last + 1], ends)
     # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
-    if bool(draws.done.all()):
-        last = int(mask.sum(1).max()) - 1
+    finished, longest = torch.stack([draws.done.all().long(), mask.sum(1).max()]).tolist()
+    if finished:
+        last = longest - 1
     def kept(t):   # a copy: a compiled decoder's buffers are the next call's too
         return t[:, :last + 1].clone()
     return Completions(ids=kept(draws.tokens), mask=kept(mask), logp=kept(draws.logprobs),
