@@ -70,8 +70,7 @@ class Decoder:
             return self._advance_compiled(draws, step, banned)
         if self.graph is not None:
             return self._advance_graphed(draws, step, banned)
-        draws.draw(self(draws.last(draws.columns[step:step + 1]), step),
-                   draws.columns[step + 1:step + 2], banned)
+        draws.draw(self(draws.last_at(step), step), draws.columns[step + 1:step + 2], banned)
 
     def select(self, rows: list, prefill, step: int):
         """This decoder for its `rows` alone (indices of its own rows, a host list), the columns
@@ -146,6 +145,9 @@ class PreallocatedDecoder(Decoder):
         self.q5 = self.q.view(groups, kv_heads, group, rep, head_dim)
         self.o = _zeros(model, "o", (groups, kv_heads, group * rep, head_dim), dtype, device, static)
         self.o5 = self.o.view(groups, kv_heads, group, rep, head_dim)
+        self.qk = _zeros(model, "qk", (groups, kv_heads, group * rep, padded), dtype, device, static)
+        self.qk5 = self.qk.view(groups, kv_heads, group, rep, padded)
+        self._eager = (None,)   # __call__'s (new columns, mask, scores, tables)
         self.y = _zeros(model, "y", (batch, self.heads * head_dim), dtype, device, static)
         self.y5 = self.y.view(groups, group, kv_heads, rep, head_dim).transpose(1, 2)
         self.shape = (groups, kv_heads, group, rep, head_dim)
@@ -193,17 +195,31 @@ class PreallocatedDecoder(Decoder):
         self.column = _kept(self.model, "column", (1,), torch.long, device) if self.graph else None
 
     def __call__(self, token, step: int):
-        """The eager step: the logits after `token`, written at column `step`."""
+        """The eager step: the logits after `token`, written at column `step`. What attention reads
+        is the same for NEW_MULTIPLE steps: its mask's columns, score buffers and K/V tables are
+        made once for them (_eager)."""
         new = min(len(self.columns), -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
-        return self._step(token, self.columns[step:step + 1], self.positions[step],
-                          self.bias[step, ..., :self.width + new])
+        if self._eager[0] != new:
+            bias = self.bias[..., :self.width + new]
+            self._eager = new, bias, self._scores(bias.shape[-1]), self._tables(new)
+        _, bias, scores, tables = self._eager
+        return self._forward(token, self.columns[step:step + 1], self.positions[step], bias[step],
+                             scores, tables)
+
+    def _scores(self, columns: int):
+        """A token's scores, then weights, for every layer in turn: all, over the prompt, the new."""
+        scores = torch.empty(*self.shape[:-1], columns, dtype=self.bias.dtype,
+                             device=self.bias.device)
+        return scores, _merged(scores, self.width), scores[..., self.width:]
+
+    def _tables(self, new: int):
+        """Each layer's new keys and values, their first `new` columns."""
+        return self.new_k[..., :new].unbind(0), self.new_v[..., :new, :].unbind(0)
 
     def _step(self, token, column, position, bias):
         """The logits after `token`, written at `column` (a one-element index)."""
-        # this token's scores, then weights, for every layer in turn: all, over the prompt, the new
-        scores = torch.empty(*self.shape[:-1], bias.shape[-1], dtype=bias.dtype, device=bias.device)
-        scores = scores, _merged(scores, self.width), scores[..., self.width:]
-        return self._forward(token, column, position, bias, scores)
+        return self._forward(token, column, position, bias, self._scores(bias.shape[-1]),
+                             self._tables(bias.shape[-1] - self.width))
 
     def _advance_graphed(self, draws, step: int, banned):
         """advance() by _graphed_step replayed: one graph per shape and setting (graph_key), made
@@ -246,17 +262,18 @@ class PreallocatedDecoder(Decoder):
         token = draws.last(column)
         draws.draw(self._forward(token, column, position, bias), column + 1, banned)
 
-    def _forward(self, token, step, position, bias, scores=None):
-        """The logits after token; scores: the eager step's buffers (_attend), None traced."""
+    def _forward(self, token, step, position, bias, scores=None, tables=None):
+        """The logits after token; scores, tables: the eager step's buffers (_attend) and K/V
+        tables, None traced."""
         x, rotary = self._embed(token, position)
-        new = bias.shape[-1] - self.width
-        new_k, new_v = self.new_k[..., :new].unbind(0), self.new_v[..., :new, :].unbind(0)
-        attend = self._attend_traced if scores is None else self._attend
+        traced = scores is None
+        new_k, new_v = self._tables(bias.shape[-1] - self.width) if traced else tables
+        attend = self._attend_traced if traced else self._attend
         for i, (layer, scale) in enumerate(zip(self.layers, self.scales)):
-            q, k, v = self._qkv(layer, x, rotary)
+            q, k, v = self._qkv(layer, x, rotary, traced)
             # bf16 autocast on a CPU: attention in the cache's fp32
-            if self.y.dtype != v[0].dtype or self.y.dtype != q[0].dtype:
-                q, k, v = [(t.to(self.y.dtype), offset) for t, offset in (q, k, v)]
+            if self.y.dtype != v.dtype or self.y.dtype != q.dtype:
+                q, k, v = [t.to(self.y.dtype) for t in (q, k, v)]
             with torch.autocast(self.device_type, enabled=False):
                 y = attend(q, k, v, step, self.prompt_ks[i], self.prompt_vs[i], new_k[i], new_v[i],
                            bias, scores, scale)
@@ -283,20 +300,28 @@ class PreallocatedDecoder(Decoder):
             return tensors
         return _copies(model, name, tensors, torch.get_autocast_dtype(device.type), device, keep)
 
-    def _attend(self, q, k, v, step, kp, vp, kn, vn, bias, scores, scale: float):
-        """Softmax attention of q (rows x heads x D, in `_heads` form) over its group's prompt (kp,
-        vp) and its row's new tokens (kn, vn), after writing k, v at column `step`; H = H_kv x rep
-        query heads share a K/V head (grouped-query attention; rep = 1 for GPT-2). Returns self.y
-        [rows, H x D], where it writes."""
+    def _views(self, q, k, v) -> tuple:
+        """q, k, v (each a projection's output and the column its heads start at) in the layouts
+        attention reads (_heads)."""
         g, kv, group, rep, dim = self.shape
-        kn.index_copy_(4, step, _heads(*k, (g, kv, group, dim, 1), group, "k"))
-        vn.index_copy_(3, step, _heads(*v, (g, kv, group, 1, dim), group, "v"))
+        return (_heads(*q, self.shape, group, "q"), _heads(*k, (g, kv, group, dim, 1), group, "k"),
+                _heads(*v, (g, kv, group, 1, dim), group, "v"))
+
+    def _attend(self, q, k, v, step, kp, vp, kn, vn, bias, scores, scale: float):
+        """Softmax attention of q (_views' layout) over its group's prompt (kp, vp) and its row's
+        new tokens (kn, vn), after writing k, v at column `step`; H = H_kv x rep query heads share
+        a K/V head (grouped-query attention; rep = 1 for GPT-2). Returns self.y [rows, H x D],
+        where it writes."""
+        kn.index_copy_(4, step, k)
+        vn.index_copy_(3, step, v)
         # a group's rows and a K/V head's query heads read the same prompt keys: one matmul for them
-        torch.mul(_heads(*q, self.shape, group, "q"), scale, out=self.q5)
+        torch.mul(q, scale, out=self.q5)
         scores, prompt, new = scores
-        # each matmul into a fresh tensor, then one copy into place: a matmul's out= on a strided
-        # view takes a slow path on CPU (a small matmul per batch item)
-        torch.cat([(self.q @ kp).view(*self.shape[:-1], self.width), self.q5 @ kn], -1, out=scores)
+        # the prompt's scores into a buffer of their own (contiguous: its view is made once), the
+        # new ones into a fresh tensor, then one copy into place: a matmul's out= on a strided view
+        # takes a slow path on CPU (a small matmul per batch item)
+        torch.matmul(self.q, kp, out=self.qk)
+        torch.cat([self.qk5, self.q5 @ kn], -1, out=scores)
         # the weights overwrite the scores (softmax reads each row before it writes it); softmax
         # accumulates in fp32 whatever the dtype
         torch.softmax(scores.add_(bias), -1, out=scores)
@@ -308,9 +333,9 @@ class PreallocatedDecoder(Decoder):
         """_attend's math without its out= buffers, which torch.compile cannot trace (its outputs
         are strided views); compiled, the ops fuse anyway."""
         g, kv, group, rep, dim = self.shape
-        kn.index_copy_(4, step, _heads(*k, (g, kv, group, dim, 1), group, "k"))
-        vn.index_copy_(3, step, _heads(*v, (g, kv, group, 1, dim), group, "v"))
-        q = _heads(*q, self.shape, group, "q") * scale
+        kn.index_copy_(4, step, k)
+        vn.index_copy_(3, step, v)
+        q = q * scale
         prompt = (q.reshape(g, kv, group * rep, dim) @ kp).view(*self.shape[:-1], self.width)
         probs = torch.softmax(torch.cat([prompt, q @ kn], -1) + bias, -1,
                               dtype=torch.float32).to(vn.dtype)
@@ -425,13 +450,25 @@ class GPT2Decoder(PreallocatedDecoder):
                 self.prompt_k.device, self.static)
             mats = list(zip(flat[::2], flat[1::2]))
         self.mats = [mats[i:i + 4] for i in range(0, len(mats), 4)]
+        # eager, with the weights in the dtype the step computes in (no autocast casting them): each
+        # layer's q, k, v written into one buffer (addmm's out=), its head views made once
+        self.qkv = None
+        if type(self.mats[0][0]) is tuple and not torch.is_autocast_enabled(self.device_type):
+            weight, width = self.mats[0][0][0], t.embed_dim
+            self.qkv = _zeros(model, "qkv", (self.y.shape[0], 3 * width), weight.dtype,
+                              weight.device, self.static)
+            self.qkv_views = self._views((self.qkv, 0), (self.qkv, width), (self.qkv, 2 * width))
 
     def _embed(self, token, position):
         return self.t.wte(token) + self.t.wpe(position), None
 
-    def _qkv(self, block, x, _):
-        qkv, width = _project(self.mats[block.attn.layer_idx][0], block.ln_1(x)), x.shape[-1]
-        return (qkv, 0), (qkv, width), (qkv, 2 * width)
+    def _qkv(self, block, x, _, traced: bool):
+        projection = self.mats[block.attn.layer_idx][0]
+        if self.qkv is not None and not traced:
+            torch.addmm(projection[1], block.ln_1(x), projection[0], out=self.qkv)
+            return self.qkv_views
+        qkv, width = _project(projection, block.ln_1(x)), x.shape[-1]
+        return self._views((qkv, 0), (qkv, width), (qkv, 2 * width))
 
     def _rest(self, block, x, y):
         _, proj, fc, out = self.mats[block.attn.layer_idx]
@@ -485,14 +522,14 @@ class LlamaDecoder(PreallocatedDecoder):
         x = self.m.embed_tokens(token)
         return x, self.m.rotary_emb(x, position[:, None])
 
-    def _qkv(self, layer, x, rotary):
+    def _qkv(self, layer, x, rotary, _):
         (q, k, v), dim = self.mats[layer.self_attn.layer_idx][:3], layer.self_attn.head_dim
         h = layer.input_layernorm(x)
         q = _linear(q, h).view(h.shape[0], 1, -1, dim)
         k = _linear(k, h).view(h.shape[0], 1, -1, dim)
         # q, k: [B, 1, heads, D]; cos, sin: [B, 1, D]
         q, k = self.apply_rotary(q, k, *rotary, unsqueeze_dim=2)
-        return (q, 0), (k, 0), (_linear(v, h), 0)
+        return self._views((q, 0), (k, 0), (_linear(v, h), 0))
 
     def _rest(self, layer, x, y):
         o, gate, up, down = self.mats[layer.self_attn.layer_idx][3:]
@@ -639,7 +676,15 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     the truncated distribution drawn from (grpo/variants.py mismatch_weight; docs/algorithm.md).
     rows, batch: sample_index's.
     """
-    logits = logits.float()   # itself when it is float32 already
+    return tuple(t.squeeze(1) for t in _sample(logits, temperature, top_k, top_p, banned,
+                                                with_sampler, rows, batch))
+
+
+def _sample(logits, temperature: float, top_k: int, top_p: float, banned, with_sampler: bool,
+            rows, batch: int) -> tuple:
+    """sample_token's draws, each [B, 1]: as the decode loop records them (no op to reshape)."""
+    if logits.dtype != torch.float32:
+        logits = logits.float()
     if logprob_temperature(temperature) != 1:  # x / 1 is x: an op a token saved
         logits = logits / logprob_temperature(temperature)
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -648,17 +693,17 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     filtered = (_truncated(logits, banned, top_k, top_p)
                 if banned is not None or 0 < top_k < logits.shape[-1] or top_p < 1 else logits)
     if temperature == 0:
-        token = filtered.argmax(-1)
+        token = filtered.argmax(-1, keepdim=True)
     else:
         probs = logprobs.exp() if filtered is logits else torch.softmax(filtered, dim=-1)
-        token = sample_index(probs, rows, batch)
-    logprob = logprobs.gather(-1, token[:, None]).squeeze(-1)
+        token = sample_index(probs, rows, batch)[:, None]
+    logprob = logprobs.gather(-1, token)
     if not with_sampler:
         return token, logprob
     # nothing truncated: the distribution drawn from is the policy's
     if temperature == 0 or filtered is logits:
         return token, logprob, logprob
-    return token, logprob, torch.log_softmax(filtered, -1).gather(-1, token[:, None]).squeeze(-1)
+    return token, logprob, torch.log_softmax(filtered, -1).gather(-1, token)
 
 
 def _truncated(logits, banned, top_k: int, top_p: float):
@@ -668,7 +713,7 @@ def _truncated(logits, banned, top_k: int, top_p: float):
     if banned is not None:
         filtered = filtered.clone()
         for banned_id in as_ends(banned):   # scalar fills: no index tensor copied to the device
-            filtered[:, banned_id] = float("-inf")
+            filtered.select(-1, banned_id).fill_(float("-inf"))
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
         filtered = filtered.masked_fill(filtered < kth, float("-inf"))
@@ -740,6 +785,7 @@ class Draws:
         self.sampled = (_zeros(model, "sampled", shape, torch.float32, device, keep)
                         if with_sampler else None)
         self.done = _zeros(model, "done", (batch,), torch.bool, device, keep)
+        self.done2 = self.done.view(batch, 1)   # as a column, as draw() reads it
         self.columns = torch.arange(max_new_tokens, device=device)
 
     def key(self) -> tuple:
@@ -754,24 +800,30 @@ class Draws:
         token = self.tokens.index_select(1, column).squeeze(1)
         return token if self.rows is None else token[self.rows]
 
+    def last_at(self, step: int):
+        """last() at the column `step` given as a number (eager)."""
+        token = self.tokens[:, step]
+        return token if self.rows is None else token[self.rows]
+
     def draw(self, logits, column, banned):
         """Sample the token at `column` (a one-element index) of each row the decoder runs from
         logits; a finished row gets EOS."""
-        token, logprob, *sampler = sample_token(
-            logits, self.temperature, self.top_k, self.top_p, banned=banned,
-            with_sampler=self.with_sampler, rows=self.rows, batch=self.done.shape[0])
-        done = self.done if self.rows is None else self.done[self.rows]
+        # each [rows, 1]: a column of the records
+        token, logprob, *sampler = _sample(
+            logits, self.temperature, self.top_k, self.top_p, banned, self.with_sampler,
+            self.rows, self.done.shape[0])
+        done = self.done2 if self.rows is None else self.done2[self.rows]
         token = token.masked_fill(done, self.end_ids[0])
         for kept, drawn in zip((self.tokens, self.logprobs, self.sampled),
                                (token, logprob, *sampler)):   # the sampler's: with_sampler
             if self.rows is None:
-                kept.index_copy_(1, column, drawn[:, None])
+                kept.index_copy_(1, column, drawn)
             else:
-                kept[self.rows, column] = drawn
+                kept[self.rows, column] = drawn[:, 0]
         if self.rows is None:
-            self.done |= is_end(token, self.end_ids)
+            self.done2 |= is_end(token, self.end_ids)
         else:
-            self.done[self.rows] = done | is_end(token, self.end_ids)
+            self.done2[self.rows] = done | is_end(token, self.end_ids)
 
     @property
     def running(self) -> int:

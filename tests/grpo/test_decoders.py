@@ -179,7 +179,7 @@ def test_the_compiled_step_ends_rows_at_any_end_as_the_eager_one_does(tiny_chat_
 @pytest.mark.slow
 def test_the_compiled_step_samples_inside_itself_what_the_eager_loop_samples(tiny_model_dir, traced):
     """Compiled, the decode step draws the next token itself (sampling, EOS bookkeeping, the records): the
-    Python of sample_token runs once per generate() (the first token, from the prefill), not once a token;
+    Python of sample_token's draw runs once per generate() (the first token, from the prefill), not once a token;
     top-k, top-p, min_new_tokens and the sampler's logprobs give what the eager loop gives."""
     import sys
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
@@ -192,7 +192,7 @@ def test_the_compiled_step_samples_inside_itself_what_the_eager_loop_samples(tin
         count = [0]
 
         def profile(frame, event, _):
-            if event == "call" and frame.f_code is sample_token.__code__:
+            if event == "call" and frame.f_code is decoders._sample.__code__:
                 count[0] += 1
         sys.setprofile(profile)
         try:
