@@ -145,7 +145,8 @@ class PreallocatedDecoder(Decoder):
         self.q5 = self.q.view(groups, kv_heads, group, rep, head_dim)
         self.o = _zeros(model, "o", (groups, kv_heads, group * rep, head_dim), dtype, device, static)
         self.o5 = self.o.view(groups, kv_heads, group, rep, head_dim)
-        self.qk = _zeros(model, "qk", (groups, kv_heads, group * rep, padded), dtype, device, static)
+        self.qk = _zeros(model, "qk", (groups, kv_heads, group * rep, padded), dtype, device,
+                         static)
         self.qk5 = self.qk.view(groups, kv_heads, group, rep, padded)
         self._eager = (None,)   # __call__'s (new columns, mask, scores, tables)
         self.y = _zeros(model, "y", (batch, self.heads * head_dim), dtype, device, static)
@@ -207,7 +208,8 @@ class PreallocatedDecoder(Decoder):
                              scores, tables)
 
     def _scores(self, columns: int):
-        """A token's scores, then weights, for every layer in turn: all, over the prompt, the new."""
+        """A token's scores, then weights, for every layer in turn: all, over the prompt, the
+        new."""
         scores = torch.empty(*self.shape[:-1], columns, dtype=self.bias.dtype,
                              device=self.bias.device)
         return scores, _merged(scores, self.width), scores[..., self.width:]
