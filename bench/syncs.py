@@ -9,9 +9,9 @@ Runs train_lean.py's steps in this process, one thread, no evaluation, and count
 phases make (gen, score, ref, train, as run.phase_done marks them; "end" is run.end_step: the
 record), then prints each step's counts and, with --places, the lines that made them. A step's
 total is its four phases': what "end" reads are host tensors on a GPU (the rewards, and what the
-train phase's .cpu() copied), shown apart. The decoder's stop check runs on the CPU every step, on
-CUDA every DONE_CHECK_EVERY steps (grpo/decoders.py): counted as on CUDA unless --cpu-checks (the
-outputs are the same either way).
+train phase's .cpu() copied), shown apart. The decoder's check of which rows finished runs on the
+CPU every step, on CUDA as grpo/decoders.py's Checks spaces it: counted as on CUDA unless
+--cpu-checks (the outputs are the same either way).
 """
 import argparse
 import os
@@ -58,15 +58,15 @@ def count_steps(argv: list, cpu_checks: bool = False) -> list:
         counter.events.clear()
 
     torch.set_num_threads(1)
-    every = decoders.done_check_every
+    spacing = decoders.check_spacing
     train_lean.train_step, Run.end_step, Run.phase_done = counted_step, counted_end, mark
-    if not cpu_checks:   # the stop check as often as on CUDA
-        decoders.done_check_every = lambda device: decoders.DONE_CHECK_EVERY
+    if not cpu_checks:   # the checks spaced as on CUDA
+        decoders.check_spacing = lambda device: spacing(torch.device("cuda"))
     try:
         train_lean.main(argv)
     finally:
         train_lean.train_step, Run.end_step, Run.phase_done = train_step, end_step, phase_done
-        decoders.done_check_every = every
+        decoders.check_spacing = spacing
     return steps
 
 
@@ -77,7 +77,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--args", default="", help="more train_lean.py flags, one string")
     p.add_argument("--cpu-checks", action="store_true",
-                   help="the decoder's stop check every step, as the CPU runs it")
+                   help="the decoder's check of which rows finished every step, as the CPU runs it")
     p.add_argument("--places", action="store_true", help="the lines that synchronised, per step")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="syncs-") as tmp:
@@ -86,8 +86,11 @@ def main(argv=None):
                  "0", "--log-level", "warning", "--out-dir", os.path.join(tmp, "run"),
                  *shlex.split(a.args)]
         steps = count_steps(flags, a.cpu_checks)
-    print(f"host synchronisations per step ({' '.join(flags[2:4] + shlex.split(a.args))}; stop "
-          f"check every {1 if a.cpu_checks else decoders.DONE_CHECK_EVERY} steps)")
+    spacing = "every step" if a.cpu_checks else (
+        "at least every {} steps, at most {} x the steps drawn".format(
+            *decoders.check_spacing(torch.device("cuda"))))
+    print(f"host synchronisations per step ({' '.join(flags[2:4] + shlex.split(a.args))}; the "
+          f"decoder's checks {spacing})")
     print("step  " + "".join(f"{name:>7}" for name in PHASES) + "  total    end")
     for i, phases in enumerate(steps, 1):
         counts = [len(phases[name]) for name in PHASES]

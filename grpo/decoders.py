@@ -3,7 +3,9 @@ A decoder turns the token just drawn into the next logits: HFDecoder any causal 
 LlamaDecoder (Llama, Qwen2, Mistral without sliding windows) are fast paths on preallocated K/V
 buffers (docs/algorithm.md, "Decoding"), each tested against HFDecoder and HF generate.
 """
+import bisect
 import dataclasses
+import math
 import sys
 import weakref
 
@@ -43,6 +45,13 @@ def _kept(model, name, shape, dtype, device):
     return kept[key].zero_()
 
 
+def _index(values: list, device) -> torch.Tensor:
+    """values (ints built on the host) as an index tensor on device, copied without waiting: on a
+    GPU from pinned memory (a copy from pageable memory waits for the device)."""
+    host = torch.tensor(values, dtype=torch.long)
+    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+
+
 # compilations of the decode step a process may make (model x shape bucket; torch's default: 8)
 RECOMPILE_LIMIT = 64
 _LIMIT_HIT = []   # not empty once it was reached
@@ -61,12 +70,11 @@ class Decoder:
             return self._advance_compiled(draws, step, banned)
         if self.graph is not None:
             return self._advance_graphed(draws, step, banned)
-        draws.draw(self(draws.last(draws.columns[step:step + 1]), step),
-                   draws.columns[step + 1:step + 2], banned)
+        draws.draw(self(draws.last_at(step), step), draws.columns[step + 1:step + 2], banned)
 
-    def select(self, rows, prefill, step: int):
-        """This decoder for its `rows` alone (indices of its own rows), the columns before `step`
-        written; prefill: generate()'s own prompt cache."""
+    def select(self, rows: list, prefill, step: int):
+        """This decoder for its `rows` alone (indices of its own rows, a host list), the columns
+        before `step` written; prefill: generate()'s own prompt cache."""
         raise NotImplementedError
 
 
@@ -90,7 +98,7 @@ class PreallocatedDecoder(Decoder):
     WIDTH_MULTIPLE = 16
     NEW_MULTIPLE = 16
 
-    def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int,
+    def __init__(self, model, cache, inverse: list, prompt_mask, max_new_tokens: int,
                  compile: bool = False, group_size: int = None, reuse: dict = None,
                  graph: str = None):
         self.model, self.inverse, self.prompt_mask = model, inverse, prompt_mask
@@ -100,15 +108,16 @@ class PreallocatedDecoder(Decoder):
         static = self.static = compile or graph is not None
         (batch, width), device = prompt_mask.shape, prompt_mask.device
         # a group: the rows of one prompt; compiled, the caller's group size, so that a step whose
-        # groups drew the same prompt has the shapes of every other step (eager, such groups: one)
-        n_prompts = int(inverse.max()) + 1
+        # groups drew the same prompt has the shapes of every other step (eager, such groups: one);
+        # decided on the host, from the prompt of each row (inverse)
+        n_prompts = max(inverse) + 1
         size = (group_size if static and group_size
                 else batch // n_prompts if batch % n_prompts == 0 else None)
-        per_group = inverse.view(-1, size) if size and batch % size == 0 else None
-        if per_group is None or not (per_group == per_group[:, :1]).all():  # not whole groups
-            per_group = inverse.view(batch, 1)
-        first = per_group[:, 0]  # prompt of each group, in batch order
-        groups, group = self.groups, self.group = per_group.shape
+        if not size or batch % size or any(inverse[i] != inverse[i - i % size]
+                                           for i in range(batch)):   # not whole groups
+            size = 1
+        groups, group = self.groups, self.group = batch // size, size
+        first = _index(inverse[::size], device)   # prompt of each group, in batch order
         dtype = torch.float32 if device.type == "cpu" else cache.layers[0].keys.dtype
         _, kv_heads, _, head_dim = cache.layers[0].keys.shape
         rep = self.rep = self.heads // kv_heads
@@ -136,6 +145,10 @@ class PreallocatedDecoder(Decoder):
         self.q5 = self.q.view(groups, kv_heads, group, rep, head_dim)
         self.o = _zeros(model, "o", (groups, kv_heads, group * rep, head_dim), dtype, device, static)
         self.o5 = self.o.view(groups, kv_heads, group, rep, head_dim)
+        self.qk = _zeros(model, "qk", (groups, kv_heads, group * rep, padded), dtype, device,
+                         static)
+        self.qk5 = self.qk.view(groups, kv_heads, group, rep, padded)
+        self._eager = (None,)   # __call__'s (new columns, mask, scores, tables)
         self.y = _zeros(model, "y", (batch, self.heads * head_dim), dtype, device, static)
         self.y5 = self.y.view(groups, group, kv_heads, rep, head_dim).transpose(1, 2)
         self.shape = (groups, kv_heads, group, rep, head_dim)
@@ -143,14 +156,16 @@ class PreallocatedDecoder(Decoder):
         self.head = self._padded_head(model, device, static)
         self.compiled = _compiled(type(self), device) if compile and not _LIMIT_HIT else None
 
-    def select(self, rows, prefill, step: int):
+    def select(self, rows: list, prefill, step: int):
         """A decoder of the same class for `rows` (its prompts' keys from the prefill, the new
         columns before `step` copied), laid out by row unless the rows are whole groups."""
+        index = _index(rows, self.prompt_mask.device)
         # [layers, groups, K/V heads, group, ...] -> by row: the chosen rows' written columns
-        written = [old.narrow(dim + 1, 0, step).transpose(2, 3).flatten(1, 2)[:, rows]
+        written = [old.narrow(dim + 1, 0, step).transpose(2, 3).flatten(1, 2)[:, index]
                    for old, dim in ((self.new_k, 4), (self.new_v, 3))]
         # eager, the new buffers reuse this one's memory
-        new = type(self)(self.model, prefill, self.inverse[rows], self.prompt_mask[rows],
+        new = type(self)(self.model, prefill, [self.inverse[r] for r in rows],
+                         self.prompt_mask[index],
                          self.new_k.shape[-1], compile=self.compiled is not None,
                          reuse=None if self.static else {"new_k": self.new_k, "new_v": self.new_v},
                          graph=self.graph)
@@ -181,17 +196,32 @@ class PreallocatedDecoder(Decoder):
         self.column = _kept(self.model, "column", (1,), torch.long, device) if self.graph else None
 
     def __call__(self, token, step: int):
-        """The eager step: the logits after `token`, written at column `step`."""
+        """The eager step: the logits after `token`, written at column `step`. What attention reads
+        is the same for NEW_MULTIPLE steps: its mask's columns, score buffers and K/V tables are
+        made once for them (_eager)."""
         new = min(len(self.columns), -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
-        return self._step(token, self.columns[step:step + 1], self.positions[step],
-                          self.bias[step, ..., :self.width + new])
+        if self._eager[0] != new:
+            bias = self.bias[..., :self.width + new]
+            self._eager = new, bias, self._scores(bias.shape[-1]), self._tables(new)
+        _, bias, scores, tables = self._eager
+        return self._forward(token, self.columns[step:step + 1], self.positions[step], bias[step],
+                             scores, tables)
+
+    def _scores(self, columns: int):
+        """A token's scores, then weights, for every layer in turn: all, over the prompt, the
+        new."""
+        scores = torch.empty(*self.shape[:-1], columns, dtype=self.bias.dtype,
+                             device=self.bias.device)
+        return scores, _merged(scores, self.width), scores[..., self.width:]
+
+    def _tables(self, new: int):
+        """Each layer's new keys and values, their first `new` columns."""
+        return self.new_k[..., :new].unbind(0), self.new_v[..., :new, :].unbind(0)
 
     def _step(self, token, column, position, bias):
         """The logits after `token`, written at `column` (a one-element index)."""
-        # this token's scores, then weights, for every layer in turn: all, over the prompt, the new
-        scores = torch.empty(*self.shape[:-1], bias.shape[-1], dtype=bias.dtype, device=bias.device)
-        scores = scores, _merged(scores, self.width), scores[..., self.width:]
-        return self._forward(token, column, position, bias, scores)
+        return self._forward(token, column, position, bias, self._scores(bias.shape[-1]),
+                             self._tables(bias.shape[-1] - self.width))
 
     def _advance_graphed(self, draws, step: int, banned):
         """advance() by _graphed_step replayed: one graph per shape and setting (graph_key), made
@@ -234,17 +264,18 @@ class PreallocatedDecoder(Decoder):
         token = draws.last(column)
         draws.draw(self._forward(token, column, position, bias), column + 1, banned)
 
-    def _forward(self, token, step, position, bias, scores=None):
-        """The logits after token; scores: the eager step's buffers (_attend), None traced."""
+    def _forward(self, token, step, position, bias, scores=None, tables=None):
+        """The logits after token; scores, tables: the eager step's buffers (_attend) and K/V
+        tables, None traced."""
         x, rotary = self._embed(token, position)
-        new = bias.shape[-1] - self.width
-        new_k, new_v = self.new_k[..., :new].unbind(0), self.new_v[..., :new, :].unbind(0)
-        attend = self._attend_traced if scores is None else self._attend
+        traced = scores is None
+        new_k, new_v = self._tables(bias.shape[-1] - self.width) if traced else tables
+        attend = self._attend_traced if traced else self._attend
         for i, (layer, scale) in enumerate(zip(self.layers, self.scales)):
-            q, k, v = self._qkv(layer, x, rotary)
+            q, k, v = self._qkv(layer, x, rotary, traced)
             # bf16 autocast on a CPU: attention in the cache's fp32
-            if self.y.dtype != v[0].dtype or self.y.dtype != q[0].dtype:
-                q, k, v = [(t.to(self.y.dtype), offset) for t, offset in (q, k, v)]
+            if self.y.dtype != v.dtype or self.y.dtype != q.dtype:
+                q, k, v = [t.to(self.y.dtype) for t in (q, k, v)]
             with torch.autocast(self.device_type, enabled=False):
                 y = attend(q, k, v, step, self.prompt_ks[i], self.prompt_vs[i], new_k[i], new_v[i],
                            bias, scores, scale)
@@ -271,20 +302,28 @@ class PreallocatedDecoder(Decoder):
             return tensors
         return _copies(model, name, tensors, torch.get_autocast_dtype(device.type), device, keep)
 
-    def _attend(self, q, k, v, step, kp, vp, kn, vn, bias, scores, scale: float):
-        """Softmax attention of q (rows x heads x D, in `_heads` form) over its group's prompt (kp,
-        vp) and its row's new tokens (kn, vn), after writing k, v at column `step`; H = H_kv x rep
-        query heads share a K/V head (grouped-query attention; rep = 1 for GPT-2). Returns self.y
-        [rows, H x D], where it writes."""
+    def _views(self, q, k, v) -> tuple:
+        """q, k, v (each a projection's output and the column its heads start at) in the layouts
+        attention reads (_heads)."""
         g, kv, group, rep, dim = self.shape
-        kn.index_copy_(4, step, _heads(*k, (g, kv, group, dim, 1), group, "k"))
-        vn.index_copy_(3, step, _heads(*v, (g, kv, group, 1, dim), group, "v"))
+        return (_heads(*q, self.shape, group, "q"), _heads(*k, (g, kv, group, dim, 1), group, "k"),
+                _heads(*v, (g, kv, group, 1, dim), group, "v"))
+
+    def _attend(self, q, k, v, step, kp, vp, kn, vn, bias, scores, scale: float):
+        """Softmax attention of q (_views' layout) over its group's prompt (kp, vp) and its row's
+        new tokens (kn, vn), after writing k, v at column `step`; H = H_kv x rep query heads share
+        a K/V head (grouped-query attention; rep = 1 for GPT-2). Returns self.y [rows, H x D],
+        where it writes."""
+        kn.index_copy_(4, step, k)
+        vn.index_copy_(3, step, v)
         # a group's rows and a K/V head's query heads read the same prompt keys: one matmul for them
-        torch.mul(_heads(*q, self.shape, group, "q"), scale, out=self.q5)
+        torch.mul(q, scale, out=self.q5)
         scores, prompt, new = scores
-        # each matmul into a fresh tensor, then one copy into place: a matmul's out= on a strided
-        # view takes a slow path on CPU (a small matmul per batch item)
-        torch.cat([(self.q @ kp).view(*self.shape[:-1], self.width), self.q5 @ kn], -1, out=scores)
+        # the prompt's scores into a buffer of their own (contiguous: its view is made once), the
+        # new ones into a fresh tensor, then one copy into place: a matmul's out= on a strided view
+        # takes a slow path on CPU (a small matmul per batch item)
+        torch.matmul(self.q, kp, out=self.qk)
+        torch.cat([self.qk5, self.q5 @ kn], -1, out=scores)
         # the weights overwrite the scores (softmax reads each row before it writes it); softmax
         # accumulates in fp32 whatever the dtype
         torch.softmax(scores.add_(bias), -1, out=scores)
@@ -296,9 +335,9 @@ class PreallocatedDecoder(Decoder):
         """_attend's math without its out= buffers, which torch.compile cannot trace (its outputs
         are strided views); compiled, the ops fuse anyway."""
         g, kv, group, rep, dim = self.shape
-        kn.index_copy_(4, step, _heads(*k, (g, kv, group, dim, 1), group, "k"))
-        vn.index_copy_(3, step, _heads(*v, (g, kv, group, 1, dim), group, "v"))
-        q = _heads(*q, self.shape, group, "q") * scale
+        kn.index_copy_(4, step, k)
+        vn.index_copy_(3, step, v)
+        q = q * scale
         prompt = (q.reshape(g, kv, group * rep, dim) @ kp).view(*self.shape[:-1], self.width)
         probs = torch.softmax(torch.cat([prompt, q @ kn], -1) + bias, -1,
                               dtype=torch.float32).to(vn.dtype)
@@ -413,13 +452,25 @@ class GPT2Decoder(PreallocatedDecoder):
                 self.prompt_k.device, self.static)
             mats = list(zip(flat[::2], flat[1::2]))
         self.mats = [mats[i:i + 4] for i in range(0, len(mats), 4)]
+        # eager, with the weights in the dtype the step computes in (no autocast casting them): each
+        # layer's q, k, v written into one buffer (addmm's out=), its head views made once
+        self.qkv = None
+        if type(self.mats[0][0]) is tuple and not torch.is_autocast_enabled(self.device_type):
+            weight, width = self.mats[0][0][0], t.embed_dim
+            self.qkv = _zeros(model, "qkv", (self.y.shape[0], 3 * width), weight.dtype,
+                              weight.device, self.static)
+            self.qkv_views = self._views((self.qkv, 0), (self.qkv, width), (self.qkv, 2 * width))
 
     def _embed(self, token, position):
         return self.t.wte(token) + self.t.wpe(position), None
 
-    def _qkv(self, block, x, _):
-        qkv, width = _project(self.mats[block.attn.layer_idx][0], block.ln_1(x)), x.shape[-1]
-        return (qkv, 0), (qkv, width), (qkv, 2 * width)
+    def _qkv(self, block, x, _, traced: bool):
+        projection = self.mats[block.attn.layer_idx][0]
+        if self.qkv is not None and not traced:
+            torch.addmm(projection[1], block.ln_1(x), projection[0], out=self.qkv)
+            return self.qkv_views
+        qkv, width = _project(projection, block.ln_1(x)), x.shape[-1]
+        return self._views((qkv, 0), (qkv, width), (qkv, 2 * width))
 
     def _rest(self, block, x, y):
         _, proj, fc, out = self.mats[block.attn.layer_idx]
@@ -473,14 +524,14 @@ class LlamaDecoder(PreallocatedDecoder):
         x = self.m.embed_tokens(token)
         return x, self.m.rotary_emb(x, position[:, None])
 
-    def _qkv(self, layer, x, rotary):
+    def _qkv(self, layer, x, rotary, _):
         (q, k, v), dim = self.mats[layer.self_attn.layer_idx][:3], layer.self_attn.head_dim
         h = layer.input_layernorm(x)
         q = _linear(q, h).view(h.shape[0], 1, -1, dim)
         k = _linear(k, h).view(h.shape[0], 1, -1, dim)
         # q, k: [B, 1, heads, D]; cos, sin: [B, 1, D]
         q, k = self.apply_rotary(q, k, *rotary, unsqueeze_dim=2)
-        return (q, 0), (k, 0), (_linear(v, h), 0)
+        return self._views((q, 0), (k, 0), (_linear(v, h), 0))
 
     def _rest(self, layer, x, y):
         o, gate, up, down = self.mats[layer.self_attn.layer_idx][3:]
@@ -496,16 +547,18 @@ class HFDecoder(Decoder):
     """One-token decode steps through the model's own forward and its DynamicCache (any
     architecture). Its cache grows every step, so it runs eagerly whatever `compile` says."""
 
-    def __init__(self, model, cache, inverse, prompt_mask, max_new_tokens: int,
+    def __init__(self, model, cache, inverse: list, prompt_mask, max_new_tokens: int,
                  compile: bool = False, group_size: int = None, graph: str = None):
-        cache.batch_select_indices(inverse)  # one row per completion, in the batch's order
+        # one row per completion, in the batch's order
+        cache.batch_select_indices(_index(inverse, prompt_mask.device))
         self.model, self.cache = model, cache
         self.attention = torch.cat(
             [prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], max_new_tokens)], 1)
         self.width = prompt_mask.shape[1]
         self.position = prompt_mask.sum(-1, keepdim=True)
 
-    def select(self, rows, prefill, step: int):
+    def select(self, rows: list, prefill, step: int):
+        rows = _index(rows, self.attention.device)
         self.cache.batch_select_indices(rows)
         self.attention, self.position = self.attention[rows], self.position[rows]
         return self
@@ -543,9 +596,10 @@ def decoder_name(model) -> str:
     return f"{cls.__name__} ({DECODER_NAMES[cls]})"
 
 
-def decoder_for(model, cache, inverse, prompt_mask, max_new_tokens: int, compile: bool = False,
-                group_size: int = None, graph: str = None):
-    """A decoder of decoder_class(model) for one generate() call."""
+def decoder_for(model, cache, inverse: list, prompt_mask, max_new_tokens: int,
+                compile: bool = False, group_size: int = None, graph: str = None):
+    """A decoder of decoder_class(model) for one generate() call; inverse: each row's prompt (its
+    row in the cache), a host list."""
     return decoder_class(model)(model, cache, inverse, prompt_mask, max_new_tokens, compile=compile,
                                 group_size=group_size, graph=graph)
 
@@ -624,7 +678,15 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     the truncated distribution drawn from (grpo/variants.py mismatch_weight; docs/algorithm.md).
     rows, batch: sample_index's.
     """
-    logits = logits.float()   # itself when it is float32 already
+    return tuple(t.squeeze(1) for t in _sample(logits, temperature, top_k, top_p, banned,
+                                                with_sampler, rows, batch))
+
+
+def _sample(logits, temperature: float, top_k: int, top_p: float, banned, with_sampler: bool,
+            rows, batch: int) -> tuple:
+    """sample_token's draws, each [B, 1]: as the decode loop records them (no op to reshape)."""
+    if logits.dtype != torch.float32:
+        logits = logits.float()
     if logprob_temperature(temperature) != 1:  # x / 1 is x: an op a token saved
         logits = logits / logprob_temperature(temperature)
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -633,17 +695,17 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     filtered = (_truncated(logits, banned, top_k, top_p)
                 if banned is not None or 0 < top_k < logits.shape[-1] or top_p < 1 else logits)
     if temperature == 0:
-        token = filtered.argmax(-1)
+        token = filtered.argmax(-1, keepdim=True)
     else:
         probs = logprobs.exp() if filtered is logits else torch.softmax(filtered, dim=-1)
-        token = sample_index(probs, rows, batch)
-    logprob = logprobs.gather(-1, token[:, None]).squeeze(-1)
+        token = sample_index(probs, rows, batch)[:, None]
+    logprob = logprobs.gather(-1, token)
     if not with_sampler:
         return token, logprob
     # nothing truncated: the distribution drawn from is the policy's
     if temperature == 0 or filtered is logits:
         return token, logprob, logprob
-    return token, logprob, torch.log_softmax(filtered, -1).gather(-1, token[:, None]).squeeze(-1)
+    return token, logprob, torch.log_softmax(filtered, -1).gather(-1, token)
 
 
 def _truncated(logits, banned, top_k: int, top_p: float):
@@ -653,7 +715,7 @@ def _truncated(logits, banned, top_k: int, top_p: float):
     if banned is not None:
         filtered = filtered.clone()
         for banned_id in as_ends(banned):   # scalar fills: no index tensor copied to the device
-            filtered[:, banned_id] = float("-inf")
+            filtered.select(-1, banned_id).fill_(float("-inf"))
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
         filtered = filtered.masked_fill(filtered < kth, float("-inf"))
@@ -666,23 +728,54 @@ def _truncated(logits, banned, top_k: int, top_p: float):
     return filtered
 
 
-# on a GPU, rows that have finished are noticed only every this many steps: a check reads a flag
-# back from the device (a host synchronisation); the steps past the end are trimmed off (same
-# outputs). On a CPU, where a check costs nothing, every step.
+# On a GPU a check of which rows have finished reads their flags back from the device: a host
+# synchronisation, which empties the device's queue of steps. Checks there are at least this many
+# steps apart, and at most CHECK_SPREAD times the steps drawn so far; the steps past the end are
+# trimmed off (same outputs). On a CPU, where a check costs nothing, every step.
 DONE_CHECK_EVERY = 8
+CHECK_SPREAD = 0.5
 
 
-def done_check_every(device) -> int:
-    return DONE_CHECK_EVERY if device.type == "cuda" else 1
+def check_spacing(device) -> tuple:
+    """(the fewest steps between two checks, the most as a share of the steps drawn)."""
+    return (DONE_CHECK_EVERY, CHECK_SPREAD) if device.type == "cuda" else (1, 0.0)
+
+
+class Checks:
+    """When generate() reads which rows have finished (one read serves the stop and Draws.compact):
+    first where a row can have ended (past min_new_tokens), then where the pace at which rows ended
+    since the last read predicts the decoder's next move (a compaction, or the stop), within
+    check_spacing's bounds. The bounds keep the steps decoded past the last end below
+    max(every, spread x the longest completion); docs/algorithm.md, "Decoding"."""
+
+    def __init__(self, device, min_new_tokens: int):
+        self.every, self.spread = check_spacing(device)
+        self.next = max(self.every, min_new_tokens + 1)   # in columns drawn
+        self.last = (0, 0)   # columns drawn, rows finished at the last check
+
+    def due(self, columns: int) -> bool:
+        return columns == self.next
+
+    def after(self, columns: int, done: list, running: int):
+        """Schedules the next check after one at `columns` drawn that read `done` (every row's
+        flag), the decoder then running `running` rows."""
+        finished = sum(done)
+        live, (then, before), self.last = len(done) - finished, self.last, (columns, finished)
+        # rows to end before the next move: down to half those running, or all
+        need = live - running // 2 if live > running // 2 else live
+        pace = (finished - before) / (columns - then)
+        soon = math.ceil(need / pace) if pace else math.inf
+        self.next = columns + min(max(soon, self.every),
+                                  max(self.every, int(columns * self.spread)))
 
 
 class Draws:
     """What generate() records of each row, one column per step, in place: the tokens drawn (EOS
     from a row's first on), their logprobs, the sampler's logprobs (with_sampler) and which rows
     have finished. rows: the rows the decoder still runs (None: all), the others' columns left as
-    they are (EOS, logprob 0). Compiled, the buffers are kept from call to call (a replayed graph
-    writes where it was recorded)."""
-    rows = None
+    they are (EOS, logprob 0), kept_rows the same on the host. Compiled, the buffers are kept from
+    call to call (a replayed graph writes where it was recorded)."""
+    rows = kept_rows = None
 
     def __init__(self, model, batch: int, max_new_tokens: int, end_ids: tuple, sampling: tuple,
                  with_sampler: bool, device, keep: bool):
@@ -694,6 +787,7 @@ class Draws:
         self.sampled = (_zeros(model, "sampled", shape, torch.float32, device, keep)
                         if with_sampler else None)
         self.done = _zeros(model, "done", (batch,), torch.bool, device, keep)
+        self.done2 = self.done.view(batch, 1)   # as a column, as draw() reads it
         self.columns = torch.arange(max_new_tokens, device=device)
 
     def key(self) -> tuple:
@@ -708,40 +802,52 @@ class Draws:
         token = self.tokens.index_select(1, column).squeeze(1)
         return token if self.rows is None else token[self.rows]
 
+    def last_at(self, step: int):
+        """last() at the column `step` given as a number (eager)."""
+        token = self.tokens[:, step]
+        return token if self.rows is None else token[self.rows]
+
     def draw(self, logits, column, banned):
         """Sample the token at `column` (a one-element index) of each row the decoder runs from
         logits; a finished row gets EOS."""
-        token, logprob, *sampler = sample_token(
-            logits, self.temperature, self.top_k, self.top_p, banned=banned,
-            with_sampler=self.with_sampler, rows=self.rows, batch=self.done.shape[0])
-        done = self.done if self.rows is None else self.done[self.rows]
+        # each [rows, 1]: a column of the records
+        token, logprob, *sampler = _sample(
+            logits, self.temperature, self.top_k, self.top_p, banned, self.with_sampler,
+            self.rows, self.done.shape[0])
+        done = self.done2 if self.rows is None else self.done2[self.rows]
         token = token.masked_fill(done, self.end_ids[0])
         for kept, drawn in zip((self.tokens, self.logprobs, self.sampled),
                                (token, logprob, *sampler)):   # the sampler's: with_sampler
             if self.rows is None:
-                kept.index_copy_(1, column, drawn[:, None])
+                kept.index_copy_(1, column, drawn)
             else:
-                kept[self.rows, column] = drawn
+                kept[self.rows, column] = drawn[:, 0]
         if self.rows is None:
-            self.done |= is_end(token, self.end_ids)
+            self.done2 |= is_end(token, self.end_ids)
         else:
-            self.done[self.rows] = done | is_end(token, self.end_ids)
+            self.done2[self.rows] = done | is_end(token, self.end_ids)
 
-    def compact(self, decoder, prefill, step: int, compiled: bool):
+    @property
+    def running(self) -> int:
+        """How many rows the decoder runs."""
+        return self.done.shape[0] if self.rows is None else len(self.kept_rows)
+
+    def compact(self, decoder, prefill, step: int, compiled: bool, done: list):
         """The decoder for the rows still running once at most half of those it runs are: the live
         rows (compiled or graphed: with finished ones up to a power of two, one compiled step or
-        graph per size); else the decoder as it is. A host synchronisation."""
-        running = self.done.shape[0] if self.rows is None else self.rows.shape[0]
-        live = (~self.done).nonzero().squeeze(1)
-        size = 1 << max(0, (live.shape[0] - 1).bit_length()) if compiled else live.shape[0]
-        if size > running // 2 or not live.shape[0]:
+        graph per size); else the decoder as it is. done: every row's flag, read on the host; the
+        rows' indices are built there and copied to the device without waiting."""
+        live = [i for i, d in enumerate(done) if not d]
+        size = 1 << max(0, (len(live) - 1).bit_length()) if compiled else len(live)
+        if size > self.running // 2 or not live:
             return decoder
-        if size > live.shape[0]:   # finished rows fill the bucket: they draw EOS, unrecorded
-            done = self.done.nonzero().squeeze(1)
-            live = torch.cat([live, done[:size - live.shape[0]]]).sort().values
-        own = live if self.rows is None else torch.searchsorted(self.rows, live)
-        self.rows = (_kept(self.model, "rows", live.shape, live.dtype, live.device).copy_(live)
-                     if self.keep else live)
+        if size > len(live):   # finished rows fill the bucket: they draw EOS, unrecorded
+            live = sorted(live + [i for i, d in enumerate(done) if d][:size - len(live)])
+        # where each is among the rows the decoder runs (both sorted)
+        own = live if self.rows is None else [bisect.bisect_left(self.kept_rows, i) for i in live]
+        self.kept_rows, device = live, self.done.device
+        self.rows = (_kept(self.model, "rows", (size,), torch.long, device).copy_(
+            _index(live, device), non_blocking=True) if self.keep else _index(live, device))
         return decoder.select(own, prefill, step)
 
 
@@ -756,6 +862,18 @@ class Completions:
     # with_sampler: the logprobs of ids under the distribution drawn from, which top_k, top_p and
     # min_new_tokens truncate and renormalise (sample_token); else None
     sampler_logp: torch.Tensor | None = None
+
+
+def _distinct_rows(rows: torch.Tensor) -> tuple:
+    """(the distinct rows of `rows` in torch.unique's order, sorted; each row's index among them, a
+    host list), from one read of rows."""
+    listed = list(map(tuple, rows.tolist()))
+    distinct = sorted(set(listed))
+    where, first = {row: i for i, row in enumerate(distinct)}, {}
+    for i, row in enumerate(listed):
+        first.setdefault(row, i)
+    return (rows.index_select(0, _index([first[row] for row in distinct], rows.device)),
+            [where[row] for row in listed])
 
 
 @torch.no_grad()
@@ -774,8 +892,7 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
     # entered once: autocast keeps its bf16 copies of the weights for the whole loop
     with autocast or torch.autocast(prompt_ids.device.type, enabled=False):
         # a group's rows share their prompt: each distinct one is prefilled once, then its KV copied
-        prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0,
-                                        return_inverse=True)
+        prompts, inverse = _distinct_rows(torch.cat([prompt_ids, prompt_mask], 1))
         out = model(input_ids=prompts[:, :width], attention_mask=prompts[:, width:],
                     position_ids=position_ids_from_mask(prompts[:, width:]), use_cache=True,
                     logits_to_keep=1)
@@ -785,20 +902,24 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
         static = getattr(decoder, "static", False)   # HFDecoder: eager whatever was asked
         draws = Draws(model, batch, max_new_tokens, ends, (temperature, top_k, top_p), with_sampler,
                       prompt_ids.device, keep=static)
-        draws.draw(out.logits[inverse, -1], draws.columns[:1], ends if min_new_tokens > 0 else None)
-        last, every = 0, done_check_every(prompt_ids.device)   # last: the last column drawn
+        draws.draw(out.logits[_index(inverse, prompt_ids.device), -1], draws.columns[:1],
+                   ends if min_new_tokens > 0 else None)
+        last, checks = 0, Checks(prompt_ids.device, min_new_tokens)   # last: the last column drawn
         for step in range(max_new_tokens - 1):
-            if (step + 1) % every == 0:
-                if bool(draws.done.all()):
+            if checks.due(step + 1):
+                done = draws.done.tolist()   # the check's one read
+                if all(done):
                     break
                 # rows that finished leave the decoder once half of it has: no step for them
-                decoder = draws.compact(decoder, prefill, step, static)
+                decoder = draws.compact(decoder, prefill, step, static, done)
+                checks.after(step + 1, done, draws.running)
             decoder.advance(draws, step, ends if step + 1 < min_new_tokens else None)
             last = step + 1
     mask = completion_mask(draws.tokens[:, :last + 1], ends)
     # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
-    if bool(draws.done.all()):
-        last = int(mask.sum(1).max()) - 1
+    finished, longest = torch.stack([draws.done.all().long(), mask.sum(1).max()]).tolist()
+    if finished:
+        last = longest - 1
     def kept(t):   # a copy: a compiled decoder's buffers are the next call's too
         return t[:, :last + 1].clone()
     return Completions(ids=kept(draws.tokens), mask=kept(mask), logp=kept(draws.logprobs),

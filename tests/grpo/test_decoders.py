@@ -179,7 +179,7 @@ def test_the_compiled_step_ends_rows_at_any_end_as_the_eager_one_does(tiny_chat_
 @pytest.mark.slow
 def test_the_compiled_step_samples_inside_itself_what_the_eager_loop_samples(tiny_model_dir, traced):
     """Compiled, the decode step draws the next token itself (sampling, EOS bookkeeping, the records): the
-    Python of sample_token runs once per generate() (the first token, from the prefill), not once a token;
+    Python of sample_token's draw runs once per generate() (the first token, from the prefill), not once a token;
     top-k, top-p, min_new_tokens and the sampler's logprobs give what the eager loop gives."""
     import sys
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
@@ -192,7 +192,7 @@ def test_the_compiled_step_samples_inside_itself_what_the_eager_loop_samples(tin
         count = [0]
 
         def profile(frame, event, _):
-            if event == "call" and frame.f_code is sample_token.__code__:
+            if event == "call" and frame.f_code is decoders._sample.__code__:
                 count[0] += 1
         sys.setprofile(profile)
         try:
@@ -211,23 +211,129 @@ def test_the_compiled_step_samples_inside_itself_what_the_eager_loop_samples(tin
     assert (eager.ids[:, :3] != tok.eos_token_id).all()
 
 
-def test_checking_for_the_end_every_few_steps_returns_what_checking_every_step_does(tiny_model_dir, monkeypatch):
+def _gpu_checks(monkeypatch):
+    """generate()'s checks of which rows finished spaced as on a GPU."""
+    spacing = decoders.check_spacing
+    monkeypatch.setattr(decoders, "check_spacing", lambda device: spacing(torch.device("cuda")))
+
+
+def test_checking_for_the_end_as_a_gpu_does_returns_what_checking_every_step_does(tiny_model_dir,
+                                                                                  monkeypatch):
     tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
     ids, mask = left_pad(encode_prompts(tok, ["Repeat a: ", "Repeat e: "], True), tok.eos_token_id)
-    free = generate(model, ids, mask, end_ids=-1, max_new_tokens=20, temperature=0.0).ids
+    free = generate(model, ids, mask, end_ids=-1, max_new_tokens=40, temperature=0.0).ids
     ends = []
     for eos in set(free.flatten().tolist()):  # tokens the rows emit greedily: each row ends somewhere
         for min_new_tokens in (0, 3, 11):
             runs = []
-            for every in (1, decoders.DONE_CHECK_EVERY):
-                monkeypatch.setattr(decoders, "DONE_CHECK_EVERY", every)
-                runs.append(generate(model, ids, mask, end_ids=eos, max_new_tokens=20, temperature=0.0,
+            for gpu in (False, True):
+                if gpu:
+                    _gpu_checks(monkeypatch)
+                runs.append(generate(model, ids, mask, end_ids=eos, max_new_tokens=40, temperature=0.0,
                                      min_new_tokens=min_new_tokens))
+            monkeypatch.undo()
             a, b = runs
             assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask)
             assert torch.equal(a.logp, b.logp)
             ends.append(a.ids.shape[1])
-    assert any(n % decoders.DONE_CHECK_EVERY for n in ends if n < 20), ends  # some ended between two checks
+    assert any(n % decoders.DONE_CHECK_EVERY for n in ends if n < 40), ends  # some ended between two checks
+
+
+def _check_columns(device, min_new_tokens, lengths, running=None):
+    """The columns drawn at which Checks reads the flags, for rows that end after `lengths` columns
+    (a longer one never ends), and the columns drawn when the loop stops (generate()'s loop, 144
+    columns at most; the rows it runs: all, or `running`)."""
+    checks, seen = decoders.Checks(device, min_new_tokens), []
+    for columns in range(1, 144):
+        if checks.due(columns):
+            seen.append(columns)
+            done = [n <= columns for n in lengths]
+            if all(done):
+                return seen, columns
+            checks.after(columns, done, running or len(lengths))
+    return seen, 144
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_checks_are_spaced_within_their_bounds_and_the_steps_past_the_end_stay_bounded(seed):
+    """On a GPU: no check before a row can end (min_new_tokens), none closer than DONE_CHECK_EVERY
+    columns, none further than CHECK_SPREAD x the columns drawn, so that the columns drawn past the
+    last end are fewer than max(DONE_CHECK_EVERY, CHECK_SPREAD x the longest completion); on a CPU
+    every column from the first a row can end at, so the loop stops at the last end."""
+    gen = torch.Generator().manual_seed(seed)
+    min_new_tokens = int(torch.randint(0, 20, (), generator=gen))
+    longest = int(torch.randint(min_new_tokens + 1, 140, (), generator=gen))
+    lengths = torch.randint(min_new_tokens + 1, longest + 1, (64,), generator=gen).tolist()
+    lengths[0] = longest
+    every, spread = decoders.DONE_CHECK_EVERY, decoders.CHECK_SPREAD
+    seen, stop = _check_columns(torch.device("cuda"), min_new_tokens, lengths)
+    assert seen[0] == max(every, min_new_tokens + 1)
+    for a, b in zip(seen, seen[1:]):
+        assert every <= b - a <= max(every, a * spread), seen
+    assert stop - longest < max(every, longest * spread), (seen, longest)
+    seen, stop = _check_columns(torch.device("cpu"), min_new_tokens, lengths)
+    assert seen == list(range(min_new_tokens + 1, stop + 1)) and stop == longest
+
+
+def test_checks_follow_the_pace_at_which_rows_end():
+    """Rows ending fast bring the next check forward to the bound (the stop or the compaction is
+    near); rows that do not end space them as far as the bound allows."""
+    cuda = torch.device("cuda")
+    assert _check_columns(cuda, 0, [200] * 64) == ([8, 16, 24, 36, 54, 81, 121], 144)
+    # the chess job's lengths: 9 to 28; the stop at the first check past 28, as every 8 columns
+    lengths = [9, 9, 12, 13, 15, 17, 18, 19] + [20] * 8 + [21] * 8 + [22] * 24 + [24] * 8 + [28] * 8
+    assert _check_columns(cuda, 0, lengths) == ([8, 16, 24, 32], 32)
+
+
+def test_a_generate_reads_the_device_once_per_check_and_twice_besides(tiny_model_dir, monkeypatch):
+    """Counted as on a GPU: the distinct prompts (one read of the prompts), one read of the finished
+    rows per check (it serves the stop and the compaction), the last column (one read); 144 columns
+    with no row ending: 7 checks. Besides, transformers' prefill reads whether the prompts' mask
+    can be skipped (one or two scalars, at the line that calls the model)."""
+    from grpo.syncs import SyncCounter
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    ids, mask = _group_batch(tok)
+    _gpu_checks(monkeypatch)
+    with SyncCounter(device=(ids, mask)) as syncs:
+        out = generate(model, ids, mask, end_ids=-1, max_new_tokens=144)
+    assert out.ids.shape[1] == 144
+    ours = [what for what, where in syncs.events if "scalar" != what]
+    prefill = [where for what, where in syncs.events if "scalar" == what]
+    assert ours == ["list"] * (1 + 7 + 1), syncs.events
+    assert len(prefill) <= 2 and len(set(prefill)) == 1, syncs.events
+
+
+def test_compaction_from_the_flags_read_on_the_host_chooses_the_rows_the_device_index_did():
+    """Draws.compact's rows, and the decoder's own rows it selects, against the old device formula
+    (nonzero of the live flags, finished ones up to a power of two compiled, searchsorted among the
+    rows run), over two compactions of random flags."""
+    class Selected:   # the decoder's side of compact: which of its rows it is asked to keep
+        def select(self, rows, prefill, step):
+            self.rows = rows
+            return self
+
+    gen = torch.Generator().manual_seed(0)
+    for compiled in (False, True):
+        for _ in range(50):
+            draws = decoders.Draws(None, 64, 8, (0,), (1.0, 0, 1.0), False, torch.device("cpu"),
+                                   keep=False)
+            rows, decoder = None, Selected()
+            for share in (0.55, 0.8):
+                draws.done |= torch.rand(64, generator=gen) < share
+                done = draws.done
+                live = (~done).nonzero().squeeze(1)
+                running = 64 if rows is None else rows.shape[0]
+                size = 1 << max(0, (live.shape[0] - 1).bit_length()) if compiled else live.shape[0]
+                out = draws.compact(decoder, None, 3, compiled, done.tolist())
+                if size > running // 2 or not live.shape[0]:
+                    assert draws.rows is rows
+                    continue
+                if size > live.shape[0]:
+                    live = torch.cat([live, done.nonzero().squeeze(1)[:size - live.shape[0]]]).sort().values
+                own = live if rows is None else torch.searchsorted(rows, live)
+                assert out is decoder and decoder.rows == own.tolist()
+                assert torch.equal(draws.rows, live) and draws.kept_rows == live.tolist()
+                rows = draws.rows
 
 
 def test_fast_paths_refuse_what_they_do_not_compute():
@@ -369,11 +475,12 @@ def test_the_decoder_a_model_gets_is_named(family):
 
 
 @pytest.mark.slow  # two profiled generate() calls of a 12-layer model: ~50 s
-def test_an_eager_gpt2_decode_token_runs_at_most_350_top_level_ops():
-    """The launch proxy the GPU issue set (672 ops a token before): each op is a kernel launch on a GPU."""
+def test_an_eager_gpt2_decode_token_runs_at_most_280_top_level_ops():
+    """The launch proxy the GPU issue set (672 ops a token before, 270 now): each op is host time, and each
+    that computes a kernel launch on a GPU."""
     from bench.decode_ops import build_model, per_token
     ops, _ = per_token(build_model("gpt2", 12, torch.device("cpu")), torch.device("cpu"))
-    assert ops <= 350, ops
+    assert ops <= 280, ops
 
 
 
