@@ -5,11 +5,14 @@
     torchrun --nproc_per_node 2 train_lean.py ... # data-parallel: each process takes whole groups
 
 Off-by-default variants: grpo/variants.py, most looked up in the tables below by flag value (an
-entry added to one is a value of its flag: no other file to touch); the step's `for ... in on.X`
-loops run what the variants set add at point X (none by default). Under the step:
-grpo/rollout.py, passes.py, decoders.py, model.py. The harness keeps the run safe and recorded,
-called as `run.<something>`; grpo/ never imports it. `# every rank` marks a call every rank makes
-together under torchrun. The step piece by piece, and why: docs/algorithm.md.
+entry added to one is a value of its flag: main hands TABLES to the harness, which lists and checks
+them); the step's `for ... in on.X` loops run what the variants set add at point X (none by
+default). Under the step, in grpo/: rollout.py and decoders.py (sampling), passes.py, model.py and
+packing.py (the forwards), variants.py (the tables' other entries), optim.py (the learning rate),
+distributed.py (the sums over ranks). The harness keeps the run safe and recorded, called as
+`run.<something>`; it hands the step a Context (grpo/settings.py), and grpo/ never imports it.
+`# every rank` marks a call every rank makes together under torchrun. The step piece by piece, and
+why: docs/algorithm.md.
 """
 import functools
 import math
@@ -91,11 +94,9 @@ POLICY_LOSSES = variants.Table("policy_loss", {"ppo": clipped_surrogate, **varia
 KL_ESTIMATORS = variants.Table("kl_estimator", {"k3": k3, **variants.KL_ESTIMATORS})
 AGGREGATIONS = variants.Table("loss_agg", {"token-mean": (token_count, variants.token_sum),
                                            **variants.AGGREGATIONS})
-# every variant flag's table, handed to the harness (Run), which lists the choices in --help and
-# refuses a name a table lacks, and to variants.on, which reads what the chosen ones declare
-TABLES = {table.flag: table for table in (ADVANTAGES, RATIOS, TOKEN_ADVANTAGES, POLICY_LOSSES,
-                                          KL_ESTIMATORS, AGGREGATIONS, variants.KL_PLACES,
-                                          variants.MISMATCH_CORRECTIONS)}
+# every variant flag's table: main hands them to the harness, which lists and checks them
+TABLES = {t.flag: t for t in (ADVANTAGES, RATIOS, TOKEN_ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS,
+                              AGGREGATIONS, variants.KL_PLACES, variants.MISMATCH_CORRECTIONS)}
 
 
 def loss_denominator(mask, cfg) -> float:

@@ -163,14 +163,14 @@ class Context:
     """What the step reads of its run besides the models and the batch, fixed once the run starts
     training (the harness's Run.start_training builds it, train_lean.py main passes it down):
     grpo/ reads these, never an object of the harness."""
-    cfg: Settings                 # the run's settings (harness/config.py Config: these and the rest)
+    cfg: Settings                 # the run's settings (harness/config.py Config: these and more)
     layout: Layout                # the batch's sizes
     rank: int                     # this process among world (1 without torchrun)
     world: int
     device: object                # torch.device the models and the batch live on
-    autocast: object              # the context the forwards run under (grpo/model.py model_autocast)
+    autocast: object              # what the forwards run under (grpo/model.py model_autocast)
     tokenizer: object
-    prepend_bos: bool             # a prompt starts with BOS (--prompt-bos; grpo/rollout.py wants_bos)
+    prepend_bos: bool             # a prompt starts with BOS (grpo/rollout.py wants_bos)
     context_length: typing.Optional[int]   # the model's positions (None: unbounded)
     # (prompts, completions) -> (rewards, part means, errors by kind, each row's --reward-weights
     # parts or None): the task's reward, its failures made loud (harness/task.py Scorer)

@@ -37,7 +37,7 @@ DECLARED = {   # each property a variant function may declare, and its value whe
     "clip_edges": None,
     "switch": None,   # what the step runs besides when it is chosen (a Switch, below)
     "per_sequence": False,   # a ratio or mismatch weight of one value per sequence
-    "kl_estimator": None,   # a KL place's estimator where --kl-estimator is not given (the reward: k1)
+    "kl_estimator": None,   # a KL place's estimator where --kl-estimator is not given (reward: k1)
 }
 
 

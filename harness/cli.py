@@ -5,8 +5,8 @@ every field of the chosen task's options dataclass (harness/task.py), for that t
 trainer settings it needs (its trainer_settings, harness/task.py). Precedence: command line > environment > the
 task's declared value > default. A value is checked against its field's type and choices here (a declared one, and
 its range, as soon as the task is found), its range and the batch arithmetic in config.batch_layout. A bad one
-raises config.ConfigError: one line that names it. A variant flag's choices are its table's (tables: flag ->
-grpo/variants.py Table, train_lean.py TABLES), read when the command line is.
+raises config.ConfigError: one line that names it. A variant flag's choices are its table's
+(tables: flag -> grpo/variants.py Table, train_lean.py TABLES), read when the command line is.
 """
 import argparse
 import collections.abc
@@ -37,8 +37,8 @@ class Loaded(typing.NamedTuple):
 
 
 def variant_fields(tables: dict) -> dict:
-    """FIELDS, each variant flag's with its table's choices (name -> what it does, the default first) as the
-    command line takes and lists them."""
+    """FIELDS, each variant flag's with its table's choices (name -> what it does, the default
+    first) as the command line takes and lists them."""
     fields = dict(FIELDS)
     for name, table in tables.items():
         f = fields[name] = copy.copy(FIELDS[name])
@@ -147,14 +147,15 @@ def _help(f, default_task: str, declared: dict = None, task_name: str = "") -> s
 
 def build_parser(task_name: str = "", task_fields: dict = None, default_task: str = None,
                  declared: dict = None, *, tables: dict) -> argparse.ArgumentParser:
-    """The parser of the trainer's flags and the task's options (tables: each variant flag's choices)."""
+    """The parser of the trainer's flags and the task's options (tables: the variant flags')."""
     every = variant_fields(tables)
     p = _Parser(prog="train_lean.py", allow_abbrev=False, usage="train_lean.py [--task TASK] [--flag VALUE ...]",
                 description="GRPO on a small causal LM. Every flag also reads GRPO_<FLAG> from the environment "
                 "(--batch-size: GRPO_BATCH_SIZE; command line > environment > the task's declared value > default). "
                 "A flag shown [BOOL] may "
                 "be given bare (true); true/false, 1/0, yes/no, on/off.")
-    groups = [(p.add_argument_group(title), {n: every[n] for n in names}) for title, names in help_groups(every)]
+    groups = [(p.add_argument_group(title), {n: every[n] for n in names})
+              for title, names in help_groups(every)]
     if task_fields:
         groups.append((p.add_argument_group(f"options of --task {task_name}"), task_fields))
     for group, fields in groups:
@@ -207,9 +208,9 @@ def check_option_types(task_name: str, fields: dict) -> None:
 
 def declared_settings(target, task_name: str, fields: dict) -> dict:
     """The trainer settings the task declares (its optional trainer_settings: {field name: value}), each checked as
-    the same value given as a flag would be (fields: variant_fields'), its type, choices and range included: a bad
-    one is a ConfigError that names the task and the setting. The values are the trainer's defaults for this task
-    (_read)."""
+    the same value given as a flag would be, its type, choices (fields: variant_fields') and range
+    included: a bad one is a ConfigError that names the task and the setting. The values are the
+    trainer's defaults for this task (_read)."""
     declared = getattr(target, "trainer_settings", None)
     if declared is None:
         return {}
@@ -327,7 +328,8 @@ def _check_environment(environ, known, task_name: str) -> None:
 
 
 def _resolve_defaults(values: dict, sources: dict, tables: dict) -> None:
-    """The values that follow from others, set in place: auto's dtype, the estimator --kl-in's place declares."""
+    """The values that follow from others, set in place: auto's dtype, the estimator that
+    --kl-in's place declares."""
     cuda = values["device"].startswith("cuda") or (values["device"] == "auto" and torch.cuda.is_available())
     if values["dtype"] == "auto":   # fast where researchers train; on a CPU the bits of runs before auto
         values["dtype"] = "bf16" if cuda else "fp32"
@@ -337,12 +339,13 @@ def _resolve_defaults(values: dict, sources: dict, tables: dict) -> None:
         values["kl_estimator"] = estimator
 
 
-def load(argv=None, environ=None, builtin: dict = None, default_task: str = None, *, tables: dict) -> Loaded:
+def load(argv=None, environ=None, builtin: dict = None, default_task: str = None, *,
+         tables: dict) -> Loaded:
     """Parse argv and environ into the Config, the chosen task's options and each value's source.
 
     The task is found first (--task, else GRPO_TASK, else default_task; builtin maps short names to
-    "module:Attribute"), because its options add flags. tables: each variant flag's choices (train_lean.py
-    TABLES). Raises ConfigError (or task.TaskError)."""
+    "module:Attribute"), because its options add flags. tables: each variant flag's choices
+    (train_lean.py TABLES). Raises ConfigError (or task.TaskError)."""
     argv = sys.argv[1:] if argv is None else argv
     environ = os.environ if environ is None else environ
     task_name, target, task_fields = _find_task(argv, environ, builtin, default_task)

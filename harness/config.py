@@ -5,7 +5,8 @@ the run's (model, task, devices, output, checkpoints, memory), below.
 harness/cli.py makes every field (and every field of a task's options dataclass) a flag and a
 GRPO_<FLAG> override; `batch_layout(cfg, world)` checks every range and size rule before anything
 heavy is loaded and returns the derived sizes, `check_variants(cfg, tables)` the variants' rules
-against the flags' tables (train_lean.py TABLES); harness/rundir.py compares the settings on --resume.
+against the flags' tables (train_lean.py TABLES); harness/rundir.py compares the settings on
+--resume.
 User errors raise ConfigError with one line that names the bad value and a fix; harness/run.py (Run)
 prints it and exits with code 2.
 """
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from grpo import variants
-from grpo.settings import Layout, Settings, opt   # Layout: the batch's sizes; opt: the fields below, and tasks' options import it from here
+# Layout: the batch's sizes; opt: the fields below, and tasks' options import it from here
+from grpo.settings import Layout, Settings, opt
 from harness import log
 
 

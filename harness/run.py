@@ -8,9 +8,8 @@
         task = run.open_task()                  the task, its answers checked (and --ptx-coef's)
         policy, reference, tokenizer = run.load_models()    and the start-up header
         guard = run.start_training(optimizer, kl)   --resume's state (the optimizer's, the KL controller's),
-                                                the micro-batch, logs, checkpoints, step 0's eval; and
+                                                the micro-batch, logs, checkpoints, step 0's eval;
                                                 run.context, what the step reads of the run
-                                                (grpo/settings.py Context)
         for step in run.steps():                the progress bar; after a step a checkpoint when due or asked
                                                 for (a signal), after the last the trained model
             run.phase_done("gen")               a phase's time and memory
@@ -55,8 +54,9 @@ def usage_error(message: str, every_rank: bool = False):
 
 class Run:
     def __init__(self, argv, tables: dict, builtin: dict = None, default_task: str = None):
-        """argv: the command line (None: sys.argv); tables: each variant flag's choices (train_lean.py
-        TABLES: flag -> grpo/variants.py Table); builtin and default_task: the task registry (tasks/)."""
+        """argv: the command line (None: sys.argv); tables: each variant flag's choices
+        (train_lean.py TABLES: flag -> grpo/variants.py Table); builtin and default_task: the task
+        registry (tasks/)."""
         try:
             self.loaded = cli.load(argv, builtin=builtin, default_task=default_task, tables=tables)
             cfg = self.cfg = self.loaded.cfg
@@ -314,8 +314,8 @@ class Run:
 
     def start_training(self, optimizer, kl) -> guards.Guard:
         """Before the first step: --resume's optimizer, reference and RNG states; the guard of the update (its
-        micro-batch probed with --micro-batch-size auto); the logs, reporter and checkpoints; the step-0 evaluation;
-        self.context, what the step reads of the run (grpo/settings.py Context)."""
+        micro-batch probed with --micro-batch-size auto); the logs, reporter and checkpoints; the step-0 evaluation.
+        Then self.context: what the step reads of the run (grpo/settings.py Context)."""
         cfg = self.cfg
         self.compiles_before = decoders.compile_counts()   # a step's record counts its own (--compile)
         self.graphs_before = dict(graphs.COUNTS)   # and its decode graphs made and replayed
@@ -498,9 +498,9 @@ class Run:
             return
         if rec.get("ptx_cut") and not self.cut_said:   # learned, but not whole: said once, counted in every record
             self.cut_said = True
-            positions = self.context_length
-            log.warn(f"step {step}: {rec['ptx_cut']} --ptx-coef text(s) longer than the model's {positions} "
-                     f"positions: each is learned cut to its first {positions} tokens, without its end and EOS "
+            n = self.context_length
+            log.warn(f"step {step}: {rec['ptx_cut']} --ptx-coef text(s) longer than the model's {n} "
+                     f"positions: each is learned cut to its first {n} tokens, without its end and EOS "
                      f"(said once; ptx_cut in each record counts them)")
         # the loss and its gradient are then 0 in silence: the flat-groups note does not cover it
         all_cut = bool(rows["truncated"].all())
