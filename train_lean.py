@@ -4,15 +4,12 @@
     python train_lean.py --task toy --help        # every flag (each also a GRPO_<FLAG> variable)
     torchrun --nproc_per_node 2 train_lean.py ... # data-parallel: each process takes whole groups
 
-Off-by-default variants: grpo/variants.py, most looked up in the tables below by flag value (an
-entry added to one is a value of its flag: main hands TABLES to the harness, which lists and checks
-them); the step's `for ... in on.X` loops run what the variants set add at point X (none by
-default). Under the step, in grpo/: rollout.py and decoders.py (sampling), passes.py, model.py and
-packing.py (the forwards), variants.py (the tables' other entries), optim.py (the learning rate),
-distributed.py (the sums over ranks). The harness keeps the run safe and recorded, called as
-`run.<something>`; it hands the step a Context (grpo/settings.py), and grpo/ never imports it.
-`# every rank` marks a call every rank makes together under torchrun. The step piece by piece, and
-why: docs/algorithm.md.
+Off-by-default variants: grpo/variants.py, most looked up in the tables below by flag value (main
+hands TABLES to the harness); the step's `for ... in on.X` loops run what the variants set add at
+point X (none by default). Under the step, in grpo/: rollout.py, decoders.py, passes.py, model.py,
+packing.py, variants.py, optim.py, distributed.py. The harness keeps the run safe and recorded,
+called as `run.<something>`, and hands the step a Context (grpo/settings.py); grpo/ never imports
+it. `# every rank` marks a call every rank makes together under torchrun. Why: docs/algorithm.md.
 """
 import functools
 import math
