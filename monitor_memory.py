@@ -225,8 +225,10 @@ def group_size(args, train) -> int:
     if os.path.realpath(args.trainer) == os.path.realpath(os.path.join(HERE, "train_lean.py")):
         import tasks   # the trainer's own reading (it imports torch: only for a sweep)
         from harness import cli, config, task
+        from train_lean import TABLES   # its variant flags' choices
         try:
-            return cli.load(train, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT).cfg.group_size
+            return cli.load(train, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT,
+                            tables=TABLES).cfg.group_size
         except (config.ConfigError, task.TaskError) as e:
             raise UsageError(f"the trainer's flags: {e}") from None
     try:

@@ -4,12 +4,12 @@
     python train_lean.py --task toy --help        # every flag (each also a GRPO_<FLAG> variable)
     torchrun --nproc_per_node 2 train_lean.py ... # data-parallel: each process takes whole groups
 
-Off-by-default variants: grpo/variants.py, most looked up in the tables below by flag value (an
-entry added to one is a value of its flag: no other file to touch); the step's `for ... in on.X`
-loops run what the variants set add at point X (none by default). Under the step:
-grpo/rollout.py, passes.py, decoders.py, model.py. The harness keeps the run safe and recorded,
-called as `run.<something>`; grpo/ never imports it. `# every rank` marks a call every rank makes
-together under torchrun. The step piece by piece, and why: docs/algorithm.md.
+Off-by-default variants: grpo/variants.py, most looked up in the tables below by flag value (main
+hands TABLES to the harness); the step's `for ... in on.X` loops run what the variants set add at
+point X (none by default). Under the step, in grpo/: rollout.py, decoders.py, passes.py, model.py,
+packing.py, variants.py, optim.py, distributed.py. The harness keeps the run safe and recorded,
+called as `run.<something>`, and hands the step a Context (grpo/settings.py); grpo/ never imports
+it. `# every rank` marks a call every rank makes together under torchrun. Why: docs/algorithm.md.
 """
 import functools
 import math
@@ -32,8 +32,8 @@ from harness.run import Run
 # ---- advantages: each completion against the other completions of its prompt ---------------------
 
 def group_normalised(r, eps, **_):
-    """r [groups, G]: (r - the group's mean) / (the group's std + eps); 0 for a group whose rewards
-    are all equal (set, not computed: float rounding in the mean cannot leak a gradient)."""
+    """(r - the group's mean) / (the group's std + eps), r [groups, G]; 0 for a group whose rewards
+    are all equal (set, not computed: float rounding in the mean cannot leak a gradient)"""
     adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
     return variants.zero_flat_groups(adv, r)
 
@@ -42,25 +42,25 @@ ADVANTAGES = variants.Table("advantage", {"group": group_normalised, **variants.
 
 
 def group_advantages(rewards, group_size: int, advantage: str = "group", eps: float = 1e-4,
-                     parts=None, weights=None):
+                     **inputs):
     """[N] advantages of the batch's rewards (groups contiguous), and the share of flat groups,
-    whose rewards are all equal. parts [N, K], weights: the reward's parts, for an advantage that
-    reads them (--advantage gdpo)."""
+    whose rewards are all equal. inputs: what the advantage declares it reads (Switch
+    advantage_inputs: --advantage gdpo's reward parts and weights), none by default."""
     r = rewards.float().view(-1, group_size)
     # a variant may build on the default (gdpo normalises each part as it does)
-    adv = ADVANTAGES[advantage](r, eps, parts=parts, weights=weights, default=group_normalised)
+    adv = ADVANTAGES[advantage](r, eps, default=group_normalised, **inputs)
     return adv.reshape(-1), flat_groups(rewards, group_size).float().mean().item()
 
 
 # ---- the loss of a micro-batch: clipped surrogate + k3 KL, token-mean over the mini-batch --------
 
 def sequence_advantage(t, cfg, **_):
-    """[B, 1]: each token's advantage is its completion's"""
+    """its completion's advantage at every token (GRPO), [B, 1]"""
     return t.adv
 
 
 def token_ratio(logp, old_logp, mask):
-    """pi / pi_old of each token."""
+    """pi / pi_old per token (PPO, GRPO)"""
     return torch.exp(logp - old_logp)
 
 
@@ -91,6 +91,9 @@ POLICY_LOSSES = variants.Table("policy_loss", {"ppo": clipped_surrogate, **varia
 KL_ESTIMATORS = variants.Table("kl_estimator", {"k3": k3, **variants.KL_ESTIMATORS})
 AGGREGATIONS = variants.Table("loss_agg", {"token-mean": (token_count, variants.token_sum),
                                            **variants.AGGREGATIONS})
+# every variant flag's table: main hands them to the harness, which lists and checks them
+TABLES = {t.flag: t for t in (ADVANTAGES, RATIOS, TOKEN_ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS,
+                              AGGREGATIONS, variants.KL_PLACES, variants.MISMATCH_CORRECTIONS)}
 
 
 def loss_denominator(mask, cfg) -> float:
@@ -107,7 +110,7 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
     [B, T] tensors by name that a variant's term reads (pg_mask, cov_mask, sampler_logp: the
     sampler's logprobs, measured against train_logp, by default this forward's); on: the run's
     variants.on(cfg)."""
-    on = on or variants.on(cfg)   # the variants set: their terms (none by default)
+    on = on or variants.on(cfg, TABLES)   # the variants set: their terms (none by default)
     kl_coef = variants.loss_kl_coef(cfg, cfg.kl_coef if kl_coef is None else kl_coef)
     adv = advantages[:, None].to(logp.dtype)
     t = variants.tokens(logp=logp, old_logp=old_logp, adv=adv, mask=mask.to(logp.dtype),
@@ -134,7 +137,8 @@ def statistics(ratio, t, ref_logp, cfg, more=()) -> dict:
     with torch.no_grad():
         ratio, adv, counted = ratio.expand_as(t.logp), t.adv, t.counted
         zeros = torch.zeros_like(t.logp)
-        low, high = variants.clipped_tokens(ratio, adv, cfg)   # clamped: no gradient
+        low, high = variants.clipped_tokens(  # clamped: no gradient
+            ratio, adv, cfg, POLICY_LOSSES[cfg.policy_loss])
         dual = (adv < 0) & (ratio > (cfg.dual_clip or math.inf))
         stats = {   # the KL always by k3 (low variance), whichever estimator the loss uses
             "kl": zeros if ref_logp is None else k3(t.logp, ref_logp),
@@ -182,7 +186,7 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
     mix); returns the summed statistics. inputs: [B, ...] tensors by name for grpo_loss, each
     micro-batch's rows picked; on: the run's variants.on(cfg)."""
     optimizer.zero_grad(set_to_none=True)
-    sums, on, parts = Counter(), on or variants.on(cfg), []
+    sums, on, parts = Counter(), on or variants.on(cfg, TABLES), []
     for part in micro.split(batch, rows):
         logp, entropy = token_logprobs(policy, batch, part, cfg, autocast, with_entropy=True,
                                        entropy_grad=on.reads_entropy)
@@ -213,7 +217,7 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
     the run's variants.on(cfg)."""
     params, kl_coef = trainable_parameters(policy), cfg.kl_coef if kl_coef is None else kl_coef
     B, mini = batch.input_ids.shape[0], layout.mini_batch_per_device
-    mask, on = loss_mask(batch, cfg), on or variants.on(cfg)
+    mask, on = loss_mask(batch, cfg), on or variants.on(cfg, TABLES)
     totals, grad_norms, skipped, peaks = Counter(), [], 0, []
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B) if mini < B else torch.arange(B)
@@ -266,35 +270,36 @@ def record(totals, grad_norms, skipped: int, peaks, batch, more=()) -> dict:
 
 def main(argv=None):
     # every setting checked (a bad one exits 2 with one line), OUT_DIR locked, the devices joined
-    run = Run(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)  # every rank
-    cfg, layout = run.cfg, run.layout
+    run = Run(argv, TABLES, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)  # every rank
+    cfg = run.cfg
     with run:   # every way out closes what the run opened; a failure after a step saves that step
-        task = run.open_task()   # and --ptx-coef's texts, run.mix_source (or None)
+        task = run.open_task()   # and --ptx-coef's texts
         policy, reference, tokenizer = run.load_models()   # reference: None without a KL term
         if cfg.eval_only:
             return run.evaluate_only()
         optimizer = make_optimizer(policy, cfg)   # AdamW, or --optimizer muon (grpo/optim.py)
         kl = variants.AdaptiveKL(cfg)   # --kl-coef; with --kl-target a controller's, checkpointed
         guard = run.start_training(optimizer, kl)  # every rank
-        on = variants.on(cfg)   # the variants set: what each adds at each point of the step
+        ctx = run.context   # what the step reads of the run: grpo/settings.py Context
+        on = variants.on(cfg, TABLES)   # the variants set: what each adds at each point of the step
         sampler = Sampler(   # the policy's completions of prompts, with the run's settings
             policy, tokenizer, group_size=cfg.group_size,
-            prepend_bos=run.prepend_bos, generation_batch=layout.generation_batch,
+            prepend_bos=ctx.prepend_bos, generation_batch=ctx.layout.generation_batch,
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-            top_p=cfg.top_p, min_new_tokens=cfg.min_new_tokens, autocast=run.autocast,
-            device=run.device, compile=cfg.compile == "on",
-            graph=graph_mode(cfg.decode_graph, run.device, cfg.compile == "on"))
+            top_p=cfg.top_p, min_new_tokens=cfg.min_new_tokens, autocast=ctx.autocast,
+            device=ctx.device, compile=cfg.compile == "on",
+            graph=graph_mode(cfg.decode_graph, ctx.device, cfg.compile == "on"))
         for step in run.steps():  # every rank   (checkpoints, a stop on Ctrl-C, the final model)
             rec, rows = train_step(  # every rank
-                step, run, task, sampler, policy, reference, tokenizer, optimizer, guard, kl, on)
+                step, ctx, run, task, sampler, policy, reference, optimizer, guard, kl, on)
             run.end_step(rec, rows)  # every rank   (the record, the line, the evaluation when due)
 
 
-def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer, guard, kl, on):
+def train_step(step, ctx, run, task, sampler, policy, reference, optimizer, guard, kl, on):
     """One GRPO step on this rank's share: its record (the stages add to it) and every rank's rows
-    of it (run.check_rewards gathers them). on: what the variants set add at each point (none by
-    default)."""
-    cfg, layout, rank, world = run.cfg, run.layout, run.rank, run.world
+    of it (run.check_rewards gathers them). ctx: what the step reads of the run (grpo/settings.py
+    Context); on: what the variants set add at each point (none by default)."""
+    cfg, layout, rank, world = ctx.cfg, ctx.layout, ctx.rank, ctx.world
     G, P, B = cfg.group_size, layout.prompts_per_device, layout.completions_per_device
     rec, rng = {"step": step}, random.Random(stream_seed(cfg.seed, step))
 
@@ -306,36 +311,35 @@ def train_step(step, run, task, sampler, policy, reference, tokenizer, optimizer
     batch = draw(0)
     run.phase_done("gen")
     # ---- rewards: the task's, of the decoded text; shaping takes penalties off them later ------
-    batch = batch.score(run.scorer)   # harness/task.py score: --reward-weights, a failure's floor
+    batch = batch.score(ctx.score)   # harness/task.py score: --reward-weights, a failure's floor
     for rounds in on.rounds:   # --dynamic-sampling: more rounds while groups are flat
         batch, counts = rounds(  # every rank
-            batch, lambda n: draw(n).score(run.scorer), cfg, G, P, tokenizer.eos_token_id)
+            batch, lambda n: draw(n).score(ctx.score), cfg, G, P, ctx.tokenizer.eos_token_id)
         rec.update(counts)
     run.phase_done("score")
     # ---- reference logprobs, once per row: the KL penalty ----------------------------------------
     if reference is not None:
         batch.ref_logp = reference_logprobs(  # every rank
-            reference, batch, cfg, run.autocast, guard)
+            reference, batch, cfg, ctx.autocast, guard)
     # shaped_rewards: the task's rewards less the penalties (--overlong-buffer, --kl-in reward)
     batch.shape({name: penalty(batch, cfg, kl.coef, KL_ESTIMATORS) for name, penalty in on.penalty})
     run.phase_done("ref")
     # ---- advantages: each completion against its group, every rank's groups ---------------------
-    # with the reward's parts ([B, 0] without --reward-weights), which an advantage may read (GDPO)
-    gathered = distributed.gather_objects(  # every rank
-        (batch.shaped_rewards, torch.tensor(batch.parts, dtype=torch.float32)))
-    rewards, parts = (torch.cat(every) for every in zip(*gathered))
-    adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.advantage, parts=parts,
-                                                 weights=list(run.scorer.weights.values()))
-    batch.advantages = adv[rank * B:(rank + 1) * B].to(run.device, non_blocking=True)
+    rewards = torch.cat(distributed.gather_objects(batch.shaped_rewards))  # every rank
+    inputs = {}
+    for gather in on.advantage_inputs:   # --advantage gdpo's reward parts, every rank's
+        inputs.update(gather(batch, ctx))  # every rank
+    adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.advantage, **inputs)
+    batch.advantages = adv[rank * B:(rank + 1) * B].to(ctx.device, non_blocking=True)
     rows = run.check_rewards(step, batch, rec)  # every rank   (all failed: the run stops)
     # ---- update: clipped PPO surrogate + KL, mini-batches of micro-batches ----------------------
     rec["lr"] = learning_rate(step, cfg)   # --lr-scheduler, after its warmup
     for group in optimizer.param_groups:
         group["lr"] = rec["lr"]
     for prepare in on.prepare:   # --ptx-coef's texts, --mismatch-correction's logprobs
-        prepare(batch, step, run, policy, guard)  # every rank
+        prepare(batch, step, ctx, policy, guard)  # every rank
     rec.update(update(  # every rank
-        policy, optimizer, batch, cfg, layout, run.autocast, guard, kl.coef, on))
+        policy, optimizer, batch, cfg, layout, ctx.autocast, guard, kl.coef, on))
     for after in on.after_step:   # --kl-target's coefficient, --ref-sync-steps' reference move
         rec.update(after(rec, step, policy, reference, kl, cfg))
     return rec, rows

@@ -25,13 +25,15 @@ from grpo.model import (completion_logprobs, context_length, load_config, load_p
 from grpo.rollout import stream_seed, wants_bos  # noqa: E402
 from harness import checkpoint, cli, config, log  # noqa: E402
 from harness import task as task_lib  # noqa: E402
+from train_lean import TABLES  # noqa: E402  (the variant flags' choices)
 
 
 def main(argv=None):
     try:
-        loaded = cli.load(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
+        loaded = cli.load(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT, tables=TABLES)
         cfg = loaded.cfg
         layout = config.batch_layout(cfg)
+        config.check_variants(cfg, TABLES)
         if not cfg.ptx_coef:
             raise config.ConfigError("--ptx-coef 0: give the coefficient of the run to compare with")
         task = task_lib.build(loaded.task, loaded.options, cfg.task)

@@ -76,14 +76,15 @@ def problem(cfg) -> str | None:
     return None
 
 
-def prepare(batch, step: int, run, policy, guard) -> None:
+def prepare(batch, step: int, ctx, policy, guard) -> None:
     """Before the step's update: batch.extra["ptx"], this device's share of each update's texts
-    (step_batches) from the run's source (the task's demonstrations, or --ptx-file)."""
-    cfg = run.cfg
-    every = step_batches(run.mix_source, stream_seed(cfg.seed, step), run.layout.updates_per_step,
-                         cfg.ptx_batch_size, run.tokenizer, run.prepend_bos, run.context,
-                         run.device)
-    batch.extra["ptx"] = [b.for_device(run.rank, run.world) for b in every]
+    (step_batches) from the run's source (ctx.mix_source: the task's demonstrations, or
+    --ptx-file); ctx: the run's grpo/settings.py Context."""
+    cfg = ctx.cfg
+    every = step_batches(ctx.mix_source, stream_seed(cfg.seed, step), ctx.layout.updates_per_step,
+                         cfg.ptx_batch_size, ctx.tokenizer, ctx.prepend_bos, ctx.context_length,
+                         ctx.device)
+    batch.extra["ptx"] = [b.for_device(ctx.rank, ctx.world) for b in every]
 
 
 def ptx_loss(logp: torch.Tensor, target: torch.Tensor, denominator: float, coef: float):

@@ -2,13 +2,14 @@
 with its default, help, choices and range. harness/config.py's Config adds the rest to them: the
 run's own (model, task, devices, output, checkpoints) and how the model is built and the work cut,
 some of which grpo/ reads too (LoRA's in grpo/model.py). harness/cli.py makes every field a flag
---field-name and an override GRPO_FIELD_NAME. A variant's knob is a field here; a flag's choices are
-read from its table at each use, train_lean.py's once it is loaded (grpo/variants.py CHOICES).
+--field-name and an override GRPO_FIELD_NAME. A variant's knob is a field here; a variant flag's
+choices are its table's (train_lean.py TABLES, which main hands to the harness). Also here: the
+batch's Layout and the step's Context (what grpo/ reads of its run).
 """
 import typing
 from dataclasses import dataclass, field
 
-from grpo import optim, variants
+from grpo import optim
 
 
 def opt(default, help, choices=None, const=None, path=None, auto=False, resume_free=False, resume_fixed=None,
@@ -21,7 +22,7 @@ def opt(default, help, choices=None, const=None, path=None, auto=False, resume_f
     the field's earlier names, still read (harness/config.py OLD_NAMES); text: its value is prose,
     taken as given (no word of it means unset). The help lists choices and aliases when shown
     (harness/cli.py); a variant flag's are read from its table then, so an entry added to the table
-    later is listed too (grpo/variants.py Choices)."""
+    later is listed too (grpo/variants.py Table)."""
     return field(default=default, metadata={"help": help, "choices": choices, "const": const, "path": path,
                                             "auto": auto, "resume_free": resume_free,
                                             "resume_fixed": resume_fixed, "must": must, "note": note,
@@ -80,24 +81,19 @@ class Settings:
                               "starting model)", must=">= 0")
     ref_sync_alpha: float = opt(1.0, "with --ref-sync-steps: reference = alpha x policy + (1 - alpha) x reference "
                                 "(1: a copy of the policy)", must="in (0, 1]")
-    advantage: str = opt("group", "each completion's advantage",
-                         variants.CHOICES["advantage"], old_names=("scale_rewards",))
-    loss_agg: str = opt("token-mean", "the loss normaliser",
-                         variants.CHOICES["loss_agg"], aliases=TRL_LOSS_TYPES)
-    importance_level: str = opt("token", "the importance ratio",
-                                 variants.CHOICES["importance_level"])
+    advantage: str = opt("group", "each completion's advantage", old_names=("scale_rewards",))
+    loss_agg: str = opt("token-mean", "the loss normaliser", aliases=TRL_LOSS_TYPES)
+    importance_level: str = opt("token", "the importance ratio")
     dual_clip: typing.Optional[float] = opt(None, "dual-clip PPO: for negative advantages the loss is at most "
                                             "C x |A| (C > 1, e.g. 3; default off)", must="> 1",
                                             note="the bound is C x |A|")
     token_advantage: str = opt("sequence", "each token's advantage, which every --policy-loss reads: "
-                               "its completion's, or a shaping of it per token",
-                               variants.CHOICES["token_advantage"])
+                               "its completion's, or a shaping of it per token")
     shaping_alpha: float = opt(0.4, "--token-advantage entropy: the weight alpha of the token's entropy",
                                must=">= 0")
     shaping_kappa: float = opt(2.0, "--token-advantage entropy: the shaping stays within |A| / kappa",
                                must="at least 1")
-    policy_loss: str = opt("ppo", "the policy-gradient term",
-                             variants.CHOICES["policy_loss"])
+    policy_loss: str = opt("ppo", "the policy-gradient term")
     sapo_tau_pos: float = opt(1.0, "--policy-loss sapo: the gate's temperature where A > 0", must="> 0")
     sapo_tau_neg: float = opt(1.05, "--policy-loss sapo: the gate's temperature where A < 0 (above the positive one: "
                               "off-policy negative updates fade sooner)", must="> 0")
@@ -110,11 +106,10 @@ class Settings:
                                                "parts, name=weight,... (e.g. correct=1,format=0.2); with "
                                                "--advantage gdpo each part is normalised in its group first")
     kl_estimator: str = opt("k3", "the KL estimator (docs/algorithm.md says which belongs where; with --kl-in "
-                            "reward the default is k1)", variants.CHOICES["kl_estimator"])
-    kl_in: str = opt("loss", "where the KL penalty goes", variants.CHOICES["kl_in"])
+                            "reward the default is k1)")
+    kl_in: str = opt("loss", "where the KL penalty goes")
     mismatch_correction: str = opt("none", "the correction of the gap between the sampler's logprobs and the trainer's "
-                                   "(their ratio w, detached, weighs each token's policy-gradient term)",
-                                   variants.CHOICES["mismatch_correction"])
+                                   "(their ratio w, detached, weighs each token's policy-gradient term)")
     mismatch_cap: float = opt(2.0, "--mismatch-correction: the largest weight w kept (tis: the cap; the masks: the "
                               "band's top)", must="at least 1")
     mismatch_low: float = opt(0.5, "--mismatch-correction token-mask or sequence-mask: the band's bottom",
@@ -142,3 +137,43 @@ class Settings:
     steps: int = opt(700, "training steps", must="at least 1", resume_free=True)
     logprob_chunk_size: int = opt(2048, "token rows of the vocabulary log-softmax computed at once",
                                   must="at least 1", resume_free=True)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The batch arithmetic of a run: how a step's completions split over devices, updates and passes."""
+    devices: int
+    prompts_per_step: int           # = groups per step
+    prompts_per_device: int
+    completions_per_step: int       # = --batch-size
+    completions_per_device: int
+    mini_batch: int                 # completions per optimizer update, global
+    mini_batch_per_device: int
+    micro_batch: int                # completions per forward/backward on one device (auto: where probing starts)
+    micro_batch_auto: bool
+    micro_tokens: int               # --micro-batch-tokens's budget (0: cut by rows; auto: set later)
+    micro_tokens_auto: bool
+    grad_accum_steps: int
+    updates_per_step: int
+    generation_batch: int           # completions sampled at once on one device
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the step reads of its run besides the models and the batch, fixed once the run starts
+    training (the harness's Run.start_training builds it, train_lean.py main passes it down):
+    grpo/ reads these, never an object of the harness."""
+    cfg: Settings                 # the run's settings (harness/config.py Config: these and more)
+    layout: Layout                # the batch's sizes
+    rank: int                     # this process among world (1 without torchrun)
+    world: int
+    device: object                # torch.device the models and the batch live on
+    autocast: object              # what the forwards run under (grpo/model.py model_autocast)
+    tokenizer: object
+    prepend_bos: bool             # a prompt starts with BOS (grpo/rollout.py wants_bos)
+    context_length: typing.Optional[int]   # the model's positions (None: unbounded)
+    # (prompts, completions) -> (rewards, part means, errors by kind, each row's --reward-weights
+    # parts or None): the task's reward, its failures made loud (harness/task.py Scorer)
+    score: typing.Callable
+    reward_weights: tuple         # --reward-weights' weights, in the order of the rows' parts
+    mix_source: typing.Optional[typing.Callable] = None   # --ptx-coef's texts: (n, rng) -> texts

@@ -1,17 +1,17 @@
 """Most off-by-default variants of the GRPO step (train_lean.py holds the default). A choice among
-several (--advantage, --policy-loss, --importance-level, --kl-estimator, --loss-agg,
---mismatch-correction) is a small function in a table keyed by its flag value; train_lean.py's
-tables add the default to this file's, the mismatch correction's is this file's alone. A knob that
-is on or off is a Switch in SWITCHES: what it adds at each point of the step, which runs only the
-switches set (on), and its rules against the other settings (check); a choice whose function needs
-more than its formula declares a switch too (Clip-Cov's token masks). The others live where they
-act: DAPO's merge in grpo/rollout.py, PPO-ptx in ptx.py, LoRA in model.py, Muon and the schedules in
-optim.py. A new choice is one function, one entry (here or in train_lean.py's table) and a formula
-test (tests/grpo/test_variants.py lists them); its docstring is its --help text, what it needs
-besides is declared on it (declares), and DEFAULTS names what train_lean.py computes for each flag.
+several (--advantage, --policy-loss, --importance-level, --kl-estimator, --loss-agg, --kl-in,
+--mismatch-correction) is a small function in a table keyed by its flag value (Table): train_lean.py
+builds its tables from its defaults and this file's entries, and hands every table to the harness
+(train_lean.py TABLES), which lists and checks them; --kl-in's and --mismatch-correction's are this
+file's whole. A knob that is on or off is a Switch in SWITCHES: what it adds at each point of the
+step, which runs only the switches set (on), and its rules against the other settings (check); a
+choice whose function needs more than its formula declares a switch too (Clip-Cov's token masks,
+GDPO's reward parts). The others live where they act: DAPO's merge in grpo/rollout.py, PPO-ptx in
+ptx.py, LoRA in model.py, Muon and the schedules in optim.py. A new choice is one function, one
+entry (here or in train_lean.py's table) and a formula test (tests/grpo/test_variants.py lists
+them); its docstring is its --help text, and what it needs besides is declared on it (declares).
 Why each: docs/algorithm.md.
 """
-import collections.abc
 import dataclasses
 import functools
 import math
@@ -24,32 +24,20 @@ from grpo import distributed, passes, ptx
 from grpo.model import sync_reference
 from grpo.rollout import flat_groups, merge, missing_groups
 
-# what train_lean.py computes when a flag keeps its default (the CLI's help lists it first)
-DEFAULTS = {
-    "advantage": ("group", "(r - the group's mean) / (the group's std + eps)"),
-    "importance_level": ("token", "pi / pi_old per token (PPO, GRPO)"),
-    "policy_loss": ("ppo", "the clipped surrogate "
-                           "-min(r A, clip(r, 1 - clip-range, 1 + clip-range-high) A) "
-                           "(PPO, GRPO)"),
-    "kl_estimator": ("k3", "exp(d) - d - 1 with d = ref_logp - logp"),
-    "kl_in": ("loss", "per token in the loss"),
-    "loss_agg": ("token-mean", "over the mini-batch's loss tokens"),
-    "token_advantage": ("sequence", "its completion's advantage at every token (GRPO)"),
-    "mismatch_correction": ("none", "none (the gap is measured in every record: mismatch_kl, "
-                                    "mismatch_abs, "
-                                    "mismatch_max)"),
-}
 
-
-# ---- what a variant declares: the step, passes.py and harness/config.py read it, never its name --
+# ---- what a variant declares: the step, passes.py and the harness read it, never its name --------
 
 DECLARED = {   # each property a variant function may declare, and its value where it does not
     "knobs": (),   # the settings it alone reads: given with another choice, a mistake
     "check": None,   # check(cfg): why it cannot run with the other settings (a message), or None
     "accepts_dual_clip": False,   # a policy loss whose clipped term --dual-clip bounds
     "token_ratios": False,   # a policy loss that needs a ratio per token (not per sequence)
+    # a policy loss's clip: (clip-range, clip-range-high) -> the ratios below and above which the
+    # statistics count a token as clipped, where not at 1 - clip-range and 1 + clip-range-high
+    "clip_edges": None,
     "switch": None,   # what the step runs besides when it is chosen (a Switch, below)
     "per_sequence": False,   # a ratio or mismatch weight of one value per sequence
+    "kl_estimator": None,   # a KL place's estimator where --kl-estimator is not given (reward: k1)
 }
 
 
@@ -66,7 +54,7 @@ def declares(**properties):
 
 
 def declared(function, name: str):
-    """What `function` (a table's entry, or None) declares of property `name`, else its default."""
+    """What `function` (a table's entry) declares of property `name`, else its default."""
     return getattr(function, name, DECLARED[name])
 
 
@@ -76,9 +64,10 @@ def declared(function, name: str):
 class Switch:
     """An off-by-default variant's additions to the step, each at a named point of it (train_lean.py
     loops over the point's list: empty by default, so nothing runs there). One that is on or off is
-    an entry of SWITCHES with its `on`; a table's choice declares its own (declares(switch=...)).
+    an entry of SWITCHES with its `on`; a table's choice declares its own (declares(switch=...)),
+    which adds when chosen, and where it has an `on`, when that holds too.
     """
-    on: typing.Callable = None   # cfg -> whether it is set (a table's choice: when chosen)
+    on: typing.Callable = None   # cfg -> whether it is set
     # cfg -> why its settings cannot run with the others (one line, the harness's exit 2), or None;
     # checked before anything loads, whether the switch is on or not (its knobs without it)
     check: typing.Callable = None
@@ -88,8 +77,12 @@ class Switch:
     # (name, f(batch, cfg, kl_coef, kl_estimators) -> [B]): taken off each reward before the
     # advantages, recorded by name
     penalty: tuple = None
-    # before the update: (batch, step, run, policy, guard): what the update reads, put in
-    # batch.inputs (per row, picked per micro-batch, given to grpo_loss by name) or batch.extra
+    # before the advantages: (batch, ctx) -> {name: value}, given to the advantage by name (GDPO's
+    # reward parts, every rank's rows). Every rank.
+    advantage_inputs: typing.Callable = None
+    # before the update: (batch, step, ctx, policy, guard), ctx the run's grpo/settings.py Context:
+    # what the update reads, put in batch.inputs (per row, picked per micro-batch, given to
+    # grpo_loss by name) or batch.extra. Every rank.
     prepare: typing.Callable = None
     # before each mini-batch's micro-batches: (policy, batch, rows, mask, guard, cfg, autocast) ->
     # {name: [B, T]}, given to grpo_loss by name; chosen over every device's rows. Every rank.
@@ -110,60 +103,33 @@ POINTS = [f.name for f in dataclasses.fields(Switch)
           if f.name not in ("on", "check", "reads_entropy")]
 # the points every rank runs together, outside any retry: an addition there may call a collective
 # (a gather over ranks); elsewhere it must not (tests/test_repository.py checks)
-EVERY_RANK = ("rounds", "prepare", "mini_batch")
+EVERY_RANK = ("rounds", "advantage_inputs", "prepare", "mini_batch")
 
 
-# ---- the tables: a flag's choices, read where they are used (an entry added late counts) --------
-
-TABLES = {}   # flag -> the table the step built (train_lean.py's), which the CLI and checks read
-
+# ---- a flag's choices: a table, handed to the harness by train_lean.py (TABLES) ------------------
 
 class Table(dict):
-    """A flag's choices, name -> function (the default's first); a name it lacks: a ValueError."""
+    """A variant flag's choices, name -> function, the flag's default first: each name a value of
+    the flag, each function's docstring its --help (a pair's first's). A name it lacks: a
+    ValueError. Nothing registers it: train_lean.py hands its tables to the harness (TABLES)."""
 
     def __init__(self, flag: str, entries: dict):
         super().__init__(entries)
-        self.flag, TABLES[flag] = flag, self
+        self.flag = flag
 
     def __missing__(self, name):
         flag = "--" + self.flag.replace("_", "-")
         raise ValueError(f"{flag} {name!r} is not one of {', '.join(self)}")
 
+    @property
+    def default(self) -> str:
+        return next(iter(self))
 
-def table(flag: str) -> dict:
-    """flag's table now: the step's once train_lean.py is loaded, else this file's own (without
-    the default, which DEFAULTS names)."""
-    return TABLES.get(flag, OWN[flag])
-
-
-def entry(flag: str, name: str):
-    """The function of flag's choice `name`, or None (the default before train_lean.py is loaded:
-    it declares nothing then, so a setting is not refused for it)."""
-    return table(flag).get(name)
-
-
-class Choices(collections.abc.Mapping):
-    """flag's choices as the CLI takes and lists them, read from its table at each use: name -> what
-    it does, the default's first, then each variant's (its docstring, or the table's words)."""
-
-    def __init__(self, flag: str):
-        self.flag = flag
-
-    def now(self) -> dict:
-        name, what = DEFAULTS[self.flag]
-        def words(v):   # AGGREGATIONS' entries are (denominator, loss): the first's docstring
-            v = v[0] if isinstance(v, tuple) else v
-            return v if isinstance(v, str) else " ".join((v.__doc__ or "").split())
-        return {name: what, **{k: words(v) for k, v in table(self.flag).items() if k != name}}
-
-    def __getitem__(self, name):
-        return self.now()[name]
-
-    def __iter__(self):
-        return iter(self.now())
-
-    def __len__(self):
-        return len(self.now())
+    def words(self) -> dict:
+        """name -> what it does, as --help lists it: its docstring (AGGREGATIONS' entries are pairs
+        (denominator, loss): the first's)."""
+        return {name: " ".join(((f[0] if isinstance(f, tuple) else f).__doc__ or "").split())
+                for name, f in self.items()}
 
 
 def zero_flat_groups(adv: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -213,15 +179,22 @@ def gdpo_check(cfg):
     if cfg.reward_weights is None:
         return ("--advantage gdpo normalises each part of the reward: name them with "
                 "--reward-weights (e.g. correct=1,format=1)")
-    if cfg.overlong_buffer or (cfg.kl_in == "reward" and cfg.kl_coef):
-        penalty = "--overlong-buffer" if cfg.overlong_buffer else "--kl-in reward"
+    penalty = next(iter(penalties(cfg)), None)
+    if penalty:
         return (f"--advantage gdpo makes advantages of the reward's parts alone, which would leave "
                 f"out {penalty}: leave one out")
     return None
 
 
-@declares(check=gdpo_check)
-def gdpo(r, eps, parts=None, weights=None, default=None):
+def reward_parts(batch, ctx) -> dict:
+    """GDPO's inputs: every rank's rows' --reward-weights parts [N, K], and their weights."""
+    every = distributed.gather_objects(  # every rank
+        torch.tensor(batch.parts, dtype=torch.float32))
+    return {"parts": torch.cat(every), "weights": list(ctx.reward_weights)}
+
+
+@declares(check=gdpo_check, switch=Switch(advantage_inputs=reward_parts))
+def gdpo(r, eps, parts, weights, default):
     """each --reward-weights part normalised in its group as 'group' does, weighted and summed, then
     divided by the batch's std of the sums + eps (GDPO)"""
     adv = 0   # default: the flag's default, group normalisation
@@ -288,10 +261,11 @@ def clip_bounds(cfg) -> tuple:
     return cfg.clip_range, high
 
 
-def clipped_tokens(ratio, adv, cfg) -> tuple:
+def clipped_tokens(ratio, adv, cfg, loss=None) -> tuple:
     """(low, high) bool: the tokens past the clip on A's side, which get no gradient: ratio below
-    1 - clip-range where A < 0, above 1 + clip-range-high where A > 0 (gmpo: its CLIP_EDGES)."""
-    edges = CLIP_EDGES.get(cfg.policy_loss, lambda low, high: (1 - low, 1 + high))
+    1 - clip-range where A < 0, above 1 + clip-range-high where A > 0, or where the policy loss
+    `loss` (its table's entry; None: PPO's) declares its clip_edges (gmpo's)."""
+    edges = declared(loss, "clip_edges") or (lambda low, high: (1 - low, 1 + high))
     lo, hi = edges(*clip_bounds(cfg))
     return (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0)
 
@@ -310,7 +284,7 @@ def sapo(ratio, t, cfg, **_):
     return -4 / tau * torch.sigmoid(tau * (ratio - 1)) * t.adv
 
 
-@declares(token_ratios=True)
+@declares(token_ratios=True, clip_edges=lambda low, high: (math.exp(-low), math.exp(high)))
 def gmpo(ratio, t, cfg, **_):
     """-A exp(the sequence's mean log-ratio, each token's clipped on A's side to -clip-range or
     clip-range-high) (GMPO: the geometric mean of the ratios; its paper clips at 0.4 both sides)"""
@@ -411,8 +385,6 @@ def kl_cov(ratio, t, cfg, **_):
 
 
 POLICY_LOSSES = {"cispo": cispo, "sapo": sapo, "gmpo": gmpo, "clip-cov": clip_cov, "kl-cov": kl_cov}
-# where the statistics count a token as clipped, when not at 1 - clip-range and 1 + clip-range-high
-CLIP_EDGES = {"gmpo": lambda low, high: (math.exp(-low), math.exp(high))}
 
 
 # ---- terms on the policy-gradient part: none by default ------------------------------------------
@@ -449,12 +421,9 @@ def k2(logp, ref_logp):
 KL_ESTIMATORS = {"k1": k1, "k2": k2}
 
 
-KL_PLACES = {"reward": "per sequence, subtracted from the reward before the advantages"}
-
-
 def loss_kl_coef(cfg, kl_coef: float) -> float:
-    """The coefficient of the loss's KL term: none when --kl-in reward takes it off the reward."""
-    return {"loss": kl_coef, "reward": 0.0}[cfg.kl_in]
+    """The coefficient of the loss's KL term: --kl-in's place's (none where the reward takes it)."""
+    return KL_PLACES[cfg.kl_in](kl_coef)
 
 
 def kl_reward_penalty(logp, ref_logp, mask, kl_coef: float, estimate) -> torch.Tensor:
@@ -469,6 +438,24 @@ def kl_in_reward(batch, cfg, kl_coef: float, estimators: dict) -> torch.Tensor:
     """--kl-in reward: each sequence's KL penalty (kl_reward_penalty), on the host."""
     return kl_reward_penalty(batch.old_logp, batch.ref_logp, batch.completion_mask, kl_coef,
                              estimators[cfg.kl_estimator]).cpu()
+
+
+# ---- where the KL goes (--kl-in): kl_coef -> the coefficient of the loss's KL term ---------------
+
+def in_loss(kl_coef: float) -> float:
+    """per token in the loss"""
+    return kl_coef
+
+
+# without a reference (--kl-coef 0) there is no KL to take off
+@declares(kl_estimator="k1", switch=Switch(on=lambda cfg: cfg.kl_coef != 0,
+                                           penalty=("kl_reward_penalty", kl_in_reward)))
+def in_reward(kl_coef: float) -> float:
+    """per sequence, subtracted from the reward before the advantages"""
+    return 0.0   # the reward carries it: the loss has none
+
+
+KL_PLACES = Table("kl_in", {"loss": in_loss, "reward": in_reward})
 
 
 class AdaptiveKL:
@@ -525,12 +512,12 @@ AGGREGATIONS = {"seq-mean": (seq_count, seq_mean), "dr-grpo": (max_tokens, token
 
 # ---- the sampler mismatch (--mismatch-correction): w = pi_trainer / pi_sampler per token, detached
 
-def trainer_logprobs(batch, step, run, policy, guard) -> None:
+def trainer_logprobs(batch, step, ctx, policy, guard) -> None:
     """On a step of several updates, the trainer's logprobs at the weights that sampled (each
     forward gives its own until the first optimizer step) and the sampler's, for every update."""
-    if run.layout.updates_per_step > 1:
+    if ctx.layout.updates_per_step > 1:
         batch.inputs.update(train_logp=passes.no_grad_pass(  # every rank
-            policy, batch, guard, run.cfg, run.autocast), sampler_logp=batch.sampler_logp)
+            policy, batch, guard, ctx.cfg, ctx.autocast), sampler_logp=batch.sampler_logp)
 
 
 def mismatch_corrected(pg, t, cfg):
@@ -573,7 +560,13 @@ def sequence_mask(w, cfg):
     return token_mask(w, cfg)
 
 
-MISMATCH_CORRECTIONS = {"tis": tis, "token-mask": token_mask, "sequence-mask": sequence_mask}
+def uncorrected(w, cfg):
+    """none (the gap is measured in every record: mismatch_kl, mismatch_abs, mismatch_max)"""
+    return torch.ones_like(w)
+
+
+MISMATCH_CORRECTIONS = Table("mismatch_correction", {
+    "none": uncorrected, "tis": tis, "token-mask": token_mask, "sequence-mask": sequence_mask})
 
 
 def mismatch_weight(train_logp, sampler_logp, mask, cfg):
@@ -688,8 +681,6 @@ SWITCHES = {
     "dynamic-sampling": Switch(on=lambda cfg: cfg.dynamic_sampling, rounds=dynamic_sampling),
     "overlong-buffer": Switch(on=lambda cfg: bool(cfg.overlong_buffer),
                               penalty=("overlong_penalty", overlong)),
-    "kl-in-reward": Switch(on=lambda cfg: cfg.kl_in == "reward" and cfg.kl_coef != 0,
-                           penalty=("kl_reward_penalty", kl_in_reward)),
     "pretraining-mix": Switch(on=lambda cfg: cfg.ptx_coef != 0, check=ptx.problem,
                               prepare=ptx.prepare, backward=ptx.backward, record=ptx.record),
     "dual-clip": Switch(on=lambda cfg: cfg.dual_clip is not None, pg=dual_clip),
@@ -704,28 +695,29 @@ SWITCHES = {
 }
 
 
-def on(cfg) -> types.SimpleNamespace:
+def on(cfg, tables: dict) -> types.SimpleNamespace:
     """The additions to the step of the variants set, point by point (Switch), each a list, empty
-    by default: those of SWITCHES that are on, then the switches the chosen choices declare."""
-    chosen = [switch for switch in SWITCHES.values() if switch.on(cfg)]
-    for flag, (default, _) in DEFAULTS.items():
-        if getattr(cfg, flag) != default:   # the default adds nothing
-            choice = entry(flag, getattr(cfg, flag))
+    by default: those of SWITCHES that are on, then the switches the choices of the flags' tables
+    (train_lean.py TABLES) declare, where chosen (and their `on` holds)."""
+    chosen = list(SWITCHES.values())
+    for flag, table in tables.items():
+        if getattr(cfg, flag) != table.default:   # the default adds nothing
+            choice = table[getattr(cfg, flag)]
             chosen.append(declared(choice, "switch") or UNDECLARED.get(flag))
-    chosen = [switch for switch in chosen if switch is not None]
+    chosen = [s for s in chosen if s is not None and (s.on is None or s.on(cfg))]
     return types.SimpleNamespace(reads_entropy=any(s.reads_entropy for s in chosen), **{
         point: [getattr(s, point) for s in chosen if getattr(s, point) is not None]
         for point in POINTS})
 
 
+def penalties(cfg) -> list:
+    """What takes a penalty off the reward in this run, as its flags say it: each on/off switch's
+    (its SWITCHES name is its flag), then --kl-in's place's."""
+    said = [f"--{name}" for name, switch in SWITCHES.items() if switch.penalty and switch.on(cfg)]
+    place = declared(KL_PLACES[cfg.kl_in], "switch")
+    return said + ([f"--kl-in {cfg.kl_in}"] if place and place.penalty and place.on(cfg) else [])
+
+
 def tokens(**fields) -> types.SimpleNamespace:
     """A micro-batch's per-token tensors as the terms above read them (t.logp, t.adv, t.mask)."""
     return types.SimpleNamespace(**{"weight": None, "sampler_logp": None, **fields})
-
-
-# each flag's table in this file (train_lean.py's add the defaults), its choices as the CLI takes them
-OWN = {"advantage": ADVANTAGES, "importance_level": RATIOS, "token_advantage": TOKEN_ADVANTAGES,
-       "policy_loss": POLICY_LOSSES,
-       "kl_estimator": KL_ESTIMATORS, "kl_in": KL_PLACES, "loss_agg": AGGREGATIONS,
-       "mismatch_correction": MISMATCH_CORRECTIONS}
-CHOICES = {flag: Choices(flag) for flag in OWN}

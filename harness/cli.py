@@ -5,19 +5,23 @@ every field of the chosen task's options dataclass (harness/task.py), for that t
 trainer settings it needs (its trainer_settings, harness/task.py). Precedence: command line > environment > the
 task's declared value > default. A value is checked against its field's type and choices here (a declared one, and
 its range, as soon as the task is found), its range and the batch arithmetic in config.batch_layout. A bad one
-raises config.ConfigError: one line that names it.
+raises config.ConfigError: one line that names it. A variant flag's choices are its table's
+(tables: flag -> grpo/variants.py Table, train_lean.py TABLES), read when the command line is.
 """
 import argparse
 import collections.abc
+import copy
 import dataclasses
 import difflib
 import math
 import os
 import sys
+import types
 import typing
 
 import torch
 
+from grpo import variants
 from harness import task as tasks
 from harness.config import FIELDS, OLD_NAMES, Config, ConfigError, env_name, fields_of, flag, range_error
 
@@ -29,6 +33,17 @@ class Loaded(typing.NamedTuple):
     options: typing.Any       # an instance of the task's options dataclass, or None
     sources: dict             # field name -> "cli" | "env" | "task" | "default", the task's options included
     task: typing.Any          # the class or object --task names, imported, not yet built
+    tables: dict              # each variant flag's choices (flag -> grpo/variants.py Table)
+
+
+def variant_fields(tables: dict) -> dict:
+    """FIELDS, each variant flag's with its table's choices (name -> what it does, the default
+    first) as the command line takes and lists them."""
+    fields = dict(FIELDS)
+    for name, table in tables.items():
+        f = fields[name] = copy.copy(FIELDS[name])
+        f.metadata = types.MappingProxyType({**f.metadata, "choices": table.words()})
+    return fields
 
 
 def _base_type(f):
@@ -110,7 +125,7 @@ def _help(f, default_task: str, declared: dict = None, task_name: str = "") -> s
     unless the help says what it comes to ("(default: batch)"); a value the task declares is shown as its default
     ("[default 1.0 (--task chess); >= 0]")."""
     text, choices = f.metadata.get("help", ""), f.metadata.get("choices")
-    if isinstance(choices, collections.abc.Mapping):   # read now: a variant's table as it is (its CHOICES)
+    if isinstance(choices, collections.abc.Mapping):   # a variant's table: each choice's words
         text = f"{text}: " + "; ".join(f"{k}: {v}" for k, v in choices.items())
     if f.metadata.get("aliases"):
         text += " (also " + ", ".join(f"{k} = {v}" for k, v in f.metadata["aliases"].items()) + ")"
@@ -131,13 +146,16 @@ def _help(f, default_task: str, declared: dict = None, task_name: str = "") -> s
 
 
 def build_parser(task_name: str = "", task_fields: dict = None, default_task: str = None,
-                 declared: dict = None) -> argparse.ArgumentParser:
+                 declared: dict = None, *, tables: dict) -> argparse.ArgumentParser:
+    """The parser of the trainer's flags and the task's options (tables: the variant flags')."""
+    every = variant_fields(tables)
     p = _Parser(prog="train_lean.py", allow_abbrev=False, usage="train_lean.py [--task TASK] [--flag VALUE ...]",
                 description="GRPO on a small causal LM. Every flag also reads GRPO_<FLAG> from the environment "
                 "(--batch-size: GRPO_BATCH_SIZE; command line > environment > the task's declared value > default). "
                 "A flag shown [BOOL] may "
                 "be given bare (true); true/false, 1/0, yes/no, on/off.")
-    groups = [(p.add_argument_group(title), {n: FIELDS[n] for n in names}) for title, names in help_groups(FIELDS)]
+    groups = [(p.add_argument_group(title), {n: every[n] for n in names})
+              for title, names in help_groups(every)]
     if task_fields:
         groups.append((p.add_argument_group(f"options of --task {task_name}"), task_fields))
     for group, fields in groups:
@@ -188,10 +206,11 @@ def check_option_types(task_name: str, fields: dict) -> None:
                                   f"take a str and check it in __post_init__")
 
 
-def declared_settings(target, task_name: str) -> dict:
+def declared_settings(target, task_name: str, fields: dict) -> dict:
     """The trainer settings the task declares (its optional trainer_settings: {field name: value}), each checked as
-    the same value given as a flag would be, its type, choices and range included: a bad one is a ConfigError that
-    names the task and the setting. The values are the trainer's defaults for this task (_read)."""
+    the same value given as a flag would be, its type, choices (fields: variant_fields') and range
+    included: a bad one is a ConfigError that names the task and the setting. The values are the
+    trainer's defaults for this task (_read)."""
     declared = getattr(target, "trainer_settings", None)
     if declared is None:
         return {}
@@ -221,7 +240,7 @@ def declared_settings(target, task_name: str) -> dict:
                               f"(a str, number, bool or None)")
         if value is not None or not _base_type(FIELDS[name])[1]:   # None if optional: default
             text = value if isinstance(value, str) else _spelt(value)
-            value = _convert(FIELDS[name], text, f"{where}: {flag(name)}")
+            value = _convert(fields[name], text, f"{where}: {flag(name)}")
         problem = range_error(name, value)
         if problem:
             raise ConfigError(f"{where}: {problem}")
@@ -308,26 +327,33 @@ def _check_environment(environ, known, task_name: str) -> None:
             f" (see train_lean.py --task {task_name} --help)")
 
 
-def _resolve_defaults(values: dict, sources: dict) -> None:
-    """The values that follow from others, set in place: auto's dtype, --kl-in reward's estimator."""
+def _resolve_defaults(values: dict, sources: dict, tables: dict) -> None:
+    """The values that follow from others, set in place: auto's dtype, the estimator that
+    --kl-in's place declares."""
     cuda = values["device"].startswith("cuda") or (values["device"] == "auto" and torch.cuda.is_available())
     if values["dtype"] == "auto":   # fast where researchers train; on a CPU the bits of runs before auto
         values["dtype"] = "bf16" if cuda else "fp32"
-    if values["kl_in"] == "reward" and sources["kl_estimator"] == "default":
-        values["kl_estimator"] = "k1"   # the estimator that belongs in the reward (docs/algorithm.md); others if named
+    # the estimator that belongs in the reward, k1 (docs/algorithm.md); another where named
+    estimator = variants.declared(tables["kl_in"][values["kl_in"]], "kl_estimator")
+    if estimator and sources["kl_estimator"] == "default":
+        values["kl_estimator"] = estimator
 
 
-def load(argv=None, environ=None, builtin: dict = None, default_task: str = None) -> Loaded:
+def load(argv=None, environ=None, builtin: dict = None, default_task: str = None, *,
+         tables: dict) -> Loaded:
     """Parse argv and environ into the Config, the chosen task's options and each value's source.
 
     The task is found first (--task, else GRPO_TASK, else default_task; builtin maps short names to
-    "module:Attribute"), because its options add flags. Raises ConfigError (or task.TaskError)."""
+    "module:Attribute"), because its options add flags. tables: each variant flag's choices
+    (train_lean.py TABLES). Raises ConfigError (or task.TaskError)."""
     argv = sys.argv[1:] if argv is None else argv
     environ = os.environ if environ is None else environ
     task_name, target, task_fields = _find_task(argv, environ, builtin, default_task)
     options_cls = tasks.options_type(target)
-    declared = declared_settings(target, task_name)
-    given, extra = build_parser(task_name, task_fields, default_task, declared).parse_known_args(argv)
+    fields = variant_fields(tables)
+    declared = declared_settings(target, task_name, fields)
+    given, extra = build_parser(task_name, task_fields, default_task, declared,
+                                tables=tables).parse_known_args(argv)
     if extra:
         bad = next((a for a in extra if a.startswith("-")), extra[0])
         near = did_you_mean(bad, [*FIELDS, *task_fields]) if bad.startswith("--") else []
@@ -336,11 +362,11 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
             f"{bad} is not a flag of train_lean.py nor of --task {task_name}") +
             f" (see train_lean.py --task {task_name} --help)")
     given = vars(given)
-    values, sources = _read(FIELDS, given, environ, declared)
+    values, sources = _read(fields, given, environ, declared)
     option_values, option_sources = _read(task_fields, given, environ)
     _check_environment(environ, FIELDS.keys() | OLD_NAMES.keys() | task_fields.keys(), task_name)
     values["task"] = task_name
-    _resolve_defaults(values, sources)
+    _resolve_defaults(values, sources, tables)
     asked = values["eval_only"] or (values["eval_interval"] > 0 and sources["eval_interval"] != "default")
     if asked and not hasattr(target, "evaluate"):
         raise ConfigError(f"{'--eval-only' if values['eval_only'] else '--eval-interval'}: --task {task_name} "
@@ -352,4 +378,4 @@ def load(argv=None, environ=None, builtin: dict = None, default_task: str = None
     if getattr(options, "eval_k", 0) and not values["eval_only"] and not values["eval_interval"]:
         raise ConfigError(f"--eval-k {options.eval_k} samples in the held-out evaluation, and --eval-interval 0 runs "
                           f"none: pass --eval-interval N, or --eval-only")
-    return Loaded(Config(**values), options, {**sources, **option_sources}, target)
+    return Loaded(Config(**values), options, {**sources, **option_sources}, target, tables)

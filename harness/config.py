@@ -4,7 +4,9 @@ the run's (model, task, devices, output, checkpoints, memory), below.
 
 harness/cli.py makes every field (and every field of a task's options dataclass) a flag and a
 GRPO_<FLAG> override; `batch_layout(cfg, world)` checks every range and size rule before anything
-heavy is loaded and returns the derived sizes; harness/rundir.py compares the settings on --resume.
+heavy is loaded and returns the derived sizes, `check_variants(cfg, tables)` the variants' rules
+against the flags' tables (train_lean.py TABLES); harness/rundir.py compares the settings on
+--resume.
 User errors raise ConfigError with one line that names the bad value and a fix; harness/run.py (Run)
 prints it and exits with code 2.
 """
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from grpo import variants
-from grpo.settings import Settings, opt   # opt: the fields below, and tasks' options import it from here
+# Layout: the batch's sizes; opt: the fields below, and tasks' options import it from here
+from grpo.settings import Layout, Settings, opt
 from harness import log
 
 
@@ -248,25 +251,6 @@ def settings(cfg: Config, options) -> dict:
     return {**dataclasses.asdict(cfg), **(dataclasses.asdict(options) if options is not None else {})}
 
 
-@dataclass(frozen=True)
-class Layout:
-    """The batch arithmetic of a run: how a step's completions split over devices, updates and passes."""
-    devices: int
-    prompts_per_step: int           # = groups per step
-    prompts_per_device: int
-    completions_per_step: int       # = --batch-size
-    completions_per_device: int
-    mini_batch: int                 # completions per optimizer update, global
-    mini_batch_per_device: int
-    micro_batch: int                # completions per forward/backward on one device (auto: where probing starts)
-    micro_batch_auto: bool
-    micro_tokens: int               # --micro-batch-tokens's budget (0: cut by rows; auto: set later)
-    micro_tokens_auto: bool
-    grad_accum_steps: int
-    updates_per_step: int
-    generation_batch: int           # completions sampled at once on one device
-
-
 def range_error(name: str, value) -> str | None:
     """The message when value lies outside the range field `name` declares ("--top-p 0.0 must be in (0, 1]"), else
     None (None and "auto" pass)."""
@@ -294,38 +278,38 @@ def _multiples(value: int, of: int) -> str:
     return f"use {low} or {low + of}" if low > 0 else f"use {of}"
 
 
-def unused_knob(cfg: Config) -> str | None:
+def unused_knob(cfg: Config, tables: dict) -> str | None:
     """A knob that variants declare they read (knobs), set while the run's choice does not read it."""
     for name in FIELDS:
-        for choice in variants.DEFAULTS:
-            owners = [k for k, f in variants.table(choice).items()
-                      if name in variants.declared(f, "knobs")]
+        for choice, table in tables.items():
+            owners = [k for k, f in table.items() if name in variants.declared(f, "knobs")]
             run = getattr(cfg, choice)
             if owners and run not in owners and getattr(cfg, name) != FIELDS[name].default:
                 return unused_knob_said(choice, name, getattr(cfg, name), run, owners)
     return None
 
 
-def variant_problem(cfg: Config) -> str | None:
+def variant_problem(cfg: Config, tables: dict) -> str | None:
     """Why the run's variants cannot run together or with the other settings, from what each
-    declares (grpo/variants.py DECLARED, Switch.check): a knob set for another choice, each choice's
-    and each switch's own check, a per-sequence ratio under a loss of token ratios, --dual-clip with
-    a loss it cannot bound."""
-    chosen = {name: variants.entry(name, getattr(cfg, name)) for name in variants.DEFAULTS}
+    declares (grpo/variants.py DECLARED, Switch.check), tables the flags' (train_lean.py TABLES): a
+    name a table lacks, a knob set for another choice, each choice's and each switch's own check, a
+    per-sequence ratio under a loss of token ratios, --dual-clip with a loss it cannot bound."""
+    try:
+        chosen = {flag: table[getattr(cfg, flag)] for flag, table in tables.items()}
+    except ValueError as e:   # a Config not built by the command line, which refuses it
+        return str(e)
     checks = [variants.declared(f, "check") for f in chosen.values()]
     checks += [switch.check for switch in variants.SWITCHES.values()]
-    for problem in (unused_knob(cfg), *(check(cfg) for check in checks if check)):
+    for problem in (unused_knob(cfg, tables), *(check(cfg) for check in checks if check)):
         if problem:
             return problem
     loss = chosen["policy_loss"]
     if variants.declared(chosen["importance_level"], "per_sequence") and \
             variants.declared(loss, "token_ratios"):
-        token = variants.DEFAULTS["importance_level"][0]
+        token = tables["importance_level"].default
         return (f"--policy-loss {cfg.policy_loss} works on token ratios: use --importance-level "
                 f"{token} with it")
-    # the default before train_lean.py is loaded (None) declares nothing, so is not refused
-    if cfg.dual_clip is not None and loss is not None and \
-            not variants.declared(loss, "accepts_dual_clip"):
+    if cfg.dual_clip is not None and not variants.declared(loss, "accepts_dual_clip"):
         return (f"--dual-clip {cfg.dual_clip} bounds PPO's clipped term, and --policy-loss "
                 f"{cfg.policy_loss} has none: leave one out")
     return None
@@ -337,7 +321,7 @@ def batch_layout(cfg: Config, world: int = 1) -> Layout:
     layout = split_batch(cfg, world)
     check_lengths_and_schedule(cfg)
     check_adapters(cfg)
-    check_variants(cfg)
+    check_reward_weights(cfg)
     check_machine(cfg)
     return layout
 
@@ -420,13 +404,16 @@ def check_adapters(cfg: Config) -> None:
                           f"pip install peft (or --lora-rank 0 for full fine-tuning)")
 
 
-def check_variants(cfg: Config) -> None:
-    """The reward's weights, then the run's variants (variant_problem)."""
+def check_reward_weights(cfg: Config) -> None:
     weights = reward_weights(cfg)
     if weights and not any(weights.values()):   # every advantage 0: not the temperature's fault
         raise ConfigError(f"--reward-weights {cfg.reward_weights}: every weight is 0, so every "
                           f"completion's reward (and advantage) would be 0: give a part a weight")
-    problem = variant_problem(cfg)
+
+
+def check_variants(cfg: Config, tables: dict) -> None:
+    """The run's variants, against the flags' tables (train_lean.py TABLES; variant_problem)."""
+    problem = variant_problem(cfg, tables)
     if problem:
         raise ConfigError(problem)
 

@@ -1,21 +1,23 @@
 """The run around the algorithm: what train_lean.py calls by name so that its loop stays the algorithm.
 
-    run = Run(argv, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
-        every setting checked (a bad one exits 2 with one line), OUT_DIR locked, the devices joined,
-        settings.txt written, the RNGs seeded
+    run = Run(argv, TABLES, builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
+        every setting checked (a bad one exits 2 with one line; TABLES: the variant flags' choices,
+        train_lean.py's), OUT_DIR locked, the devices joined, settings.txt written, the RNGs seeded
     with run:                                   every way out closes what the run opened; a failure after a
                                                 completed step saves that step (harness/checkpoint.py Saver)
         task = run.open_task()                  the task, its answers checked (and --ptx-coef's)
         policy, reference, tokenizer = run.load_models()    and the start-up header
         guard = run.start_training(optimizer, kl)   --resume's state (the optimizer's, the KL controller's),
-                                                the micro-batch, logs, checkpoints, step 0's eval
+                                                the micro-batch, logs, checkpoints, step 0's eval;
+                                                run.context, what the step reads of the run
         for step in run.steps():                the progress bar; after a step a checkpoint when due or asked
                                                 for (a signal), after the last the trained model
             run.phase_done("gen")               a phase's time and memory
             rows = run.check_rewards(step, batch, rec)   failed rewards said (all failed: the run stops)
             run.end_step(rec, rows)             the record, the console line, the evaluation when due
 
-The algorithm modules (grpo/) never import this package; it imports them.
+The algorithm modules (grpo/) never import this package, nor read its objects: it imports them, and
+hands them a Context.
 """
 import contextlib
 import functools
@@ -34,6 +36,7 @@ from grpo.model import (ModelLoadError, checkpoint_layers, context_length, decla
                         end_ids, frozen_copy, load_config, load_policy, load_tokenizer,
                         load_trainable, model_autocast)
 from grpo.rollout import encode_prompts, stream_seed, wants_bos
+from grpo.settings import Context
 from harness import checkpoint, cli, config, guards, log, memory, paths, progress, rundir, screen
 from harness import task as task_lib
 
@@ -50,12 +53,15 @@ def usage_error(message: str, every_rank: bool = False):
 
 
 class Run:
-    def __init__(self, argv=None, builtin: dict = None, default_task: str = None):
-        """argv: the command line (default sys.argv); builtin and default_task: the task registry (tasks/)."""
+    def __init__(self, argv, tables: dict, builtin: dict = None, default_task: str = None):
+        """argv: the command line (None: sys.argv); tables: each variant flag's choices
+        (train_lean.py TABLES: flag -> grpo/variants.py Table); builtin and default_task: the task
+        registry (tasks/)."""
         try:
-            self.loaded = cli.load(argv, builtin=builtin, default_task=default_task)
+            self.loaded = cli.load(argv, builtin=builtin, default_task=default_task, tables=tables)
             cfg = self.cfg = self.loaded.cfg
             self.layout = config.batch_layout(cfg, world=config.launched_world())
+            config.check_variants(cfg, tables)
             outs = paths.check(cfg, self.loaded.options)   # none on what it reads or another writes
             rundir.check_paths(cfg)
             paths.check_made(cfg, outs)   # nothing in the way of what it makes steps later
@@ -195,14 +201,14 @@ class Run:
         try:
             self.tokenizer = load_tokenizer(source)   # checked against the model's vocab_size
             self.prepend_bos = wants_bos(cfg.prompt_bos, self.tokenizer)
-            self.context = context_length(load_config(source))
+            self.context_length = context_length(load_config(source))
             try:
                 self.first_ids = encode_prompts(self.tokenizer, self.first_prompts, self.prepend_bos,
-                                                cfg.max_new_tokens, self.context)
+                                                cfg.max_new_tokens, self.context_length)
                 if self.mix_source is not None and not cfg.eval_only:   # the first step's --ptx-coef texts too
                     ptx.step_batches(self.mix_source, stream_seed(cfg.seed, self.start_step + 1),
                                      self.layout.updates_per_step, cfg.ptx_batch_size, self.tokenizer,
-                                     self.prepend_bos, self.context)
+                                     self.prepend_bos, self.context_length)
             except ValueError as e:   # a prompt too long for the model or of no tokens; a text whose context fills it
                 raise task_lib.TaskError(str(e)) from None
             self.policy, self.lora = load_trainable(cfg, device, self.resume_from)
@@ -308,7 +314,8 @@ class Run:
 
     def start_training(self, optimizer, kl) -> guards.Guard:
         """Before the first step: --resume's optimizer, reference and RNG states; the guard of the update (its
-        micro-batch probed with --micro-batch-size auto); the logs, reporter and checkpoints; the step-0 evaluation."""
+        micro-batch probed with --micro-batch-size auto); the logs, reporter and checkpoints; the step-0 evaluation.
+        Then self.context: what the step reads of the run (grpo/settings.py Context)."""
         cfg = self.cfg
         self.compiles_before = decoders.compile_counts()   # a step's record counts its own (--compile)
         self.graphs_before = dict(graphs.COUNTS)   # and its decode graphs made and replayed
@@ -346,6 +353,11 @@ class Run:
                                       config.reward_weights(cfg), cfg.group_size,
                                       cfg.reward_timeout, self._stuck)
         self.phases = self.stack.enter_context(memory.Phases(self.device, self.rank, cfg, self.info))
+        self.context = Context(
+            cfg=cfg, layout=self.layout, rank=self.rank, world=self.world, device=self.device,
+            autocast=self.autocast, tokenizer=self.tokenizer, prepend_bos=self.prepend_bos,
+            context_length=self.context_length, score=self.scorer,
+            reward_weights=tuple(self.scorer.weights.values()), mix_source=self.mix_source)
         return self.guard
 
     def _resume_states(self, optimizer, kl) -> int:
@@ -486,8 +498,9 @@ class Run:
             return
         if rec.get("ptx_cut") and not self.cut_said:   # learned, but not whole: said once, counted in every record
             self.cut_said = True
-            log.warn(f"step {step}: {rec['ptx_cut']} --ptx-coef text(s) longer than the model's {self.context} "
-                     f"positions: each is learned cut to its first {self.context} tokens, without its end and EOS "
+            n = self.context_length
+            log.warn(f"step {step}: {rec['ptx_cut']} --ptx-coef text(s) longer than the model's {n} "
+                     f"positions: each is learned cut to its first {n} tokens, without its end and EOS "
                      f"(said once; ptx_cut in each record counts them)")
         # the loss and its gradient are then 0 in silence: the flat-groups note does not cover it
         all_cut = bool(rows["truncated"].all())

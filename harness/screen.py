@@ -124,15 +124,15 @@ def _evaluation(cfg, task) -> str:
     return f"the task's evaluate() before training, {every} and after the last"
 
 
-def _kl(cfg, sources) -> str:
-    """The KL penalty: its coefficient, estimator and place (the estimator's default depends on the place)."""
+def _kl(cfg, sources, places) -> str:
+    """The KL penalty: its coefficient, estimator and place (places: --kl-in's table; a place may declare the
+    estimator it takes by default)."""
     if cfg.kl_coef == 0:
         return "off (--kl-coef 0: no reference model)"
-    chosen = " (the default in the reward; --kl-estimator names another)" if (
-        cfg.kl_in == "reward" and sources["kl_estimator"] == "default") else ""
+    chosen = f" (--kl-in {cfg.kl_in}'s default; --kl-estimator names another)" if (
+        variants.declared(places[cfg.kl_in], "kl_estimator") and sources["kl_estimator"] == "default") else ""
     adaptive = f", steered toward KL {cfg.kl_target:g} (--kl-target)" if cfg.kl_target else ""
-    place = variants.CHOICES["kl_in"][cfg.kl_in]
-    return f"{cfg.kl_coef:g} x {cfg.kl_estimator}{chosen} {place}{adaptive}"
+    return f"{cfg.kl_coef:g} x {cfg.kl_estimator}{chosen} {places.words()[cfg.kl_in]}{adaptive}"
 
 
 def header(loaded, layout, device, model, resume_from, lora=None) -> str:
@@ -170,7 +170,7 @@ def header(loaded, layout, device, model, resume_from, lora=None) -> str:
             *([("ptx", f"{cfg.ptx_coef} x next-token loss on {cfg.ptx_batch_size} texts per update from "
                             f"{cfg.ptx_file or 'the task (demonstrations)'}")] if cfg.ptx_coef and not cfg.eval_only
               else []),
-            *([] if cfg.eval_only else [("kl", _kl(cfg, sources))]),
+            *([] if cfg.eval_only else [("kl", _kl(cfg, sources, loaded.tables["kl_in"]))]),
             ("evaluation", _evaluation(cfg, loaded.task)),
             ("given", ", ".join(given) or "nothing: every setting at its default")]
     if cfg.eval_only:

@@ -211,8 +211,8 @@ def test_a_variant_adds_a_collective_only_where_every_rank_runs_it():
     SWITCHES and of the tables' choices, checked."""
     from grpo import variants
     known = collectives([Module(p) for p in sources()])
-    chosen = [variants.declared(f, "switch") for flag in variants.OWN
-              for f in variants.table(flag).values()]
+    from train_lean import TABLES
+    chosen = [variants.declared(f, "switch") for table in TABLES.values() for f in table.values()]
     switches = [*variants.SWITCHES.values(), *chosen]
     added = [(point, getattr(s, point)) for s in switches if s is not None for point in POINTS
              if getattr(s, point) is not None and point not in EVERY_RANK]

@@ -16,8 +16,8 @@ import torch
 import train_lean as update
 from grpo import distributed, passes, variants
 from grpo.variants import top_entropy_threshold
-from train_lean import group_advantages, loss_denominator
-from harness.config import FIELDS, Config   # update() takes a layout and a guard: the harness's
+from train_lean import TABLES, group_advantages, loss_denominator
+from harness.config import Config   # update() takes a layout and a guard: the harness's
 from harness.guards import Guard
 from grpo.model import completion_logprobs
 from grpo.ptx import PtxBatch
@@ -28,11 +28,13 @@ TEMPERATURE = 1.5
 GROUP = 8            # the rollout64 fixture's: 8 prompts x 8 completions
 CHUNK_ROWS = 50      # token rows per output-head chunk: the chunked (checkpointed) path, entropies included
 GSPO = {"importance_level": "sequence", "clip_low": 0.02, "clip_high": 0.03}
-# Every choice of a variant's flag (grpo/variants.py DEFAULTS: --advantage, --loss-agg, --importance-level,
+# Every choice of a variant's flag (train_lean.py TABLES: --advantage, --loss-agg, --importance-level,
 # --kl-estimator, --kl-in, and any such flag to come) is a knob of its own, so a new choice is tested here without
-# a line for it; TRL's names for our aggregations are the same loss. The knobs with a number, and combinations, by hand.
-CHOICES = {f"{name} {choice}": {name: choice} for name in variants.DEFAULTS
-           for choice in FIELDS[name].metadata["choices"] if choice != FIELDS[name].default}
+# a line for it, unless its knobs' defaults leave it the defaults' gradient on this batch (below) or it needs other
+# settings to run; an advantage gets the reward's parts (as_rollout). TRL's names for our aggregations are the same
+# loss. The knobs with a number, and combinations, by hand.
+CHOICES = {f"{flag} {choice}": {flag: choice} for flag, table in TABLES.items()
+           for choice in table if choice != table.default}
 # Clip-Cov's default band (1, 5) holds no token of this batch (a tiny random model's logprobs barely spread), which
 # would make it the defaults' gradient: its generated knob takes a band that binds, and a share of 1%
 CHOICES["policy_loss clip-cov"].update(clip_cov_lb=0.1, cov_ratio=0.01)
@@ -107,7 +109,7 @@ def minibatch_gradient(model, batch, knobs, micro, *, rank=0, world=1, threshold
     params = [p for p in model.parameters() if p.requires_grad]
     sampler = rollout.old_logp if rollout.sampler_logp is None else rollout.sampler_logp
     inputs = {"sampler_logp": sampler}
-    for chosen in variants.on(cfg).mini_batch:   # top entropy's, clip-cov's and kl-cov's tokens
+    for chosen in variants.on(cfg, TABLES).mini_batch:   # top entropy's, clip-cov's and kl-cov's tokens
         inputs.update(chosen(model, rollout, rows, mask, guard, cfg, None))
     if threshold_per_micro_batch:   # in place of the mini-batch's threshold
         inputs["pg_mask"] = per_micro_batch_entropy_mask(model, rollout, mask, micro, cfg)

@@ -25,12 +25,27 @@ ARGS = [*SMALL, "--task", "toy", "--batch-size", "16", "--group-size", "4", "--s
         "--advantage", "batch", "--seed", "3"]
 
 
-def test_two_processes_make_the_one_process_update(tiny_model_dir, tmp_path):
+# GDPO reads the reward's parts of every rank's rows (its switch's advantage_inputs gathers them)
+PARTED = """
+from tasks.toy import ToyTask
+
+class Parted(ToyTask):
+    def reward_breakdown(self, prompt, completion):
+        return {"reward": self.reward(prompt, completion), "letter": float(completion[:1] == prompt[7]),
+                "short": 1 / (1 + len(completion))}
+"""
+
+
+@pytest.mark.parametrize("gdpo", [False, True])
+def test_two_processes_make_the_one_process_update(tiny_model_dir, tmp_path, gdpo):
     one, two = tmp_path / "one", tmp_path / "two"
-    single = train("--model", tiny_model_dir, *ARGS, "--generation-batch-size", "8", "--out-dir", str(one))
+    (tmp_path / "parted.py").write_text(PARTED)
+    args = [*ARGS, *(["--task", f"{tmp_path / 'parted.py'}:Parted", "--advantage", "gdpo", "--reward-weights",
+                      "letter=1,short=0.5"] if gdpo else [])]
+    single = train("--model", tiny_model_dir, *args, "--generation-batch-size", "8", "--out-dir", str(one))
     assert single.returncode == 0, single.stderr
     pair = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           TRAIN, "--model", tiny_model_dir, *ARGS, "--out-dir", str(two)],
+                           TRAIN, "--model", tiny_model_dir, *args, "--out-dir", str(two)],
                           capture_output=True, text=True, env=env(), timeout=300)
     assert pair.returncode == 0, pair.stderr[-3000:]
     # rank 0 alone prints: its header once, the batch over both devices; the full table, per device | global,

@@ -57,7 +57,8 @@ def test_no_policy_gradient_term_runs_by_default():
     # train_lean.py's "none by default", kept true: the default step's first update has the
     # sampler's logprobs (measured), and no term of grpo/variants.py acts on its loss
     from grpo import variants
-    assert variants.on(loss_config()).pg == []
+    from train_lean import TABLES
+    assert variants.on(loss_config(), TABLES).pg == []
 
 
 def test_no_correction_leaves_the_loss_and_gradient_as_they_were():

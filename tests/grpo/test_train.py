@@ -119,11 +119,14 @@ def test_user_task_file_on_the_command_line(tiny_model_dir, tmp_path, clean_env)
     assert records(tmp_path / "metrics.jsonl")[0]["reward_mean"] < 0
 
 
-# Every choice of a variant's flag (grpo/variants.py DEFAULTS) and of --lr-scheduler runs end to end, so a new
-# choice needs no line here; the knobs with a number, and combinations, by hand.
+# Every choice of a variant's flag (train_lean.py TABLES) and of --lr-scheduler runs end to end, so a new choice
+# needs no line here unless it needs other settings to run (its check refuses it alone, as --advantage gdpo does
+# without --reward-weights, and gdpo reads the reward's parts: a task that has some): its line below then takes
+# the generated one's place. The knobs with a number, and combinations, by hand.
 KNOBS = {f"{config.flag(name)} {choice}": ([config.flag(name), choice], "loss")
-         for name in [*variants.DEFAULTS, "lr_scheduler"]
-         for choice in config.FIELDS[name].metadata["choices"] if choice != config.FIELDS[name].default}
+         for name, choices in [*train_lean.TABLES.items(), ("lr_scheduler", config.FIELDS["lr_scheduler"]
+                                                            .metadata["choices"])]
+         for choice in choices if choice != config.FIELDS[name].default}
 KNOBS.update({
     "trl-name": (["--loss-agg", "dapo"], "loss"),
     "gspo": (["--importance-level", "sequence", "--clip-range", "3e-4", "--clip-range-high", "4e-4"], "clip_frac"),

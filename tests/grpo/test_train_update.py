@@ -260,23 +260,23 @@ def test_every_knob_changes_the_gradient(gradient):
 
 
 def test_every_choice_the_algorithm_owns_is_a_knob():
-    """The generated knobs take each variant flag's choices from grpo/variants.py DEFAULTS: a flag whose table
-    the step looks up but DEFAULTS leaves out would drop its choices from the accumulation and end-to-end runs
-    without a word. This says so: every table train_lean.py looks a flag up in is in DEFAULTS, and its
-    choices are the CLI's."""
+    """The generated knobs take each variant flag's choices from train_lean.py TABLES, which main hands to the
+    harness: a table the step looks a flag up in but TABLES leaves out would drop its choices from the command
+    line, the checks, the accumulation and the end-to-end runs without a word. This says so: every Table of
+    train_lean.py and grpo/variants.py is in TABLES, its default is its flag's, and its choices are the CLI's."""
     import train_lean
     from grad_worker import CHOICES
     from grpo import variants
+    from harness import cli
     from harness.config import FIELDS
-    tables = {"advantage": train_lean.ADVANTAGES, "importance_level": train_lean.RATIOS,
-              "token_advantage": train_lean.TOKEN_ADVANTAGES,
-              "policy_loss": train_lean.POLICY_LOSSES, "kl_estimator": train_lean.KL_ESTIMATORS,
-              "loss_agg": train_lean.AGGREGATIONS, "kl_in": {"loss": None, **variants.KL_PLACES},
-              "mismatch_correction": {"none": None, **variants.MISMATCH_CORRECTIONS}}
-    assert set(tables) == set(variants.DEFAULTS)
-    for name, table in tables.items():
-        assert list(FIELDS[name].metadata["choices"]) == list(table), name
-    expected = {f"{n} {c}" for n in tables for c in FIELDS[n].metadata["choices"] if c != FIELDS[n].default}
+    built = {id(v): v for module in (train_lean, variants) for v in vars(module).values()
+             if isinstance(v, variants.Table)}
+    assert sorted(id(t) for t in train_lean.TABLES.values()) == sorted(built)
+    fields = cli.variant_fields(train_lean.TABLES)
+    for flag, table in train_lean.TABLES.items():
+        assert table.flag == flag and table.default == FIELDS[flag].default, flag
+        assert list(fields[flag].metadata["choices"]) == list(table), flag
+    expected = {f"{n} {c}" for n, t in train_lean.TABLES.items() for c in t if c != t.default}
     assert set(CHOICES) == expected
 
 

@@ -868,19 +868,34 @@ def test_an_entry_added_to_a_table_of_train_lean_is_a_value_of_its_flag(tiny_mod
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1]
 
 
-def test_the_choices_of_a_flag_are_its_tables_once_built():
-    # grpo/settings.py's fields hold variants.CHOICES, which read train_lean.py's tables once built
+def test_the_command_line_and_the_checks_read_the_tables_they_are_handed():
+    # nothing registers on import: a table handed to the harness is what it takes, lists and checks
+    import tasks
     import train_lean
-    from harness.config import FIELDS
-    assert list(FIELDS["policy_loss"].metadata["choices"]) == list(train_lean.POLICY_LOSSES)
+    from grpo import variants
+    from harness import cli
+    from harness.config import ConfigError, check_variants
+    argv = ["--task", "toy", "--policy-loss", "mine", "--dual-clip", "3"]
+    with pytest.raises(ConfigError, match="--policy-loss 'mine' is not one of ppo, cispo"):
+        cli.load(argv, {}, tasks.BUILTIN, tables=train_lean.TABLES)
+
+    @variants.declares(accepts_dual_clip=True)
+    def mine(ratio, t, cfg, **_):
+        """a scratch loss"""
+    tables = {**train_lean.TABLES, "policy_loss": variants.Table(
+        "policy_loss", {**train_lean.POLICY_LOSSES, "mine": mine})}
+    cfg = cli.load(argv, {}, tasks.BUILTIN, tables=tables).cfg
+    check_variants(cfg, tables)   # its declaration counts
+    with pytest.raises(ConfigError, match="--policy-loss 'mine' is not one of"):
+        check_variants(cfg, train_lean.TABLES)
+    assert "mine: a scratch loss" in cli.build_parser("toy", tables=tables).format_help()
 
 
 def test_a_variant_built_on_the_default_takes_it_as_an_argument(monkeypatch):
     # gdpo and clip-cov build on the flag's default; it is passed to them, not looked up in
-    # train_lean.py's tables (a KeyError in a process that had not imported it)
+    # train_lean.py's tables (grpo/ does not import it)
     from grpo import variants
     from types import SimpleNamespace
-    monkeypatch.setattr(variants, "TABLES", {})
     calls = []
 
     def default(*args, **_):
@@ -900,22 +915,25 @@ def test_an_entry_added_to_a_table_after_it_was_built_is_a_value_of_its_flag(mon
     import train_lean
     from grpo import variants
     from harness import cli
-    from harness.config import batch_layout
+    from harness.config import check_variants
     monkeypatch.setitem(train_lean.POLICY_LOSSES, "mine", train_lean.clipped_surrogate)
     monkeypatch.setitem(variants.MISMATCH_CORRECTIONS, "mine", variants.tis)
     argv = ["--task", "toy", "--policy-loss", "mine", "--mismatch-correction", "mine"]
-    cfg = cli.load(argv, {}, tasks.BUILTIN).cfg
+    tables = train_lean.TABLES
+    cfg = cli.load(argv, {}, tasks.BUILTIN, tables=tables).cfg
     assert (cfg.policy_loss, cfg.mismatch_correction) == ("mine", "mine")
-    batch_layout(cfg)   # and its declarations count: --dual-clip is PPO's, so the copy's too
-    batch_layout(cli.load([*argv, "--dual-clip", "3"], {}, tasks.BUILTIN).cfg)
-    assert "mine: PPO's -min(r A" in " ".join(cli.build_parser("toy").format_help().split())
+    check_variants(cfg, tables)   # and its declarations count: --dual-clip is PPO's, so the copy's too
+    check_variants(cli.load([*argv, "--dual-clip", "3"], {}, tasks.BUILTIN, tables=tables).cfg, tables)
+    help_text = cli.build_parser("toy", tables=tables).format_help()
+    assert "mine: PPO's -min(r A" in " ".join(help_text.split())
 
 
 def test_no_variant_adds_anything_to_the_default_step():
     # train_lean.py's "none by default": every point of the step loops over an empty list
     from grpo import variants
     from harness.config import Config
-    on = variants.on(Config())
+    from train_lean import TABLES
+    on = variants.on(Config(), TABLES)
     assert not on.reads_entropy
     assert {p: getattr(on, p) for p in variants.POINTS} == {p: [] for p in variants.POINTS}
 
@@ -923,9 +941,9 @@ def test_no_variant_adds_anything_to_the_default_step():
 def test_each_switch_is_on_when_its_setting_is():
     from grpo import variants
     from harness.config import Config
+    from train_lean import TABLES
     settings = {"dynamic-sampling": {"dynamic_sampling": True},
                 "overlong-buffer": {"overlong_buffer": 4},
-                "kl-in-reward": {"kl_in": "reward", "kl_coef": 0.1},
                 "pretraining-mix": {"ptx_coef": 0.1}, "dual-clip": {"dual_clip": 3.0},
                 "top-entropy": {"top_entropy_quantile": 0.2},
                 "entropy-bonus": {"entropy_coef": 0.01}, "kl-target": {"kl_target": 0.01},
@@ -933,26 +951,30 @@ def test_each_switch_is_on_when_its_setting_is():
     assert set(settings) == set(variants.SWITCHES)
     for name, switch in variants.SWITCHES.items():
         assert switch.on(Config(**settings[name])) and not switch.on(Config()), name
-    assert variants.on(Config(kl_in="reward", kl_coef=0.0)).penalty == []   # no reference: no KL
+    # a choice's switch adds where it is chosen and its own `on` holds: no reference, no KL to take off
+    assert [name for name, _ in variants.on(Config(kl_in="reward", kl_coef=0.1), TABLES).penalty] == [
+        "kl_reward_penalty"]
+    assert variants.on(Config(kl_in="reward", kl_coef=0.0), TABLES).penalty == []
 
 
 def test_a_switch_checks_its_settings_before_the_run_whether_it_is_on_or_not(monkeypatch):
     # a switch's own rules stand beside it (Switch.check); the harness asks every switch's
     from grpo import variants
-    from harness.config import Config, ConfigError, batch_layout
-    batch_layout(Config())   # the defaults pass every switch's check
+    from harness.config import Config, ConfigError, check_variants
+    from train_lean import TABLES
+    check_variants(Config(), TABLES)   # the defaults pass every switch's check
     for settings, words in (({"kl_horizon": 50}, "--kl-horizon 50 without --kl-target"),
                             ({"ref_sync_steps": 2, "kl_coef": 0.0}, "--ref-sync-steps 2 moves"),
                             ({"ptx_batch_size": 4}, "--ptx-batch-size 4 with --ptx-coef 0")):
         with pytest.raises(ConfigError, match=words):
-            batch_layout(Config(**settings))
+            check_variants(Config(**settings), TABLES)
     scratch = variants.Switch(on=lambda cfg: cfg.entropy_coef > 0.5,
                               check=lambda cfg: f"--entropy-coef {cfg.entropy_coef} is too high"
                               if cfg.entropy_coef > 0.5 else None)
     monkeypatch.setitem(variants.SWITCHES, "scratch", scratch)
     with pytest.raises(ConfigError, match="--entropy-coef 0.9 is too high"):
-        batch_layout(Config(entropy_coef=0.9))
-    batch_layout(Config(entropy_coef=0.1))
+        check_variants(Config(entropy_coef=0.9), TABLES)
+    check_variants(Config(entropy_coef=0.1), TABLES)
 
 
 def test_a_policy_loss_gets_the_token_mask_its_switch_computes(monkeypatch, tiny_model_dir,

@@ -12,6 +12,7 @@ import pytest
 from harness import cli, config, rundir
 from helpers import small_vocab_model, usage_error, without_tokenizer
 from tasks.rookworld.task import MixOptions
+from train_lean import TABLES
 
 pytestmark = pytest.mark.slow   # the full bad-input table
 
@@ -80,7 +81,7 @@ RANGES = [
 
 
 def cases():
-    fields = {**config.FIELDS, **config.fields_of(MixOptions)}
+    fields = {**cli.variant_fields(TABLES), **config.fields_of(MixOptions)}
     table = [(config.flag(name), value, config.flag(name)) for name, f in fields.items() for value in wrong_values(f)]
     table += RANGES
     return table

@@ -8,11 +8,12 @@ import pytest
 import tasks
 from harness import cli, config, screen
 from harness.config import FIELDS, Config, ConfigError
+from train_lean import TABLES
 
 
 def load(argv, environ):
     """The trainer's settings (the default task's options aside) and their sources."""
-    loaded = cli.load(argv, environ, tasks.BUILTIN, tasks.DEFAULT)
+    loaded = cli.load(argv, environ, tasks.BUILTIN, tasks.DEFAULT, tables=TABLES)
     return loaded.cfg, loaded.sources
 
 
@@ -65,7 +66,7 @@ def test_every_field_is_a_flag_and_an_env_variable():
 
 
 def test_help_is_grouped_and_shows_allowed_values_and_defaults():
-    text = cli.build_parser("toy", {}, tasks.DEFAULT).format_help()
+    text = cli.build_parser("toy", {}, tasks.DEFAULT, tables=TABLES).format_help()
     titles = [title for title, _ in cli.HELP_GROUPS]
     assert titles[:7] == ["batch", "sampling", "algorithm", "model and task", "evaluation",
                           "the work on this machine", "run"]   # the algorithm's settings first
@@ -76,7 +77,7 @@ def test_help_is_grouped_and_shows_allowed_values_and_defaults():
     assert text.startswith("usage: train_lean.py [--task TASK] [--flag VALUE ...]\n")
     assert "--eval-only [BOOL]" in text and "EVAL_ONLY" not in text and "--resume [RESUME]" in text
     assert "--micro-batch-size INT|auto" in text and "--learning-rate FLOAT" in text and "--log-file PATH" in text
-    for name, f in FIELDS.items():   # each flag shows its choices, and its default unless its help says it
+    for name, f in cli.variant_fields(TABLES).items():   # each flag shows its choices, and its default unless its help says it
         if f.metadata["choices"]:
             shown = f"{{{','.join(f.metadata['choices'])}}}"   # in brackets where the flag may be given bare
             assert f"{config.flag(name)} {f'[{shown}]' if f.metadata['const'] else shown}" in text, name
@@ -93,7 +94,7 @@ def test_the_system_prompt_is_a_flag_and_a_variable_of_the_model_and_task():
     assert cfg.system_prompt == "Line one.\nLine two." and sources["system_prompt"] == "env"
     assert load(["--task", "toy"], environ={})[0].system_prompt is None   # the task's own messages
     assert "system_prompt" in dict(cli.help_groups(FIELDS))["model and task"]
-    flat = " ".join(cli.build_parser("toy", {}, tasks.DEFAULT).format_help().split())
+    flat = " ".join(cli.build_parser("toy", {}, tasks.DEFAULT, tables=TABLES).format_help().split())
     assert ("it replaces the task's own system message (the command line over the task), else "
             "comes first; a task of str prompts is refused; any text is the message, none, auto "
             "and '' too [default off]") in flat
@@ -129,9 +130,9 @@ def test_an_unknown_flag_gets_did_you_mean(argv, environ, message):
 def test_sampling_an_evaluation_that_never_runs_is_refused():
     toy = dict(builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
     with pytest.raises(ConfigError, match="--eval-k 4 samples in the held-out evaluation, and --eval-interval 0 runs"):
-        cli.load(["--task", "toy", "--eval-k", "4", "--eval-interval", "0"], environ={}, **toy)
+        cli.load(["--task", "toy", "--eval-k", "4", "--eval-interval", "0"], environ={}, **toy, tables=TABLES)
     for argv in (["--eval-interval", "5"], ["--eval-only"], []):   # an evaluation that runs: accepted
-        assert cli.load(["--task", "toy", "--eval-k", "4", *argv], environ={}, **toy).options.eval_k == 4
+        assert cli.load(["--task", "toy", "--eval-k", "4", *argv], environ={}, **toy, tables=TABLES).options.eval_k == 4
 
 
 def test_an_eval_temperature_without_eval_k_is_refused():
@@ -139,11 +140,11 @@ def test_an_eval_temperature_without_eval_k_is_refused():
     toy = dict(builtin=tasks.BUILTIN, default_task=tasks.DEFAULT)
     with pytest.raises(ConfigError, match=r"--eval-temperature 0.7 is the temperature of --eval-k's samples, and "
                                           r"--eval-k 0 samples none: give --eval-k too"):
-        cli.load(["--task", "toy", "--eval-temperature", "0.7"], environ={}, **toy)
+        cli.load(["--task", "toy", "--eval-temperature", "0.7"], environ={}, **toy, tables=TABLES)
     with pytest.raises(ConfigError, match="--eval-temperature 0.7 is the temperature"):
-        cli.load(["--task", "toy"], environ={"GRPO_EVAL_TEMPERATURE": "0.7"}, **toy)
+        cli.load(["--task", "toy"], environ={"GRPO_EVAL_TEMPERATURE": "0.7"}, **toy, tables=TABLES)
     assert cli.load(["--task", "toy", "--eval-temperature", "0.7", "--eval-k", "2"], environ={},
-                    **toy).options.eval_temperature == 0.7
+                    **toy, tables=TABLES).options.eval_temperature == 0.7
 
 
 BOOL_OPTION_TASK = """
@@ -165,10 +166,10 @@ def test_a_tasks_bool_option_may_be_given_bare_like_the_trainers(tmp_path):
     task = f"{tmp_path / 'strict.py'}:Strict"
     given = {(): False, ("--exact-only",): True, ("--exact-only", "false"): False, ("--exact-only", "yes"): True}
     for argv, value in given.items():
-        loaded = cli.load(["--task", task, *argv, "--overwrite"], environ={})
+        loaded = cli.load(["--task", task, *argv, "--overwrite"], environ={}, tables=TABLES)
         assert loaded.options.exact_only is value and loaded.cfg.overwrite is True, argv
     assert "--exact-only [BOOL]" in cli.build_parser(task, config.fields_of(
-        cli.tasks.options_type(cli.tasks.resolve(task, {})))).format_help()
+        cli.tasks.options_type(cli.tasks.resolve(task, {}))), tables=TABLES).format_help()
 
 
 @pytest.mark.parametrize("declared, message", [
@@ -191,7 +192,7 @@ def test_a_task_option_no_flag_can_read_is_refused(tmp_path, declared, message):
         f"class Options:\n    {declared}\n\nclass Typed(ToyTask):\n    options = Options\n")
     task = f"{tmp_path / 'typed.py'}:Typed"
     with pytest.raises(cli.tasks.TaskError, match=re.escape(f"--task {task}: {message}")):
-        cli.load(["--task", task], environ={})
+        cli.load(["--task", task], environ={}, tables=TABLES)
 
 
 def test_trl_loss_type_names_are_our_aggregations():
@@ -224,7 +225,7 @@ def test_the_advantage_is_also_read_under_its_earlier_name_scale_rewards(tmp_pat
     assert load(["--task", f"{tmp_path / 'old.py'}:Old"], {})[0].advantage == "rloo"
     assert cli._help(FIELDS["advantage"], "toy").endswith("[default group; also --scale-rewards]")
     monkeypatch.setenv("COLUMNS", "1000")   # no wrapping: each flag's help on one line
-    listed = cli.build_parser().format_help()
+    listed = cli.build_parser(tables=TABLES).format_help()
     assert listed.count("--scale-rewards") == 1 and "; also --scale-rewards]" in listed   # in --advantage's help
 
 
@@ -253,7 +254,7 @@ def test_a_tasks_declared_settings_rank_below_the_environment_and_the_command_li
     assert (cfg.learning_rate, sources["learning_rate"]) == (2e-4, "env") and cfg.temperature == 0.5
     cfg, sources = load(["--task", task, "--learning-rate", "1e-4"], environ={"GRPO_LEARNING_RATE": "2e-4"})
     assert (cfg.learning_rate, sources["learning_rate"]) == (1e-4, "cli")
-    help_text = " ".join(cli.build_parser("add.py:Add", {}, declared={"learning_rate": 3e-4}).format_help().split())
+    help_text = " ".join(cli.build_parser("add.py:Add", {}, declared={"learning_rate": 3e-4}, tables=TABLES).format_help().split())
     assert "[default 0.0003 (--task add.py:Add); in (0, 1)]" in help_text   # --help shows the value the run gets
 
 
@@ -305,7 +306,7 @@ def test_a_bad_declaration_is_refused_naming_the_task_and_the_setting(tmp_path, 
     (["--device", "cpu", "--compile", "true"], "fp32", "on"),   # the bool it was before
 ])
 def test_dtype_auto_means_bf16_on_a_gpu_only(argv, dtype, compile):
-    cfg = cli.load(["--task", "toy", *argv], {}, tasks.BUILTIN).cfg
+    cfg = cli.load(["--task", "toy", *argv], {}, tasks.BUILTIN, tables=TABLES).cfg
     assert (cfg.dtype, cfg.compile) == (dtype, compile)
 
 
@@ -324,7 +325,7 @@ def test_a_system_prompt_is_the_text_given(text):
     # "" is an empty system message in place of the task's
     for argv, environ in (["--system-prompt", text], {}), ([], {"GRPO_SYSTEM_PROMPT": text}):
         assert load(argv, environ)[0].system_prompt == text
-    given = cli.load(["--task", "toy", "--system-prompt", text], environ={}, builtin=tasks.BUILTIN)
+    given = cli.load(["--task", "toy", "--system-prompt", text], environ={}, builtin=tasks.BUILTIN, tables=TABLES)
     table = screen.describe(given.cfg, given.options, given.sources,
                             config.batch_layout(given.cfg))   # settings.txt's
     assert re.search(rf"--system-prompt +{re.escape(text or repr(text))} +cli\n", table)

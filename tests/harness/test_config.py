@@ -6,17 +6,25 @@ import torch
 import tasks
 from harness import cli, config
 from harness.config import ConfigError, batch_layout
+from train_lean import TABLES
 
 
 def load(argv, environ):
     """The trainer's settings (the default task's options aside) and their sources."""
-    loaded = cli.load(argv, environ, tasks.BUILTIN, tasks.DEFAULT)
+    loaded = cli.load(argv, environ, tasks.BUILTIN, tasks.DEFAULT, tables=TABLES)
     return loaded.cfg, loaded.sources
 
 
 def layout(argv, world=1):
     cfg, _ = load(argv, environ={})
-    return batch_layout(cfg, world)
+    return checked(cfg, world)
+
+
+def checked(cfg, world=1):
+    """As the run checks its settings: the batch arithmetic, then the variants' rules."""
+    out = batch_layout(cfg, world)
+    config.check_variants(cfg, TABLES)
+    return out
 
 
 def test_defaults_are_the_seed_configuration():
@@ -116,7 +124,7 @@ def test_every_declared_range_is_checked_in_its_own_words(name):
         assert "must be" not in str(e)
 
 
-# the variants' settings (grpo/settings.py) and LoRA's: refused in batch_layout, before anything loads
+# the variants' settings (grpo/settings.py) and LoRA's: refused before anything loads
 @pytest.mark.parametrize("knobs, message", [
     ({"mismatch_cap": 3.0}, "--mismatch-cap 3.0 with --mismatch-correction none"),
     ({"mismatch_correction": "tis", "mismatch_low": 0.2}, "--mismatch-low 0.2 with --mismatch-correction tis"),
@@ -125,7 +133,7 @@ def test_every_declared_range_is_checked_in_its_own_words(name):
 ])
 def test_bad_mismatch_settings_are_refused(knobs, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        batch_layout(config.Config(**knobs))
+        checked(config.Config(**knobs))
 
 
 @pytest.mark.parametrize("knobs, message", [
@@ -141,16 +149,16 @@ def test_bad_mismatch_settings_are_refused(knobs, message):
 ])
 def test_bad_adaptive_kl_settings_are_refused(knobs, message):
     with pytest.raises(ConfigError, match=message):
-        batch_layout(config.Config(**knobs))
+        checked(config.Config(**knobs))
 
 
 def test_the_shortest_kl_horizon_allowed_is_accepted():
     # its coefficient stays above 0: tests/grpo/test_adaptive_kl.py
-    batch_layout(config.Config(kl_target=100.0, kl_horizon=4, batch_size=16))
+    checked(config.Config(kl_target=100.0, kl_horizon=4, batch_size=16))
 
 
 def test_bad_lora_settings_are_refused():
     for changes, message in (({"lora_target_modules": "c_attn"}, "--lora-target-modules c_attn with --lora-rank 0"),
                              ({"lora_rank": 4, "ref_sync_steps": 2}, "--ref-sync-steps 2 with --lora-rank 4")):
         with pytest.raises(config.ConfigError, match=message):
-            config.batch_layout(config.Config(**changes))
+            checked(config.Config(**changes))

@@ -16,6 +16,7 @@ import train_lean
 from harness import cli, config, paths
 from helpers import (EVALUATED_TASK, SMALL, TRAIN, env, one_line_error, read_jsonl, train,
                      usage_error)
+from train_lean import TABLES
 
 
 def toy(model, *extra):
@@ -32,7 +33,7 @@ def snapshot(folder) -> dict:
 
 
 def load(*argv):
-    return cli.load(["--task", "toy", *argv], environ={}, builtin=tasks.BUILTIN).cfg
+    return cli.load(["--task", "toy", *argv], environ={}, builtin=tasks.BUILTIN, tables=TABLES).cfg
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])

@@ -11,6 +11,7 @@ import pytest
 
 import train_lean
 from helpers import REPO, SMALL, read_jsonl, train
+from train_lean import TABLES
 
 README = os.path.join(REPO, "README.md")
 
@@ -91,7 +92,7 @@ def test_the_chat_example_trains_and_evaluates_as_printed(tiny_chat_model_dir, t
         return args
     assert qwen[qwen.index("--model") + 1] == "Qwen/Qwen2.5-0.5B-Instruct"
     for command in (qwen, digits):   # not run: flags the trainer takes
-        cli.load(here(command, "unused"), {}, {})
+        cli.load(here(command, "unused"), {}, {}, tables=TABLES)
     train_lean.main(here(tiny, "run"))
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     evals = [r for r in records if r.get("kind") == "eval"]

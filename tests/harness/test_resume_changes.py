@@ -15,7 +15,7 @@ import torch
 
 import train_lean
 from grpo import variants
-from harness import config, rundir
+from harness import cli, config, rundir
 from tasks.toy import ToyTask
 
 from helpers import CHAT_TASK, build_tiny_model, records, weights
@@ -39,8 +39,8 @@ def compared(option_fields=()):
 def declared_enabling() -> dict:
     """A knob a variant declares (grpo/variants.py declares(knobs=...)) acts with that variant on."""
     out = {}
-    for flag in variants.DEFAULTS:
-        for name, function in variants.table(flag).items():
+    for flag, table in train_lean.TABLES.items():
+        for name, function in table.items():
             for knob in variants.declared(function, "knobs"):
                 out.setdefault(knob, ["--" + flag.replace("_", "-"), name])
     return out
@@ -96,7 +96,7 @@ def changed_value(name: str, f):
     return None
 
 
-NEW.update({name: changed_value(name, f) for name, f in config.FIELDS.items()
+NEW.update({name: changed_value(name, f) for name, f in cli.variant_fields(train_lean.TABLES).items()
             if name not in NEW and name in compared() and changed_value(name, f) is not None})
 
 

@@ -16,6 +16,7 @@ import train_lean
 from harness import cli, config, rundir
 from helpers import (EVALUATED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting,
                      one_line_error, read_jsonl, train, usage_error)
+from train_lean import TABLES
 
 pytestmark = pytest.mark.slow   # concurrent and repeated real runs in one folder
 
@@ -141,7 +142,7 @@ def test_an_earlier_runs_memory_evidence_is_one_of_its_records(tmp_path):
     # a traced run leaves OUT_DIR/memory/trace.json: a new run there would mix its evidence with that one
     (tmp_path / "memory").mkdir()
     (tmp_path / "memory" / "trace.json").write_text("{}")
-    cfg = cli.load(["--task", "toy", "--out-dir", str(tmp_path)], environ={}, builtin=tasks.BUILTIN).cfg
+    cfg = cli.load(["--task", "toy", "--out-dir", str(tmp_path)], environ={}, builtin=tasks.BUILTIN, tables=TABLES).cfg
     assert rundir.earlier_run(cfg) == [str(tmp_path / "memory")]
 
 

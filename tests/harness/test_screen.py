@@ -11,6 +11,7 @@ from harness import cli, screen
 from harness.config import batch_layout
 from grpo.model import load_policy
 from helpers import EVALUATED_TASK, SMALL, header_rows, read_jsonl, without_tokenizer
+from train_lean import TABLES
 
 
 def toy(model, out, *extra):
@@ -79,7 +80,7 @@ def test_the_settings_file_is_one_of_the_runs_records(tiny_model_dir, tmp_path, 
 
 def test_an_unset_setting_says_what_it_comes_to_or_off():
     loaded = cli.load(["--batch-size", "32", "--group-size", "4", "--task", "chess-env"], {"GRPO_SEED": "3"},
-                      tasks.BUILTIN)
+                      tasks.BUILTIN, tables=TABLES)
     text = screen.describe(loaded.cfg, loaded.options, loaded.sources, batch_layout(loaded.cfg))
     assert re.search(r"--batch-size\s+32\s+cli", text) and re.search(r"--seed\s+3\s+env", text)
     assert re.search(r"--mini-batch-size\s+32 \(derived\)\s+default", text)
@@ -98,14 +99,14 @@ def test_an_unset_setting_says_what_it_comes_to_or_off():
 def test_the_batch_in_one_line_over_two_devices():
     loaded = cli.load(["--task", "toy", "--batch-size", "16", "--group-size", "4", "--mini-batch-size", "8",
                        "--micro-batch-size", "2", "--ppo-epochs", "2", "--generation-batch-size", "4"], {},
-                      tasks.BUILTIN)
+                      tasks.BUILTIN, tables=TABLES)
     layout = batch_layout(loaded.cfg, world=2)
     # 16 / 4 = 4 prompts; 8 completions per device; 16 / 8 mini-batches x 2 epochs = 4 updates; 8 / 2 devices
     # = 4 completions of a mini-batch per device, 2 per micro-batch: 2 accumulation steps
     assert screen.batch_line(loaded.cfg, layout) == (
         "4 prompts x 4 = 16 completions per step over 2 devices (8 each); 4 updates of 8 (2 epochs), micro-batch 2 "
         "per device (2 accumulation steps); sampled 4 at a time per device")
-    auto = cli.load(["--task", "toy", "--micro-batch-size", "auto"], {}, tasks.BUILTIN).cfg
+    auto = cli.load(["--task", "toy", "--micro-batch-size", "auto"], {}, tasks.BUILTIN, tables=TABLES).cfg
     assert "micro-batch auto (probed before training)" in screen.batch_line(auto, batch_layout(auto))
 
 
@@ -114,7 +115,7 @@ def test_the_header_of_an_evaluation_and_of_a_model_without_a_fast_path(tiny_mod
     task = tmp_path / "evaluated.py"
     task.write_text(EVALUATED_TASK)
     loaded = cli.load(["--model", tiny_model_dir, "--task", f"{task}:Evaluated", "--eval-only", "--compile"], {},
-                      tasks.BUILTIN)
+                      tasks.BUILTIN, tables=TABLES)
     text = screen.header(loaded, batch_layout(loaded.cfg), torch.device("cpu"), load_policy(tiny_model_dir, "cpu"),
                          None)
     assert text.startswith("train_lean.py: evaluation only")
@@ -150,17 +151,17 @@ def test_the_header_names_the_kl_estimator_and_k1_is_the_default_in_the_reward(t
     # --kl-in reward kept k3, which grpo/algorithm.py says belongs in the loss: now k1 unless one is named
     model = load_policy(tiny_model_dir, "cpu")
     rows = {(): "kl 0.02 x k3 per token in the loss",
-            ("--kl-in", "reward"): "kl 0.02 x k1 (the default in the reward; --kl-estimator names another) per "
+            ("--kl-in", "reward"): "kl 0.02 x k1 (--kl-in reward's default; --kl-estimator names another) per "
                                    "sequence, subtracted from the reward before the advantages",
             ("--kl-in", "reward", "--kl-estimator", "k3"): "kl 0.02 x k3 per sequence, subtracted from the reward",
             ("--kl-coef", "0"): "kl off (--kl-coef 0: no reference model)"}
     for argv, row in rows.items():
-        loaded = cli.load(["--model", tiny_model_dir, "--task", "toy", *argv], {}, tasks.BUILTIN)
+        loaded = cli.load(["--model", tiny_model_dir, "--task", "toy", *argv], {}, tasks.BUILTIN, tables=TABLES)
         assert loaded.cfg.kl_estimator == ("k1" if argv == ("--kl-in", "reward") else "k3")
         text = " ".join(screen.header(loaded, batch_layout(loaded.cfg), torch.device("cpu"), model, None).split())
         assert f" {row}" in text, (argv, text)
     env = cli.load(["--model", tiny_model_dir, "--task", "toy"], {"GRPO_KL_IN": "reward", "GRPO_KL_ESTIMATOR": "k2"},
-                   tasks.BUILTIN)
+                   tasks.BUILTIN, tables=TABLES)
     assert env.cfg.kl_estimator == "k2"   # named in the environment: kept
 
 
@@ -186,7 +187,7 @@ def test_a_long_system_prompt_of_several_lines_is_one_row_and_cut_in_the_header(
     system = ("You are a careful assistant.\n"
               "Answer with the letter only, ten times, and nothing else at all.")
     loaded = cli.load(["--model", tiny_model_dir, "--task", "toy", "--system-prompt", system], {},
-                      tasks.BUILTIN)
+                      tasks.BUILTIN, tables=TABLES)
     layout = batch_layout(loaded.cfg)
     table = screen.describe(loaded.cfg, loaded.options, loaded.sources, layout)
     row = r"\n  --system-prompt\s+'You are a careful assistant.\\nAnswer .* else at all.'  cli\n"

@@ -13,16 +13,19 @@ from helpers import REPO
 def test_the_traced_count_names_the_step_and_the_decoder_and_adds_them_up():
     out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "count_step.py"), "--traced"],
                          capture_output=True, text=True, check=True, timeout=300).stdout.splitlines()
-    rows = dict(re.fullmatch(r"(\S+) +(\d+)", line).groups() for line in out[1:-1])
+    rows = dict(re.fullmatch(r"(\S+) +(\d+)", line).groups() for line in out[1:-2])
     # the step itself, its decoder and its passes are on the path
     assert {"train_lean.py", "grpo/decoders.py", "grpo/passes.py"} <= rows.keys()
-    total, without = map(int, re.fullmatch(r"the algorithm +(\d+) +\(train_lean.py and grpo/; (\d+) "
-                                           r"without grpo/decoders.py\)", out[-1]).groups())
-    ours = {path: int(n) for path, n in rows.items() if path == "train_lean.py" or path.startswith("grpo")}
-    assert total == sum(ours.values()) and without == total - ours["grpo/decoders.py"]
-    # every function of train_lean.py the step calls, not the file: main() is outside the step
+    whole, total = re.fullmatch(r"the default path: (\d+) lines \(all (\d+) of train_lean.py, and the traced "
+                                r"functions of grpo/\)", out[-2]).group(2, 1)
+    without = re.fullmatch(r"the default path without grpo/decoders.py: (\d+) lines", out[-1]).group(1)
+    grpo = {path: int(n) for path, n in rows.items() if path.startswith("grpo")}
     with open(os.path.join(REPO, "train_lean.py"), encoding="utf-8") as f:
-        assert ours["train_lean.py"] < sum(1 for line in f if line.strip())
+        assert int(whole) == sum(1 for line in f if line.strip())   # the file whole, main() too
+    assert int(total) == int(whole) + sum(grpo.values())
+    assert int(without) == int(total) - grpo["grpo/decoders.py"]
+    # the traced functions of train_lean.py, listed on their own, are not the file: main() is outside the step
+    assert int(rows["train_lean.py"]) < int(whole)
 
 
 def test_an_unknown_argument_is_refused_in_one_line():
