@@ -94,10 +94,11 @@ class Switch:
     # before each mini-batch's micro-batches: (policy, batch, rows, mask, guard, cfg, autocast) ->
     # {name: [B, T]}, given to grpo_loss by name; chosen over every device's rows. Every rank.
     mini_batch: typing.Callable = None
+    # t: the micro-batch's values per token (train_lean.py Tokens), read, never written
     pg: typing.Callable = None     # (pg, t, cfg) -> the policy-gradient term it changes
     loss: typing.Callable = None   # (per_token, t, cfg) -> each token's loss, after the KL
     reads_entropy: bool = False    # its loss term reads t.entropy (which then carries a gradient)
-    stats: typing.Callable = None  # (t) -> {name: [B, T]}: summed over the loss tokens, recorded
+    stats: typing.Callable = None  # (t, cfg) -> {name: [B, T]}: summed over the loss tokens
     # after a mini-batch's micro-batches, before its optimizer step: (policy, batch, micro, cfg,
     # autocast, sums, update) -> None, a second loss's backward (update: the step's update index)
     backward: typing.Callable = None
@@ -254,7 +255,7 @@ RATIOS = {"sequence": sequence_ratio}
 
 # ---- per-token advantages (--token-advantage): a shaping of A at each token, before any loss -----
 
-def token_advantage_statistics(t) -> dict:
+def token_advantage_statistics(t, cfg) -> dict:
     """A per-token advantage's sum and sum of squares over the loss tokens."""
     return {"token_adv": t.adv, "token_adv_sq": t.adv ** 2}
 
@@ -271,12 +272,10 @@ UNDECLARED = {"token_advantage": SHAPED}
 
 
 @declares(knobs=("shaping_alpha", "shaping_kappa"))
-def entropy_shaped(t, cfg, **_):
+def entropy_shaped(adv, entropy, cfg):
     """A + min(alpha H, |A| / kappa) at each token, H its entropy (no gradient): more credit where
     the policy was unsure, never past |A| / kappa, so A keeps its sign (Cheng et al. 2025)"""
-    adv = t.adv.expand_as(t.logp)
-    return adv + torch.minimum(cfg.shaping_alpha * t.entropy.detach(),
-                               adv.abs() / cfg.shaping_kappa)
+    return adv + torch.minimum(cfg.shaping_alpha * entropy.detach(), adv.abs() / cfg.shaping_kappa)
 
 
 TOKEN_ADVANTAGES = {"entropy": entropy_shaped}
@@ -288,12 +287,17 @@ def clip_bounds(cfg) -> tuple:
     return cfg.clip_range, high
 
 
-def clipped_tokens(ratio, adv, cfg) -> tuple:
-    """(low, high) bool: the tokens past the clip on A's side, which get no gradient: ratio below
-    1 - clip-range where A < 0, above 1 + clip-range-high where A > 0 (gmpo: its CLIP_EDGES)."""
+def clip_edges(cfg) -> tuple:
+    """(1 - clip-range, 1 + clip-range-high): where clip(r) sets a ratio back to (gmpo: its
+    CLIP_EDGES, where the statistics count a token as clipped)."""
     edges = CLIP_EDGES.get(cfg.policy_loss, lambda low, high: (1 - low, 1 + high))
-    lo, hi = edges(*clip_bounds(cfg))
-    return (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0)
+    return edges(*clip_bounds(cfg))
+
+
+def clip_region(ratio, clipped, adv) -> tuple:
+    """(low, high) bool: the tokens whose ratio the clip set back on A's side, which get no
+    gradient: up to its lower edge where A < 0, down to its upper edge where A > 0."""
+    return (clipped > ratio) & (adv < 0), (clipped < ratio) & (adv > 0)
 
 
 def cispo(ratio, t, cfg, **_):
@@ -340,8 +344,8 @@ def covariance_band(logp, old_logp, advantages, cfg) -> torch.Tensor:
     chosen = torch.zeros(n, dtype=torch.bool)
     if n == 0:
         return chosen
-    cov = token_covariance(logp, advantages)
-    low, high = clipped_tokens(torch.exp(logp - old_logp), advantages, cfg)
+    cov, ratio = token_covariance(logp, advantages), torch.exp(logp - old_logp)
+    low, high = clip_region(ratio, torch.clamp(ratio, *clip_edges(cfg)), advantages)
     inside = (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~(low | high)
     band = torch.nonzero(inside).squeeze(1)
     band = band[torch.argsort(cov[band])]
@@ -381,9 +385,9 @@ def chosen_tokens(choose, policy, batch, rows, mask, guard, cfg, autocast) -> di
 
 def covariance_switch(choose) -> Switch:
     """What Clip-Cov and KL-Cov add to the step: the tokens choose picks (t.cov_mask), and the share
-    of the loss tokens they are (cov_frac)."""
+    of the tokens with a policy gradient they are (cov_frac)."""
     return Switch(mini_batch=functools.partial(chosen_tokens, choose),
-                  stats=lambda t: {"cov_frac": t.cov_mask * t.counted})
+                  stats=lambda t, cfg: {"cov_frac": t.cov_mask * t.pg_mask})
 
 
 def clip_cov_check(cfg):
@@ -399,7 +403,8 @@ def clip_cov_check(cfg):
 def clip_cov(ratio, t, cfg, default):
     """ppo, with --cov-ratio of the mini-batch's tokens, drawn among those whose (A - mean)(logp -
     mean) lies in (--clip-cov-lb, --clip-cov-ub) and the clip left alone, detached (Clip-Cov)"""
-    return default(torch.where(t.cov_mask, ratio.detach(), ratio), t, cfg)   # PPO's surrogate
+    pg = default(ratio, t, cfg)   # PPO's surrogate
+    return torch.where(t.cov_mask, pg.detach(), pg)
 
 
 @declares(knobs=("cov_ratio", "kl_cov_coef"), token_ratios=True,
@@ -423,9 +428,8 @@ def dual_clip(pg, t, cfg):
 
 
 def top_entropy_only(pg, t, cfg):
-    """--top-entropy-quantile: only the high-entropy tokens (t.pg_mask) carry a policy gradient,
-    and only they count in the clip statistics (t.counted)."""
-    t.counted = t.mask * t.pg_mask
+    """--top-entropy-quantile: only the high-entropy tokens (t.pg_mask, chosen before the loss)
+    carry a policy gradient; the clip statistics count them alone."""
     return pg.expand_as(t.logp) * t.pg_mask
 
 
@@ -534,20 +538,20 @@ def trainer_logprobs(batch, step, run, policy, guard) -> None:
 
 
 def mismatch_corrected(pg, t, cfg):
-    """Each token's term weighed by w = pi_trainer / pi_sampler (t.weight, which the statistics
-    read), where the sampler's logprobs are given."""
+    """Each token's term weighed by w = pi_trainer / pi_sampler (mismatch_weight), where the
+    sampler's logprobs are given."""
     if t.sampler_logp is None:
         return pg
-    t.weight = mismatch_weight(t.train_logp, t.sampler_logp, t.mask, cfg)
-    return pg.expand_as(t.logp) * t.weight
+    return pg.expand_as(t.logp) * mismatch_weight(t.train_logp, t.sampler_logp, t.mask, cfg)
 
 
-def weight_statistics(t) -> dict:
-    """The correction's weights where it acted: their mean, and the share it set to 0."""
-    if t.weight is None:
+def weight_statistics(t, cfg) -> dict:
+    """The correction's weights where it acted (mismatch_weight again: a detached formula): their
+    mean, and the share it set to 0."""
+    if t.sampler_logp is None:
         return {}
-    return {"mismatch_weight": t.weight.expand_as(t.logp),
-            "mismatch_zero_frac": (t.weight == 0).expand_as(t.logp)}
+    weight = mismatch_weight(t.train_logp, t.sampler_logp, t.mask, cfg).expand_as(t.logp)
+    return {"mismatch_weight": weight, "mismatch_zero_frac": weight == 0}
 
 
 CORRECTED = Switch(prepare=trainer_logprobs, pg=mismatch_corrected, stats=weight_statistics)
@@ -716,11 +720,6 @@ def on(cfg) -> types.SimpleNamespace:
     return types.SimpleNamespace(reads_entropy=any(s.reads_entropy for s in chosen), **{
         point: [getattr(s, point) for s in chosen if getattr(s, point) is not None]
         for point in POINTS})
-
-
-def tokens(**fields) -> types.SimpleNamespace:
-    """A micro-batch's per-token tensors as the terms above read them (t.logp, t.adv, t.mask)."""
-    return types.SimpleNamespace(**{"weight": None, "sampler_logp": None, **fields})
 
 
 # each flag's table in this file (train_lean.py's add the defaults), its choices as the CLI takes them

@@ -208,9 +208,9 @@ def test_the_statistics_read_once_per_update_are_those_read_after_each_micro_bat
                                 denominator, cfg, cfg.kl_coef, ref_logp=rollout.ref_logp[part],
                                 entropy=entropy, **{k: v[part] for k, v in inputs.items()})
         stats, tokens = dict(stats), mask[part].sum().item()
-        peak = stats.pop("mismatch_max")
-        direct.update(stats, loss=loss.item(), tokens=tokens, mismatch_tokens=tokens)
-        direct["mismatch_max"] = max(direct["mismatch_max"], peak)
+        peak = float(stats.pop("mismatch_max"))   # the gap's tokens measured are among stats
+        direct.update(stats, loss=loss.item(), tokens=tokens)
+        direct["mismatch_max"] = update.Largest(max(direct["mismatch_max"], peak))
     if cfg.ptx_coef:   # the mix's texts after them (grpo/ptx.py backward), read one by one
         mix = rollout.extra["ptx"][0]
         direct.update(ptx_nll=0.0, ptx_tokens=0)
