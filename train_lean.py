@@ -76,7 +76,7 @@ class Tokens:
         try:
             return self.__dict__["inputs"][name]
         except KeyError:
-            raise AttributeError(f"Tokens has no {name!r}: no variant's input of that name") from None
+            raise AttributeError(f"Tokens has no {name!r}: no field, no variant's input") from None
 
 
 def sequence_advantage(adv, entropy, cfg):
@@ -131,20 +131,19 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
     """One micro-batch's loss, divided by its whole mini-batch's denominator over every device (so
     summed micro-batch gradients are one large batch's), and its statistics (sums over its loss
     tokens). kl_coef: the step's (default --kl-coef; none in the loss with --kl-in reward);
-    train_logp: the trainer's logprobs at the sampling weights (by default this forward's),
-    measured against the sampler's, sampler_logp; pg_mask: the tokens with a policy gradient
-    (--top-entropy-quantile's); inputs: [B, T] tensors by name that a variant's term reads (cov_mask);
-    on: the run's variants.on(cfg)."""
+    train_logp, sampler_logp, pg_mask: Tokens'; inputs: [B, T] tensors by name that a variant's
+    term reads (cov_mask); on: the run's variants.on(cfg)."""
     on = on or variants.on(cfg)   # the variants set: their terms (none by default)
     kl_coef = variants.loss_kl_coef(cfg, cfg.kl_coef if kl_coef is None else kl_coef)
     mask = mask.to(logp.dtype)
     adv = TOKEN_ADVANTAGES[cfg.token_advantage](advantages[:, None].to(logp.dtype), entropy, cfg)
     ratio = RATIOS[cfg.importance_level](logp, old_logp, mask)   # pi / pi_old
     clipped = torch.clamp(ratio, *variants.clip_edges(cfg))   # 1 - clip-range, 1 + clip-range-high
-    t = Tokens(logp, old_logp, adv, mask, ratio, clipped, mask if pg_mask is None else pg_mask,
-               entropy, ref_logp, logp.detach() if train_logp is None else train_logp,
-               sampler_logp, inputs)
-    pg = POLICY_LOSSES[cfg.policy_loss](ratio, t, cfg, default=clipped_surrogate)  # -min(r A, clip(r) A)
+    t = Tokens(logp=logp, old_logp=old_logp, adv=adv, mask=mask, ratio=ratio, clipped=clipped,
+               pg_mask=mask if pg_mask is None else pg_mask, entropy=entropy, ref_logp=ref_logp,
+               train_logp=logp.detach() if train_logp is None else train_logp,
+               sampler_logp=sampler_logp, inputs=inputs)
+    pg = POLICY_LOSSES[cfg.policy_loss](ratio, t, cfg, default=clipped_surrogate)   # PPO's
     for term in on.pg:   # --dual-clip, --top-entropy-quantile, --mismatch-correction
         pg = term(pg, t, cfg)
     per_token = pg.expand_as(logp)   # a sequence-level term is every token's
@@ -153,12 +152,12 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
     for term in on.loss:   # --entropy-coef's bonus
         per_token = term(per_token, t, cfg)
     loss = AGGREGATIONS[cfg.loss_agg][1](per_token, mask, denominator)   # the masked token-mean
-    return loss, statistics(t, cfg, (sampler_gap, *on.stats))
+    return loss, statistics(t, cfg, (MEASURED.stats, *on.stats))
 
 
 def statistics(t, cfg, more=()) -> "Statistics":
     """The micro-batch's statistics, each a sum over its loss tokens (the record divides it by the
-    step's loss tokens), from the loss's own ratio and clip; `more`: sampler_gap's and a variant's,
+    step's loss tokens), from the loss's own ratio and clip; `more`: MEASURED's and a variant's,
     each (t, cfg) -> {name: [B, T], or a Peak: a maximum}."""
     with torch.no_grad():
         ratio, clipped = t.ratio.expand_as(t.logp), t.clipped.expand_as(t.logp)
@@ -199,32 +198,8 @@ def per_token_measured(totals, tokens: int, batch) -> dict:
             "mismatch_max": float(totals.pop("mismatch_max"))}
 
 
-class Statistics(Mapping):
-    """A micro-batch's statistics by name, floats: each a sum over the loss tokens, or a Peak's
-    largest. Kept on the device as one tensor until the first is read (a read
-    waits for the device): accumulate reads every micro-batch's at once."""
-
-    def __init__(self, stats: dict, mask):
-        self.names, self.read = list(stats), None
-        self.largest = {k for k, v in stats.items() if isinstance(v, Peak)}
-        self.values = torch.stack([(v.values * mask).max() if k in self.largest
-                                   else (v * mask).sum() for k, v in stats.items()])
-
-    def floats(self, values) -> dict:
-        """The statistics from their values read (a Largest's as a Largest)."""
-        return {k: Largest(v) if k in self.largest else v
-                for k, v in zip(self.names, values)}
-
-    def __getitem__(self, name):
-        if self.read is None:
-            self.read = self.floats(self.values.tolist())
-        return self.read[name]
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self):
-        return len(self.names)
+# in every record, beside the loss's own statistics, as a variant's would be
+MEASURED = variants.Switch(stats=sampler_gap, record=per_token_measured)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +216,34 @@ class Largest(float):
         return Largest(max(self, other))
 
     __radd__ = __add__
+
+
+class Statistics(Mapping):
+    """A micro-batch's statistics by name, floats: each a sum over the loss tokens, or a Peak's
+    largest. Kept on the device as one tensor until the first is read (a read waits for the
+    device): accumulate reads every micro-batch's at once."""
+
+    def __init__(self, stats: dict, mask):
+        self.names, self.read = list(stats), None
+        self.largest = {k for k, v in stats.items() if isinstance(v, Peak)}
+        self.values = torch.stack([(v.values * mask).max() if k in self.largest
+                                   else (v * mask).sum() for k, v in stats.items()])
+
+    def floats(self, values) -> dict:
+        """The statistics from their values read (a Peak's as a Largest)."""
+        return {k: Largest(v) if k in self.largest else v
+                for k, v in zip(self.names, values)}
+
+    def __getitem__(self, name):
+        if self.read is None:
+            self.read = self.floats(self.values.tolist())
+        return self.read[name]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
 
 
 # ---- the update: mini-batches of micro-batches, gradients summed over devices -------------------
@@ -311,13 +314,13 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
             skipped += not guard.step(optimizer, every["loss"], grad_norm)   # not finite
             totals.update(every)
             grad_norms.append(grad_norm)
-    return record(totals, grad_norms, skipped, batch, (per_token_measured, *on.record))
+    return record(totals, grad_norms, skipped, batch, (MEASURED.record, *on.record))
 
 
 def record(totals, grad_norms, skipped: int, batch, more=()) -> dict:
     """The update's record entries: statistics per loss token, loss and gradient norm per update;
-    `more`: the gap's (per_token_measured) and a variant's (totals, tokens, batch) -> entries, each
-    popping the sums it reads itself."""
+    `more`: MEASURED's and a variant's (totals, tokens, batch) -> entries, each popping the sums it
+    reads itself."""
     tokens, updates = max(totals.pop("tokens"), 1), len(grad_norms)
     out = {}
     for extra in more:
