@@ -72,16 +72,10 @@ class Tokens:
     sampler_logp: torch.Tensor = None   # the sampler's, where the update measures the gap
     inputs: dict = dataclasses.field(default_factory=dict)   # a variant's, by name (t.cov_mask)
 
-    def __getattr__(self, name):   # only for a name that is no field: a variant's input
-        try:
-            return self.__dict__["inputs"][name]
-        except KeyError:
-            raise AttributeError(f"Tokens has no {name!r}: no field, no variant's input") from None
-
-
-def sequence_advantage(adv, entropy, cfg):
-    """[B, 1]: each token's advantage is its completion's"""
-    return adv
+    def __getattr__(self, name):   # no field of that name: a variant's input (t.cov_mask)
+        if name not in self.__dict__.get("inputs", ()):
+            raise AttributeError(f"Tokens has no {name!r}: no field, no variant's input")
+        return self.inputs[name]
 
 
 def token_ratio(logp, old_logp, mask):
@@ -111,7 +105,7 @@ def token_count(mask, cfg):
 
 # each choice's default and variants by the flag's value (a name a table lacks: a ValueError)
 RATIOS = variants.Table("importance_level", {"token": token_ratio, **variants.RATIOS})
-TOKEN_ADVANTAGES = variants.Table("token_advantage", {"sequence": sequence_advantage,
+TOKEN_ADVANTAGES = variants.Table("token_advantage", {"sequence": lambda adv, entropy, cfg: adv,
                                                       **variants.TOKEN_ADVANTAGES})
 POLICY_LOSSES = variants.Table("policy_loss", {"ppo": clipped_surrogate, **variants.POLICY_LOSSES})
 KL_ESTIMATORS = variants.Table("kl_estimator", {"k3": k3, **variants.KL_ESTIMATORS})
@@ -136,6 +130,7 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
     on = on or variants.on(cfg)   # the variants set: their terms (none by default)
     kl_coef = variants.loss_kl_coef(cfg, cfg.kl_coef if kl_coef is None else kl_coef)
     mask = mask.to(logp.dtype)
+    # A: its completion's at every token ([B, 1]; shaped per token by --token-advantage)
     adv = TOKEN_ADVANTAGES[cfg.token_advantage](advantages[:, None].to(logp.dtype), entropy, cfg)
     ratio = RATIOS[cfg.importance_level](logp, old_logp, mask)   # pi / pi_old
     clipped = torch.clamp(ratio, *variants.clip_edges(cfg))   # 1 - clip-range, 1 + clip-range-high
@@ -162,8 +157,7 @@ def statistics(t, cfg, more=()) -> "Statistics":
     with torch.no_grad():
         ratio, clipped = t.ratio.expand_as(t.logp), t.clipped.expand_as(t.logp)
         zeros, counted = torch.zeros_like(t.logp), t.pg_mask
-        low = (clipped > ratio) & (t.adv < 0)    # set up to 1 - low where A < 0: no gradient
-        high = (clipped < ratio) & (t.adv > 0)   # set down to 1 + high where A > 0: none either
+        low, high = variants.clip_region(ratio, clipped, t.adv)   # set back on A's side
         dual = (t.adv < 0) & (ratio > (cfg.dual_clip or math.inf))
         stats = {   # the KL always by k3 (low variance), whichever estimator the loss uses
             "kl": zeros if t.ref_logp is None else k3(t.logp, t.ref_logp),
