@@ -151,18 +151,18 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
 
 
 def statistics(t, cfg, more=()) -> "Statistics":
-    """The micro-batch's statistics, each a sum over its loss tokens (the record divides it by the
-    step's loss tokens), from the loss's own ratio and clip; `more`: MEASURED's and a variant's,
-    each (t, cfg) -> {name: [B, T], or a Peak: a maximum}."""
+    """The micro-batch's statistics from the loss's own ratio and clip, each summed over its loss
+    tokens; `more`: MEASURED's and a variant's, each (t, cfg) -> {name: [B, T], or a Peak: the
+    largest}. The record divides a sum by the step's loss tokens, unless the record entry of the
+    switch that made it takes it (MEASURED's: by the tokens it measured)."""
     with torch.no_grad():
         ratio, clipped = t.ratio.expand_as(t.logp), t.clipped.expand_as(t.logp)
         zeros, counted = torch.zeros_like(t.logp), t.pg_mask
         low, high = variants.clip_region(ratio, clipped, t.adv)   # set back on A's side
-        dual = (t.adv < 0) & (ratio > (cfg.dual_clip or math.inf))
         stats = {   # the KL always by k3 (low variance), whichever estimator the loss uses
             "kl": zeros if t.ref_logp is None else k3(t.logp, t.ref_logp),
             "clip_frac": (low | high) * counted, "clip_low_frac": low * counted,
-            "clip_high_frac": high * counted, "clip_dual_frac": dual * counted,
+            "clip_high_frac": high * counted, "clip_dual_frac": zeros,   # --dual-clip's own
             "ratio_mean": ratio,
             "approx_kl": (ratio - 1) - torch.log(ratio),   # KL(old || new), as cleanrl logs it
             "entropy": zeros if t.entropy is None else t.entropy}

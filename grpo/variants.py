@@ -282,7 +282,8 @@ TOKEN_ADVANTAGES = {"entropy": entropy_shaped}
 
 
 def clip_bounds(cfg) -> tuple:
-    """(--clip-range, --clip-range-high or else --clip-range): how far below and above 1 it clips."""
+    """(--clip-range, --clip-range-high or else --clip-range): how far below and above 1 it
+    clips."""
     high = cfg.clip_range_high if cfg.clip_range_high is not None else cfg.clip_range
     return cfg.clip_range, high
 
@@ -425,6 +426,12 @@ CLIP_EDGES = {"gmpo": lambda low, high: (math.exp(-low), math.exp(high))}
 def dual_clip(pg, t, cfg):
     """dual-clip PPO: for A < 0 the term is at most -C A: no unbounded push from a large ratio."""
     return torch.where(t.adv < 0, torch.minimum(pg, -cfg.dual_clip * t.adv), pg)
+
+
+def dual_clipped(t, cfg) -> dict:
+    """--dual-clip's share: the tokens with A < 0 whose ratio is above C, bounded at -C A."""
+    bounded = (t.adv < 0) & (t.ratio > cfg.dual_clip)
+    return {"clip_dual_frac": bounded.expand_as(t.logp) * t.pg_mask}
 
 
 def top_entropy_only(pg, t, cfg):
@@ -696,7 +703,7 @@ SWITCHES = {
                            penalty=("kl_reward_penalty", kl_in_reward)),
     "pretraining-mix": Switch(on=lambda cfg: cfg.ptx_coef != 0, check=ptx.problem,
                               prepare=ptx.prepare, backward=ptx.backward, record=ptx.record),
-    "dual-clip": Switch(on=lambda cfg: cfg.dual_clip is not None, pg=dual_clip),
+    "dual-clip": Switch(on=lambda cfg: cfg.dual_clip is not None, pg=dual_clip, stats=dual_clipped),
     "top-entropy": Switch(on=lambda cfg: cfg.top_entropy_quantile < 1,
                           mini_batch=high_entropy_tokens, pg=top_entropy_only),
     "entropy-bonus": Switch(on=lambda cfg: cfg.entropy_coef != 0, loss=entropy_bonus,
