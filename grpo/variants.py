@@ -98,7 +98,8 @@ class Switch:
     pg: typing.Callable = None     # (pg, t, cfg) -> the policy-gradient term it changes
     loss: typing.Callable = None   # (per_token, t, cfg) -> each token's loss, after the KL
     reads_entropy: bool = False    # its loss term reads t.entropy (which then carries a gradient)
-    stats: typing.Callable = None  # (t, cfg) -> {name: [B, T]}: summed over the loss tokens
+    stats: typing.Callable = None  # (t, cfg) -> {name: [B, T]}: summed over the loss tokens (a
+    # train_lean.Peak: their largest), recorded
     # after a mini-batch's micro-batches, before its optimizer step: (policy, batch, micro, cfg,
     # autocast, sums, update) -> None, a second loss's backward (update: the step's update index)
     backward: typing.Callable = None
