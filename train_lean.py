@@ -11,6 +11,7 @@ packing.py, variants.py, optim.py, distributed.py. The harness keeps the run saf
 called as `run.<something>`, and hands the step a Context (grpo/settings.py); grpo/ never imports
 it. `# every rank` marks a call every rank makes together under torchrun. Why: docs/algorithm.md.
 """
+import dataclasses
 import functools
 import math
 import random
@@ -54,9 +55,32 @@ def group_advantages(rewards, group_size: int, advantage: str = "group", eps: fl
 
 # ---- the loss of a micro-batch: clipped surrogate + k3 KL, token-mean over the mini-batch --------
 
-def sequence_advantage(t, cfg, **_):
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """A micro-batch's values per token, [B, T] ([B, 1]: one per sequence), made once in grpo_loss
+    and never changed: what the loss, its statistics and a variant's terms read."""
+    logp: torch.Tensor       # log pi: this forward's, with the gradient
+    old_logp: torch.Tensor   # log pi_old: the sampling weights'
+    adv: torch.Tensor        # A: its completion's ([B, 1]), or shaped per token (--token-advantage)
+    mask: torch.Tensor       # 1 at a loss token, else 0
+    ratio: torch.Tensor      # r = pi / pi_old (per sequence with --importance-level sequence)
+    clipped: torch.Tensor    # clip(r): r set back to the clip's edge where it is past it
+    pg_mask: torch.Tensor    # the tokens with a policy gradient: the loss tokens (by default)
+    entropy: torch.Tensor = None      # each position's (None where not computed)
+    ref_logp: torch.Tensor = None     # the reference's (None without a KL term)
+    train_logp: torch.Tensor = None   # the trainer's at the sampling weights, detached
+    sampler_logp: torch.Tensor = None   # the sampler's, where the update measures the gap
+    inputs: dict = dataclasses.field(default_factory=dict)   # a variant's, by name (t.cov_mask)
+
+    def __getattr__(self, name):   # no field of that name: a variant's input (t.cov_mask)
+        if name not in self.__dict__.get("inputs", ()):
+            raise AttributeError(f"Tokens has no {name!r}: no field, no variant's input")
+        return self.inputs[name]
+
+
+def sequence_advantage(adv, entropy, cfg):
     """its completion's advantage at every token (GRPO), [B, 1]"""
-    return t.adv
+    return adv
 
 
 def token_ratio(logp, old_logp, mask):
@@ -68,8 +92,9 @@ def token_ratio(logp, old_logp, mask):
 def clipped_surrogate(ratio, t, cfg, **_):
     """PPO's -min(r A, clip(r, 1 - low, 1 + high) A): no gradient once r is past the clip on A's
     side."""
-    low, high = variants.clip_bounds(cfg)
-    return -torch.minimum(ratio * t.adv, torch.clamp(ratio, 1 - low, 1 + high) * t.adv)
+    surr1 = ratio * t.adv
+    surr2 = t.clipped * t.adv
+    return -torch.minimum(surr1, surr2)
 
 
 def k3(logp, ref_logp):
@@ -103,22 +128,26 @@ def loss_denominator(mask, cfg) -> float:
 
 
 def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef: float = None,
-              *, ref_logp=None, entropy=None, on=None, **inputs):
+              *, ref_logp=None, entropy=None, train_logp=None, sampler_logp=None, pg_mask=None,
+              on=None, **inputs):
     """One micro-batch's loss, divided by its whole mini-batch's denominator over every device (so
     summed micro-batch gradients are one large batch's), and its statistics (sums over its loss
-    tokens). kl_coef: the step's (default --kl-coef; none in the loss with --kl-in reward); inputs:
-    [B, T] tensors by name that a variant's term reads (pg_mask, cov_mask, sampler_logp: the
-    sampler's logprobs, measured against train_logp, by default this forward's); on: the run's
-    variants.on(cfg)."""
+    tokens). kl_coef: the step's (default --kl-coef; none in the loss with --kl-in reward);
+    train_logp, sampler_logp, pg_mask: Tokens'; inputs: [B, T] tensors by name that a variant's
+    term reads (cov_mask); on: the run's variants.on(cfg, TABLES)."""
     on = on or variants.on(cfg, TABLES)   # the variants set: their terms (none by default)
     kl_coef = variants.loss_kl_coef(cfg, cfg.kl_coef if kl_coef is None else kl_coef)
-    adv = advantages[:, None].to(logp.dtype)
-    t = variants.tokens(logp=logp, old_logp=old_logp, adv=adv, mask=mask.to(logp.dtype),
-                        entropy=entropy, **{"train_logp": logp.detach(), **inputs})
-    t.counted = t.mask   # the tokens with a policy gradient, which the clip statistics count
-    t.adv = TOKEN_ADVANTAGES[cfg.token_advantage](t, cfg)   # [B, T] when shaped per token
-    ratio = RATIOS[cfg.importance_level](logp, old_logp, t.mask)
-    pg = POLICY_LOSSES[cfg.policy_loss](ratio, t, cfg, default=clipped_surrogate)   # clip-cov's
+    mask = mask.to(logp.dtype)
+    # A: its completion's at every token ([B, 1]; shaped per token by --token-advantage)
+    adv = TOKEN_ADVANTAGES[cfg.token_advantage](advantages[:, None].to(logp.dtype), entropy, cfg)
+    ratio = RATIOS[cfg.importance_level](logp, old_logp, mask)   # pi / pi_old
+    edges = variants.clip_edges(cfg, POLICY_LOSSES[cfg.policy_loss])   # 1 - low, 1 + high
+    clipped = torch.clamp(ratio, *edges)   # clip(r)
+    t = Tokens(logp=logp, old_logp=old_logp, adv=adv, mask=mask, ratio=ratio, clipped=clipped,
+               pg_mask=mask if pg_mask is None else pg_mask, entropy=entropy, ref_logp=ref_logp,
+               train_logp=logp.detach() if train_logp is None else train_logp,
+               sampler_logp=sampler_logp, inputs=inputs)
+    pg = POLICY_LOSSES[cfg.policy_loss](ratio, t, cfg, default=clipped_surrogate)   # PPO's
     for term in on.pg:   # --dual-clip, --top-entropy-quantile, --mismatch-correction
         pg = term(pg, t, cfg)
     per_token = pg.expand_as(logp)   # a sequence-level term is every token's
@@ -126,48 +155,91 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
         per_token = per_token + kl_coef * KL_ESTIMATORS[cfg.kl_estimator](logp, ref_logp)
     for term in on.loss:   # --entropy-coef's bonus
         per_token = term(per_token, t, cfg)
-    loss = AGGREGATIONS[cfg.loss_agg][1](per_token, t.mask, denominator)
-    return loss, statistics(ratio, t, ref_logp, cfg, on.stats)
+    loss = AGGREGATIONS[cfg.loss_agg][1](per_token, mask, denominator)   # the masked token-mean
+    return loss, statistics(t, cfg, (MEASURED.stats, *on.stats))
 
 
-def statistics(ratio, t, ref_logp, cfg, more=()) -> dict:
-    """The micro-batch's statistics over its loss tokens, and those of `more` (a variant's: each
-    t -> {name: [B, T]}): sums (the record divides them by the step's tokens), except mismatch_max:
-    the largest |gap| between the trainer's logprobs and the sampler's, a max."""
+def statistics(t, cfg, more=()) -> "Statistics":
+    """The micro-batch's statistics from the loss's own ratio and clip, each summed over its loss
+    tokens; `more`: MEASURED's and a variant's, each (t, cfg) -> {name: [B, T], or a Peak: the
+    largest}. The record divides a sum by the step's loss tokens, unless the record entry of the
+    switch that made it takes it (MEASURED's: by the tokens it measured)."""
     with torch.no_grad():
-        ratio, adv, counted = ratio.expand_as(t.logp), t.adv, t.counted
-        zeros = torch.zeros_like(t.logp)
-        low, high = variants.clipped_tokens(  # clamped: no gradient
-            ratio, adv, cfg, POLICY_LOSSES[cfg.policy_loss])
-        dual = (adv < 0) & (ratio > (cfg.dual_clip or math.inf))
+        ratio, clipped = t.ratio.expand_as(t.logp), t.clipped.expand_as(t.logp)
+        zeros, counted = torch.zeros_like(t.logp), t.pg_mask
+        low, high = variants.clip_region(ratio, clipped, t.adv)   # set back on A's side
         stats = {   # the KL always by k3 (low variance), whichever estimator the loss uses
-            "kl": zeros if ref_logp is None else k3(t.logp, ref_logp),
+            "kl": zeros if t.ref_logp is None else k3(t.logp, t.ref_logp),
             "clip_frac": (low | high) * counted, "clip_low_frac": low * counted,
-            "clip_high_frac": high * counted, "clip_dual_frac": dual * counted,
+            "clip_high_frac": high * counted, "clip_dual_frac": zeros,   # --dual-clip's own
             "ratio_mean": ratio,
             "approx_kl": (ratio - 1) - torch.log(ratio),   # KL(old || new), as cleanrl logs it
             "entropy": zeros if t.entropy is None else t.entropy}
-        if t.sampler_logp is not None:   # the sampler/trainer gap; k3 by expm1 (no cancellation)
-            gap = t.train_logp - t.sampler_logp
-            stats.update(mismatch_kl=torch.expm1(gap) - gap, mismatch_abs=gap.abs(),
-                         mismatch_max=gap.abs())
         for extra in more:
-            stats.update(extra(t))
-        sums = [(v * t.mask).max() if k == "mismatch_max" else (v * t.mask).sum()
-                for k, v in stats.items()]
-        return Statistics(stats, torch.stack(sums))
+            stats.update(extra(t, cfg))
+        return Statistics(stats, t.mask)
+
+
+def sampler_gap(t, cfg) -> dict:
+    """The sampler/trainer gap, train_logp - sampler_logp, where the update gives the sampler's
+    logprobs (its first forward, or a variant's): k3 by expm1 (no cancellation), |gap|, the tokens
+    measured, and the largest |gap|."""
+    if t.sampler_logp is None:
+        return {}
+    gap = t.train_logp - t.sampler_logp
+    return {"mismatch_kl": torch.expm1(gap) - gap, "mismatch_abs": gap.abs(),
+            "mismatch_tokens": torch.ones_like(gap), "mismatch_max": Peak(gap.abs())}
+
+
+def per_token_measured(totals, tokens: int, batch) -> dict:
+    """The gap's record entries: per token measured (not per loss token), the largest as it is."""
+    if "mismatch_tokens" not in totals:
+        return {}
+    measured = max(totals.pop("mismatch_tokens"), 1)
+    return {"mismatch_kl": totals.pop("mismatch_kl") / measured,
+            "mismatch_abs": totals.pop("mismatch_abs") / measured,
+            "mismatch_max": float(totals.pop("mismatch_max"))}
+
+
+# in every record, beside the loss's own statistics, as a variant's would be
+MEASURED = variants.Switch(stats=sampler_gap, record=per_token_measured)
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """A statistic that is the largest of its [B, T] values over the loss tokens, not their sum."""
+    values: torch.Tensor
+
+
+class Largest(float):
+    """A Peak read: adding two keeps the larger, so that Counter.update, which sums the other
+    statistics over micro-batches, updates and devices, keeps a Peak's largest."""
+
+    def __add__(self, other):
+        return Largest(max(self, other))
+
+    __radd__ = __add__
 
 
 class Statistics(Mapping):
-    """A micro-batch's statistics by name, floats, kept on the device as one tensor until the first
-    is read (a read waits for the device): accumulate reads every micro-batch's at once."""
+    """A micro-batch's statistics by name, floats: each a sum over the loss tokens, or a Peak's
+    largest. Kept on the device as one tensor until the first is read (a read waits for the
+    device): accumulate reads every micro-batch's at once."""
 
-    def __init__(self, names, values):
-        self.names, self.values, self.read = list(names), values, None
+    def __init__(self, stats: dict, mask):
+        self.names, self.read = list(stats), None
+        self.largest = {k for k, v in stats.items() if isinstance(v, Peak)}
+        self.values = torch.stack([(v.values * mask).max() if k in self.largest
+                                   else (v * mask).sum() for k, v in stats.items()])
+
+    def floats(self, values) -> dict:
+        """The statistics from their values read (a Peak's as a Largest)."""
+        return {k: Largest(v) if k in self.largest else v
+                for k, v in zip(self.names, values)}
 
     def __getitem__(self, name):
         if self.read is None:
-            self.read = dict(zip(self.names, self.values.tolist()))
+            self.read = self.floats(self.values.tolist())
         return self.read[name]
 
     def __iter__(self):
@@ -196,15 +268,13 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
                                 on=on, **{k: v[part] for k, v in inputs.items()})
         loss.backward()
         # float64 holds each float32 sum and token count exactly: the host reads the very values
-        parts.append((stats.names, torch.cat([stats.values.double(), loss.detach().double()[None],
-                                              mask[part].sum().double()[None]])))
+        parts.append((stats, torch.cat([stats.values.double(), loss.detach().double()[None],
+                                        mask[part].sum().double()[None]])))
     read = iter(torch.cat([values for _, values in parts]).tolist())   # the micro-batches' one read
-    for names, _ in parts:   # summed on the host in micro-batch order, as they were
-        stats = {name: next(read) for name in names}
-        loss, tokens, peak = next(read), int(next(read)), stats.pop("mismatch_max", 0.0)
-        sums.update(stats, loss=loss, tokens=tokens,
-                    mismatch_tokens=tokens if "sampler_logp" in inputs else 0)
-        sums["mismatch_max"] = max(sums["mismatch_max"], peak)
+    for stats, _ in parts:   # summed on the host in micro-batch order (a Largest: the largest)
+        values = [next(read) for _ in stats.names]
+        loss, tokens = next(read), int(next(read))
+        sums.update(stats.floats(values), loss=loss, tokens=tokens)
     for backward in on.backward:   # --ptx-coef's texts
         backward(policy, batch, micro, cfg, autocast, sums, update_index)
     return sums
@@ -218,7 +288,7 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
     params, kl_coef = trainable_parameters(policy), cfg.kl_coef if kl_coef is None else kl_coef
     B, mini = batch.input_ids.shape[0], layout.mini_batch_per_device
     mask, on = loss_mask(batch, cfg), on or variants.on(cfg, TABLES)
-    totals, grad_norms, skipped, peaks = Counter(), [], 0, []
+    totals, grad_norms, skipped = Counter(), [], 0
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B) if mini < B else torch.arange(B)
         for rows in order.split(mini):
@@ -238,30 +308,27 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
                 cfg=cfg, autocast=autocast, kl_coef=kl_coef, update_index=len(grad_norms), on=on,
                 **inputs))
             distributed.sum_gradients(params)  # every rank
-            peaks.append(max(distributed.gather_objects(sums.pop("mismatch_max"))))  # every rank
-            names = sorted(sums)
-            sums = dict(zip(names, distributed.all_sum([sums[k] for k in names])))  # every rank
+            every = Counter()   # over every device, in rank order (a Largest: the largest)
+            for sums_of_rank in distributed.gather_objects(sums):  # every rank
+                every.update(sums_of_rank)
             # --max-grad-norm 0 is no clipping: an infinite bound scales by exactly 1
             bound = cfg.max_grad_norm or math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(params, bound).item()
-            skipped += not guard.step(optimizer, sums["loss"], grad_norm)   # not finite
-            totals.update(sums)
+            skipped += not guard.step(optimizer, every["loss"], grad_norm)   # not finite
+            totals.update(every)
             grad_norms.append(grad_norm)
-    return record(totals, grad_norms, skipped, peaks, batch, on.record)
+    return record(totals, grad_norms, skipped, batch, (MEASURED.record, *on.record))
 
 
-def record(totals, grad_norms, skipped: int, peaks, batch, more=()) -> dict:
-    """The update's record entries: statistics per loss token, loss and gradient norm per update,
-    the sampler/trainer gap's per token measured; `more`: a variant's (totals, tokens, batch) ->
-    entries, which pops the sums it reads itself."""
+def record(totals, grad_norms, skipped: int, batch, more=()) -> dict:
+    """The update's record entries: statistics per loss token, loss and gradient norm per update;
+    `more`: MEASURED's and a variant's (totals, tokens, batch) -> entries, each popping the sums it
+    reads itself."""
     tokens, updates = max(totals.pop("tokens"), 1), len(grad_norms)
     out = {}
     for extra in more:
         out.update(extra(totals, tokens, batch))
-    measured = max(totals.pop("mismatch_tokens"), 1)
-    out.update({"loss": totals.pop("loss") / updates, "mismatch_max": max(peaks),
-                **{k: v / (measured if k.startswith("mismatch") else tokens)
-                   for k, v in totals.items()},
+    out.update({"loss": totals.pop("loss") / updates, **{k: v / tokens for k, v in totals.items()},
                 "grad_norm": sum(grad_norms) / updates, "skipped_nonfinite": skipped})
     return out
 

@@ -87,10 +87,12 @@ class Switch:
     # before each mini-batch's micro-batches: (policy, batch, rows, mask, guard, cfg, autocast) ->
     # {name: [B, T]}, given to grpo_loss by name; chosen over every device's rows. Every rank.
     mini_batch: typing.Callable = None
+    # t: the micro-batch's values per token (train_lean.py Tokens), read, never written
     pg: typing.Callable = None     # (pg, t, cfg) -> the policy-gradient term it changes
     loss: typing.Callable = None   # (per_token, t, cfg) -> each token's loss, after the KL
     reads_entropy: bool = False    # its loss term reads t.entropy (which then carries a gradient)
-    stats: typing.Callable = None  # (t) -> {name: [B, T]}: summed over the loss tokens, recorded
+    stats: typing.Callable = None  # (t, cfg) -> {name: [B, T]}: summed over the loss tokens (a
+    # train_lean.Peak: their largest), recorded
     # after a mini-batch's micro-batches, before its optimizer step: (policy, batch, micro, cfg,
     # autocast, sums, update) -> None, a second loss's backward (update: the step's update index)
     backward: typing.Callable = None
@@ -227,7 +229,7 @@ RATIOS = {"sequence": sequence_ratio}
 
 # ---- per-token advantages (--token-advantage): a shaping of A at each token, before any loss -----
 
-def token_advantage_statistics(t) -> dict:
+def token_advantage_statistics(t, cfg) -> dict:
     """A per-token advantage's sum and sum of squares over the loss tokens."""
     return {"token_adv": t.adv, "token_adv_sq": t.adv ** 2}
 
@@ -244,30 +246,34 @@ UNDECLARED = {"token_advantage": SHAPED}
 
 
 @declares(knobs=("shaping_alpha", "shaping_kappa"))
-def entropy_shaped(t, cfg, **_):
+def entropy_shaped(adv, entropy, cfg):
     """A + min(alpha H, |A| / kappa) at each token, H its entropy (no gradient): more credit where
     the policy was unsure, never past |A| / kappa, so A keeps its sign (Cheng et al. 2025)"""
-    adv = t.adv.expand_as(t.logp)
-    return adv + torch.minimum(cfg.shaping_alpha * t.entropy.detach(),
-                               adv.abs() / cfg.shaping_kappa)
+    return adv + torch.minimum(cfg.shaping_alpha * entropy.detach(), adv.abs() / cfg.shaping_kappa)
 
 
 TOKEN_ADVANTAGES = {"entropy": entropy_shaped}
 
 
 def clip_bounds(cfg) -> tuple:
-    """(--clip-range, --clip-range-high or else --clip-range): how far below and above 1 it clips."""
+    """(--clip-range, --clip-range-high or else --clip-range): how far below and above 1 it
+    clips."""
     high = cfg.clip_range_high if cfg.clip_range_high is not None else cfg.clip_range
     return cfg.clip_range, high
 
 
-def clipped_tokens(ratio, adv, cfg, loss=None) -> tuple:
-    """(low, high) bool: the tokens past the clip on A's side, which get no gradient: ratio below
-    1 - clip-range where A < 0, above 1 + clip-range-high where A > 0, or where the policy loss
-    `loss` (its table's entry; None: PPO's) declares its clip_edges (gmpo's)."""
+def clip_edges(cfg, loss=None) -> tuple:
+    """(1 - clip-range, 1 + clip-range-high): where clip(r) sets a ratio back to, or where the
+    policy loss `loss` (its table's entry; None: PPO's) declares its clip_edges (gmpo's), where the
+    statistics count a token as clipped."""
     edges = declared(loss, "clip_edges") or (lambda low, high: (1 - low, 1 + high))
-    lo, hi = edges(*clip_bounds(cfg))
-    return (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0)
+    return edges(*clip_bounds(cfg))
+
+
+def clip_region(ratio, clipped, adv) -> tuple:
+    """(low, high) bool: the tokens whose ratio the clip set back on A's side, which get no
+    gradient: up to its lower edge where A < 0, down to its upper edge where A > 0."""
+    return (clipped > ratio) & (adv < 0), (clipped < ratio) & (adv > 0)
 
 
 def cispo(ratio, t, cfg, **_):
@@ -314,8 +320,8 @@ def covariance_band(logp, old_logp, advantages, cfg) -> torch.Tensor:
     chosen = torch.zeros(n, dtype=torch.bool)
     if n == 0:
         return chosen
-    cov = token_covariance(logp, advantages)
-    low, high = clipped_tokens(torch.exp(logp - old_logp), advantages, cfg)
+    cov, ratio = token_covariance(logp, advantages), torch.exp(logp - old_logp)
+    low, high = clip_region(ratio, torch.clamp(ratio, *clip_edges(cfg)), advantages)
     inside = (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~(low | high)
     band = torch.nonzero(inside).squeeze(1)
     band = band[torch.argsort(cov[band])]
@@ -355,9 +361,9 @@ def chosen_tokens(choose, policy, batch, rows, mask, guard, cfg, autocast) -> di
 
 def covariance_switch(choose) -> Switch:
     """What Clip-Cov and KL-Cov add to the step: the tokens choose picks (t.cov_mask), and the share
-    of the loss tokens they are (cov_frac)."""
+    of the tokens with a policy gradient they are (cov_frac)."""
     return Switch(mini_batch=functools.partial(chosen_tokens, choose),
-                  stats=lambda t: {"cov_frac": t.cov_mask * t.counted})
+                  stats=lambda t, cfg: {"cov_frac": t.cov_mask * t.pg_mask})
 
 
 def clip_cov_check(cfg):
@@ -373,7 +379,8 @@ def clip_cov_check(cfg):
 def clip_cov(ratio, t, cfg, default):
     """ppo, with --cov-ratio of the mini-batch's tokens, drawn among those whose (A - mean)(logp -
     mean) lies in (--clip-cov-lb, --clip-cov-ub) and the clip left alone, detached (Clip-Cov)"""
-    return default(torch.where(t.cov_mask, ratio.detach(), ratio), t, cfg)   # PPO's surrogate
+    pg = default(ratio, t, cfg)   # PPO's surrogate
+    return torch.where(t.cov_mask, pg.detach(), pg)
 
 
 @declares(knobs=("cov_ratio", "kl_cov_coef"), token_ratios=True,
@@ -394,10 +401,15 @@ def dual_clip(pg, t, cfg):
     return torch.where(t.adv < 0, torch.minimum(pg, -cfg.dual_clip * t.adv), pg)
 
 
+def dual_clipped(t, cfg) -> dict:
+    """--dual-clip's share: the tokens with A < 0 whose ratio is above C, bounded at -C A."""
+    bounded = (t.adv < 0) & (t.ratio > cfg.dual_clip)
+    return {"clip_dual_frac": bounded.expand_as(t.logp) * t.pg_mask}
+
+
 def top_entropy_only(pg, t, cfg):
-    """--top-entropy-quantile: only the high-entropy tokens (t.pg_mask) carry a policy gradient,
-    and only they count in the clip statistics (t.counted)."""
-    t.counted = t.mask * t.pg_mask
+    """--top-entropy-quantile: only the high-entropy tokens (t.pg_mask, chosen before the loss)
+    carry a policy gradient; the clip statistics count them alone."""
     return pg.expand_as(t.logp) * t.pg_mask
 
 
@@ -521,20 +533,20 @@ def trainer_logprobs(batch, step, ctx, policy, guard) -> None:
 
 
 def mismatch_corrected(pg, t, cfg):
-    """Each token's term weighed by w = pi_trainer / pi_sampler (t.weight, which the statistics
-    read), where the sampler's logprobs are given."""
+    """Each token's term weighed by w = pi_trainer / pi_sampler (mismatch_weight), where the
+    sampler's logprobs are given."""
     if t.sampler_logp is None:
         return pg
-    t.weight = mismatch_weight(t.train_logp, t.sampler_logp, t.mask, cfg)
-    return pg.expand_as(t.logp) * t.weight
+    return pg.expand_as(t.logp) * mismatch_weight(t.train_logp, t.sampler_logp, t.mask, cfg)
 
 
-def weight_statistics(t) -> dict:
-    """The correction's weights where it acted: their mean, and the share it set to 0."""
-    if t.weight is None:
+def weight_statistics(t, cfg) -> dict:
+    """The correction's weights where it acted (mismatch_weight again: a detached formula): their
+    mean, and the share it set to 0."""
+    if t.sampler_logp is None:
         return {}
-    return {"mismatch_weight": t.weight.expand_as(t.logp),
-            "mismatch_zero_frac": (t.weight == 0).expand_as(t.logp)}
+    weight = mismatch_weight(t.train_logp, t.sampler_logp, t.mask, cfg).expand_as(t.logp)
+    return {"mismatch_weight": weight, "mismatch_zero_frac": weight == 0}
 
 
 CORRECTED = Switch(prepare=trainer_logprobs, pg=mismatch_corrected, stats=weight_statistics)
@@ -683,7 +695,7 @@ SWITCHES = {
                               penalty=("overlong_penalty", overlong)),
     "pretraining-mix": Switch(on=lambda cfg: cfg.ptx_coef != 0, check=ptx.problem,
                               prepare=ptx.prepare, backward=ptx.backward, record=ptx.record),
-    "dual-clip": Switch(on=lambda cfg: cfg.dual_clip is not None, pg=dual_clip),
+    "dual-clip": Switch(on=lambda cfg: cfg.dual_clip is not None, pg=dual_clip, stats=dual_clipped),
     "top-entropy": Switch(on=lambda cfg: cfg.top_entropy_quantile < 1,
                           mini_batch=high_entropy_tokens, pg=top_entropy_only),
     "entropy-bonus": Switch(on=lambda cfg: cfg.entropy_coef != 0, loss=entropy_bonus,
@@ -716,8 +728,3 @@ def penalties(cfg) -> list:
     said = [f"--{name}" for name, switch in SWITCHES.items() if switch.penalty and switch.on(cfg)]
     place = declared(KL_PLACES[cfg.kl_in], "switch")
     return said + ([f"--kl-in {cfg.kl_in}"] if place and place.penalty and place.on(cfg) else [])
-
-
-def tokens(**fields) -> types.SimpleNamespace:
-    """A micro-batch's per-token tensors as the terms above read them (t.logp, t.adv, t.mask)."""
-    return types.SimpleNamespace(**{"weight": None, "sampler_logp": None, **fields})

@@ -158,6 +158,26 @@ def one_update(model, batch, knobs, micro):
     return record, [p.detach() for p in params], guard
 
 
+def test_the_gap_is_per_token_measured_and_its_largest_over_the_micro_batches(rollout64, batch):
+    """Of two updates, the first measures the sampler/trainer gap (its forward is at the sampling
+    weights; the second's is not): the record's mismatch_kl and mismatch_abs are per token of that
+    mini-batch, not of the step, and mismatch_max the largest over its 4 micro-batches, each
+    against the formula over those tokens."""
+    record = one_update(rollout64[0], batch, KNOBS["defaults"], micro=8)[0]
+    cfg = config_for({"mini_batch_size": 32})
+    rollout = as_rollout(batch, cfg, 0, 1)
+    torch.manual_seed(0)   # one_update's shuffle: the first mini-batch's rows
+    first = torch.randperm(64)[:32].sort().values
+    with torch.no_grad():
+        logp = completion_logprobs(rollout64[0], rollout.input_ids[first], rollout.attention[first],
+                                   MAX_NEW_TOKENS, TEMPERATURE, CHUNK_ROWS)
+    measured = passes.loss_mask(rollout, cfg)[first].bool()
+    gap = (logp - rollout.sampler_logp[first])[measured].double()
+    assert record["mismatch_kl"] == pytest.approx((gap.exp() - 1 - gap).mean().item(), rel=1e-4)
+    assert record["mismatch_abs"] == pytest.approx(gap.abs().mean().item(), rel=1e-5)
+    assert record["mismatch_max"] == pytest.approx(gap.abs().max().item(), rel=1e-5)
+
+
 @pytest.mark.parametrize("name, entropy", [("top entropy token-mean", True),
                                            ("clip-cov wide band", False)])
 def test_an_out_of_memory_in_a_token_selection_pass_retries_it_with_fewer_rows(
@@ -208,9 +228,9 @@ def test_the_statistics_read_once_per_update_are_those_read_after_each_micro_bat
                                 denominator, cfg, cfg.kl_coef, ref_logp=rollout.ref_logp[part],
                                 entropy=entropy, **{k: v[part] for k, v in inputs.items()})
         stats, tokens = dict(stats), mask[part].sum().item()
-        peak = stats.pop("mismatch_max")
-        direct.update(stats, loss=loss.item(), tokens=tokens, mismatch_tokens=tokens)
-        direct["mismatch_max"] = max(direct["mismatch_max"], peak)
+        peak = float(stats.pop("mismatch_max"))   # the gap's tokens measured are among stats
+        direct.update(stats, loss=loss.item(), tokens=tokens)
+        direct["mismatch_max"] = update.Largest(max(direct["mismatch_max"], peak))
     if cfg.ptx_coef:   # the mix's texts after them (grpo/ptx.py backward), read one by one
         mix = rollout.extra["ptx"][0]
         direct.update(ptx_nll=0.0, ptx_tokens=0)

@@ -9,7 +9,7 @@ import torch
 from grpo.optim import learning_rate
 from grpo.rollout import flat_groups
 from grpo.variants import covariance_band, highest_covariance, kl_reward_penalty as _kl_reward_penalty, overlong_penalty, top_entropy_threshold
-from train_lean import KL_ESTIMATORS, RATIOS as RATIO_CHOICES, group_advantages, grpo_loss, k3 as k3_kl, loss_denominator
+from train_lean import KL_ESTIMATORS, TABLES, RATIOS as RATIO_CHOICES, group_advantages, grpo_loss, k3 as k3_kl, loss_denominator
 
 
 def kl_estimate(logp, ref_logp, estimator="k3"):
@@ -203,6 +203,62 @@ def test_clip_low_and_high_are_counted_apart():
     # row 0 (A > 0): the high ratio is clipped, the low one not; row 1 (A < 0): the low one is clipped
     assert stats["clip_high_frac"] == 1 and stats["clip_low_frac"] == 1 and stats["clip_frac"] == 2
     assert stats["ratio_mean"] == pytest.approx(2 * math.exp(0.5) + 2 * math.exp(-0.5) + 1, rel=1e-6)
+
+
+def test_the_clip_region_is_where_the_clip_set_the_ratio_back_on_the_side_of_a():
+    """variants.clip_region, from the clamped ratio the loss uses, against the direct comparison
+    with the edges: every float32 ratio within 50 steps of either edge, both signs of A."""
+    from grpo.variants import clip_edges, clip_region
+    for knobs in ({}, {"clip_high": 0.28}, {"clip_low": 3e-4, "clip_high": 4e-4},
+                  {"policy_loss": "gmpo", "clip_low": 0.4, "clip_high": 0.3}):
+        lo, hi = clip_edges(loss_config(**knobs))
+        near = []
+        for edge in (lo, hi):
+            up = down = torch.tensor(edge, dtype=torch.float32)
+            for _ in range(50):
+                up, down = torch.nextafter(up, torch.tensor(2.0)), torch.nextafter(down, torch.tensor(0.0))
+                near += [up, down]
+        ratio = torch.stack(near + [torch.tensor(lo), torch.tensor(hi)])
+        for a in (1.0, -1.0):
+            adv = torch.full_like(ratio, a)
+            low, high = clip_region(ratio, torch.clamp(ratio, lo, hi), adv)
+            assert torch.equal(low, (ratio < lo) & (adv < 0)) and torch.equal(high, (ratio > hi) & (adv > 0))
+            assert (low if a < 0 else high).any() and not (low & high).any()
+
+
+def test_the_clip_statistics_count_the_tokens_with_a_policy_gradient_alone():
+    # with --top-entropy-quantile a token outside pg_mask has no policy gradient: no clip of it counts
+    logp = torch.tensor([[0.5, 0.5, 0.5], [-0.5, -0.5, 0.0]])   # e^.5 above 1.2, e^-.5 below 0.8
+    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 3)
+    _, every = grpo_loss(logp, torch.zeros(2, 3), adv, mask, 1.0, loss_config())
+    assert (every["clip_high_frac"], every["clip_low_frac"], every["clip_frac"]) == (3, 2, 5)
+    pg_mask = torch.tensor([[True, False, False], [False, True, True]])
+    _, chosen = grpo_loss(logp, torch.zeros(2, 3), adv, mask, 1.0, loss_config(top_entropy_quantile=0.5),
+                          pg_mask=pg_mask)
+    assert (chosen["clip_high_frac"], chosen["clip_low_frac"], chosen["clip_frac"]) == (1, 1, 2)
+
+
+def test_a_term_reads_the_tokens_by_name_and_cannot_write_them():
+    """The per-token record a term gets (train_lean.py Tokens) is made once per micro-batch: its
+    fields and the variants' inputs by name, read; writing one raises."""
+    import dataclasses
+    from grpo import variants
+    seen = []
+
+    def read(pg, t, cfg):
+        seen.append((t.mine, hasattr(t, "other"), t.adv.shape))
+        return pg
+
+    def write(pg, t, cfg):
+        t.adv = -t.adv
+    on = variants.on(loss_config(), TABLES)
+    on.pg = [read]
+    mine = torch.ones(2, 3)
+    grpo_loss(LOGP, OLD, ADV, MASK, 5.0, loss_config(), on=on, mine=mine)
+    assert seen == [(mine, False, (2, 1))]
+    on.pg = [write]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        grpo_loss(LOGP, OLD, ADV, MASK, 5.0, loss_config(), on=on)
 
 
 # ---- GSPO ----------------------------------------------------------------------------------------------------
