@@ -8,8 +8,10 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -242,3 +244,9 @@ def header_rows(stdout: str) -> tuple:
         else:
             rows[name] += " " + line.strip()
     return "\n".join(lines[:end]), rows
+
+
+# torch.compile's C++ build on the CPU (inductor) hands its temporary paths to g++ unquoted: under a
+# TMPDIR with a space every such compilation fails, whatever the code compiled
+INDUCTOR_BUILDS = pytest.mark.skipif(" " in tempfile.gettempdir(),
+                                     reason="TMPDIR has a space, which torch inductor's g++ call splits")

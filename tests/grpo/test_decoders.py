@@ -12,11 +12,12 @@ from grpo.model import checkpoint_layers, completion_logprobs
 from grpo.model import end_ids, load_policy, load_tokenizer
 from grpo.decoders import generate, sample_token
 from grpo.rollout import encode_prompts, left_pad
+from helpers import INDUCTOR_BUILDS
 
 
 # the compiled decode step (torch.compile's inductor builds C++ on the CPU: tens of seconds a
 # shape) in the slow tier; the eager one in both
-EAGER_AND_COMPILED = [False, pytest.param(True, marks=pytest.mark.slow)]
+EAGER_AND_COMPILED = [False, pytest.param(True, marks=[pytest.mark.slow, INDUCTOR_BUILDS])]
 
 
 @pytest.fixture
@@ -127,7 +128,8 @@ def test_greedy_decoding_equals_hf_generate(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, backend", [("gpt2", "inductor"), ("llama", "aot_eager")])
+@pytest.mark.parametrize("arch, backend", [pytest.param("gpt2", "inductor", marks=INDUCTOR_BUILDS),
+                                           ("llama", "aot_eager")])
 def test_compiled_decode_step_equals_the_eager_one(arch, backend, tiny_model_dir, tiny_rotary_dir, monkeypatch):
     """Batches of two prompt widths, the first one again last: the compiled step recompiles for the second
     width and reuses the first's K/V buffers for the third batch; always the eager step's tokens and logprobs.

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from helpers import SMALL, TRAIN, env, records, train, trained_in_process, usage_error
+from helpers import INDUCTOR_BUILDS, SMALL, TRAIN, env, records, train, trained_in_process, usage_error
 
 peft = pytest.importorskip("peft")
 
@@ -178,6 +178,7 @@ def test_two_gloo_ranks_make_the_one_process_lora_update(tiny_model_dir, tmp_pat
 
 
 @pytest.mark.slow
+@INDUCTOR_BUILDS
 def test_compiled_decoding_and_checkpointed_layers_keep_lora_on_policy(tiny_model_dir, tmp_path, clean_env):
     # --compile captures the decode step with the adapters' layers in it; --gradient-checkpointing recomputes them
     # in backward: the second step's adapters have moved, and its update still starts at ratio 1

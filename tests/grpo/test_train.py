@@ -11,7 +11,7 @@ import train_lean
 from grpo import variants
 from harness import config
 
-from helpers import REPO, header_rows, read_jsonl as records, user_env
+from helpers import INDUCTOR_BUILDS, REPO, header_rows, read_jsonl as records, user_env
 
 STEP_KEYS = {"step", "reward_mean", "reward_std", "frac_zero_std", "loss", "kl", "clip_frac", "ratio_mean",
              "grad_norm", "completion_len_mean", "step_time_s", "gen_time_s", "train_time_s", "samples_per_s",
@@ -196,6 +196,7 @@ def test_each_algorithm_knob_runs_end_to_end_and_logs(knob, tiny_model_dir, tmp_
 
 
 @pytest.mark.slow
+@INDUCTOR_BUILDS
 def test_compiled_decoding_trains_on_policy(tiny_rotary_dir, tmp_path, clean_env, capsys):
     # --compile: the decode step goes through torch.compile; its sampling logprobs must still be the
     # training forward's, so the first update of a step is exactly on-policy (ratio 1, nothing clipped);
