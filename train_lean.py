@@ -256,7 +256,7 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
     """Forward and backward of one mini-batch (rows), cut into micro-batches by micro (rows or
     --micro-batch-tokens, harness/guards.py Micro), then a variant's second loss (the pretraining
     mix); returns the summed statistics. inputs: [B, ...] tensors by name for grpo_loss, each
-    micro-batch's rows picked; on: the run's variants.on(cfg)."""
+    micro-batch's rows picked; on: the run's variants.on(cfg, TABLES)."""
     optimizer.zero_grad(set_to_none=True)
     sums, on, parts = Counter(), on or variants.on(cfg, TABLES), []
     for part in micro.split(batch, rows):
@@ -284,7 +284,7 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
            on=None) -> dict:
     """--ppo-epochs passes over the batch in shuffled mini-batches, one optimizer step each; returns
     the step's record entries. A non-finite update is skipped (guard.step), the weights kept. on:
-    the run's variants.on(cfg)."""
+    the run's variants.on(cfg, TABLES)."""
     params, kl_coef = trainable_parameters(policy), cfg.kl_coef if kl_coef is None else kl_coef
     B, mini = batch.input_ids.shape[0], layout.mini_batch_per_device
     mask, on = loss_mask(batch, cfg), on or variants.on(cfg, TABLES)
