@@ -4,19 +4,15 @@
     python train_lean.py --task toy --help        # every flag (each also a GRPO_<FLAG> variable)
     torchrun --nproc_per_node 2 train_lean.py ... # data-parallel: each process takes whole groups
 
-Off-by-default variants: grpo/variants.py, most looked up in the tables below by flag value (main
-hands TABLES to the harness); the step's `for ... in on.X` loops run what the variants set add at
-point X (none by default). Under the step, in grpo/: rollout.py, decoders.py, passes.py, model.py,
-packing.py, variants.py, optim.py, distributed.py. The harness keeps the run safe and recorded,
-called as `run.<something>`, and hands the step a Context (grpo/settings.py); grpo/ never imports
-it. `# every rank` marks a call every rank makes together under torchrun. Why: docs/algorithm.md.
+Variants (grpo/variants.py) are looked up in the tables below by flag value, or add to the step at
+its `for ... in on.X` loops (none by default). The engine is grpo/, the harness (`run.`) harness/.
+`# every rank` marks a call every rank makes together under torchrun. Why: docs/algorithm.md.
 """
 import dataclasses
 import functools
 import math
 import random
 from collections import Counter
-from collections.abc import Mapping
 
 import torch
 
@@ -25,8 +21,8 @@ from grpo import distributed, variants
 from grpo.model import trainable_parameters
 from grpo.optim import learning_rate, make_optimizer
 from grpo.passes import loss_mask, reference_logprobs, token_logprobs
-from grpo.decoders import graph_mode
-from grpo.rollout import Sampler, flat_groups, stream_seed
+from grpo.rollout import flat_groups, stream_seed
+from grpo.sums import Peak, Statistics, read_sums
 from harness.run import Run
 
 
@@ -44,9 +40,8 @@ ADVANTAGES = variants.Table("advantage", {"group": group_normalised, **variants.
 
 def group_advantages(rewards, group_size: int, advantage: str = "group", eps: float = 1e-4,
                      **inputs):
-    """[N] advantages of the batch's rewards (groups contiguous), and the share of flat groups,
-    whose rewards are all equal. inputs: what the advantage declares it reads (Switch
-    advantage_inputs: --advantage gdpo's reward parts and weights), none by default."""
+    """[N] advantages of the batch's rewards (groups contiguous), and the share of flat groups
+    (rewards all equal). inputs: what a variant reads (gdpo: the reward's parts)."""
     r = rewards.float().view(-1, group_size)
     # a variant may build on the default (gdpo normalises each part as it does)
     adv = ADVANTAGES[advantage](r, eps, default=group_normalised, **inputs)
@@ -70,12 +65,7 @@ class Tokens:
     ref_logp: torch.Tensor = None     # the reference's (None without a KL term)
     train_logp: torch.Tensor = None   # the trainer's at the sampling weights, detached
     sampler_logp: torch.Tensor = None   # the sampler's, where the update measures the gap
-    inputs: dict = dataclasses.field(default_factory=dict)   # a variant's, by name (t.cov_mask)
-
-    def __getattr__(self, name):   # no field of that name: a variant's input (t.cov_mask)
-        if name not in self.__dict__.get("inputs", ()):
-            raise AttributeError(f"Tokens has no {name!r}: no field, no variant's input")
-        return self.inputs[name]
+    inputs: dict = dataclasses.field(default_factory=dict)   # a variant's, by name (cov_mask)
 
 
 def sequence_advantage(adv, entropy, cfg):
@@ -122,19 +112,16 @@ TABLES = {t.flag: t for t in (ADVANTAGES, RATIOS, TOKEN_ADVANTAGES, POLICY_LOSSE
 
 
 def loss_denominator(mask, cfg) -> float:
-    """This device's share of a mini-batch's denominator (its loss tokens by default); the caller
-    sums it over devices and passes the total to every micro-batch's grpo_loss."""
+    """This device's share of a mini-batch's denominator (its loss tokens by default)."""
     return AGGREGATIONS[cfg.loss_agg][0](mask, cfg)
 
 
 def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef: float = None,
               *, ref_logp=None, entropy=None, train_logp=None, sampler_logp=None, pg_mask=None,
               on=None, **inputs):
-    """One micro-batch's loss, divided by its whole mini-batch's denominator over every device (so
-    summed micro-batch gradients are one large batch's), and its statistics (sums over its loss
-    tokens). kl_coef: the step's (default --kl-coef; none in the loss with --kl-in reward);
-    train_logp, sampler_logp, pg_mask: Tokens'; inputs: [B, T] tensors by name that a variant's
-    term reads (cov_mask); on: the run's variants.on(cfg, TABLES)."""
+    """One micro-batch's loss over its mini-batch's denominator on every device (summed micro-batch
+    gradients are then one large batch's), and its statistics. kl_coef: the step's (--kl-coef by
+    default); inputs: [B, T] tensors a variant reads by name (cov_mask)."""
     on = on or variants.on(cfg, TABLES)   # the variants set: their terms (none by default)
     kl_coef = variants.loss_kl_coef(cfg, cfg.kl_coef if kl_coef is None else kl_coef)
     mask = mask.to(logp.dtype)
@@ -159,11 +146,10 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
     return loss, statistics(t, cfg, (MEASURED.stats, *on.stats))
 
 
-def statistics(t, cfg, more=()) -> "Statistics":
-    """The micro-batch's statistics from the loss's own ratio and clip, each summed over its loss
-    tokens; `more`: MEASURED's and a variant's, each (t, cfg) -> {name: [B, T], or a Peak: the
-    largest}. The record divides a sum by the step's loss tokens, unless the record entry of the
-    switch that made it takes it (MEASURED's: by the tokens it measured)."""
+def statistics(t, cfg, more=()) -> Statistics:
+    """The micro-batch's statistics from the loss's own ratio and clip, summed over its loss tokens
+    (the record divides them by the step's); `more`: MEASURED's and a variant's, each (t, cfg)
+    -> {name: [B, T], or a Peak: the largest}."""
     with torch.no_grad():
         ratio, clipped = t.ratio.expand_as(t.logp), t.clipped.expand_as(t.logp)
         zeros, counted = torch.zeros_like(t.logp), t.pg_mask
@@ -181,9 +167,8 @@ def statistics(t, cfg, more=()) -> "Statistics":
 
 
 def sampler_gap(t, cfg) -> dict:
-    """The sampler/trainer gap, train_logp - sampler_logp, where the update gives the sampler's
-    logprobs (its first forward, or a variant's): k3 by expm1 (no cancellation), |gap|, the tokens
-    measured, and the largest |gap|."""
+    """The sampler/trainer gap train_logp - sampler_logp, where the update has the sampler's: k3 by
+    expm1 (no cancellation), |gap|, the tokens measured, the largest |gap|."""
     if t.sampler_logp is None:
         return {}
     gap = t.train_logp - t.sampler_logp
@@ -205,60 +190,15 @@ def per_token_measured(totals, tokens: int, batch) -> dict:
 MEASURED = variants.Switch(stats=sampler_gap, record=per_token_measured)
 
 
-@dataclasses.dataclass(frozen=True)
-class Peak:
-    """A statistic that is the largest of its [B, T] values over the loss tokens, not their sum."""
-    values: torch.Tensor
-
-
-class Largest(float):
-    """A Peak read: adding two keeps the larger, so that Counter.update, which sums the other
-    statistics over micro-batches, updates and devices, keeps a Peak's largest."""
-
-    def __add__(self, other):
-        return Largest(max(self, other))
-
-    __radd__ = __add__
-
-
-class Statistics(Mapping):
-    """A micro-batch's statistics by name, floats: each a sum over the loss tokens, or a Peak's
-    largest. Kept on the device as one tensor until the first is read (a read waits for the
-    device): accumulate reads every micro-batch's at once."""
-
-    def __init__(self, stats: dict, mask):
-        self.names, self.read = list(stats), None
-        self.largest = {k for k, v in stats.items() if isinstance(v, Peak)}
-        self.values = torch.stack([(v.values * mask).max() if k in self.largest
-                                   else (v * mask).sum() for k, v in stats.items()])
-
-    def floats(self, values) -> dict:
-        """The statistics from their values read (a Peak's as a Largest)."""
-        return {k: Largest(v) if k in self.largest else v
-                for k, v in zip(self.names, values)}
-
-    def __getitem__(self, name):
-        if self.read is None:
-            self.read = self.floats(self.values.tolist())
-        return self.read[name]
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self):
-        return len(self.names)
-
-
 # ---- the update: mini-batches of micro-batches, gradients summed over devices -------------------
 
 def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, cfg, autocast,
                kl_coef: float, update_index: int = 0, on=None, **inputs) -> Counter:
-    """Forward and backward of one mini-batch (rows), cut into micro-batches by micro (rows or
-    --micro-batch-tokens, harness/guards.py Micro), then a variant's second loss (the pretraining
-    mix); returns the summed statistics. inputs: [B, ...] tensors by name for grpo_loss, each
-    micro-batch's rows picked; on: the run's variants.on(cfg, TABLES)."""
+    """Forward and backward of one mini-batch (rows) in micro-batches (harness/guards.py Micro),
+    then a variant's second loss (--ptx-coef); returns the summed statistics. inputs: [B, ...]
+    tensors by name for grpo_loss."""
     optimizer.zero_grad(set_to_none=True)
-    sums, on, parts = Counter(), on or variants.on(cfg, TABLES), []
+    on, parts = on or variants.on(cfg, TABLES), []
     for part in micro.split(batch, rows):
         logp, entropy = token_logprobs(policy, batch, part, cfg, autocast, with_entropy=True,
                                        entropy_grad=on.reads_entropy)
@@ -267,14 +207,8 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
                                 denominator, cfg, kl_coef, ref_logp=ref_logp, entropy=entropy,
                                 on=on, **{k: v[part] for k, v in inputs.items()})
         loss.backward()
-        # float64 holds each float32 sum and token count exactly: the host reads the very values
-        parts.append((stats, torch.cat([stats.values.double(), loss.detach().double()[None],
-                                        mask[part].sum().double()[None]])))
-    read = iter(torch.cat([values for _, values in parts]).tolist())   # the micro-batches' one read
-    for stats, _ in parts:   # summed on the host in micro-batch order (a Largest: the largest)
-        values = [next(read) for _ in stats.names]
-        loss, tokens = next(read), int(next(read))
-        sums.update(stats.floats(values), loss=loss, tokens=tokens)
+        parts.append((stats, loss.detach(), mask[part].sum()))
+    sums = read_sums(parts)   # one read of the device for every micro-batch
     for backward in on.backward:   # --ptx-coef's texts
         backward(policy, batch, micro, cfg, autocast, sums, update_index)
     return sums
@@ -283,8 +217,7 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
 def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: float = None,
            on=None) -> dict:
     """--ppo-epochs passes over the batch in shuffled mini-batches, one optimizer step each; returns
-    the step's record entries. A non-finite update is skipped (guard.step), the weights kept. on:
-    the run's variants.on(cfg, TABLES)."""
+    the step's record entries. A non-finite update is skipped (guard.step), the weights kept."""
     params, kl_coef = trainable_parameters(policy), cfg.kl_coef if kl_coef is None else kl_coef
     B, mini = batch.input_ids.shape[0], layout.mini_batch_per_device
     mask, on = loss_mask(batch, cfg), on or variants.on(cfg, TABLES)
@@ -322,8 +255,7 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: floa
 
 def record(totals, grad_norms, skipped: int, batch, more=()) -> dict:
     """The update's record entries: statistics per loss token, loss and gradient norm per update;
-    `more`: MEASURED's and a variant's (totals, tokens, batch) -> entries, each popping the sums it
-    reads itself."""
+    `more`: MEASURED's and a variant's, each popping the sums it divides itself."""
     tokens, updates = max(totals.pop("tokens"), 1), len(grad_norms)
     out = {}
     for extra in more:
@@ -349,13 +281,7 @@ def main(argv=None):
         guard = run.start_training(optimizer, kl)  # every rank
         ctx = run.context   # what the step reads of the run: grpo/settings.py Context
         on = variants.on(cfg, TABLES)   # the variants set: what each adds at each point of the step
-        sampler = Sampler(   # the policy's completions of prompts, with the run's settings
-            policy, tokenizer, group_size=cfg.group_size,
-            prepend_bos=ctx.prepend_bos, generation_batch=ctx.layout.generation_batch,
-            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-            top_p=cfg.top_p, min_new_tokens=cfg.min_new_tokens, autocast=ctx.autocast,
-            device=ctx.device, compile=cfg.compile == "on",
-            graph=graph_mode(cfg.decode_graph, ctx.device, cfg.compile == "on"))
+        sampler = run.sampler(policy)   # grpo/rollout.py Sampler with the run's settings
         for step in run.steps():  # every rank   (checkpoints, a stop on Ctrl-C, the final model)
             rec, rows = train_step(  # every rank
                 step, ctx, run, task, sampler, policy, reference, optimizer, guard, kl, on)
@@ -363,9 +289,8 @@ def main(argv=None):
 
 
 def train_step(step, ctx, run, task, sampler, policy, reference, optimizer, guard, kl, on):
-    """One GRPO step on this rank's share: its record (the stages add to it) and every rank's rows
-    of it (run.check_rewards gathers them). ctx: what the step reads of the run (grpo/settings.py
-    Context); on: what the variants set add at each point (none by default)."""
+    """One GRPO step on this rank's share: its record, and every rank's rows of it (gathered by
+    run.check_rewards). ctx: what the step reads of the run (grpo/settings.py Context)."""
     cfg, layout, rank, world = ctx.cfg, ctx.layout, ctx.rank, ctx.world
     G, P, B = cfg.group_size, layout.prompts_per_device, layout.completions_per_device
     rec, rng = {"step": step}, random.Random(stream_seed(cfg.seed, step))

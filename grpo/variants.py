@@ -92,7 +92,7 @@ class Switch:
     loss: typing.Callable = None   # (per_token, t, cfg) -> each token's loss, after the KL
     reads_entropy: bool = False    # its loss term reads t.entropy (which then carries a gradient)
     stats: typing.Callable = None  # (t, cfg) -> {name: [B, T]}: summed over the loss tokens (a
-    # train_lean.Peak: their largest), recorded
+    # grpo/sums.py Peak: their largest), recorded
     # after a mini-batch's micro-batches, before its optimizer step: (policy, batch, micro, cfg,
     # autocast, sums, update) -> None, a second loss's backward (update: the step's update index)
     backward: typing.Callable = None
@@ -360,10 +360,10 @@ def chosen_tokens(choose, policy, batch, rows, mask, guard, cfg, autocast) -> di
 
 
 def covariance_switch(choose) -> Switch:
-    """What Clip-Cov and KL-Cov add to the step: the tokens choose picks (t.cov_mask), and the share
+    """What Clip-Cov and KL-Cov add to the step: the tokens choose picks (cov_mask), and the share
     of the tokens with a policy gradient they are (cov_frac)."""
     return Switch(mini_batch=functools.partial(chosen_tokens, choose),
-                  stats=lambda t, cfg: {"cov_frac": t.cov_mask * t.pg_mask})
+                  stats=lambda t, cfg: {"cov_frac": t.inputs["cov_mask"] * t.pg_mask})
 
 
 def clip_cov_check(cfg):
@@ -380,7 +380,7 @@ def clip_cov(ratio, t, cfg, default):
     """ppo, with --cov-ratio of the mini-batch's tokens, drawn among those whose (A - mean)(logp -
     mean) lies in (--clip-cov-lb, --clip-cov-ub) and the clip left alone, detached (Clip-Cov)"""
     pg = default(ratio, t, cfg)   # PPO's surrogate
-    return torch.where(t.cov_mask, pg.detach(), pg)
+    return torch.where(t.inputs["cov_mask"], pg.detach(), pg)
 
 
 @declares(knobs=("cov_ratio", "kl_cov_coef"), token_ratios=True,
@@ -388,7 +388,8 @@ def clip_cov(ratio, t, cfg, default):
 def kl_cov(ratio, t, cfg, **_):
     """-r A, plus --kl-cov-coef x |logp - logp_old| on the --cov-ratio of the mini-batch's tokens of
     highest (A - mean)(logp - mean) (KL-Cov)"""
-    return -ratio * t.adv + cfg.kl_cov_coef * (t.logp - t.old_logp).abs() * t.cov_mask
+    chosen = t.inputs["cov_mask"]
+    return -ratio * t.adv + cfg.kl_cov_coef * (t.logp - t.old_logp).abs() * chosen
 
 
 POLICY_LOSSES = {"cispo": cispo, "sapo": sapo, "gmpo": gmpo, "clip-cov": clip_cov, "kl-cov": kl_cov}

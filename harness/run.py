@@ -35,7 +35,7 @@ from grpo import decoders, distributed, graphs, packing, ptx
 from grpo.model import (ModelLoadError, checkpoint_layers, context_length, declared_end_ids,
                         end_ids, frozen_copy, load_config, load_policy, load_tokenizer,
                         load_trainable, model_autocast)
-from grpo.rollout import encode_prompts, stream_seed, wants_bos
+from grpo.rollout import Sampler, encode_prompts, stream_seed, wants_bos
 from grpo.settings import Context
 from harness import checkpoint, cli, config, guards, log, memory, paths, progress, rundir, screen
 from harness import task as task_lib
@@ -359,6 +359,15 @@ class Run:
             context_length=self.context_length, score=self.scorer,
             reward_weights=tuple(self.scorer.weights.values()), mix_source=self.mix_source)
         return self.guard
+
+    def sampler(self, policy) -> Sampler:
+        """The policy's completions of prompts with the run's settings (grpo/rollout.py Sampler)."""
+        cfg, compiled = self.cfg, self.cfg.compile == "on"
+        return Sampler(policy, self.tokenizer, group_size=cfg.group_size, prepend_bos=self.prepend_bos,
+                       generation_batch=self.layout.generation_batch, max_new_tokens=cfg.max_new_tokens,
+                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                       min_new_tokens=cfg.min_new_tokens, autocast=self.autocast, device=self.device,
+                       compile=compiled, graph=decoders.graph_mode(cfg.decode_graph, self.device, compiled))
 
     def _resume_states(self, optimizer, kl) -> int:
         """--resume: the optimizer's, the adaptive KL's, the moved reference's and this rank's RNG states as

@@ -21,6 +21,7 @@ from grpo import packing, passes
 from train_lean import RATIOS, group_advantages, grpo_loss, loss_denominator
 from grpo.model import completion_logprobs, load_tokenizer, trainable_parameters
 from grpo.ptx import PtxBatch, encode, ptx_loss
+from grpo.sums import Largest
 from harness.config import batch_layout
 from harness.guards import Guard
 from helpers import env, loss_config
@@ -230,7 +231,7 @@ def test_the_statistics_read_once_per_update_are_those_read_after_each_micro_bat
         stats, tokens = dict(stats), mask[part].sum().item()
         peak = float(stats.pop("mismatch_max"))   # the gap's tokens measured are among stats
         direct.update(stats, loss=loss.item(), tokens=tokens)
-        direct["mismatch_max"] = update.Largest(max(direct["mismatch_max"], peak))
+        direct["mismatch_max"] = Largest(max(direct["mismatch_max"], peak))
     if cfg.ptx_coef:   # the mix's texts after them (grpo/ptx.py backward), read one by one
         mix = rollout.extra["ptx"][0]
         direct.update(ptx_nll=0.0, ptx_tokens=0)

@@ -240,13 +240,13 @@ def test_the_clip_statistics_count_the_tokens_with_a_policy_gradient_alone():
 
 def test_a_term_reads_the_tokens_by_name_and_cannot_write_them():
     """The per-token record a term gets (train_lean.py Tokens) is made once per micro-batch: its
-    fields and the variants' inputs by name, read; writing one raises."""
+    fields, and the variants' inputs by name (t.inputs), read; writing a field raises."""
     import dataclasses
     from grpo import variants
     seen = []
 
     def read(pg, t, cfg):
-        seen.append((t.mine, hasattr(t, "other"), t.adv.shape))
+        seen.append((t.inputs["mine"], "other" in t.inputs, t.adv.shape))
         return pg
 
     def write(pg, t, cfg):
@@ -959,7 +959,7 @@ def test_a_variant_built_on_the_default_takes_it_as_an_argument(monkeypatch):
         return args[0]
     r, parts = torch.tensor([[0.0, 1.0]]), torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     variants.gdpo(r, 1e-4, parts=parts, weights=[1.0, 0.5], default=default)
-    t = SimpleNamespace(cov_mask=torch.tensor([[True, False]]))
+    t = SimpleNamespace(inputs={"cov_mask": torch.tensor([[True, False]])})
     ratio = torch.tensor([[1.5, 0.5]], requires_grad=True)
     variants.clip_cov(ratio, t, loss_config(policy_loss="clip-cov"), default=default)
     assert len(calls) == 3   # each part of gdpo's, then clip-cov's surrogate
@@ -1047,8 +1047,8 @@ def test_a_policy_loss_gets_the_token_mask_its_switch_computes(monkeypatch, tiny
     @variants.declares(switch=variants.Switch(mini_batch=positive_tokens))
     def positive_only(ratio, t, cfg, default):
         """ppo on the tokens of completions with a positive advantage"""
-        seen.append(bool(((t.adv <= 0) & t.positive).any()))
-        return default(ratio, t, cfg).expand_as(t.logp) * t.positive
+        seen.append(bool(((t.adv <= 0) & t.inputs["positive"]).any()))
+        return default(ratio, t, cfg).expand_as(t.logp) * t.inputs["positive"]
     monkeypatch.setitem(train_lean.POLICY_LOSSES, "positive-only", positive_only)
     out = tmp_path / "run"
     train_lean.main(["--model", tiny_model_dir, "--task", "toy", "--steps", "1", *SMALL,
