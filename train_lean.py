@@ -38,12 +38,10 @@ def group_normalised(r, eps, **_):
 ADVANTAGES = variants.Table("advantage", {"group": group_normalised, **variants.ADVANTAGES})
 
 
-def group_advantages(rewards, group_size: int, advantage: str = "group", eps: float = 1e-4,
-                     **inputs):
+def group_advantages(rewards, group_size: int, advantage="group", eps=1e-4, **inputs):
     """[N] advantages of the batch's rewards (groups contiguous), and the share of flat groups
     (rewards all equal). inputs: what a variant reads (gdpo: the reward's parts)."""
     r = rewards.float().view(-1, group_size)
-    # a variant may build on the default (gdpo normalises each part as it does)
     adv = ADVANTAGES[advantage](r, eps, default=group_normalised, **inputs)
     return adv.reshape(-1), flat_groups(rewards, group_size).float().mean().item()
 
@@ -68,7 +66,7 @@ class Tokens:
     inputs: dict = dataclasses.field(default_factory=dict)   # a variant's, by name (cov_mask)
 
 
-def sequence_advantage(adv, entropy, cfg):
+def per_sequence(adv, entropy, cfg):
     """its completion's advantage at every token (GRPO), [B, 1]"""
     return adv
 
@@ -98,15 +96,14 @@ def token_count(mask, cfg):
     return float(mask.sum().item())
 
 
-# each choice's default and variants by the flag's value (a name a table lacks: a ValueError)
+# each flag's choices by value (a name a table lacks: ValueError); main hands TABLES to the harness
 RATIOS = variants.Table("importance_level", {"token": token_ratio, **variants.RATIOS})
-TOKEN_ADVANTAGES = variants.Table("token_advantage", {"sequence": sequence_advantage,
+TOKEN_ADVANTAGES = variants.Table("token_advantage", {"sequence": per_sequence,
                                                       **variants.TOKEN_ADVANTAGES})
 POLICY_LOSSES = variants.Table("policy_loss", {"ppo": clipped_surrogate, **variants.POLICY_LOSSES})
 KL_ESTIMATORS = variants.Table("kl_estimator", {"k3": k3, **variants.KL_ESTIMATORS})
 AGGREGATIONS = variants.Table("loss_agg", {"token-mean": (token_count, variants.token_sum),
                                            **variants.AGGREGATIONS})
-# every variant flag's table: main hands them to the harness, which lists and checks them
 TABLES = {t.flag: t for t in (ADVANTAGES, RATIOS, TOKEN_ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS,
                               AGGREGATIONS, variants.KL_PLACES, variants.MISMATCH_CORRECTIONS)}
 
@@ -200,8 +197,8 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
     optimizer.zero_grad(set_to_none=True)
     on, parts = on or variants.on(cfg, TABLES), []
     for part in micro.split(batch, rows):
-        logp, entropy = token_logprobs(policy, batch, part, cfg, autocast, with_entropy=True,
-                                       entropy_grad=on.reads_entropy)
+        logp, entropy = token_logprobs(   # the entropy with a gradient for --entropy-coef
+            policy, batch, part, cfg, autocast, with_entropy=True, entropy_grad=on.reads_entropy)
         ref_logp = None if batch.ref_logp is None else batch.ref_logp[part]
         loss, stats = grpo_loss(logp, batch.old_logp[part], batch.advantages[part], mask[part],
                                 denominator, cfg, kl_coef, ref_logp=ref_logp, entropy=entropy,
@@ -214,21 +211,19 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
     return sums
 
 
-def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: float = None,
-           on=None) -> dict:
+def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: float = None) -> dict:
     """--ppo-epochs passes over the batch in shuffled mini-batches, one optimizer step each; returns
     the step's record entries. A non-finite update is skipped (guard.step), the weights kept."""
     params, kl_coef = trainable_parameters(policy), cfg.kl_coef if kl_coef is None else kl_coef
     B, mini = batch.input_ids.shape[0], layout.mini_batch_per_device
-    mask, on = loss_mask(batch, cfg), on or variants.on(cfg, TABLES)
+    mask, on = loss_mask(batch, cfg), variants.on(cfg, TABLES)
     totals, grad_norms, skipped = Counter(), [], 0
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B) if mini < B else torch.arange(B)
         for rows in order.split(mini):
-            # the sampler/trainer gap, measured where the trainer's logprobs at the sampling
-            # weights are known: the first update's own forward (or a variant's batch.inputs)
+            # the sampler/trainer gap: measured at the sampling weights, the first update's
             inputs = {"sampler_logp": batch.sampler_logp} if not grad_norms else {}
-            inputs.update(batch.inputs)
+            inputs.update(batch.inputs)   # a variant's (--mismatch-correction's logprobs)
             # in batch order: a group's rows in one micro-batch share their prompt's forward
             rows = rows.sort().values.to(batch.input_ids.device, non_blocking=True)
             # the denominator is global: gradients summed over ranks are the one-process gradient
@@ -279,19 +274,19 @@ def main(argv=None):
         optimizer = make_optimizer(policy, cfg)   # AdamW, or --optimizer muon (grpo/optim.py)
         kl = variants.AdaptiveKL(cfg)   # --kl-coef; with --kl-target a controller's, checkpointed
         guard = run.start_training(optimizer, kl)  # every rank
-        ctx = run.context   # what the step reads of the run: grpo/settings.py Context
-        on = variants.on(cfg, TABLES)   # the variants set: what each adds at each point of the step
+        ctx = run.context   # what the step reads of the run (and ctx.on, the variants set)
         sampler = run.sampler(policy)   # grpo/rollout.py Sampler with the run's settings
         for step in run.steps():  # every rank   (checkpoints, a stop on Ctrl-C, the final model)
             rec, rows = train_step(  # every rank
-                step, ctx, run, task, sampler, policy, reference, optimizer, guard, kl, on)
+                step, ctx, run, task, sampler, policy, reference, optimizer, guard, kl)
             run.end_step(rec, rows)  # every rank   (the record, the line, the evaluation when due)
 
 
-def train_step(step, ctx, run, task, sampler, policy, reference, optimizer, guard, kl, on):
+def train_step(step, ctx, run, task, sampler, policy, reference, optimizer, guard, kl):
     """One GRPO step on this rank's share: its record, and every rank's rows of it (gathered by
-    run.check_rewards). ctx: what the step reads of the run (grpo/settings.py Context)."""
-    cfg, layout, rank, world = ctx.cfg, ctx.layout, ctx.rank, ctx.world
+    run.check_rewards). ctx: what the step reads of the run (grpo/settings.py Context); ctx.on:
+    what the variants set add at each point (none by default)."""
+    cfg, layout, rank, world, on = ctx.cfg, ctx.layout, ctx.rank, ctx.world, ctx.on
     G, P, B = cfg.group_size, layout.prompts_per_device, layout.completions_per_device
     rec, rng = {"step": step}, random.Random(stream_seed(cfg.seed, step))
 
@@ -305,8 +300,7 @@ def train_step(step, ctx, run, task, sampler, policy, reference, optimizer, guar
     # ---- rewards: the task's, of the decoded text; shaping takes penalties off them later ------
     batch = batch.score(ctx.score)   # harness/task.py score: --reward-weights, a failure's floor
     for rounds in on.rounds:   # --dynamic-sampling: more rounds while groups are flat
-        batch, counts = rounds(  # every rank
-            batch, lambda n: draw(n).score(ctx.score), cfg, G, P, ctx.tokenizer.eos_token_id)
+        batch, counts = rounds(batch, lambda n: draw(n).score(ctx.score), ctx)  # every rank
         rec.update(counts)
     run.phase_done("score")
     # ---- reference logprobs, once per row: the KL penalty ----------------------------------------
@@ -318,9 +312,8 @@ def train_step(step, ctx, run, task, sampler, policy, reference, optimizer, guar
     run.phase_done("ref")
     # ---- advantages: each completion against its group, every rank's groups ---------------------
     rewards = torch.cat(distributed.gather_objects(batch.shaped_rewards))  # every rank
-    inputs = {}
-    for gather in on.advantage_inputs:   # --advantage gdpo's reward parts, every rank's
-        inputs.update(gather(batch, ctx))  # every rank
+    # what a variant's advantage reads, gathered over the ranks (--advantage gdpo's reward parts)
+    inputs = {k: v for gather in on.advantage_inputs for k, v in gather(batch, ctx).items()}
     adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.advantage, **inputs)
     batch.advantages = adv[rank * B:(rank + 1) * B].to(ctx.device, non_blocking=True)
     rows = run.check_rewards(step, batch, rec)  # every rank   (all failed: the run stops)
@@ -331,7 +324,7 @@ def train_step(step, ctx, run, task, sampler, policy, reference, optimizer, guar
     for prepare in on.prepare:   # --ptx-coef's texts, --mismatch-correction's logprobs
         prepare(batch, step, ctx, policy, guard)  # every rank
     rec.update(update(  # every rank
-        policy, optimizer, batch, cfg, layout, ctx.autocast, guard, kl.coef, on))
+        policy, optimizer, batch, cfg, layout, ctx.autocast, guard, kl.coef))
     for after in on.after_step:   # --kl-target's coefficient, --ref-sync-steps' reference move
         rec.update(after(rec, step, policy, reference, kl, cfg))
     return rec, rows

@@ -177,3 +177,4 @@ class Context:
     score: typing.Callable
     reward_weights: tuple         # --reward-weights' weights, in the order of the rows' parts
     mix_source: typing.Optional[typing.Callable] = None   # --ptx-coef's texts: (n, rng) -> texts
+    on: object = None   # the variants set: what each adds at each point (grpo/variants.py on)

@@ -71,8 +71,8 @@ class Switch:
     # cfg -> why its settings cannot run with the others (one line, the harness's exit 2), or None;
     # checked before anything loads, whether the switch is on or not (its knobs without it)
     check: typing.Callable = None
-    # after the scoring: (batch, draw, cfg, group_size, groups, pad_id) -> (batch, record entries);
-    # draw(n) samples and scores round n. Every rank.
+    # after the scoring: (batch, draw, ctx) -> (batch, record entries); draw(n) samples and scores
+    # round n. Every rank.
     rounds: typing.Callable = None
     # (name, f(batch, cfg, kl_coef, kl_estimators) -> [B]): taken off each reward before the
     # advantages, recorded by name
@@ -630,15 +630,16 @@ def overlong_penalty(lengths: torch.Tensor, cfg) -> torch.Tensor:
 
 # ---- across the step: DAPO's dynamic sampling, the KL's controller, TR-DPO's moving reference ----
 
-def dynamic_sampling(first, draw, cfg, group_size: int, groups: int, pad_id: int):
+def dynamic_sampling(first, draw, ctx):
     """--dynamic-sampling (DAPO): more rounds (draw(n), scored) while any rank lacks groups whose
-    rewards differ, then the batch of `groups` groups, those not flat first (grpo/rollout.py
+    rewards differ, then the batch of this rank's groups, those not flat first (grpo/rollout.py
     merge). Returns (batch, merge's counts for the record)."""
+    cfg, group_size, groups = ctx.cfg, ctx.cfg.group_size, ctx.layout.prompts_per_device
     rounds = [first]
     while len(rounds) <= cfg.max_sampling_rounds and distributed.any_rank(  # every rank
             missing_groups([r.rewards for r in rounds], group_size, groups) > 0):
         rounds.append(draw(len(rounds)))
-    return merge(rounds, group_size, groups, pad_id)
+    return merge(rounds, group_size, groups, ctx.tokenizer.eos_token_id)
 
 
 def steer_kl(rec, step, policy, reference, kl, cfg) -> dict:

@@ -31,7 +31,7 @@ import time
 
 from tqdm import tqdm
 
-from grpo import decoders, distributed, graphs, packing, ptx
+from grpo import decoders, distributed, graphs, packing, ptx, variants
 from grpo.model import (ModelLoadError, checkpoint_layers, context_length, declared_end_ids,
                         end_ids, frozen_copy, load_config, load_policy, load_tokenizer,
                         load_trainable, model_autocast)
@@ -62,6 +62,7 @@ class Run:
             cfg = self.cfg = self.loaded.cfg
             self.layout = config.batch_layout(cfg, world=config.launched_world())
             config.check_variants(cfg, tables)
+            self.tables = tables
             outs = paths.check(cfg, self.loaded.options)   # none on what it reads or another writes
             rundir.check_paths(cfg)
             paths.check_made(cfg, outs)   # nothing in the way of what it makes steps later
@@ -357,7 +358,8 @@ class Run:
             cfg=cfg, layout=self.layout, rank=self.rank, world=self.world, device=self.device,
             autocast=self.autocast, tokenizer=self.tokenizer, prepend_bos=self.prepend_bos,
             context_length=self.context_length, score=self.scorer,
-            reward_weights=tuple(self.scorer.weights.values()), mix_source=self.mix_source)
+            reward_weights=tuple(self.scorer.weights.values()), mix_source=self.mix_source,
+            on=variants.on(cfg, self.tables))
         return self.guard
 
     def sampler(self, policy) -> Sampler:
