@@ -211,12 +211,12 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
     return sums
 
 
-def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef: float = None) -> dict:
+def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef=None, on=None) -> dict:
     """--ppo-epochs passes over the batch in shuffled mini-batches, one optimizer step each; returns
     the step's record entries. A non-finite update is skipped (guard.step), the weights kept."""
     params, kl_coef = trainable_parameters(policy), cfg.kl_coef if kl_coef is None else kl_coef
     B, mini = batch.input_ids.shape[0], layout.mini_batch_per_device
-    mask, on = loss_mask(batch, cfg), variants.on(cfg, TABLES)
+    mask, on = loss_mask(batch, cfg), on or variants.on(cfg, TABLES)
     totals, grad_norms, skipped = Counter(), [], 0
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B) if mini < B else torch.arange(B)
@@ -324,7 +324,7 @@ def train_step(step, ctx, run, task, sampler, policy, reference, optimizer, guar
     for prepare in on.prepare:   # --ptx-coef's texts, --mismatch-correction's logprobs
         prepare(batch, step, ctx, policy, guard)  # every rank
     rec.update(update(  # every rank
-        policy, optimizer, batch, cfg, layout, ctx.autocast, guard, kl.coef))
+        policy, optimizer, batch, cfg, layout, ctx.autocast, guard, kl.coef, on))
     for after in on.after_step:   # --kl-target's coefficient, --ref-sync-steps' reference move
         rec.update(after(rec, step, policy, reference, kl, cfg))
     return rec, rows
