@@ -256,16 +256,14 @@ TOKEN_ADVANTAGES = {"entropy": entropy_shaped}
 
 
 def clip_bounds(cfg) -> tuple:
-    """(--clip-range, --clip-range-high or else --clip-range): how far below and above 1 it
-    clips."""
+    """How far below and above 1 the clip is: (--clip-range, --clip-range-high or --clip-range)."""
     high = cfg.clip_range_high if cfg.clip_range_high is not None else cfg.clip_range
     return cfg.clip_range, high
 
 
 def clip_edges(cfg, loss=None) -> tuple:
-    """(1 - clip-range, 1 + clip-range-high): where clip(r) sets a ratio back to, or where the
-    policy loss `loss` (its table's entry; None: PPO's) declares its clip_edges (gmpo's), where the
-    statistics count a token as clipped."""
+    """(1 - clip-range, 1 + clip-range-high), where clip(r) sets a ratio back to and the statistics
+    count a token as clipped; or where the policy loss `loss` declares them (gmpo)."""
     edges = declared(loss, "clip_edges") or (lambda low, high: (1 - low, 1 + high))
     return edges(*clip_bounds(cfg))
 
