@@ -429,14 +429,12 @@ def completion_logprobs(model, input_ids, attention_mask, n_completion: int, tem
                         with_entropy: bool = False, entropy_grad: bool = True, predict=None,
                         pack: bool = True):
     """Logprobs [B, n_completion] of input_ids' last n_completion tokens under `model`, positions
-    from the attention mask; with_entropy also the entropies (without a graph: entropy_grad False).
-    pack (where the model takes it, grpo/packing.py): the real tokens alone, the head only at
-    predict (default: the mask), 0 elsewhere; else the padded forward (_padded_rows). share_prompts:
-    a group's prompt runs once. The head takes chunk_rows rows at a time (docs/algorithm.md)."""
-    autocast = autocast or torch.autocast(input_ids.device.type, enabled=False)
+    from the mask; with_entropy also entropies (entropy_grad False: without a graph). pack (where
+    the model takes it, grpo/packing.py): real tokens, the head only at predict (default: the mask)
+    and 0 elsewhere. share_prompts: a group's prompt runs once. The head takes chunk_rows at once."""
     batch, width = input_ids.shape
     pack = pack and packing.packs(model)
-    with autocast:
+    with autocast or torch.autocast(input_ids.device.type, enabled=False):
         if pack:   # the hidden states at the columns before the predicted tokens
             keep = torch.zeros_like(input_ids, dtype=torch.bool)
             keep[:, -n_completion - 1:-1] = (

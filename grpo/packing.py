@@ -75,9 +75,8 @@ def _causal(valid: torch.Tensor) -> torch.Tensor:
 
 
 def layout(head_len, tail_len=None, parent=None, buckets: bool = False) -> Layout:
-    """The Layout of heads of head_len [S] real tokens packed first, then tails of tail_len [R]
-    (None: no tails), tail r attending to head parent[r] before itself; buckets: each block's
-    width bucketed (bucket()), the extra columns masked."""
+    """The Layout of heads of head_len [S] tokens packed first, then tails of tail_len [R] (None:
+    none), tail r attending to head parent[r] then itself; buckets: bucket() the blocks' widths."""
     n_head = int(head_len.sum())
     n_tail = 0 if tail_len is None else int(tail_len.sum())
     index, valid = _dense(head_len, 0, n_head + n_tail, buckets)
@@ -98,9 +97,8 @@ def _rows(t, index):
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      lean_layout: Layout = None, **kwargs):
-    """query [1, H, N, D], key and value [1, H_kv, N, D] of N packed tokens -> [1, N, H, D]: each
-    head row causal over itself, each tail row over its head's keys then its own. Without a layout
-    (sampling, evaluation: padded rows and their mask): SDPA, the model's own."""
+    """query [1, H, N, D], key and value [1, H_kv, N, D] of N packed tokens -> [1, N, H, D] as the
+    layout says. Without one (sampling, evaluation: padded rows, their mask): the model's SDPA."""
     if lean_layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -109,9 +107,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
             raise NotPackable(f"the model's attention takes {name}")
     lo = lean_layout
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [N, heads, D]
-    if k.shape[1] != q.shape[1]:   # grouped-query attention: each K/V head serves rep query heads
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    if k.shape[1] != q.shape[1]:   # grouped-query attention: each K/V head serves several
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
     blocks = [(lo.head, lo.head, lo.head_mask), (lo.tail, lo.tail_keys, lo.tail_mask)]
     outs = [torch.nn.functional.scaled_dot_product_attention(
         _rows(q, queries), _rows(k, keys), _rows(v, keys), attn_mask=mask, scale=scaling
