@@ -431,7 +431,7 @@ def completion_logprobs(model, input_ids, attention_mask, n_completion: int, tem
     """Logprobs [B, n_completion] of input_ids' last n_completion tokens under `model`, positions
     from the mask; with_entropy also entropies (entropy_grad False: without a graph). pack (where
     the model takes it, grpo/packing.py): real tokens, the head only at predict (default: the mask)
-    and 0 elsewhere. share_prompts: each distinct prompt runs once. The head: chunk_rows per call."""
+    and 0 elsewhere. share_prompts: a group's prompt runs once. The head: chunk_rows per call."""
     batch, width = input_ids.shape
     pack = pack and packing.packs(model)
     with autocast or torch.autocast(input_ids.device.type, enabled=False):
