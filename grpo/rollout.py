@@ -8,6 +8,7 @@ import functools
 from collections import Counter
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from grpo.decoders import generate, is_end
 from grpo.model import context_length, end_ids
@@ -85,12 +86,9 @@ def encode_prompts(tokenizer, prompts, prepend_bos: bool, max_new_tokens: int = 
 
 def left_pad(rows, pad_id: int, device=None):
     """Stack id lists to [B, L], padded on the left, with the attention mask."""
-    lengths = torch.tensor([len(r) for r in rows])
-    width = int(lengths.max())
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-    mask = (torch.arange(width) >= width - lengths[:, None]).long()
+    ids = [torch.tensor(r, dtype=torch.long) for r in rows]
+    mask = pad_sequence([torch.ones_like(r) for r in ids], batch_first=True, padding_side="left")
+    ids = pad_sequence(ids, batch_first=True, padding_value=pad_id, padding_side="left")
     # queued (the host tensors are staged at once): a copy that waits would wait for the device
     return ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
 
