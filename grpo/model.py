@@ -337,7 +337,8 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def padded_head(head, multiple: int):
     """(weight, bias) of the output head with zero rows up to a multiple of `multiple`, their logits
-    sliced off (a GPU picks a slow kernel for 50257 rows); multiple 1: the head's own tensors."""
+    sliced off (a GPU picks a slow kernel for 50257 rows): a differentiable copy, so gradients reach
+    the head's weight; multiple 1: the head's own tensors."""
     pad = -head.weight.shape[0] % multiple
     if not pad:
         return head.weight, head.bias
@@ -352,7 +353,8 @@ def head_multiple(device) -> int:
 
 def _chosen_logprobs(hidden, targets, weight, bias, temperature, with_entropy, vocab, entropy_grad):
     """(logprob of each row's target,), with_entropy also the entropy of the row's distribution;
-    vocab: the head's real rows. entropy_grad False: the entropy without a graph (a statistic)."""
+    vocab: the head's real rows. entropy_grad False: the entropy without a graph (docs/algorithm.md:
+    a logged statistic would keep its [rows, vocab] softmax to the micro-batch's end)."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
     if logits.shape[-1] != vocab:   # a padded head's alone: a slice's backward zero-fills
         logits = logits[:, :vocab]
@@ -441,7 +443,7 @@ def completion_logprobs(model, input_ids, attention_mask, n_completion: int, tem
                 attention_mask[:, -n_completion:] if predict is None else predict)
             hidden, kept = packing.packed_hidden(model, input_ids, attention_mask,
                                                  width - n_completion if share_prompts else 0, keep)
-            at = (kept + 1).to(input_ids.device, non_blocking=True)   # into input_ids flattened
+            at = (kept + 1).to(input_ids.device, non_blocking=True)   # each predicts the next
             targets = input_ids.reshape(-1)[at]
         else:
             hidden, targets = _padded_rows(model, input_ids, attention_mask, n_completion,

@@ -10,8 +10,7 @@ import torch
 from grpo.model import adapters_off, completion_logprobs, is_lora, logprob_temperature
 
 
-def token_logprobs(model, batch, rows, cfg, autocast, with_entropy: bool = False,
-                   entropy_grad: bool = False):
+def token_logprobs(model, batch, rows, cfg, autocast, with_entropy=False, entropy_grad=False):
     """The logprobs [rows, T] of batch's completion tokens under model, at the sampling temperature;
     with_entropy also each position's entropy, with a gradient if entropy_grad (a loss reads it)."""
     return completion_logprobs(model, batch.input_ids[rows], batch.attention[rows],
@@ -21,9 +20,8 @@ def token_logprobs(model, batch, rows, cfg, autocast, with_entropy: bool = False
 
 
 def no_grad_pass(model, batch, guard, cfg, autocast, rows=None, entropy: bool = False):
-    """The logprobs (entropy: entropies) of the completion tokens of batch's `rows` (None: every
-    row) under model, without gradient, a micro-batch per forward. guard.fit retries it with fewer
-    rows after an out-of-memory: so no collective in it (the other ranks would wait in it)."""
+    """The logprobs (entropy: entropies) of batch's `rows` (None: all) under model, no gradient,
+    a micro-batch per forward; guard.fit retries it smaller on an out-of-memory: no collective."""
     def run(micro):
         with torch.no_grad():
             out = [token_logprobs(model, batch, part, cfg, autocast, with_entropy=entropy)

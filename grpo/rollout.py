@@ -23,7 +23,8 @@ def flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def stream_seed(seed: int, index: int) -> int:
     """The seed of item `index` of the stream `seed` (a step's prompts, a row's sampling): of the
-    two alone, so a resume or another device count draws the same. Modulo torch's range, 2**64."""
+    two alone, so a resume or another device count draws the same. Modulo 2**64, torch's seed
+    range: a stream of a stream (a step's row) stays in it, the same number if it was in it."""
     return (seed * 1_000_003 + index) % 2**64
 
 
@@ -33,7 +34,7 @@ def wants_bos(choice: str, tokenizer) -> bool:
 
 
 def start_ids(tokenizer, prepend_bos: bool) -> list:
-    """The ids every prompt starts with: the tokenizer's BOS (its EOS when it has none), or nothing."""
+    """The ids every prompt starts with: the tokenizer's BOS (its EOS without one), or nothing."""
     bos = tokenizer.bos_token_id
     return [tokenizer.eos_token_id if bos is None else bos] if prepend_bos else []
 
@@ -108,11 +109,11 @@ class Rollout:
     completion_mask: torch.Tensor    # [B, T]
     old_logp: torch.Tensor           # [B, T] the sampling logprobs, the policy's own (PPO's pi_old)
     truncated: torch.Tensor          # [B] bool: stopped by max_new_tokens before an EOS
-    rewards: torch.Tensor = None     # [B] float32 on the host: what the task gave, never changed after
+    rewards: torch.Tensor = None     # [B] float32 on the host: what the task gave, never changed
     # [B] each, by name: what reward shaping takes off the task's rewards (--overlong-buffer,
     # --kl-in reward)
     penalties: dict = dataclasses.field(default_factory=dict)
-    shaped_rewards: torch.Tensor = None  # [B] what the advantages are made of: rewards less every penalty
+    shaped_rewards: torch.Tensor = None  # [B] the advantages' input: the rewards less the penalties
     # the means of the reward's parts (the task's reward_breakdown), by name
     part_means: dict = dataclasses.field(default_factory=dict)
     parts: list = None   # per row, its --reward-weights parts' values in order ([] without)
@@ -146,8 +147,7 @@ class Rollout:
         return self
 
 
-def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, ends
-                   ) -> torch.Tensor:
+def truncated_rows(completion_ids, completion_mask, ends) -> torch.Tensor:
     """[B] bool: the rows max_new_tokens stopped. completion_mask runs up to and including a row's
     first end (EOS or any of ends: grpo/decoders.py), so those whose last masked token is none."""
     lengths = completion_mask.sum(1)
@@ -191,7 +191,8 @@ class Sampler:
 
     def sample(self, prompts: list, *, seed: int, first_row: int) -> Rollout:
         """group_size completions of each prompt, generation_batch rows at a time, each chunk seeded
-        by seed and its first row in the global batch: the same on any device count, or resumed."""
+        by seed and its first row in the global batch: the same rollouts on any number of devices
+        (for the same generation batch) and after a resume."""
         group_size, ends, eos = self.group_size, self.ends, self.ends[0]
         ids = encode_prompts(self.tokenizer, prompts, self.prepend_bos, self.max_new_tokens,
                              self.context)
