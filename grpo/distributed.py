@@ -112,8 +112,7 @@ def any_rank(flag: bool) -> bool:
 
 
 def gather_objects(obj) -> list:
-    """Every rank's picklable `obj`, in rank order, pickled: error counts, log rows, rewards, and
-    with --top-entropy-quantile or Clip-Cov / KL-Cov every loss token's values of a mini-batch."""
+    """Every rank's picklable `obj`, in rank order (error counts, log rows, rewards, ...)."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * world_size()
@@ -123,18 +122,15 @@ def gather_objects(obj) -> list:
 
 
 def sum_gradients(params) -> None:
-    """Sum .grad over ranks in place (one flat buffer): the loss is already divided by global
-    counts."""
+    """Sum .grad over ranks in place, as one flat buffer (the loss is divided by global counts)."""
     if not dist.is_initialized():
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     with _collective("the gradients' sum"):
         dist.all_reduce(flat)
-    offset = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[offset:offset + g.numel()].view_as(g)
-        offset += g.numel()
+    for p, g, part in zip(params, grads, flat.split([g.numel() for g in grads])):
+        p.grad = part.view_as(g)
 
 
 def close(exc_type=None, exc=None, tb=None) -> None:

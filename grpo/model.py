@@ -319,12 +319,8 @@ def sync_reference(reference, policy, alpha: float) -> None:
 
 
 def logprob_temperature(temperature: float) -> float:
-    """The temperature of the distribution whose logprobs are trained on.
-
-    Sampling and training must use the same one, so that the logprobs recorded while
-    sampling equal the policy's logprobs at the first update (ratio == 1). Greedy decoding has no
-    distribution of its own; its logprobs are taken at temperature 1.
-    """
+    """The temperature trained at: the sampler's, so a step's first update is on-policy (ratio 1);
+    1 for greedy decoding, which has no distribution of its own."""
     return temperature if temperature > 0 else 1.0
 
 
@@ -334,20 +330,15 @@ def trainable_parameters(model) -> list:
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that count only real tokens: 0 at each row's first real token.
-
-    With left padding a row's first real token sits at column `pad_len`; without explicit
-    position_ids an absolute-position model (GPT-2) would score it at position `pad_len`.
-    Pad columns get position 0 (they are masked out of attention anyway).
-    """
+    """Positions of the real tokens alone, 0 at a row's first: under left padding GPT-2 would
+    otherwise place it at its row's pad count (pad columns: 0, masked out anyway)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
 def padded_head(head, multiple: int):
-    """(weight, bias) of the output head with zero rows up to a multiple of `multiple` (their logits
-    are sliced off): GPU matmul kernels are chosen by shape, and a vocabulary like GPT-2's 50257
-    gets a slow one. A differentiable copy, so gradients reach the head's own weight; multiple 1:
-    the head's own tensors."""
+    """(weight, bias) of the output head with zero rows up to a multiple of `multiple`, their logits
+    sliced off (a GPU picks a slow kernel for 50257 rows): a differentiable copy, so gradients reach
+    the head's weight; multiple 1: the head's own tensors."""
     pad = -head.weight.shape[0] % multiple
     if not pad:
         return head.weight, head.bias
@@ -360,15 +351,12 @@ def head_multiple(device) -> int:
     return 64 if torch.device(device).type == "cuda" else 1
 
 
-def _chosen_logprobs(hidden, targets, weight, bias, temperature, with_entropy=False, vocab=None,
-                     entropy_grad=True):
-    """(logprob of each row's target,) or with_entropy (logprob, entropy of the row's distribution);
-    vocab: the head's real rows, when weight has padding rows after them. entropy_grad False: the
-    entropy without a graph (a statistic: autograd would keep its [rows, vocab] softmax to the
-    micro-batch's end, and a recomputed chunk would run it again)."""
+def _chosen_logprobs(hidden, targets, weight, bias, temperature, with_entropy, vocab, entropy_grad):
+    """(logprob of each row's target,), with_entropy also the entropy of the row's distribution;
+    vocab: the head's real rows. entropy_grad False: the entropy without a graph (docs/algorithm.md:
+    a logged statistic would keep its [rows, vocab] softmax to the micro-batch's end)."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    # only a padded head's: a slice's backward zero-fills
-    if vocab is not None and logits.shape[-1] != vocab:
+    if logits.shape[-1] != vocab:   # a padded head's alone: a slice's backward zero-fills
         logits = logits[:, :vocab]
     logits = logits.float() / temperature
     lse = torch.logsumexp(logits, dim=-1)
@@ -440,38 +428,28 @@ def _completion_hidden(model, input_ids, attention_mask, n_completion: int, shar
 
 def completion_logprobs(model, input_ids, attention_mask, n_completion: int, temperature: float,
                         chunk_rows: int, autocast=None, share_prompts: bool = True,
-                        with_entropy: bool = False, head_rows: int = None,
-                        entropy_grad: bool = True, predict=None, pack: bool = True):
-    """Logprobs [B, n_completion] of input_ids' last n_completion tokens under `model`, at the
-    positions the attention mask gives (0 where predict is not set: default, the masked-out
-    completion columns). pack (where the model takes it, grpo/packing.py): only the real tokens
-    run, a group's prompt once, the head only at predict; else the padded forward, where a group's
-    rows share a prompt forward through a KV cache (_completion_hidden). The head takes chunk_rows
-    token rows at a time (recomputed in backward when chunked), never the whole [B, T, vocab].
-    with_entropy: (logprobs, entropies) of the temperature-scaled distribution, with gradients
-    (entropy_grad False: the entropies without). head_rows: pad the head to a multiple of it
-    (default head_multiple: GPU only).
-    """
-    autocast = autocast or torch.autocast(input_ids.device.type, enabled=False)
+                        with_entropy: bool = False, entropy_grad: bool = True, predict=None,
+                        pack: bool = True):
+    """Logprobs [B, n_completion] of input_ids' last n_completion tokens under `model`, positions
+    from the mask; with_entropy also entropies (entropy_grad False: without a graph). pack (where
+    the model takes it, grpo/packing.py): real tokens, the head only at predict (default: the mask)
+    and 0 elsewhere. share_prompts: a group's prompt runs once. The head: chunk_rows per call."""
     batch, width = input_ids.shape
     pack = pack and packing.packs(model)
-    with autocast:
-        if pack:
-            # the hidden states at the columns before the predicted tokens (each predicts the next)
+    with autocast or torch.autocast(input_ids.device.type, enabled=False):
+        if pack:   # the hidden states at the columns before the predicted tokens
             keep = torch.zeros_like(input_ids, dtype=torch.bool)
-            keep[:, width - n_completion - 1:width - 1] = (
+            keep[:, -n_completion - 1:-1] = (
                 attention_mask[:, -n_completion:] if predict is None else predict)
             hidden, kept = packing.packed_hidden(model, input_ids, attention_mask,
                                                  width - n_completion if share_prompts else 0, keep)
-            targets = input_ids.reshape(-1)[(kept + 1).to(input_ids.device, non_blocking=True)]
-            # where each logprob lands in [batch, n_completion] flattened
-            place = kept // width * n_completion + kept % width - (width - n_completion - 1)
-            place = place.to(input_ids.device, non_blocking=True)
+            at = (kept + 1).to(input_ids.device, non_blocking=True)   # each predicts the next
+            targets = input_ids.reshape(-1)[at]
         else:
             hidden, targets = _padded_rows(model, input_ids, attention_mask, n_completion,
                                            share_prompts)
         head = model.get_output_embeddings()
-        weight, bias = padded_head(head, head_rows or head_multiple(input_ids.device))
+        weight, bias = padded_head(head, head_multiple(input_ids.device))
         recompute = torch.is_grad_enabled() and hidden.shape[0] > chunk_rows
         parts = []
         for s in range(0, hidden.shape[0] or 1, chunk_rows):   # no row: one empty chunk, a graph
@@ -479,13 +457,9 @@ def completion_logprobs(model, input_ids, attention_mask, n_completion: int, tem
                     with_entropy, head.weight.shape[0], entropy_grad)
             parts.append(checkpoint(_chosen_logprobs, *args, use_reentrant=False) if recompute
                          else _chosen_logprobs(*args))
-        out = [_placed(torch.cat(p), place, batch, n_completion) if pack
-               else torch.cat(p).view(batch, n_completion) for p in zip(*parts)]
+        out = [torch.cat(p) for p in zip(*parts)]
+        if pack:   # each at its token's place in [batch, n_completion], 0 elsewhere
+            place = at - (at // width + 1) * (width - n_completion)
+            out = [o.new_zeros(batch * n_completion).index_copy(0, place, o) for o in out]
+    out = [o.view(batch, n_completion) for o in out]
     return tuple(out) if with_entropy else out[0]
-
-
-def _placed(values, place, batch: int, n_completion: int):
-    """values of the predicted positions at place (indices into [batch, n_completion] flattened),
-    0 elsewhere."""
-    return values.new_zeros(batch * n_completion).index_copy(0, place, values).view(
-        batch, n_completion)

@@ -87,19 +87,15 @@ LR_SCHEDULES = {  # --lr-scheduler
 
 
 def learning_rate(step: int, cfg) -> float:
-    """The learning rate of step `step` (1, 2, ... cfg.steps), a function of the step alone so a
-    resumed run continues it exactly. Warmup W steps (--lr-warmup-steps, or the ratio x --steps):
-    step s <= W at s / W x the rate. Then progress p = (s - W - 1) / (steps - W): the first step
-    after the warmup at the full rate, the last still above the floor (min_lr_ratio x the rate).
-    """
+    """The learning rate of step `step` (1, 2, ... cfg.steps), of the step alone (a resume continues
+    it exactly): s / W x the rate over a warmup of W steps, then from the full rate down toward the
+    floor (min_lr_ratio x the rate), the last step still above it (docs/algorithm.md)."""
     base = cfg.learning_rate
     warmup = cfg.lr_warmup_steps or round(cfg.lr_warmup_ratio * cfg.steps)
     if step <= warmup:
         return base * step / warmup
-    progress = (step - warmup - 1) / max(1, cfg.steps - warmup)
-    floor = cfg.min_lr_ratio * base
-    if cfg.lr_scheduler == "linear":
-        return floor + (base - floor) * (1 - progress)
-    if cfg.lr_scheduler == "cosine":
-        return floor + (base - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    return base
+    if cfg.lr_scheduler == "constant":
+        return base
+    progress, floor = (step - warmup - 1) / max(1, cfg.steps - warmup), cfg.min_lr_ratio * base
+    fall = 1 - progress if cfg.lr_scheduler == "linear" else (1 + math.cos(math.pi * progress)) / 2
+    return floor + (base - floor) * fall

@@ -44,10 +44,9 @@ class Layout:
     tail_mask: torch.Tensor = None
 
     def to(self, device) -> "Layout":
-        """This layout on `device`, its copies queued without waiting for them (host tensors:
-        the copy from pageable memory is staged before the call returns)."""
-        return Layout(*(None if t is None else t.to(device, non_blocking=True)
-                        for t in (getattr(self, f.name) for f in dataclasses.fields(self))))
+        """This layout on `device`, its copies queued (host tensors: staged before it returns)."""
+        return Layout(**{k: None if t is None else t.to(device, non_blocking=True)
+                         for k, t in vars(self).items()})
 
 
 def bucket(n: int) -> int:
@@ -59,37 +58,32 @@ def bucket(n: int) -> int:
 
 
 def _dense(lengths: torch.Tensor, start: int, total: int, buckets: bool = False):
-    """(index [S, W], valid [S, W]) of S segments of `lengths` laid end to end from `start` in the
-    packed tokens, W the longest (buckets: bucket() of it); an invalid slot points at a real token
-    (its value is unused)."""
+    """(index [S, W], valid [S, W]) of segments of `lengths` packed from `start`, W the longest
+    (buckets: bucket() of it); an invalid slot points at a real token (its value is unused)."""
     width = int(lengths.max()) if lengths.numel() else 0
     width = bucket(width) if buckets and width else width
     offsets = start + torch.cumsum(lengths, 0) - lengths
     cols = torch.arange(width)
-    valid = cols < lengths[:, None]
-    return (offsets[:, None] + cols).clamp_max(total - 1), valid
+    return (offsets[:, None] + cols).clamp_max(total - 1), cols < lengths[:, None]
 
 
 def _causal(valid: torch.Tensor) -> torch.Tensor:
     """[S, 1, W, W]: a query sees the valid keys at or before it; a padding query sees every key
     (its output is dropped, and a row with no key would be NaN)."""
-    width = valid.shape[1]
-    tril = torch.ones(width, width, dtype=torch.bool).tril()
+    tril = torch.ones(valid.shape[1], valid.shape[1], dtype=torch.bool).tril()
     return ((tril & valid[:, None, :]) | ~valid[:, :, None])[:, None]
 
 
 def layout(head_len, tail_len=None, parent=None, buckets: bool = False) -> Layout:
-    """The Layout of heads of head_len [S] real tokens packed first, then tails of tail_len [R]
-    (None: no tails), tail r attending to head parent[r] before itself; buckets: each block's
-    width bucketed (bucket()), the extra columns masked."""
+    """The Layout of heads of head_len [S] tokens packed first, then tails of tail_len [R] (None:
+    none), tail r attending to head parent[r] then itself; buckets: bucket() the blocks' widths."""
     n_head = int(head_len.sum())
-    total = n_head + (0 if tail_len is None else int(tail_len.sum()))
-    index, valid = _dense(head_len, 0, total, buckets)
+    n_tail = 0 if tail_len is None else int(tail_len.sum())
+    index, valid = _dense(head_len, 0, n_head + n_tail, buckets)
     out = Layout(index, _causal(valid), valid.flatten().nonzero().squeeze(1))
-    if tail_len is not None and tail_len.numel() and int(tail_len.max()) > 0:
-        t_index, t_valid = _dense(tail_len, n_head, total, buckets)
-        prompt = valid[parent][:, None, None, :].expand(-1, 1, t_valid.shape[1], -1)
-        prompt = prompt | ~t_valid[:, None, :, None]
+    if n_tail:
+        t_index, t_valid = _dense(tail_len, n_head, n_head + n_tail, buckets)
+        prompt = valid[parent][:, None, None, :] | ~t_valid[:, None, :, None]
         out.tail, out.tail_keys = t_index, torch.cat([index[parent], t_index], 1)
         out.tail_mask = torch.cat([prompt, _causal(t_valid)], -1)
         out.back = torch.cat([out.back, index.numel() + t_valid.flatten().nonzero().squeeze(1)])
@@ -103,9 +97,8 @@ def _rows(t, index):
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      lean_layout: Layout = None, **kwargs):
-    """query [1, H, N, D], key and value [1, H_kv, N, D] of N packed tokens -> [1, N, H, D]: each
-    head row causal over itself, each tail row over its head's keys then its own. Without a layout
-    (sampling, evaluation: padded rows and their mask): SDPA, the model's own."""
+    """query [1, H, N, D], key and value [1, H_kv, N, D] of N packed tokens -> [1, N, H, D] as the
+    layout says. Without one (sampling, evaluation: padded rows, their mask): the model's SDPA."""
     if lean_layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -114,15 +107,12 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
             raise NotPackable(f"the model's attention takes {name}")
     lo = lean_layout
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [N, heads, D]
-    if k.shape[1] != q.shape[1]:   # grouped-query attention: each K/V head serves rep query heads
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    blocks = [(lo.head, lo.head, lo.head_mask)]
-    if lo.tail is not None:
-        blocks.append((lo.tail, lo.tail_keys, lo.tail_mask))
+    if k.shape[1] != q.shape[1]:   # grouped-query attention: each K/V head serves several
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    blocks = [(lo.head, lo.head, lo.head_mask), (lo.tail, lo.tail_keys, lo.tail_mask)]
     outs = [torch.nn.functional.scaled_dot_product_attention(
         _rows(q, queries), _rows(k, keys), _rows(v, keys), attn_mask=mask, scale=scaling
-    ).transpose(1, 2).flatten(0, 1) for queries, keys, mask in blocks]   # [S x W, heads, D]
+    ).transpose(1, 2).flatten(0, 1) for queries, keys, mask in blocks if queries is not None]
     return torch.cat(outs).index_select(0, lo.back)[None], None
 
 
@@ -133,46 +123,32 @@ AttentionMaskInterface.register(NAME, sdpa_mask)   # a padded forward's mask, as
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
-def _packed_index(valid, start: int):
-    """[S, W]: the packed index of each valid slot, its tokens packed row by row from `start`; -1
-    elsewhere."""
-    index = torch.full(valid.shape, -1, dtype=torch.long)
-    index[valid] = torch.arange(start, start + int(valid.sum()))
-    return index
-
-
 def packed_hidden(model, input_ids, attention_mask, split: int, keep, buckets: bool = None):
-    """The last hidden states of the real tokens of the rows, packed, at the columns keep [B, W]
-    (bool) marks, in row order, and their flat indices into [B, W] on the host: (hidden [K,
-    width], kept [K]). Columns before `split` are the prompt, each distinct one run once (the rows'
-    heads); split 0: every row whole. One read from the device: the prompts, the mask and keep.
-    buckets: attention's block widths bucketed (default: on CUDA, where a new shape costs cuDNN a
-    new plan; on the CPU the extra masked columns would change the sums' rounding)."""
+    """(hidden [K, width], kept [K]): the last hidden states of the rows' real tokens, packed, at
+    the K columns keep [B, W] marks, and their indices into [B, W] flattened (host). Columns before
+    split: the prompt, each distinct one run once (a head); split 0: every row whole. buckets:
+    bucket() the widths (default on CUDA: a new shape costs cuDNN a plan; a CPU rounds anew)."""
     (batch, width), device = attention_mask.shape, input_ids.device
     buckets = device.type == "cuda" if buckets is None else buckets
+    # one read from the device: the prompts, the mask and keep
     host = torch.cat([input_ids[:, :split], attention_mask.long(), keep.long()], 1).cpu()
     mask, keep = host[:, split:split + width], host[:, split + width:].bool()
-    valid, positions = mask.bool(), (mask.cumsum(-1) - 1).clamp_min(0)
-    flat = torch.arange(batch * width).view(batch, width)   # each column's index in input_ids
+    valid, flat = mask.bool(), torch.arange(batch * width).view(batch, width)
     if split > 0:
         prompts, parent = torch.unique(torch.cat([host[:, :split], mask[:, :split]], 1), dim=0,
                                        return_inverse=True)
-        head_valid = prompts[:, split:].bool()
-        head_pos = (prompts[:, split:].cumsum(-1) - 1).clamp_min(0)
-        # a head's ids are those of any of its rows: the last one's
-        head_row = parent.new_empty(prompts.shape[0]).scatter_(0, parent, torch.arange(batch))
-        tail_valid = valid[:, split:]
-        head_len = head_valid.sum(1)
-        lo = layout(head_len, tail_valid.sum(1), parent, buckets)
-        source = torch.cat([flat[head_row, :split][head_valid], flat[:, split:][tail_valid]])
-        pos = torch.cat([head_pos[head_valid], positions[:, split:][tail_valid]])
-        head_map = _packed_index(head_valid, 0)
-        tail_map = _packed_index(tail_valid, int(head_len.sum()))
-        colmap = torch.cat([head_map[parent], tail_map], 1)
+        # a head runs its last row's prompt; twin [B, W]: the column whose packed token each is
+        head = parent.new_empty(prompts.shape[0]).scatter_(0, parent, torch.arange(batch))
+        head_valid, tail_valid = valid[head, :split], valid[:, split:]
+        lo = layout(head_valid.sum(1), tail_valid.sum(1), parent, buckets)
+        source = torch.cat([flat[head, :split][head_valid], flat[:, split:][tail_valid]])
+        twin = torch.cat([flat[head[parent], :split], flat[:, split:]], 1)
     else:
-        lo = layout(valid.sum(1), buckets=buckets)
-        source, pos, colmap = flat[valid], positions[valid], _packed_index(valid, 0)
-    ids, pos, at = (t.to(device, non_blocking=True) for t in (source, pos, colmap[keep]))
+        lo, source, twin = layout(valid.sum(1), buckets=buckets), flat[valid], flat
+    packed = torch.zeros(batch * width, dtype=torch.long)   # a source column's packed index
+    packed[source] = torch.arange(source.numel())
+    pos = (mask.cumsum(-1) - 1).clamp_min(0).view(-1)[source]
+    ids, pos, at = (t.to(device, non_blocking=True) for t in (source, pos, packed[twin[keep]]))
     hidden = model.base_model(input_ids=input_ids.reshape(-1)[ids][None], position_ids=pos[None],
                               attention_mask=_NO_MASK, lean_layout=lo.to(device),
                               use_cache=False).last_hidden_state[0]

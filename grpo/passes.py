@@ -3,7 +3,6 @@
 grpo/variants.py). A pass without gradient runs under guard.fit (retried with fewer rows after an
 out-of-memory), so holds no collective; a gather after it is marked `# every rank`.
 """
-import functools
 from contextlib import nullcontext
 
 import torch
@@ -11,11 +10,9 @@ import torch
 from grpo.model import adapters_off, completion_logprobs, is_lora, logprob_temperature
 
 
-def token_logprobs(model, batch, rows, cfg, autocast, with_entropy: bool = False,
-                   entropy_grad: bool = False):
-    """The logprobs of the completion tokens of batch's `rows` under model, at the sampling
-    temperature [rows, T]; with_entropy also the entropy of each position's distribution, with a
-    gradient when entropy_grad (a loss term reads it: else a logged statistic)."""
+def token_logprobs(model, batch, rows, cfg, autocast, with_entropy=False, entropy_grad=False):
+    """The logprobs [rows, T] of batch's completion tokens under model, at the sampling temperature;
+    with_entropy also each position's entropy, with a gradient if entropy_grad (a loss reads it)."""
     return completion_logprobs(model, batch.input_ids[rows], batch.attention[rows],
                                batch.completion_len, logprob_temperature(cfg.temperature),
                                cfg.logprob_chunk_size, autocast, with_entropy=with_entropy,
@@ -23,24 +20,14 @@ def token_logprobs(model, batch, rows, cfg, autocast, with_entropy: bool = False
 
 
 def no_grad_pass(model, batch, guard, cfg, autocast, rows=None, entropy: bool = False):
-    """The logprobs (entropy: entropies) of the completion tokens of batch's `rows` (None: every
-    row) under model, without gradient, retried with fewer rows after an out-of-memory; a gather
-    over ranks that follows stays outside the retry."""
-    return guard.fit(functools.partial(  # every rank
-        _no_grad_pass, model, batch, cfg=cfg, autocast=autocast, rows=rows, entropy=entropy))
-
-
-def _no_grad_pass(model, batch, micro, cfg, autocast, rows=None,
-                  entropy: bool = False) -> torch.Tensor:
-    """Without gradient, a micro-batch per forward (micro.split): the logprobs of the completion
-    tokens of batch's `rows` (None: every row), or with entropy each position's entropy. guard.fit
-    runs it, retried with fewer rows after an out-of-memory: so no collective call in it (a rank
-    out of memory would leave the others waiting in it)."""
-    parts = micro.split(batch, rows)
-    with torch.no_grad():
-        out = [token_logprobs(model, batch, part, cfg, autocast, with_entropy=entropy)
-               for part in parts]
-    return torch.cat([o[1] for o in out] if entropy else out)
+    """The logprobs (entropy: entropies) of batch's `rows` (None: all) under model, no gradient,
+    a micro-batch per forward; guard.fit retries it smaller on an out-of-memory: no collective."""
+    def run(micro):
+        with torch.no_grad():
+            out = [token_logprobs(model, batch, part, cfg, autocast, with_entropy=entropy)
+                   for part in micro.split(batch, rows)]
+        return torch.cat([o[1] for o in out] if entropy else out)
+    return guard.fit(run)  # every rank
 
 
 def reference_logprobs(reference, batch, cfg, autocast, guard) -> torch.Tensor:
@@ -51,7 +38,6 @@ def reference_logprobs(reference, batch, cfg, autocast, guard) -> torch.Tensor:
 
 
 def loss_mask(batch, cfg) -> torch.Tensor:
-    """The completion tokens that carry loss: all of them, or with --mask-truncated none of a cut-off row's."""
-    if not cfg.mask_truncated:
-        return batch.completion_mask
-    return batch.completion_mask * ~batch.truncated[:, None]
+    """The completion tokens that carry loss: all, or with --mask-truncated no cut-off row's."""
+    mask = batch.completion_mask
+    return mask * ~batch.truncated[:, None] if cfg.mask_truncated else mask

@@ -4,30 +4,27 @@ and DAPO's dynamic sampling, which builds the batch from several rounds. The tra
 sampled ids; text is decoded for the reward only (why: docs/algorithm.md, "The default step").
 """
 import dataclasses
+import functools
 from collections import Counter
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from grpo.decoders import as_ends, generate, is_end
+from grpo.decoders import generate, is_end
 from grpo.model import context_length, end_ids
 
 
 def flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[groups] bool: whether a group is flat, its rewards all equal (it carries no signal; the
-    record's frac_zero_std is their share, TRL's name; DAPO's groups_uninformative their count).
-
-    Rows of one group are contiguous. Exact equality, not a tolerance: a group is flat exactly when
-    the advantages set its advantages to 0 (grpo/variants.py zero_flat_groups).
-    """
+    """[groups] bool: whether a group (contiguous rows) is flat, its rewards all equal: no signal.
+    Exactly equal, as the advantages zero a group's (grpo/variants.py zero_flat_groups)."""
     r = rewards.float().view(-1, group_size)
     return r.max(1).values == r.min(1).values
 
 
 def stream_seed(seed: int, index: int) -> int:
-    """The seed of item `index` of a stream seeded by `seed` (a step's prompts, a row's sampling): a
-    function of the two alone, so a resumed run or another device count draws what one uninterrupted
-    process draws. Modulo 2**64, torch's seed range: a stream of a stream (a step's row) stays in it
-    for every --seed, and is the same number wherever it was in it already."""
+    """The seed of item `index` of the stream `seed` (a step's prompts, a row's sampling): of the
+    two alone, so a resume or another device count draws the same. Modulo 2**64, torch's seed
+    range: a stream of a stream (a step's row) stays in it, the same number if it was in it."""
     return (seed * 1_000_003 + index) % 2**64
 
 
@@ -37,10 +34,9 @@ def wants_bos(choice: str, tokenizer) -> bool:
 
 
 def start_ids(tokenizer, prepend_bos: bool) -> list:
-    """The ids every prompt starts with: the tokenizer's BOS (its EOS when it has none), or nothing."""
-    if not prepend_bos:
-        return []
-    return [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id]
+    """The ids every prompt starts with: the tokenizer's BOS (its EOS without one), or nothing."""
+    bos = tokenizer.bos_token_id
+    return [tokenizer.eos_token_id if bos is None else bos] if prepend_bos else []
 
 
 def render_conversation(tokenizer, conversation: list) -> list:
@@ -68,10 +64,9 @@ def shown(value, width: int = 60) -> str:
 
 def encode_prompts(tokenizer, prompts, prepend_bos: bool, max_new_tokens: int = 0,
                    context: int | None = None) -> list:
-    """Token ids of each prompt: a str encoded, with prepend_bos the tokenizer's BOS (GPT-2:
-    <|endoftext|>) first; a conversation rendered by the chat template (render_conversation).
-    With context (the model's positions) each must leave room for max_new_tokens: past it a
-    learned-position model indexes outside its embeddings. Else a ValueError naming the prompt."""
+    """Token ids of each prompt: a str encoded (prepend_bos: BOS first), a conversation rendered by
+    its chat template; ValueError unless max_new_tokens fit after it in context (the model's
+    positions: past them a learned-position model indexes outside its embeddings)."""
     texts = [p for p in prompts if isinstance(p, str)]
     encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
     ids = [start_ids(tokenizer, prepend_bos) + next(encoded) if isinstance(p, str)
@@ -92,13 +87,9 @@ def encode_prompts(tokenizer, prompts, prepend_bos: bool, max_new_tokens: int = 
 
 def left_pad(rows, pad_id: int, device=None):
     """Stack id lists to [B, L], padded on the left, with the attention mask."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r):] = 1
+    ids = [torch.tensor(r, dtype=torch.long) for r in rows]
+    mask = pad_sequence([torch.ones_like(r) for r in ids], batch_first=True, padding_side="left")
+    ids = pad_sequence(ids, batch_first=True, padding_value=pad_id, padding_side="left")
     # queued (the host tensors are staged at once): a copy that waits would wait for the device
     return ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
 
@@ -118,11 +109,11 @@ class Rollout:
     completion_mask: torch.Tensor    # [B, T]
     old_logp: torch.Tensor           # [B, T] the sampling logprobs, the policy's own (PPO's pi_old)
     truncated: torch.Tensor          # [B] bool: stopped by max_new_tokens before an EOS
-    rewards: torch.Tensor = None     # [B] float32 on the host: what the task gave, never changed after
+    rewards: torch.Tensor = None     # [B] float32 on the host: what the task gave, never changed
     # [B] each, by name: what reward shaping takes off the task's rewards (--overlong-buffer,
     # --kl-in reward)
     penalties: dict = dataclasses.field(default_factory=dict)
-    shaped_rewards: torch.Tensor = None  # [B] what the advantages are made of: rewards less every penalty
+    shaped_rewards: torch.Tensor = None  # [B] the advantages' input: the rewards less the penalties
     # the means of the reward's parts (the task's reward_breakdown), by name
     part_means: dict = dataclasses.field(default_factory=dict)
     parts: list = None   # per row, its --reward-weights parts' values in order ([] without)
@@ -139,11 +130,9 @@ class Rollout:
     sampler_logp: torch.Tensor = None
 
     def shape(self, penalties: dict) -> "Rollout":
-        """penalties ({name: [B]}, none by default) and shaped_rewards: the task's rewards less
-        each penalty, in order."""
-        self.penalties, self.shaped_rewards = penalties, self.rewards
-        for penalty in penalties.values():
-            self.shaped_rewards = self.shaped_rewards - penalty
+        """penalties ({name: [B]}) and shaped_rewards: the task's rewards less each, in order."""
+        self.penalties = penalties
+        self.shaped_rewards = functools.reduce(torch.sub, penalties.values(), self.rewards)
         return self
 
     @property
@@ -151,35 +140,27 @@ class Rollout:
         return self.completion_mask.shape[1]
 
     def score(self, scorer) -> "Rollout":
-        """Fill rewards, part_means, errors and parts with scorer(prompts, completions)
-        (harness/task.py Scorer)."""
+        """rewards, part_means, errors and parts from scorer(prompts, texts) (harness/task.py)."""
         rewards, self.part_means, self.errors, parts = scorer(self.prompts, self.texts)
         self.rewards = torch.from_numpy(rewards)
         self.parts = [[] for _ in self.texts] if parts is None else parts
         return self
 
 
-def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, ends
-                   ) -> torch.Tensor:
-    """[B] bool: the completions that end without an end (EOS or any of ends), i.e. were stopped by
-    max_new_tokens. completion_mask runs up to and including a row's first end (grpo/decoders.py),
-    so a row is truncated exactly when its last masked token is not one."""
+def truncated_rows(completion_ids, completion_mask, ends) -> torch.Tensor:
+    """[B] bool: the rows max_new_tokens stopped. completion_mask runs up to and including a row's
+    first end (EOS or any of ends: grpo/decoders.py), so those whose last masked token is none."""
     lengths = completion_mask.sum(1)
     last = completion_ids.gather(1, (lengths - 1).clamp_min(0)[:, None]).squeeze(1)
     return (lengths > 0) & ~is_end(last, ends)
 
 
 def decode_completions(tokenizer, completion_ids, mask, ends) -> list:
-    """The text of each completion: its tokens up to, not including, its first end (ends: an id or
-    ids)."""
-    texts, ends = [], as_ends(ends)
-    lengths = mask.sum(1, keepdim=True).to(completion_ids.dtype)
-    for *ids, m in torch.cat([completion_ids, lengths], 1).tolist():   # one read of both
-        ids = ids[:m]
-        if ids and ids[-1] in ends:
-            ids = ids[:-1]
-        texts.append(tokenizer.decode(ids, skip_special_tokens=False))
-    return texts
+    """The text of each completion: its tokens before its first end (ends: an id or ids). The mask
+    runs up to and including a row's first end: the ends it holds are that one, or none."""
+    lengths = (mask.bool() & ~is_end(completion_ids, ends)).sum(1, keepdim=True)
+    rows = torch.cat([completion_ids, lengths.to(completion_ids.dtype)], 1).tolist()   # one read
+    return tokenizer.batch_decode([ids[:m] for *ids, m in rows], skip_special_tokens=False)
 
 
 @dataclasses.dataclass
@@ -209,44 +190,38 @@ class Sampler:
         self.context = context_length(self.policy.config)
 
     def sample(self, prompts: list, *, seed: int, first_row: int) -> Rollout:
-        """group_size completions of each prompt, generation_batch rows at a time.
-
-        Each chunk's sampling is seeded by seed and the chunk's first row in the global batch
-        (first_row plus its offset here): the rollouts depend neither on the number of devices
-        (for the same generation batch) nor on a resume."""
-        policy, tokenizer, group_size = self.policy, self.tokenizer, self.group_size
-        ends, eos = self.ends, self.ends[0]
-        ids = encode_prompts(tokenizer, prompts, self.prepend_bos, self.max_new_tokens,
+        """group_size completions of each prompt, generation_batch rows at a time, each chunk seeded
+        by seed and its first row in the global batch: the same rollouts on any number of devices
+        (for the same generation batch) and after a resume."""
+        group_size, ends, eos = self.group_size, self.ends, self.ends[0]
+        ids = encode_prompts(self.tokenizer, prompts, self.prepend_bos, self.max_new_tokens,
                              self.context)
-        prompt_ids, prompt_mask = left_pad(ids, eos, self.device)
-        prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
-        prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
+        prompt_ids, prompt_mask = left_pad([r for r in ids for _ in range(group_size)], eos,
+                                           self.device)
         truncates = self.temperature > 0 and (self.top_k > 0 or self.top_p < 1
                                               or self.min_new_tokens > 0)
         chunks, chunk = [], self.generation_batch
         for s in range(0, prompt_ids.shape[0], chunk):
             torch.manual_seed(stream_seed(seed, first_row + s))
             chunks.append(generate(
-                policy, prompt_ids[s:s + chunk], prompt_mask[s:s + chunk], end_ids=ends,
+                self.policy, prompt_ids[s:s + chunk], prompt_mask[s:s + chunk], end_ids=ends,
                 max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                 top_k=self.top_k, top_p=self.top_p, min_new_tokens=self.min_new_tokens,
                 autocast=self.autocast, compile=self.compile, with_sampler=truncates,
                 group_size=group_size, graph=self.graph))
         width, pad = max(c.ids.shape[1] for c in chunks), torch.nn.functional.pad
-        def joined(parts, value=0):   # the chunks' rows in order, right-padded to the widest
-            return torch.cat([pad(t, (0, width - t.shape[1]), value=value) for t in parts])
-        completion_ids = joined([c.ids for c in chunks], eos)
-        completion_mask = joined([c.mask for c in chunks])
-        old_logp = joined([c.logp for c in chunks])
+        def joined(name, value=0):   # the chunks' rows in order, right-padded to the widest
+            return torch.cat([pad(t, (0, width - t.shape[1]), value=value)
+                              for t in (getattr(c, name) for c in chunks)])
+        completion, mask, logp = joined("ids", eos), joined("mask"), joined("logp")
         # nothing truncated: the distribution drawn from is the policy's own
-        sampler_logp = joined([c.sampler_logp for c in chunks]) if truncates else old_logp
+        sampler_logp = joined("sampler_logp") if truncates else logp
         return Rollout(prompts=[p for p in prompts for _ in range(group_size)],
-                       texts=decode_completions(tokenizer, completion_ids, completion_mask, ends),
-                       input_ids=torch.cat([prompt_ids, completion_ids], 1),
-                       attention=torch.cat([prompt_mask, completion_mask], 1),
-                       completion_mask=completion_mask, old_logp=old_logp,
-                       sampler_logp=sampler_logp,
-                       truncated=truncated_rows(completion_ids, completion_mask, ends))
+                       texts=decode_completions(self.tokenizer, completion, mask, ends),
+                       input_ids=torch.cat([prompt_ids, completion], 1),
+                       attention=torch.cat([prompt_mask, mask], 1), completion_mask=mask,
+                       old_logp=logp, sampler_logp=sampler_logp,
+                       truncated=truncated_rows(completion, mask, ends))
 
 
 # ---- DAPO's dynamic sampling: the batch made of the groups that are not flat of several rounds --

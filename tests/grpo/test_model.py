@@ -4,6 +4,7 @@ import sys
 import pytest
 import torch
 
+import grpo.model
 from grpo.model import (ModelLoadError, context_length, frozen_copy, load_config, load_policy, load_tokenizer,
                         sync_reference)
 from helpers import env, small_vocab_model, without_tokenizer
@@ -127,8 +128,9 @@ def test_sync_reference_mixes_the_policy_in_at_alpha(tiny_model_dir):
     assert all(torch.equal(r, p) for r, p in zip(reference.parameters(), policy.parameters()))
 
 
-def test_a_padded_head_gives_the_logprobs_entropies_and_gradients_of_the_plain_one(tiny_model_dir, tmp_path):
-    """head_rows 64 (a GPU's default) on the CPU, fp32, a vocabulary of 300 (not a multiple of 64): the same
+def test_a_padded_head_gives_the_logprobs_entropies_and_gradients_of_the_plain_one(tiny_model_dir, tmp_path,
+                                                                                 monkeypatch):
+    """head_multiple 64 (a GPU's default) on the CPU, fp32, a vocabulary of 300 (not a multiple of 64): the same
     logprobs and entropies within float rounding, and the head's own weight gets the same gradient."""
     from grpo.model import completion_logprobs
     model = load_policy(small_vocab_model(tiny_model_dir, tmp_path / "m300"), "cpu")
@@ -139,8 +141,8 @@ def test_a_padded_head_gives_the_logprobs_entropies_and_gradients_of_the_plain_o
     results = []
     for rows in (1, 64):
         model.zero_grad()
-        logp, entropy = completion_logprobs(model, ids, mask, 8, 0.7, chunk_rows=16, with_entropy=True,
-                                            head_rows=rows)
+        monkeypatch.setattr(grpo.model, "head_multiple", lambda device, rows=rows: rows)
+        logp, entropy = completion_logprobs(model, ids, mask, 8, 0.7, chunk_rows=16, with_entropy=True)
         (logp.sum() + entropy.sum()).backward()
         results.append((logp.detach(), entropy.detach(), model.get_output_embeddings().weight.grad.clone()))
     (logp, entropy, grad), (logp64, entropy64, grad64) = results
@@ -189,6 +191,8 @@ def test_a_logged_entropy_keeps_no_graph_and_changes_no_number(tiny_model_dir, c
 BF16_RANK = """
 import sys
 import torch
+
+import grpo.model
 from grpo import distributed
 from grpo.model import model_autocast
 torch.distributed.init_process_group("gloo", init_method="file://" + sys.argv[1],
