@@ -5,7 +5,9 @@ buffers (docs/algorithm.md, "Decoding"), each tested against HFDecoder and HF ge
 """
 import bisect
 import dataclasses
+import functools
 import math
+import operator
 import sys
 import weakref
 
@@ -23,14 +25,12 @@ _BUFFERS = weakref.WeakKeyDictionary()
 
 
 def _zeros(model, name, shape, dtype, device, keep: bool, reuse=None):
-    """A zeroed tensor; with keep, the same one for the same model, name and shape at every call
-    (_kept); else in reuse's memory where it is large enough (a tensor about to be dropped: zeroing
-    memory already touched costs a fraction of fresh memory's page faults)."""
+    """A zeroed tensor: with keep, the same one at every call (_kept); else in reuse's memory where
+    it fits (zeroing touched memory costs less than fresh memory's page faults)."""
     if keep:
         return _kept(model, name, shape, dtype, device)
-    size = torch.Size(shape).numel()
-    if reuse is not None and reuse.dtype == dtype and reuse.numel() >= size:
-        return reuse.view(-1)[:size].view(shape).zero_()
+    if reuse is not None and reuse.dtype == dtype and reuse.numel() >= math.prod(shape):
+        return reuse.view(-1)[:math.prod(shape)].view(shape).zero_()
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
@@ -46,8 +46,7 @@ def _kept(model, name, shape, dtype, device):
 
 
 def _index(values: list, device) -> torch.Tensor:
-    """values (ints built on the host) as an index tensor on device, copied without waiting: on a
-    GPU from pinned memory (a copy from pageable memory waits for the device)."""
+    """values as an index tensor on device, copied without waiting (on a GPU from pinned memory)."""
     host = torch.tensor(values, dtype=torch.long)
     return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
 
@@ -64,8 +63,7 @@ class Decoder:
     graph = None   # "capture": a replayed CUDA graph; "check": its stand-in (grpo/graphs.py)
 
     def advance(self, draws, step: int, banned):
-        """Feed the token drawn at column `step`; draw column step + 1 from the logits it gives (by
-        the compiled step or the graph where there is one)."""
+        """Feed the token drawn at column `step`; draw column step + 1 from the logits it gives."""
         if self.compiled is not None:
             return self._advance_compiled(draws, step, banned)
         if self.graph is not None:
@@ -101,59 +99,49 @@ class PreallocatedDecoder(Decoder):
     def __init__(self, model, cache, inverse: list, prompt_mask, max_new_tokens: int,
                  compile: bool = False, group_size: int = None, reuse: dict = None,
                  graph: str = None):
-        self.model, self.inverse, self.prompt_mask = model, inverse, prompt_mask
-        self.graph, reuse = graph, reuse or {}
-        # compiled or graphed, every tensor the step reads is kept from call to call (_kept): a
-        # replay reads the addresses it was recorded with
+        self.model, self.inverse, self.prompt_mask, self.graph = model, inverse, prompt_mask, graph
+        # compiled or graphed, every tensor the step reads is kept (_kept): a replay reads the
+        # addresses it was recorded with
         static = self.static = compile or graph is not None
-        (batch, width), device = prompt_mask.shape, prompt_mask.device
-        # a group: the rows of one prompt; compiled, the caller's group size, so that a step whose
-        # groups drew the same prompt has the shapes of every other step (eager, such groups: one);
-        # decided on the host, from the prompt of each row (inverse)
+        (batch, width), device, T = prompt_mask.shape, prompt_mask.device, max_new_tokens
+        # rows per prompt (compiled: the caller's, so that groups that drew one prompt recompile
+        # nothing); 1 where rows are not whole groups
         n_prompts = max(inverse) + 1
-        size = (group_size if static and group_size
-                else batch // n_prompts if batch % n_prompts == 0 else None)
-        if not size or batch % size or any(inverse[i] != inverse[i - i % size]
-                                           for i in range(batch)):   # not whole groups
-            size = 1
-        groups, group = self.groups, self.group = batch // size, size
-        first = _index(inverse[::size], device)   # prompt of each group, in batch order
+        group = (static and group_size) or (batch // n_prompts if batch % n_prompts == 0 else None)
+        if not group or batch % group or any(inverse[i] != inverse[i - i % group]
+                                             for i in range(batch)):
+            group = 1
+        self.group, groups = group, batch // group
         dtype = torch.float32 if device.type == "cpu" else cache.layers[0].keys.dtype
         _, kv_heads, _, head_dim = cache.layers[0].keys.shape
-        rep = self.rep = self.heads // kv_heads
         self.width = padded = padded_width(width, self.WIDTH_MULTIPLE, static)
-        n_layers, T = len(cache.layers), max_new_tokens
-        # Everything is laid out by group: [groups, K/V heads, ...]. Keys are stored transposed
-        # (columns last), so that both score matmuls read them as they lie. Zeros, not empty: a
-        # masked column's weight is exactly 0, and 0 * NaN would not be. One table per kind for all
-        # layers: a token slices each table once.
-        self.prompt_k = _zeros(model, "prompt_k", (n_layers, groups, kv_heads, head_dim, padded),
-                               dtype, device, static)
-        self.prompt_v = _zeros(model, "prompt_v", (n_layers, groups, kv_heads, padded, head_dim),
-                               dtype, device, static)
+        zeros = functools.partial(_zeros, model, dtype=dtype, device=device, keep=static)
+        # by group, one table a kind for all layers; keys transposed (both score matmuls read them
+        # as they lie); zeros: a masked column's weight is then exactly 0 (0 * NaN would not be)
+        self.prompt_k = zeros("prompt_k", (len(cache.layers), groups, kv_heads, head_dim, padded))
+        self.prompt_v = zeros("prompt_v", (len(cache.layers), groups, kv_heads, padded, head_dim))
+        first = _index(inverse[::group], device)   # each group's prompt
         for i, layer in enumerate(cache.layers):
             self.prompt_k[i, ..., :width] = layer.keys[first].transpose(-1, -2)
             self.prompt_v[i, ..., :width, :] = layer.values[first]
-        self.new_k = _zeros(model, "new_k", (n_layers, groups, kv_heads, group, head_dim, T), dtype,
-                            device, static, reuse.get("new_k"))
-        self.new_v = _zeros(model, "new_v", (n_layers, groups, kv_heads, group, T, head_dim), dtype,
-                            device, static, reuse.get("new_v"))
+        reuse, new = reuse or {}, (len(cache.layers), groups, kv_heads, group)
+        self.new_k = zeros("new_k", (*new, head_dim, T), reuse=reuse.get("new_k"))
+        self.new_v = zeros("new_v", (*new, T, head_dim), reuse=reuse.get("new_v"))
         self.prompt_ks, self.prompt_vs = self.prompt_k.unbind(0), self.prompt_v.unbind(0)
-        self._step_tables(prompt_mask, groups, group, width, padded, T, dtype, device)
-        # the buffers a layer writes into: its scaled queries, and its attention output as rows
-        self.q = _zeros(model, "q", (groups, kv_heads, group * rep, head_dim), dtype, device, static)
-        self.q5 = self.q.view(groups, kv_heads, group, rep, head_dim)
-        self.o = _zeros(model, "o", (groups, kv_heads, group * rep, head_dim), dtype, device, static)
-        self.o5 = self.o.view(groups, kv_heads, group, rep, head_dim)
-        self.qk = _zeros(model, "qk", (groups, kv_heads, group * rep, padded), dtype, device,
-                         static)
-        self.qk5 = self.qk.view(groups, kv_heads, group, rep, padded)
-        self._eager = (None,)   # __call__'s (new columns, mask, scores, tables)
-        self.y = _zeros(model, "y", (batch, self.heads * head_dim), dtype, device, static)
-        self.y5 = self.y.view(groups, group, kv_heads, rep, head_dim).transpose(1, 2)
-        self.shape = (groups, kv_heads, group, rep, head_dim)
-        self.device_type = device.type
-        self.head = self._padded_head(model, device, static)
+        self._step_tables(prompt_mask, groups, group, width, T, dtype, device)
+        # a layer's buffers (its scaled queries, prompt scores, output), and the output as rows
+        self.shape = (groups, kv_heads, group, self.heads // kv_heads, head_dim)
+        rows = (groups, kv_heads, group * self.shape[3])
+        self.q, self.qk, self.o = (zeros(name, (*rows, size)) for name, size in (
+            ("q", head_dim), ("qk", padded), ("o", head_dim)))
+        self.q5, self.qk5, self.o5 = (t.view(*self.shape[:-1], -1)
+                                      for t in (self.q, self.qk, self.o))
+        self.y = zeros("y", (batch, self.heads * head_dim))
+        self.y5 = self.y.view(groups, group, kv_heads, -1, head_dim).transpose(1, 2)
+        self._eager, self.device_type = (None,), device.type   # __call__'s tables
+        head = model.get_output_embeddings()   # padded as in training (on a GPU only)
+        self.vocab = head.weight.shape[0]
+        self.head = self._matmul_tensors("head", list(padded_head(head, head_multiple(device))))
         self.compiled = _compiled(type(self), device) if compile and not _LIMIT_HIT else None
 
     def select(self, rows: list, prefill, step: int):
@@ -174,31 +162,25 @@ class PreallocatedDecoder(Decoder):
                 by_row.view(kept.shape[0], kept.shape[1], kept.shape[3], *by_row.shape[2:]))
         return new
 
-    def _step_tables(self, prompt_mask, groups, group, width, padded, T, dtype, device):
-        """Per step: self.bias, the additive mask over a group's prompt columns and the new ones
-        (-inf on left padding, on the padded columns and on the new columns not written yet;
-        scores: [groups, H_kv, group, rep, columns]), and self.positions [T, rows]; self.columns."""
-        pad = torch.nn.functional.pad(prompt_mask[::group], (0, padded - width))
-        prompt_bias = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill(
-            pad == 0, float("-inf"))
-        written = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        new_bias = torch.zeros(written.shape, dtype=dtype, device=device).masked_fill(
-            ~written, float("-inf"))
-        bias = torch.cat([prompt_bias.expand(T, groups, padded),
-                          new_bias[:, None].expand(T, groups, T)], -1)
-        positions = prompt_mask.sum(-1) + torch.arange(T, device=device)[:, None]  # [T, rows]
+    def _step_tables(self, prompt_mask, groups, group, width, T, dtype, device):
+        """Per step: self.bias, the additive mask over a group's prompt and new columns (-inf on
+        left padding, padded columns, new columns not written yet), self.positions [T, rows],
+        self.columns; graphed, self.column, the column the step writes (set before each replay)."""
+        prompt = torch.nn.functional.pad(prompt_mask[::group], (0, self.width - width)) != 0
+        written = torch.ones(T, T, dtype=torch.bool, device=device).tril()[:, None]
+        seen = torch.cat([prompt.expand(T, groups, self.width), written.expand(T, groups, T)], -1)
+        bias = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen, -math.inf)
+        positions = prompt_mask.sum(-1) + torch.arange(T, device=device)[:, None]
         self.bias, self.positions, self.columns = (
             _kept(self.model, name, t.shape, t.dtype, device).copy_(t) if self.static else t
             for name, t in (("bias", bias), ("positions", positions),
                             ("columns", torch.arange(T, device=device))))
-        self.bias = self.bias.view(T, groups, 1, 1, 1, padded + T)
-        # graphed, the column the step writes: a tensor set before each replay
+        self.bias = self.bias.view(T, groups, 1, 1, 1, self.width + T)
         self.column = _kept(self.model, "column", (1,), torch.long, device) if self.graph else None
 
     def __call__(self, token, step: int):
-        """The eager step: the logits after `token`, written at column `step`. What attention reads
-        is the same for NEW_MULTIPLE steps: its mask's columns, score buffers and K/V tables are
-        made once for them (_eager)."""
+        """The eager step: the logits after `token`, written at column `step`. Its mask's columns,
+        score buffers and K/V tables are made once for NEW_MULTIPLE steps (_eager)."""
         new = min(len(self.columns), -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
         if self._eager[0] != new:
             bias = self.bias[..., :self.width + new]
@@ -208,10 +190,8 @@ class PreallocatedDecoder(Decoder):
                              scores, tables)
 
     def _scores(self, columns: int):
-        """A token's scores, then weights, for every layer in turn: all, over the prompt, the
-        new."""
-        scores = torch.empty(*self.shape[:-1], columns, dtype=self.bias.dtype,
-                             device=self.bias.device)
+        """A layer's scores, then weights: all, over the prompt, over the new columns."""
+        scores = self.bias.new_empty(*self.shape[:-1], columns)
         return scores, _merged(scores, self.width), scores[..., self.width:]
 
     def _tables(self, new: int):
@@ -265,67 +245,65 @@ class PreallocatedDecoder(Decoder):
         draws.draw(self._forward(token, column, position, bias), column + 1, banned)
 
     def _forward(self, token, step, position, bias, scores=None, tables=None):
-        """The logits after token; scores, tables: the eager step's buffers (_attend) and K/V
-        tables, None traced."""
+        """The logits after token; scores, tables: the eager step's (_scores, _tables), or None."""
         x, rotary = self._embed(token, position)
         traced = scores is None
         new_k, new_v = self._tables(bias.shape[-1] - self.width) if traced else tables
         attend = self._attend_traced if traced else self._attend
         for i, (layer, scale) in enumerate(zip(self.layers, self.scales)):
             q, k, v = self._qkv(layer, x, rotary, traced)
-            # bf16 autocast on a CPU: attention in the cache's fp32
-            if self.y.dtype != v.dtype or self.y.dtype != q.dtype:
+            if {q.dtype, v.dtype} != {self.y.dtype}:   # bf16 autocast on a CPU: attention in fp32
                 q, k, v = [t.to(self.y.dtype) for t in (q, k, v)]
             with torch.autocast(self.device_type, enabled=False):
                 y = attend(q, k, v, step, self.prompt_ks[i], self.prompt_vs[i], new_k[i], new_v[i],
                            bias, scores, scale)
             x = self._rest(layer, x, y)
-        return self._head(x)
-
-    def _head(self, x):
         logits = torch.nn.functional.linear(self._final_norm(x), *self.head)
         return logits if logits.shape[-1] == self.vocab else logits[:, :self.vocab]
 
-    def _padded_head(self, model, device, keep: bool):
-        """The output head padded as in training (grpo/model.py padded_head: on a GPU only), in the
-        dtype the step's matmuls read (_matmul_tensors)."""
-        head = model.get_output_embeddings()
-        self.vocab = head.weight.shape[0]
-        weight, bias = padded_head(head, head_multiple(device))
-        return self._matmul_tensors(model, "head", [weight, bias], device, keep)
-
-    @staticmethod
-    def _matmul_tensors(model, name, tensors, device, keep: bool) -> list:
+    def _matmul_tensors(self, name, tensors) -> list:
         """tensors (a matmul's weights and biases, None for none) as the decode step reads them: the
         tensors themselves, or under bf16 autocast on a GPU their _copies."""
+        device = self.prompt_mask.device
         if not (torch.is_autocast_enabled(device.type) and decode_copies(device)):
             return tensors
-        return _copies(model, name, tensors, torch.get_autocast_dtype(device.type), device, keep)
+        return _copies(self.model, name, tensors, torch.get_autocast_dtype(device.type), device,
+                       self.static)
 
-    def _views(self, q, k, v) -> tuple:
-        """q, k, v (each a projection's output and the column its heads start at) in the layouts
-        attention reads (_heads)."""
+    def _projections(self, modules: list, kind: type) -> list:
+        """Each layer's projections (modules: all layers', in order) as (weight, bias) in the decode
+        dtype, or as the modules where adapters (LoRA) wrap them (their own forward adds them)."""
+        if all(type(m) is kind for m in modules):
+            flat = self._matmul_tensors(kind.__name__,
+                                        [p for m in modules for p in (m.weight, m.bias)])
+            modules = list(zip(flat[::2], flat[1::2]))
+        n = len(modules) // len(self.layers)
+        return [modules[i:i + n] for i in range(0, len(modules), n)]
+
+    def _views(self, *qkv) -> tuple:
+        """q, k, v (each a projection's output [rows, columns] and the column its heads start at) as
+        one view each: q [groups, H_kv, group, rep, D], k [.., group, D, 1] (keys transposed), v
+        [.., group, 1, D]."""
         g, kv, group, rep, dim = self.shape
-        return (_heads(*q, self.shape, group, "q"), _heads(*k, (g, kv, group, dim, 1), group, "k"),
-                _heads(*v, (g, kv, group, 1, dim), group, "v"))
+        layouts = ((self.shape, rep * dim, (dim, 1)), ((g, kv, group, dim, 1), dim, (1, dim)),
+                   ((g, kv, group, 1, dim), dim, (dim, 1)))
+        return tuple(t.as_strided(shape, (group * t.stride(0), head, t.stride(0), *inner), offset)
+                     for (t, offset), (shape, head, inner) in zip(qkv, layouts))
 
     def _attend(self, q, k, v, step, kp, vp, kn, vn, bias, scores, scale: float):
         """Softmax attention of q (_views' layout) over its group's prompt (kp, vp) and its row's
-        new tokens (kn, vn), after writing k, v at column `step`; H = H_kv x rep query heads share
-        a K/V head (grouped-query attention; rep = 1 for GPT-2). Returns self.y [rows, H x D],
-        where it writes."""
+        new tokens (kn, vn), after writing k, v at column `step`; rep query heads share a K/V head
+        (grouped-query attention). Returns self.y [rows, H x D], where it writes."""
         kn.index_copy_(4, step, k)
         vn.index_copy_(3, step, v)
-        # a group's rows and a K/V head's query heads read the same prompt keys: one matmul for them
+        # one matmul for a group's rows and a K/V head's query heads: they read the same prompt keys
         torch.mul(q, scale, out=self.q5)
         scores, prompt, new = scores
-        # the prompt's scores into a buffer of their own (contiguous: its view is made once), the
-        # new ones into a fresh tensor, then one copy into place: a matmul's out= on a strided view
-        # takes a slow path on CPU (a small matmul per batch item)
+        # prompt scores by out= into a contiguous buffer, the new ones fresh, then one cat: out= on
+        # a strided view is slow on CPU (a small matmul per batch item)
         torch.matmul(self.q, kp, out=self.qk)
         torch.cat([self.qk5, self.q5 @ kn], -1, out=scores)
-        # the weights overwrite the scores (softmax reads each row before it writes it); softmax
-        # accumulates in fp32 whatever the dtype
+        # the weights overwrite the scores (softmax accumulates in fp32 whatever the dtype)
         torch.softmax(scores.add_(bias), -1, out=scores)
         torch.matmul(prompt, vp, out=self.o)
         torch.add(self.o5, new @ vn, out=self.y5)
@@ -394,22 +372,10 @@ def compile_counts() -> dict:
 
 
 def padded_width(width: int, multiple: int, compile: bool) -> int:
-    """The prompt columns a decoder keeps: width rounded up to a multiple (eager), or to a power of
-    two times it (compiled: one compiled step per bucket, log2 of the widths a run sees)."""
-    if not compile:
-        return -(-width // multiple) * multiple
-    return multiple * 2 ** max(0, (-(-width // multiple) - 1).bit_length())
-
-
-def _heads(t, offset: int, shape, group: int, kind: str):
-    """One view of t [rows, columns], a projection's output (storage of its own), from column
-    `offset` (each row's heads x D contiguous there) as the layout an attention op reads: "q"
-    [groups, H_kv, group, rep, D], "k" [groups, H_kv, group, D, 1] (keys transposed), "v" [groups,
-    H_kv, group, 1, D]."""
-    row, dim = t.stride(0), shape[3] if kind == "k" else shape[4]
-    strides = {"q": (group * row, shape[3] * dim, row, dim, 1),
-               "k": (group * row, dim, row, 1, dim), "v": (group * row, dim, row, dim, 1)}[kind]
-    return t.as_strided(shape, strides, offset)
+    """width rounded up to a multiple, or compiled to a power of two times it (a compilation per
+    bucket)."""
+    multiples = -(-width // multiple)
+    return multiple * (2 ** max(0, (multiples - 1).bit_length()) if compile else multiples)
 
 
 def _project(projection, x):
@@ -439,27 +405,20 @@ class GPT2Decoder(PreallocatedDecoder):
                 and not c.add_cross_attention)
 
     def __init__(self, model, *args, **kwargs):
-        t = model.transformer
-        self.t, self.heads = t, model.config.n_head
-        self.layers, self.scales = list(t.h), [b.attn.scaling for b in t.h]
+        t = self.t = model.transformer
+        self.heads, self.layers = model.config.n_head, list(t.h)
+        self.scales = [b.attn.scaling for b in t.h]
         super().__init__(model, *args, **kwargs)
-        # each layer's c_attn, c_proj, mlp.c_fc, mlp.c_proj: (weight, bias) in the decode dtype, or
-        # the module itself where adapters (LoRA) wrap it and its own forward adds them
-        mats = [m for b in t.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
-        if all(type(m) is Conv1D for m in mats):
-            flat = self._matmul_tensors(
-                model, "gpt2", [p for m in mats for p in (m.weight, m.bias)],
-                self.prompt_k.device, self.static)
-            mats = list(zip(flat[::2], flat[1::2]))
-        self.mats = [mats[i:i + 4] for i in range(0, len(mats), 4)]
-        # eager, with the weights in the dtype the step computes in (no autocast casting them): each
-        # layer's q, k, v written into one buffer (addmm's out=), its head views made once
+        self.mats = self._projections([m for b in t.h for m in (b.attn.c_attn, b.attn.c_proj,
+                                                                b.mlp.c_fc, b.mlp.c_proj)], Conv1D)
+        # eager, weights in the step's dtype (no autocast casting them): each layer's q, k, v
+        # written into one buffer (addmm's out=), its head views made once
         self.qkv = None
         if type(self.mats[0][0]) is tuple and not torch.is_autocast_enabled(self.device_type):
-            weight, width = self.mats[0][0][0], t.embed_dim
-            self.qkv = _zeros(model, "qkv", (self.y.shape[0], 3 * width), weight.dtype,
+            weight = self.mats[0][0][0]
+            self.qkv = _zeros(model, "qkv", (self.y.shape[0], 3 * t.embed_dim), weight.dtype,
                               weight.device, self.static)
-            self.qkv_views = self._views((self.qkv, 0), (self.qkv, width), (self.qkv, 2 * width))
+            self.qkv_views = self._views(*((self.qkv, i * t.embed_dim) for i in range(3)))
 
     def _embed(self, token, position):
         return self.t.wte(token) + self.t.wpe(position), None
@@ -469,8 +428,8 @@ class GPT2Decoder(PreallocatedDecoder):
         if self.qkv is not None and not traced:
             torch.addmm(projection[1], block.ln_1(x), projection[0], out=self.qkv)
             return self.qkv_views
-        qkv, width = _project(projection, block.ln_1(x)), x.shape[-1]
-        return self._views((qkv, 0), (qkv, width), (qkv, 2 * width))
+        qkv = _project(projection, block.ln_1(x))
+        return self._views(*((qkv, i * x.shape[-1]) for i in range(3)))
 
     def _rest(self, block, x, y):
         _, proj, fc, out = self.mats[block.attn.layer_idx]
@@ -508,17 +467,9 @@ class LlamaDecoder(PreallocatedDecoder):
         self.apply_rotary = sys.modules[type(m.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.layers, self.scales = list(m.layers), [l.self_attn.scaling for l in m.layers]
         super().__init__(model, *args, **kwargs)
-        # each layer's q, k, v, o, gate, up, down projections: (weight, bias) in the decode dtype,
-        # or the module itself where adapters (LoRA) wrap it and its own forward adds them
-        mats = [p for l in m.layers for p in (l.self_attn.q_proj, l.self_attn.k_proj,
-                                               l.self_attn.v_proj, l.self_attn.o_proj,
-                                               l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj)]
-        if all(type(p) is torch.nn.Linear for p in mats):
-            flat = self._matmul_tensors(
-                model, "llama", [t for p in mats for t in (p.weight, p.bias)],
-                self.prompt_k.device, self.static)
-            mats = list(zip(flat[::2], flat[1::2]))
-        self.mats = [mats[i:i + 7] for i in range(0, len(mats), 7)]
+        self.mats = self._projections([p for l in m.layers for p in (
+            l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.self_attn.o_proj,
+            l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj)], torch.nn.Linear)
 
     def _embed(self, token, position):
         x = self.m.embed_tokens(token)
@@ -584,7 +535,7 @@ DECODER_NAMES = {GPT2Decoder: "fast GPT-2 path", LlamaDecoder: "fast Llama-famil
 
 def graph_mode(choice: str, device, compile: bool):
     """generate()'s graph for --decode-graph `choice`: "capture" on a GPU (auto, unless compiled:
-    torch.compile records its own graphs), "check" (the stand-in) anywhere it is asked, else None."""
+    torch.compile records its own graphs), "check" (the stand-in) wherever asked, else None."""
     if choice == "check":
         return "check"
     return "capture" if choice == "auto" and device.type == "cuda" and not compile else None
@@ -613,32 +564,21 @@ def as_ends(end_ids) -> tuple:
 
 def is_end(ids: torch.Tensor, end_ids) -> torch.Tensor:
     """Where ids is any of end_ids (an id or ids): one comparison per id, no index tensor."""
-    ends = as_ends(end_ids)
-    hit = ids == ends[0]
-    for end in ends[1:]:
-        hit = hit | (ids == end)
-    return hit
+    return functools.reduce(operator.or_, (ids == end for end in as_ends(end_ids)))
 
 
 def completion_mask(completion_ids: torch.Tensor, end_ids) -> torch.Tensor:
-    """1 up to and including each row's first end (EOS, or any of end_ids), 0 after it.
-
-    Built from the position of the first end, never from `token == pad`: with pad == EOS (GPT-2)
-    that would mask the EOS the policy chose to emit, so it would never learn to stop.
-    """
-    is_eos = is_end(completion_ids, end_ids)
-    width = completion_ids.shape[1]
-    first = torch.where(is_eos.any(1), is_eos.int().argmax(1),
-                        torch.full_like(is_eos[:, 0], width, dtype=torch.long))
-    return (torch.arange(width, device=completion_ids.device)[None, :] <= first[:, None]).long()
+    """1 up to and including each row's first end (any of end_ids), 0 after it: never `token ==
+    pad`, which with pad == EOS (GPT-2) would mask the EOS the policy chose, so it never learns to
+    stop."""
+    ends = is_end(completion_ids, end_ids).long()
+    return (ends.cumsum(1) == ends).long()   # no end before the column
 
 
 def sample_index(probs: torch.Tensor, rows=None, batch: int = None) -> torch.Tensor:
-    """One index per row with probability probs[row, index] (rows need not sum to exactly 1): on a
-    GPU by race_index (no running sum: about half the time there), elsewhere by inverse CDF (the
-    bits of before). rows: which of a batch of `batch` rows probs' rows are; the random numbers
-    are drawn for the whole batch and each row reads its own, so a row draws what it would with
-    every row there."""
+    """One index per row with probability probs[row, index] (rows need not sum to 1): race_index on
+    a GPU (half the time), inverse_cdf_index elsewhere. rows: which of `batch` rows probs' are (a
+    row reads its own of the batch's random numbers: it draws what it would with every row)."""
     return (race_index if probs.is_cuda else inverse_cdf_index)(probs, rows, batch)
 
 
@@ -650,12 +590,11 @@ def _noise(rows, batch: int, shape, draw):
 
 
 def inverse_cdf_index(probs: torch.Tensor, rows=None, batch: int = None) -> torch.Tensor:
-    """The first index whose running sum exceeds a uniform draw scaled to the row's total. Only an
-    index with probability > 0 can be that first one. The same distribution as torch.multinomial,
-    which on CPU costs ~10x more (158 ms vs 13 ms for 64 x 50257 per token)."""
+    """The first index (of probability > 0) whose running sum exceeds a uniform draw scaled to the
+    row's total: torch.multinomial's distribution, at a tenth of its CPU time."""
     cdf = probs.cumsum(-1)
-    u = _noise(rows, batch, (probs.shape[0], 1),
-               lambda shape: torch.rand(shape, device=probs.device, dtype=cdf.dtype))
+    u = _noise(rows, batch, (probs.shape[0], 1), functools.partial(
+        torch.rand, device=probs.device, dtype=cdf.dtype))
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_max(
         probs.shape[-1] - 1)
 
@@ -702,10 +641,10 @@ def _sample(logits, temperature: float, top_k: int, top_p: float, banned, with_s
     logprob = logprobs.gather(-1, token)
     if not with_sampler:
         return token, logprob
-    # nothing truncated: the distribution drawn from is the policy's
-    if temperature == 0 or filtered is logits:
-        return token, logprob, logprob
-    return token, logprob, torch.log_softmax(filtered, -1).gather(-1, token)
+    # greedy or nothing truncated: the distribution drawn from is the policy's
+    truncated = temperature != 0 and filtered is not logits
+    return token, logprob, (torch.log_softmax(filtered, -1).gather(-1, token) if truncated
+                            else logprob)
 
 
 def _truncated(logits, banned, top_k: int, top_p: float):
@@ -761,12 +700,10 @@ class Checks:
         flag), the decoder then running `running` rows."""
         finished = sum(done)
         live, (then, before), self.last = len(done) - finished, self.last, (columns, finished)
-        # rows to end before the next move: down to half those running, or all
-        need = live - running // 2 if live > running // 2 else live
+        need = live - running // 2 if live > running // 2 else live   # to the next move
         pace = (finished - before) / (columns - then)
         soon = math.ceil(need / pace) if pace else math.inf
-        self.next = columns + min(max(soon, self.every),
-                                  max(self.every, int(columns * self.spread)))
+        self.next = columns + max(self.every, min(soon, int(columns * self.spread)))
 
 
 class Draws:
@@ -777,18 +714,17 @@ class Draws:
     call to call (a replayed graph writes where it was recorded)."""
     rows = kept_rows = None
 
-    def __init__(self, model, batch: int, max_new_tokens: int, end_ids: tuple, sampling: tuple,
+    def __init__(self, model, batch: int, width: int, end_ids: tuple, sampling: tuple,
                  with_sampler: bool, device, keep: bool):
         self.end_ids, self.with_sampler, self.model, self.keep = end_ids, with_sampler, model, keep
         self.temperature, self.top_k, self.top_p = sampling
-        shape = (batch, max_new_tokens)
-        self.tokens = _zeros(model, "tokens", shape, torch.long, device, keep).fill_(end_ids[0])
-        self.logprobs = _zeros(model, "logprobs", shape, torch.float32, device, keep)
-        self.sampled = (_zeros(model, "sampled", shape, torch.float32, device, keep)
-                        if with_sampler else None)
-        self.done = _zeros(model, "done", (batch,), torch.bool, device, keep)
+        zeros, shape = functools.partial(_zeros, model, device=device, keep=keep), (batch, width)
+        self.tokens = zeros("tokens", shape, torch.long).fill_(end_ids[0])
+        self.logprobs = zeros("logprobs", shape, torch.float32)
+        self.sampled = zeros("sampled", shape, torch.float32) if with_sampler else None
+        self.done = zeros("done", (batch,), torch.bool)
         self.done2 = self.done.view(batch, 1)   # as a column, as draw() reads it
-        self.columns = torch.arange(max_new_tokens, device=device)
+        self.columns = torch.arange(width, device=device)
 
     def key(self) -> tuple:
         """What a recorded draw depends on besides its buffers' shapes: the rows it runs and the
@@ -804,13 +740,11 @@ class Draws:
 
     def last_at(self, step: int):
         """last() at the column `step` given as a number (eager)."""
-        token = self.tokens[:, step]
-        return token if self.rows is None else token[self.rows]
+        return self.tokens[:, step] if self.rows is None else self.tokens[:, step][self.rows]
 
     def draw(self, logits, column, banned):
-        """Sample the token at `column` (a one-element index) of each row the decoder runs from
-        logits; a finished row gets EOS."""
-        # each [rows, 1]: a column of the records
+        """Sample the token at `column` (a one-element index) of each running row from logits (each
+        draw [rows, 1]); a finished row gets EOS."""
         token, logprob, *sampler = _sample(
             logits, self.temperature, self.top_k, self.top_p, banned, self.with_sampler,
             self.rows, self.done.shape[0])
@@ -829,14 +763,11 @@ class Draws:
 
     @property
     def running(self) -> int:
-        """How many rows the decoder runs."""
         return self.done.shape[0] if self.rows is None else len(self.kept_rows)
 
     def compact(self, decoder, prefill, step: int, compiled: bool, done: list):
-        """The decoder for the rows still running once at most half of those it runs are: the live
-        rows (compiled or graphed: with finished ones up to a power of two, one compiled step or
-        graph per size); else the decoder as it is. done: every row's flag, read on the host; the
-        rows' indices are built there and copied to the device without waiting."""
+        """The decoder for the live rows once at most half of those it runs are live (compiled or
+        graphed: padded with finished ones to a power of two), else decoder; done: rows' flags."""
         live = [i for i, d in enumerate(done) if not d]
         size = 1 << max(0, (len(live) - 1).bit_length()) if compiled else len(live)
         if size > self.running // 2 or not live:
@@ -865,14 +796,12 @@ class Completions:
 
 
 def _distinct_rows(rows: torch.Tensor) -> tuple:
-    """(the distinct rows of `rows` in torch.unique's order, sorted; each row's index among them, a
-    host list), from one read of rows."""
+    """(the distinct rows of `rows`, sorted; each row's index among them, a host list), from one
+    read of rows."""
     listed = list(map(tuple, rows.tolist()))
     distinct = sorted(set(listed))
-    where, first = {row: i for i, row in enumerate(distinct)}, {}
-    for i, row in enumerate(listed):
-        first.setdefault(row, i)
-    return (rows.index_select(0, _index([first[row] for row in distinct], rows.device)),
+    where = {row: i for i, row in enumerate(distinct)}
+    return (rows.index_select(0, _index([listed.index(row) for row in distinct], rows.device)),
             [where[row] for row in listed])
 
 
@@ -881,13 +810,10 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0,
              autocast=None, compile: bool = False, with_sampler: bool = False,
              group_size: int = None, graph: str = None) -> Completions:
-    """Sample a completion per row of a left-padded prompt batch (Completions); a row ends at its
-    first of end_ids (an id or ids: EOS, an end of turn; then end_ids[0], masked), never before
-    min_new_tokens (the ends' probability still counts). compile: torch.compile where a
-    preallocated decoder fits; graph: the step as a replayed CUDA graph there ("capture"), or its
-    stand-in's checks ("check": grpo/graphs.py). with_sampler: Completions.sampler_logp too. group_size: rows per
-    prompt (compiled: kept when two groups draw one prompt, so nothing recompiles).
-    """
+    """Sample a completion per row of a left-padded prompt batch; a row ends at its first of end_ids
+    (then end_ids[0], masked), never before min_new_tokens. compile: torch.compile, graph: a
+    replayed CUDA graph ("capture") or its checks ("check", grpo/graphs.py), where a preallocated
+    decoder fits; group_size: rows per prompt (compiled: kept when two groups draw one prompt)."""
     (batch, width), ends = prompt_ids.shape, as_ends(end_ids)
     # entered once: autocast keeps its bf16 copies of the weights for the whole loop
     with autocast or torch.autocast(prompt_ids.device.type, enabled=False):
@@ -916,7 +842,7 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
             decoder.advance(draws, step, ends if step + 1 < min_new_tokens else None)
             last = step + 1
     mask = completion_mask(draws.tokens[:, :last + 1], ends)
-    # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
+    # end where the last row finished: the latest first end
     finished, longest = torch.stack([draws.done.all().long(), mask.sum(1).max()]).tolist()
     if finished:
         last = longest - 1
