@@ -68,7 +68,7 @@ class Decoder:
             return self._advance_compiled(draws, step, banned)
         if self.graph is not None:
             return self._advance_graphed(draws, step, banned)
-        draws.draw(self(draws.last_at(step), step), draws.columns[step + 1:step + 2], banned)
+        draws.draw(self(draws.last_at(step), step), draws.columns[step + 1], banned)
 
     def select(self, rows: list, prefill, step: int):
         """This decoder for its `rows` alone (indices of its own rows, a host list), the columns
@@ -127,18 +127,23 @@ class PreallocatedDecoder(Decoder):
         reuse, new = reuse or {}, (len(cache.layers), groups, kv_heads, group)
         self.new_k = zeros("new_k", (*new, head_dim, T), reuse=reuse.get("new_k"))
         self.new_v = zeros("new_v", (*new, T, head_dim), reuse=reuse.get("new_v"))
-        self.prompt_ks, self.prompt_vs = self.prompt_k.unbind(0), self.prompt_v.unbind(0)
-        self._step_tables(prompt_mask, groups, group, width, T, dtype, device)
-        # a layer's buffers (its scaled queries, prompt scores, output), and the output as rows
+        # per layer: the prompt's keys [groups x H_kv, D, columns] and values; the new ones
+        self.prompt_ks = self.prompt_k.flatten(1, 2).unbind(0)
+        self.prompt_vs = self.prompt_v.unbind(0)
+        self.new_ks, self.new_vs = self.new_k.unbind(0), self.new_v.unbind(0)
         self.shape = (groups, kv_heads, group, self.heads // kv_heads, head_dim)
+        self._step_tables(prompt_mask, group, width, T, dtype, device)
+        # a layer's buffers (its scaled queries, prompt scores, output), and the output as rows
         rows = (groups, kv_heads, group * self.shape[3])
         self.q, self.qk, self.o = (zeros(name, (*rows, size)) for name, size in (
             ("q", head_dim), ("qk", padded), ("o", head_dim)))
         self.q5, self.qk5, self.o5 = (t.view(*self.shape[:-1], -1)
                                       for t in (self.q, self.qk, self.o))
+        self.q3, self.qk3 = self.q.flatten(0, 1), self.qk.flatten(0, 1)   # by K/V head
+        self.qn3 = self.q5.flatten(0, 2)   # by row and K/V head
         self.y = zeros("y", (batch, self.heads * head_dim))
         self.y5 = self.y.view(groups, group, kv_heads, -1, head_dim).transpose(1, 2)
-        self._eager, self.device_type = (None,), device.type   # __call__'s tables
+        self._eager, self.device_type = (None,), device.type   # __call__'s window
         head = model.get_output_embeddings()   # padded as in training (on a GPU only)
         self.vocab = head.weight.shape[0]
         self.head = self._matmul_tensors("head", list(padded_head(head, head_multiple(device))))
@@ -162,46 +167,46 @@ class PreallocatedDecoder(Decoder):
                 by_row.view(kept.shape[0], kept.shape[1], kept.shape[3], *by_row.shape[2:]))
         return new
 
-    def _step_tables(self, prompt_mask, groups, group, width, T, dtype, device):
-        """Per step: self.bias, the additive mask over a group's prompt and new columns (-inf on
-        left padding, padded columns, new columns not written yet), self.positions [T, rows],
-        self.columns; graphed, self.column, the column the step writes (set before each replay)."""
+    def _step_tables(self, prompt_mask, group, width, T, dtype, device):
+        """The additive masks, -inf where a column is not read: self.prompt_bias [groups x H_kv, 1,
+        columns] (left padding, padded columns), self.new_bias [T, 1, 1, T], a row a step (the new
+        columns not written yet); self.positions [T, rows], self.columns; graphed, self.column,
+        the column the step writes (set before each replay); eager, self.at: each step's."""
         prompt = torch.nn.functional.pad(prompt_mask[::group], (0, self.width - width)) != 0
-        written = torch.ones(T, T, dtype=torch.bool, device=device).tril()[:, None]
-        seen = torch.cat([prompt.expand(T, groups, self.width), written.expand(T, groups, T)], -1)
-        bias = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen, -math.inf)
+        seen = (prompt.repeat_interleave(self.shape[1], 0)[:, None],
+                torch.ones(T, T, dtype=torch.bool, device=device).tril().view(T, 1, 1, T))
+        prompt_bias, new_bias = (torch.zeros(s.shape, dtype=dtype, device=device).masked_fill(
+            ~s, -math.inf) for s in seen)
         positions = prompt_mask.sum(-1) + torch.arange(T, device=device)[:, None]
-        self.bias, self.positions, self.columns = (
+        self.prompt_bias, self.new_bias, self.positions, self.columns = (
             _kept(self.model, name, t.shape, t.dtype, device).copy_(t) if self.static else t
-            for name, t in (("bias", bias), ("positions", positions),
-                            ("columns", torch.arange(T, device=device))))
-        self.bias = self.bias.view(T, groups, 1, 1, 1, self.width + T)
+            for name, t in (("prompt_bias", prompt_bias), ("new_bias", new_bias),
+                            ("positions", positions), ("columns", torch.arange(T, device=device))))
         self.column = _kept(self.model, "column", (1,), torch.long, device) if self.graph else None
+        self.at = tuple(zip(self.columns.split(1), self.positions.unbind(0)))
 
     def __call__(self, token, step: int):
-        """The eager step: the logits after `token`, written at column `step`. Its mask's columns,
-        score buffers and K/V tables are made once for NEW_MULTIPLE steps (_eager)."""
+        """The eager step: the logits after `token`, written at column `step`. What attention reads
+        is made once for NEW_MULTIPLE steps (_window)."""
         new = min(len(self.columns), -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
         if self._eager[0] != new:
-            bias = self.bias[..., :self.width + new]
-            self._eager = new, bias, self._scores(bias.shape[-1]), self._tables(new)
-        _, bias, scores, tables = self._eager
-        return self._forward(token, self.columns[step:step + 1], self.positions[step], bias[step],
-                             scores, tables)
+            self._eager = new, self.new_bias[..., :new], self._window(new)
+        _, bias, window = self._eager
+        return self._forward(token, *self.at[step], bias[step], window)
 
-    def _scores(self, columns: int):
-        """A layer's scores, then weights: all, over the prompt, over the new columns."""
-        scores = self.bias.new_empty(*self.shape[:-1], columns)
-        return scores, _merged(scores, self.width), scores[..., self.width:]
-
-    def _tables(self, new: int):
-        """Each layer's new keys and values, their first `new` columns."""
-        return self.new_k[..., :new].unbind(0), self.new_v[..., :new, :].unbind(0)
+    def _window(self, new: int) -> tuple:
+        """What the eager step's attention reads over the first `new` new columns: the scores
+        buffer (all; over the prompt; over the new), the new scores' own (by row and K/V head;
+        as the scores), each layer's new keys by row and K/V head, and values."""
+        scores = self.q.new_empty(*self.shape[:-1], self.width + new)
+        fresh = self.q.new_empty(*self.shape[:-1], new)
+        return ((scores, _merged(scores, self.width), scores[..., self.width:], fresh.flatten(0, 2),
+                 fresh), self.new_k[..., :new].flatten(1, 3).unbind(0),
+                self.new_v[..., :new, :].unbind(0))
 
     def _step(self, token, column, position, bias):
         """The logits after `token`, written at `column` (a one-element index)."""
-        return self._forward(token, column, position, bias, self._scores(bias.shape[-1]),
-                             self._tables(bias.shape[-1] - self.width))
+        return self._forward(token, column, position, bias, self._window(len(self.columns)))
 
     def _advance_graphed(self, draws, step: int, banned):
         """advance() by _graphed_step replayed: one graph per shape and setting (graph_key), made
@@ -218,7 +223,7 @@ class PreallocatedDecoder(Decoder):
         read through the column tensor."""
         column = self.column
         logits = self._step(draws.last(column), column, self.positions.index_select(0, column)[0],
-                            self.bias.index_select(0, column)[0])
+                            self.new_bias.index_select(0, column)[0])
         draws.draw(logits, column + 1, banned)
 
     def _advance_compiled(self, draws, step: int, banned):
@@ -227,8 +232,7 @@ class PreallocatedDecoder(Decoder):
         if self.device_type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         try:
-            self.compiled(self, draws, self.columns[step:step + 1], self.positions[step],
-                          self.bias[step], banned)
+            self.compiled(self, draws, *self.at[step], self.new_bias[step], banned)
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # said, then eager: same values, slower
             print(f"note: the decode step reached torch.compile's limit of {RECOMPILE_LIMIT} "
                   f"compilations; decoding goes on eagerly in this process", file=sys.stderr,
@@ -244,19 +248,17 @@ class PreallocatedDecoder(Decoder):
         token = draws.last(column)
         draws.draw(self._forward(token, column, position, bias), column + 1, banned)
 
-    def _forward(self, token, step, position, bias, scores=None, tables=None):
-        """The logits after token; scores, tables: the eager step's (_scores, _tables), or None."""
+    def _forward(self, token, column, position, bias, window=None):
+        """The logits after token; bias: the step's mask over the new columns; window: the eager
+        step's (_window), or None."""
         x, rotary = self._embed(token, position)
-        traced = scores is None
-        new_k, new_v = self._tables(bias.shape[-1] - self.width) if traced else tables
-        attend = self._attend_traced if traced else self._attend
+        attend = self._attend_traced if window is None else self._attend
         for i, (layer, scale) in enumerate(zip(self.layers, self.scales)):
-            q, k, v = self._qkv(layer, x, rotary, traced)
+            q, k, v = self._qkv(layer, x, rotary, window is None)
             if {q.dtype, v.dtype} != {self.y.dtype}:   # bf16 autocast on a CPU: attention in fp32
                 q, k, v = [t.to(self.y.dtype) for t in (q, k, v)]
             with torch.autocast(self.device_type, enabled=False):
-                y = attend(q, k, v, step, self.prompt_ks[i], self.prompt_vs[i], new_k[i], new_v[i],
-                           bias, scores, scale)
+                y = attend(i, q, k, v, column, bias, window, scale)
             x = self._rest(layer, x, y)
         logits = torch.nn.functional.linear(self._final_norm(x), *self.head)
         return logits if logits.shape[-1] == self.vocab else logits[:, :self.vocab]
@@ -290,37 +292,41 @@ class PreallocatedDecoder(Decoder):
         return tuple(t.as_strided(shape, (group * t.stride(0), head, t.stride(0), *inner), offset)
                      for (t, offset), (shape, head, inner) in zip(qkv, layouts))
 
-    def _attend(self, q, k, v, step, kp, vp, kn, vn, bias, scores, scale: float):
-        """Softmax attention of q (_views' layout) over its group's prompt (kp, vp) and its row's
-        new tokens (kn, vn), after writing k, v at column `step`; rep query heads share a K/V head
-        (grouped-query attention). Returns self.y [rows, H x D], where it writes."""
-        kn.index_copy_(4, step, k)
-        vn.index_copy_(3, step, v)
+    def _attend(self, i, q, k, v, column, bias, window, scale: float):
+        """Layer i's softmax attention of q (_views' layout) over its group's prompt and its row's
+        new tokens, after writing k, v at `column`; rep query heads share a K/V head. Returns
+        self.y [rows, H x D], where it writes."""
+        self.new_ks[i].index_copy_(4, column, k)
+        self.new_vs[i].index_copy_(3, column, v)
+        (scores, prompt, new, fresh3, fresh), kn, vn = window
         # one matmul for a group's rows and a K/V head's query heads: they read the same prompt keys
         torch.mul(q, scale, out=self.q5)
-        scores, prompt, new = scores
-        # prompt scores by out= into a contiguous buffer, the new ones fresh, then one cat: out= on
-        # a strided view is slow on CPU (a small matmul per batch item)
-        torch.matmul(self.q, kp, out=self.qk)
-        torch.cat([self.qk5, self.q5 @ kn], -1, out=scores)
+        # the scores with their mask added (baddbmm), the prompt's and the new ones into buffers of
+        # their own, then one cat: out= on a strided view is slow on CPU (a matmul per batch item)
+        torch.baddbmm(self.prompt_bias, self.q3, self.prompt_ks[i], out=self.qk3)
+        torch.baddbmm(bias, self.qn3, kn[i], out=fresh3)
+        torch.cat([self.qk5, fresh], -1, out=scores)
         # the weights overwrite the scores (softmax accumulates in fp32 whatever the dtype)
-        torch.softmax(scores.add_(bias), -1, out=scores)
-        torch.matmul(prompt, vp, out=self.o)
-        torch.add(self.o5, new @ vn, out=self.y5)
+        torch.softmax(scores, -1, out=scores)
+        torch.matmul(prompt, self.prompt_vs[i], out=self.o)
+        torch.add(self.o5, new @ vn[i], out=self.y5)
         return self.y
 
-    def _attend_traced(self, q, k, v, step, kp, vp, kn, vn, bias, _, scale: float):
+    def _attend_traced(self, i, q, k, v, column, bias, _, scale: float):
         """_attend's math without its out= buffers, which torch.compile cannot trace (its outputs
         are strided views); compiled, the ops fuse anyway."""
         g, kv, group, rep, dim = self.shape
-        kn.index_copy_(4, step, k)
-        vn.index_copy_(3, step, v)
+        kn, vn = self.new_ks[i], self.new_vs[i]
+        kn.index_copy_(4, column, k)
+        vn.index_copy_(3, column, v)
         q = q * scale
-        prompt = (q.reshape(g, kv, group * rep, dim) @ kp).view(*self.shape[:-1], self.width)
-        probs = torch.softmax(torch.cat([prompt, q @ kn], -1) + bias, -1,
-                              dtype=torch.float32).to(vn.dtype)
-        out = (_merged(probs, self.width) @ vp).view(self.shape) + probs[..., self.width:] @ vn
-        return out.transpose(1, 2).reshape(self.y.shape)
+        prompt = torch.baddbmm(self.prompt_bias, q.reshape(g * kv, group * rep, dim),
+                               self.prompt_ks[i])
+        new = torch.baddbmm(bias, q.reshape(-1, rep, dim), kn.flatten(0, 2))
+        probs = torch.softmax(torch.cat([t.view(*self.shape[:-1], -1) for t in (prompt, new)], -1),
+                              -1, dtype=torch.float32).to(vn.dtype)
+        out = (_merged(probs, self.width) @ self.prompt_vs[i]).view(self.shape)
+        return (out + probs[..., self.width:] @ vn).transpose(1, 2).reshape(self.y.shape)
 
 
 def _compiled(cls, device):
@@ -724,7 +730,8 @@ class Draws:
         self.sampled = zeros("sampled", shape, torch.float32) if with_sampler else None
         self.done = zeros("done", (batch,), torch.bool)
         self.done2 = self.done.view(batch, 1)   # as a column, as draw() reads it
-        self.columns = torch.arange(width, device=device)
+        self.columns = torch.arange(width, device=device).split(1)   # each a one-element index
+        self.token_at = self.tokens.unbind(1)
 
     def key(self) -> tuple:
         """What a recorded draw depends on besides its buffers' shapes: the rows it runs and the
@@ -740,7 +747,7 @@ class Draws:
 
     def last_at(self, step: int):
         """last() at the column `step` given as a number (eager)."""
-        return self.tokens[:, step] if self.rows is None else self.tokens[:, step][self.rows]
+        return self.token_at[step] if self.rows is None else self.token_at[step][self.rows]
 
     def draw(self, logits, column, banned):
         """Sample the token at `column` (a one-element index) of each running row from logits (each
@@ -828,7 +835,7 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
         static = getattr(decoder, "static", False)   # HFDecoder: eager whatever was asked
         draws = Draws(model, batch, max_new_tokens, ends, (temperature, top_k, top_p), with_sampler,
                       prompt_ids.device, keep=static)
-        draws.draw(out.logits[_index(inverse, prompt_ids.device), -1], draws.columns[:1],
+        draws.draw(out.logits[_index(inverse, prompt_ids.device), -1], draws.columns[0],
                    ends if min_new_tokens > 0 else None)
         last, checks = 0, Checks(prompt_ids.device, min_new_tokens)   # last: the last column drawn
         for step in range(max_new_tokens - 1):
