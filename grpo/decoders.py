@@ -25,8 +25,7 @@ _BUFFERS = weakref.WeakKeyDictionary()
 
 
 def _zeros(model, name, shape, dtype, device, keep: bool, reuse=None):
-    """A zeroed tensor: with keep, the same one at every call (_kept); else in reuse's memory where
-    it fits (zeroing touched memory costs less than fresh memory's page faults)."""
+    """A zeroed tensor: with keep, _kept; else in reuse's memory where it fits (no page faults)."""
     if keep:
         return _kept(model, name, shape, dtype, device)
     if reuse is not None and reuse.dtype == dtype and reuse.numel() >= math.prod(shape):
@@ -58,7 +57,7 @@ _LIMIT_HIT = []   # not empty once it was reached
 
 class Decoder:
     """What generate() asks of a decoder: advance(), one decode step and the draw after it."""
-    compiled = None
+    compiled, static = None, False   # static: its step's tensors are _kept
 
     graph = None   # "capture": a replayed CUDA graph; "check": its stand-in (grpo/graphs.py)
 
@@ -80,7 +79,7 @@ class PreallocatedDecoder(Decoder):
     """One-token decode steps on preallocated K/V buffers for pre-norm decoder-only transformers, in
     the model's own math (docs/algorithm.md, "Decoding"). A subclass gives _embed (a token's
     embedding), _qkv (norm, q, k, v projections), _rest (output projection, MLP, residuals) and
-    _final_norm; the attention between them is the same for GPT-2 and Llama.
+    final_norm; the attention between them is the same for GPT-2 and Llama.
     """
     # A step is few ops, each a kernel launch from Python (bench/decode_ops.py counts them): hidden
     # states stay [rows, width], a layer's views are one as_strided each, scores and outputs land in
@@ -100,53 +99,45 @@ class PreallocatedDecoder(Decoder):
                  compile: bool = False, group_size: int = None, reuse: dict = None,
                  graph: str = None):
         self.model, self.inverse, self.prompt_mask, self.graph = model, inverse, prompt_mask, graph
-        # compiled or graphed, every tensor the step reads is kept (_kept): a replay reads the
-        # addresses it was recorded with
+        # compiled or graphed, the tensors the step reads are _kept: a replay reads those recorded
         static = self.static = compile or graph is not None
         (batch, width), device, T = prompt_mask.shape, prompt_mask.device, max_new_tokens
-        # rows per prompt (compiled: the caller's, so that groups that drew one prompt recompile
-        # nothing); 1 where rows are not whole groups
+        # rows per prompt (compiled: the caller's, so repeated prompts recompile nothing), or 1
         n_prompts = max(inverse) + 1
-        group = (static and group_size) or (batch // n_prompts if batch % n_prompts == 0 else None)
-        if not group or batch % group or any(inverse[i] != inverse[i - i % group]
-                                             for i in range(batch)):
+        group = (static and group_size) or (batch // n_prompts if batch % n_prompts == 0 else 1)
+        if batch % group or any(inverse[i] != inverse[i - i % group] for i in range(batch)):
             group = 1
-        self.group, groups = group, batch // group
+        self.group, groups, layers = group, batch // group, len(cache.layers)
         dtype = torch.float32 if device.type == "cpu" else cache.layers[0].keys.dtype
         _, kv_heads, _, head_dim = cache.layers[0].keys.shape
+        self.shape = (groups, kv_heads, group, self.heads // kv_heads, head_dim)
         self.width = padded = padded_width(width, self.WIDTH_MULTIPLE, static)
         zeros = functools.partial(_zeros, model, dtype=dtype, device=device, keep=static)
-        # by group, one table a kind for all layers; keys transposed (both score matmuls read them
-        # as they lie); zeros: a masked column's weight is then exactly 0 (0 * NaN would not be)
-        self.prompt_k = zeros("prompt_k", (len(cache.layers), groups, kv_heads, head_dim, padded))
-        self.prompt_v = zeros("prompt_v", (len(cache.layers), groups, kv_heads, padded, head_dim))
+        # by group, all layers in one table; keys transposed (both score matmuls read them as they
+        # lie); zeros: a masked column's weight is then exactly 0 (0 * NaN would not be)
+        self.prompt_k = zeros("prompt_k", (layers, groups, kv_heads, head_dim, padded))
+        self.prompt_v = zeros("prompt_v", (layers, groups, kv_heads, padded, head_dim))
         first = _index(inverse[::group], device)   # each group's prompt
         for i, layer in enumerate(cache.layers):
             self.prompt_k[i, ..., :width] = layer.keys[first].transpose(-1, -2)
             self.prompt_v[i, ..., :width, :] = layer.values[first]
-        reuse, new = reuse or {}, (len(cache.layers), groups, kv_heads, group)
-        self.new_k = zeros("new_k", (*new, head_dim, T), reuse=reuse.get("new_k"))
-        self.new_v = zeros("new_v", (*new, T, head_dim), reuse=reuse.get("new_v"))
-        # per layer: the prompt's keys [groups x H_kv, D, columns] and values; the new ones
-        self.prompt_ks = self.prompt_k.flatten(1, 2).unbind(0)
-        self.prompt_vs = self.prompt_v.unbind(0)
-        self.new_ks, self.new_vs = self.new_k.unbind(0), self.new_v.unbind(0)
-        self.shape = (groups, kv_heads, group, self.heads // kv_heads, head_dim)
+        reuse, rows = reuse or {}, (layers, *self.shape[:3])
+        self.new_k = zeros("new_k", (*rows, head_dim, T), reuse=reuse.get("new_k"))
+        self.new_v = zeros("new_v", (*rows, T, head_dim), reuse=reuse.get("new_v"))
+        self.prompt_ks, self.prompt_vs, self.new_ks, self.new_vs = (t.unbind(0) for t in (
+            self.prompt_k.flatten(1, 2), self.prompt_v, self.new_k, self.new_v))   # per layer
         self._step_tables(prompt_mask, group, width, T, dtype, device)
-        # a layer's buffers (its scaled queries, prompt scores, output), and the output as rows
-        rows = (groups, kv_heads, group * self.shape[3])
-        self.q, self.qk, self.o = (zeros(name, (*rows, size)) for name, size in (
-            ("q", head_dim), ("qk", padded), ("o", head_dim)))
-        self.q5, self.qk5, self.o5 = (t.view(*self.shape[:-1], -1)
-                                      for t in (self.q, self.qk, self.o))
-        self.q3, self.qk3 = self.q.flatten(0, 1), self.qk.flatten(0, 1)   # by K/V head
-        self.qn3 = self.q5.flatten(0, 2)   # by row and K/V head
+        # a layer's buffers: scaled queries, output, prompt scores; by K/V head (3), by row (n3)
+        self.q5, self.o5 = zeros("q", self.shape), zeros("o", self.shape)
+        self.qk = zeros("qk", (groups, kv_heads, group * self.shape[3], padded))
+        self.q3, self.qn3 = self.q5.flatten(2, 3).flatten(0, 1), self.q5.flatten(0, 2)
+        self.qk3, self.o = self.qk.flatten(0, 1), self.o5.flatten(2, 3)
         self.y = zeros("y", (batch, self.heads * head_dim))
         self.y5 = self.y.view(groups, group, kv_heads, -1, head_dim).transpose(1, 2)
         self._eager, self.device_type = (None,), device.type   # __call__'s window
         head = model.get_output_embeddings()   # padded as in training (on a GPU only)
         self.vocab = head.weight.shape[0]
-        self.head = self._matmul_tensors("head", list(padded_head(head, head_multiple(device))))
+        self.head = self._matmul_tensors("head", [padded_head(head, head_multiple(device))])[0]
         self.compiled = _compiled(type(self), device) if compile and not _LIMIT_HIT else None
 
     def select(self, rows: list, prefill, step: int):
@@ -168,10 +159,8 @@ class PreallocatedDecoder(Decoder):
         return new
 
     def _step_tables(self, prompt_mask, group, width, T, dtype, device):
-        """The additive masks, -inf where a column is not read: self.prompt_bias [groups x H_kv, 1,
-        columns] (left padding, padded columns), self.new_bias [T, 1, 1, T], a row a step (the new
-        columns not written yet); self.positions [T, rows], self.columns; graphed, self.column,
-        the column the step writes (set before each replay); eager, self.at: each step's."""
+        """Masks, -inf where not read: prompt_bias [groups x H_kv, 1, columns], new_bias [T, 1, 1,
+        T] (a row a step); positions [T, rows]; columns; column (graphed); at: each step's."""
         prompt = torch.nn.functional.pad(prompt_mask[::group], (0, self.width - width)) != 0
         seen = (prompt.repeat_interleave(self.shape[1], 0)[:, None],
                 torch.ones(T, T, dtype=torch.bool, device=device).tril().view(T, 1, 1, T))
@@ -186,8 +175,7 @@ class PreallocatedDecoder(Decoder):
         self.at = tuple(zip(self.columns.split(1), self.positions.unbind(0)))
 
     def __call__(self, token, step: int):
-        """The eager step: the logits after `token`, written at column `step`. What attention reads
-        is made once for NEW_MULTIPLE steps (_window)."""
+        """The eager step: the logits after `token`, written at column `step`."""
         new = min(len(self.columns), -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
         if self._eager[0] != new:
             self._eager = new, self.new_bias[..., :new], self._window(new)
@@ -195,14 +183,11 @@ class PreallocatedDecoder(Decoder):
         return self._forward(token, *self.at[step], bias[step], window)
 
     def _window(self, new: int) -> tuple:
-        """What the eager step's attention reads over the first `new` new columns: the scores
-        buffer (all; over the prompt; over the new), the new scores' own (by row and K/V head;
-        as the scores), each layer's new keys by row and K/V head, and values."""
-        scores = self.q.new_empty(*self.shape[:-1], self.width + new)
-        fresh = self.q.new_empty(*self.shape[:-1], new)
-        return ((scores, _merged(scores, self.width), scores[..., self.width:], fresh.flatten(0, 2),
-                 fresh), self.new_k[..., :new].flatten(1, 3).unbind(0),
-                self.new_v[..., :new, :].unbind(0))
+        """_attend's buffers, each layer's new keys and values, over `new` columns."""
+        scores, fresh = (self.q5.new_empty(*self.shape[:-1], n) for n in (self.width + new, new))
+        return ((scores.flatten(2, 3), scores.flatten(2, 3)[..., :self.width],
+                 scores[..., self.width:], fresh.flatten(0, 2), fresh.flatten(2, 3)),
+                self.new_k[..., :new].flatten(1, 3).unbind(0), self.new_v[..., :new, :].unbind(0))
 
     def _step(self, token, column, position, bias):
         """The logits after `token`, written at `column` (a one-element index)."""
@@ -249,8 +234,7 @@ class PreallocatedDecoder(Decoder):
         draws.draw(self._forward(token, column, position, bias), column + 1, banned)
 
     def _forward(self, token, column, position, bias, window=None):
-        """The logits after token; bias: the step's mask over the new columns; window: the eager
-        step's (_window), or None."""
+        """The logits after token; bias: the step's new_bias row; window: _window's, or None."""
         x, rotary = self._embed(token, position)
         attend = self._attend_traced if window is None else self._attend
         for i, (layer, scale) in enumerate(zip(self.layers, self.scales)):
@@ -260,32 +244,28 @@ class PreallocatedDecoder(Decoder):
             with torch.autocast(self.device_type, enabled=False):
                 y = attend(i, q, k, v, column, bias, window, scale)
             x = self._rest(layer, x, y)
-        logits = torch.nn.functional.linear(self._final_norm(x), *self.head)
+        logits = torch.nn.functional.linear(self.final_norm(x), *self.head)
         return logits if logits.shape[-1] == self.vocab else logits[:, :self.vocab]
 
-    def _matmul_tensors(self, name, tensors) -> list:
-        """tensors (a matmul's weights and biases, None for none) as the decode step reads them: the
-        tensors themselves, or under bf16 autocast on a GPU their _copies."""
+    def _matmul_tensors(self, name, pairs: list) -> list:
+        """(weight, bias) pairs as the step reads them: themselves, or (autocast, GPU) _copies."""
         device = self.prompt_mask.device
-        if not (torch.is_autocast_enabled(device.type) and decode_copies(device)):
-            return tensors
-        return _copies(self.model, name, tensors, torch.get_autocast_dtype(device.type), device,
-                       self.static)
+        if torch.is_autocast_enabled(device.type) and decode_copies(device):
+            flat = _copies(self.model, name, [t for pair in pairs for t in pair],
+                           torch.get_autocast_dtype(device.type), device, self.static)
+            pairs = list(zip(flat[::2], flat[1::2]))
+        return pairs
 
     def _projections(self, modules: list, kind: type) -> list:
-        """Each layer's projections (modules: all layers', in order) as (weight, bias) in the decode
-        dtype, or as the modules where adapters (LoRA) wrap them (their own forward adds them)."""
+        """Each layer's projections as _matmul_tensors' pairs, or modules where LoRA wraps them."""
         if all(type(m) is kind for m in modules):
-            flat = self._matmul_tensors(kind.__name__,
-                                        [p for m in modules for p in (m.weight, m.bias)])
-            modules = list(zip(flat[::2], flat[1::2]))
+            modules = self._matmul_tensors(kind.__name__, [(m.weight, m.bias) for m in modules])
         n = len(modules) // len(self.layers)
         return [modules[i:i + n] for i in range(0, len(modules), n)]
 
     def _views(self, *qkv) -> tuple:
-        """q, k, v (each a projection's output [rows, columns] and the column its heads start at) as
-        one view each: q [groups, H_kv, group, rep, D], k [.., group, D, 1] (keys transposed), v
-        [.., group, 1, D]."""
+        """q, k, v (each an output and the column its heads start at) as views [groups, H_kv,
+        group, ...]: q [.., rep, D], k [.., D, 1] (transposed), v [.., 1, D]."""
         g, kv, group, rep, dim = self.shape
         layouts = ((self.shape, rep * dim, (dim, 1)), ((g, kv, group, dim, 1), dim, (1, dim)),
                    ((g, kv, group, 1, dim), dim, (dim, 1)))
@@ -293,21 +273,17 @@ class PreallocatedDecoder(Decoder):
                      for (t, offset), (shape, head, inner) in zip(qkv, layouts))
 
     def _attend(self, i, q, k, v, column, bias, window, scale: float):
-        """Layer i's softmax attention of q (_views' layout) over its group's prompt and its row's
-        new tokens, after writing k, v at `column`; rep query heads share a K/V head. Returns
-        self.y [rows, H x D], where it writes."""
+        """Layer i's attention over its group's prompt and its row's new tokens, into self.y."""
         self.new_ks[i].index_copy_(4, column, k)
         self.new_vs[i].index_copy_(3, column, v)
         (scores, prompt, new, fresh3, fresh), kn, vn = window
-        # one matmul for a group's rows and a K/V head's query heads: they read the same prompt keys
+        # a group's rows and query heads in one matmul (they read the same keys); scores plus mask
+        # (baddbmm) into buffers of their own, then one cat (out= on a strided view: slow on CPU)
         torch.mul(q, scale, out=self.q5)
-        # the scores with their mask added (baddbmm), the prompt's and the new ones into buffers of
-        # their own, then one cat: out= on a strided view is slow on CPU (a matmul per batch item)
         torch.baddbmm(self.prompt_bias, self.q3, self.prompt_ks[i], out=self.qk3)
         torch.baddbmm(bias, self.qn3, kn[i], out=fresh3)
-        torch.cat([self.qk5, fresh], -1, out=scores)
-        # the weights overwrite the scores (softmax accumulates in fp32 whatever the dtype)
-        torch.softmax(scores, -1, out=scores)
+        torch.cat([self.qk, fresh], -1, out=scores)
+        torch.softmax(scores, -1, out=scores)   # in place (accumulating in fp32 in any dtype)
         torch.matmul(prompt, self.prompt_vs[i], out=self.o)
         torch.add(self.o5, new @ vn[i], out=self.y5)
         return self.y
@@ -325,7 +301,7 @@ class PreallocatedDecoder(Decoder):
         new = torch.baddbmm(bias, q.reshape(-1, rep, dim), kn.flatten(0, 2))
         probs = torch.softmax(torch.cat([t.view(*self.shape[:-1], -1) for t in (prompt, new)], -1),
                               -1, dtype=torch.float32).to(vn.dtype)
-        out = (_merged(probs, self.width) @ self.prompt_vs[i]).view(self.shape)
+        out = (probs.flatten(2, 3)[..., :self.width] @ self.prompt_vs[i]).view(self.shape)
         return (out + probs[..., self.width:] @ vn).transpose(1, 2).reshape(self.y.shape)
 
 
@@ -339,13 +315,6 @@ def _compiled(cls, device):
                                                RECOMPILE_LIMIT)
     return torch.compile(cls._advance_traced, fullgraph=True, dynamic=False,
                          mode="reduce-overhead" if device.type == "cuda" else None)
-
-
-def _merged(t, width: int):
-    """t [groups, H_kv, group, rep, columns] as [groups, H_kv, group x rep, width]: its first width
-    columns."""
-    s = t.stride()
-    return t.as_strided((*t.shape[:2], t.shape[2] * t.shape[3], width), s[:2] + s[3:])
 
 
 def decode_copies(device) -> bool:
@@ -378,15 +347,13 @@ def compile_counts() -> dict:
 
 
 def padded_width(width: int, multiple: int, compile: bool) -> int:
-    """width rounded up to a multiple, or compiled to a power of two times it (a compilation per
-    bucket)."""
+    """width rounded up to a multiple; compiled, to a power of two times it (a compile a bucket)."""
     multiples = -(-width // multiple)
     return multiple * (2 ** max(0, (multiples - 1).bit_length()) if compile else multiples)
 
 
 def _project(projection, x):
-    """A GPT-2 projection of x [rows, in]: Conv1D's own addmm on (weight, bias), or the module's
-    forward."""
+    """A GPT-2 projection of x: Conv1D's own addmm on (weight, bias), or the module's forward."""
     return (torch.addmm(projection[1], x, projection[0]) if type(projection) is tuple
             else projection(x))
 
@@ -402,28 +369,25 @@ class GPT2Decoder(PreallocatedDecoder):
     """Plain GPT-2: learned absolute positions, one fused q/k/v projection, LayerNorm, GELU MLP. Its
     projections are Conv1D's own addmm, called directly (Conv1D reshapes around it; dropout is off
     in eval)."""
+    qkv = None   # eager: the buffer q, k, v are written into
 
     @staticmethod
     def fits(model) -> bool:
         c = model.config
-        return (c.model_type == "gpt2" and c.scale_attn_weights
-                and not c.scale_attn_by_inverse_layer_idx and not c.reorder_and_upcast_attn
-                and not c.add_cross_attention)
+        return c.model_type == "gpt2" and c.scale_attn_weights and not (
+            c.scale_attn_by_inverse_layer_idx or c.reorder_and_upcast_attn or c.add_cross_attention)
 
     def __init__(self, model, *args, **kwargs):
         t = self.t = model.transformer
-        self.heads, self.layers = model.config.n_head, list(t.h)
+        self.heads, self.layers, self.final_norm = model.config.n_head, list(t.h), t.ln_f
         self.scales = [b.attn.scaling for b in t.h]
         super().__init__(model, *args, **kwargs)
         self.mats = self._projections([m for b in t.h for m in (b.attn.c_attn, b.attn.c_proj,
                                                                 b.mlp.c_fc, b.mlp.c_proj)], Conv1D)
-        # eager, weights in the step's dtype (no autocast casting them): each layer's q, k, v
-        # written into one buffer (addmm's out=), its head views made once
-        self.qkv = None
+        # eager, no autocast (casts): q, k, v written into one buffer by addmm, views made once
         if type(self.mats[0][0]) is tuple and not torch.is_autocast_enabled(self.device_type):
-            weight = self.mats[0][0][0]
-            self.qkv = _zeros(model, "qkv", (self.y.shape[0], 3 * t.embed_dim), weight.dtype,
-                              weight.device, self.static)
+            self.qkv = _zeros(model, "qkv", (self.y.shape[0], 3 * t.embed_dim),
+                              self.mats[0][0][0].dtype, self.y.device, self.static)
             self.qkv_views = self._views(*((self.qkv, i * t.embed_dim) for i in range(3)))
 
     def _embed(self, token, position):
@@ -441,9 +405,6 @@ class GPT2Decoder(PreallocatedDecoder):
         _, proj, fc, out = self.mats[block.attn.layer_idx]
         x = x + _project(proj, y)
         return x + _project(out, block.mlp.act(_project(fc, block.ln_2(x))))
-
-    def _final_norm(self, x):
-        return self.t.ln_f(x)
 
 
 class LlamaDecoder(PreallocatedDecoder):
@@ -468,7 +429,7 @@ class LlamaDecoder(PreallocatedDecoder):
 
     def __init__(self, model, *args, **kwargs):
         m = model.model
-        self.m, self.heads = m, model.config.num_attention_heads
+        self.m, self.heads, self.final_norm = m, model.config.num_attention_heads, m.norm
         # the model's own rotation (each family's modeling file has it): q, k rotated as in training
         self.apply_rotary = sys.modules[type(m.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.layers, self.scales = list(m.layers), [l.self_attn.scaling for l in m.layers]
@@ -495,9 +456,6 @@ class LlamaDecoder(PreallocatedDecoder):
         x = x + _linear(o, y)
         h = layer.post_attention_layernorm(x)   # the MLP as the family's own forward computes it
         return x + _linear(down, layer.mlp.act_fn(_linear(gate, h)) * _linear(up, h))
-
-    def _final_norm(self, x):
-        return self.m.norm(x)
 
 
 class HFDecoder(Decoder):
@@ -555,8 +513,7 @@ def decoder_name(model) -> str:
 
 def decoder_for(model, cache, inverse: list, prompt_mask, max_new_tokens: int,
                 compile: bool = False, group_size: int = None, graph: str = None):
-    """A decoder of decoder_class(model) for one generate() call; inverse: each row's prompt (its
-    row in the cache), a host list."""
+    """A decoder_class(model) for one generate(); inverse: each row's prompt (row of the cache)."""
     return decoder_class(model)(model, cache, inverse, prompt_mask, max_new_tokens, compile=compile,
                                 group_size=group_size, graph=graph)
 
@@ -574,30 +531,23 @@ def is_end(ids: torch.Tensor, end_ids) -> torch.Tensor:
 
 
 def completion_mask(completion_ids: torch.Tensor, end_ids) -> torch.Tensor:
-    """1 up to and including each row's first end (any of end_ids), 0 after it: never `token ==
-    pad`, which with pad == EOS (GPT-2) would mask the EOS the policy chose, so it never learns to
-    stop."""
+    """1 up to and including each row's first end, 0 after it (docs/algorithm.md: not `== pad`)."""
     ends = is_end(completion_ids, end_ids).long()
     return (ends.cumsum(1) == ends).long()   # no end before the column
 
 
 def sample_index(probs: torch.Tensor, rows=None, batch: int = None) -> torch.Tensor:
-    """One index per row with probability probs[row, index] (rows need not sum to 1): race_index on
-    a GPU (half the time), inverse_cdf_index elsewhere. rows: which of `batch` rows probs' are (a
-    row reads its own of the batch's random numbers: it draws what it would with every row)."""
+    """An index per row, drawn by probs; rows: which of `batch` rows probs' are (_noise)."""
     return (race_index if probs.is_cuda else inverse_cdf_index)(probs, rows, batch)
 
 
 def _noise(rows, batch: int, shape, draw):
-    """draw(shape) for every row of the batch, then the chosen rows' (rows None: all)."""
-    if rows is None:
-        return draw(shape)
-    return draw((batch, *shape[1:]))[rows]
+    """draw(shape) for every row of the batch, then the chosen rows' (a row draws as with all)."""
+    return draw(shape) if rows is None else draw((batch, *shape[1:]))[rows]
 
 
 def inverse_cdf_index(probs: torch.Tensor, rows=None, batch: int = None) -> torch.Tensor:
-    """The first index (of probability > 0) whose running sum exceeds a uniform draw scaled to the
-    row's total: torch.multinomial's distribution, at a tenth of its CPU time."""
+    """The first index whose running sum passes a uniform draw: multinomial's law, 1/10 its time."""
     cdf = probs.cumsum(-1)
     u = _noise(rows, batch, (probs.shape[0], 1), functools.partial(
         torch.rand, device=probs.device, dtype=cdf.dtype))
@@ -647,10 +597,9 @@ def _sample(logits, temperature: float, top_k: int, top_p: float, banned, with_s
     logprob = logprobs.gather(-1, token)
     if not with_sampler:
         return token, logprob
-    # greedy or nothing truncated: the distribution drawn from is the policy's
-    truncated = temperature != 0 and filtered is not logits
-    return token, logprob, (torch.log_softmax(filtered, -1).gather(-1, token) if truncated
-                            else logprob)
+    if temperature == 0 or filtered is logits:   # the distribution drawn from: the policy's
+        return token, logprob, logprob
+    return token, logprob, torch.log_softmax(filtered, -1).gather(-1, token)
 
 
 def _truncated(logits, banned, top_k: int, top_p: float):
@@ -702,8 +651,7 @@ class Checks:
         return columns == self.next
 
     def after(self, columns: int, done: list, running: int):
-        """Schedules the next check after one at `columns` drawn that read `done` (every row's
-        flag), the decoder then running `running` rows."""
+        """Schedules the next check after one at `columns` (done: each row's; running: the rows)."""
         finished = sum(done)
         live, (then, before), self.last = len(done) - finished, self.last, (columns, finished)
         need = live - running // 2 if live > running // 2 else live   # to the next move
@@ -723,22 +671,21 @@ class Draws:
     def __init__(self, model, batch: int, width: int, end_ids: tuple, sampling: tuple,
                  with_sampler: bool, device, keep: bool):
         self.end_ids, self.with_sampler, self.model, self.keep = end_ids, with_sampler, model, keep
-        self.temperature, self.top_k, self.top_p = sampling
+        self.sampling = sampling   # temperature, top_k, top_p
         zeros, shape = functools.partial(_zeros, model, device=device, keep=keep), (batch, width)
         self.tokens = zeros("tokens", shape, torch.long).fill_(end_ids[0])
         self.logprobs = zeros("logprobs", shape, torch.float32)
         self.sampled = zeros("sampled", shape, torch.float32) if with_sampler else None
         self.done = zeros("done", (batch,), torch.bool)
         self.done2 = self.done.view(batch, 1)   # as a column, as draw() reads it
-        self.columns = torch.arange(width, device=device).split(1)   # each a one-element index
+        self.columns = torch.arange(width, device=device).split(1)   # each an index
         self.token_at = self.tokens.unbind(1)
 
     def key(self) -> tuple:
         """What a recorded draw depends on besides its buffers' shapes: the rows it runs and the
         settings baked into its kernels."""
         rows = None if self.rows is None else len(self.rows)
-        return (tuple(self.tokens.shape), rows, self.end_ids, self.temperature, self.top_k,
-                self.top_p, self.with_sampler)
+        return (tuple(self.tokens.shape), rows, self.end_ids, *self.sampling, self.with_sampler)
 
     def last(self, column):
         """The tokens at `column` (a one-element index) of the rows the decoder runs."""
@@ -750,11 +697,9 @@ class Draws:
         return self.token_at[step] if self.rows is None else self.token_at[step][self.rows]
 
     def draw(self, logits, column, banned):
-        """Sample the token at `column` (a one-element index) of each running row from logits (each
-        draw [rows, 1]); a finished row gets EOS."""
-        token, logprob, *sampler = _sample(
-            logits, self.temperature, self.top_k, self.top_p, banned, self.with_sampler,
-            self.rows, self.done.shape[0])
+        """Sample each running row's token at `column` (an index) from logits; finished: EOS."""
+        token, logprob, *sampler = _sample(logits, *self.sampling, banned, self.with_sampler,
+                                           self.rows, self.done.shape[0])
         done = self.done2 if self.rows is None else self.done2[self.rows]
         token = token.masked_fill(done, self.end_ids[0])
         for kept, drawn in zip((self.tokens, self.logprobs, self.sampled),
@@ -773,8 +718,7 @@ class Draws:
         return self.done.shape[0] if self.rows is None else len(self.kept_rows)
 
     def compact(self, decoder, prefill, step: int, compiled: bool, done: list):
-        """The decoder for the live rows once at most half of those it runs are live (compiled or
-        graphed: padded with finished ones to a power of two), else decoder; done: rows' flags."""
+        """A decoder of the live rows once half of those running are (static: a power of two)."""
         live = [i for i, d in enumerate(done) if not d]
         size = 1 << max(0, (len(live) - 1).bit_length()) if compiled else len(live)
         if size > self.running // 2 or not live:
@@ -803,13 +747,11 @@ class Completions:
 
 
 def _distinct_rows(rows: torch.Tensor) -> tuple:
-    """(the distinct rows of `rows`, sorted; each row's index among them, a host list), from one
-    read of rows."""
+    """(the distinct rows of `rows`, sorted; each row's index among them), from one host read."""
     listed = list(map(tuple, rows.tolist()))
     distinct = sorted(set(listed))
-    where = {row: i for i, row in enumerate(distinct)}
     return (rows.index_select(0, _index([listed.index(row) for row in distinct], rows.device)),
-            [where[row] for row in listed])
+            [bisect.bisect_left(distinct, row) for row in listed])
 
 
 @torch.no_grad()
@@ -817,10 +759,9 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0,
              autocast=None, compile: bool = False, with_sampler: bool = False,
              group_size: int = None, graph: str = None) -> Completions:
-    """Sample a completion per row of a left-padded prompt batch; a row ends at its first of end_ids
-    (then end_ids[0], masked), never before min_new_tokens. compile: torch.compile, graph: a
-    replayed CUDA graph ("capture") or its checks ("check", grpo/graphs.py), where a preallocated
-    decoder fits; group_size: rows per prompt (compiled: kept when two groups draw one prompt)."""
+    """Sample a completion per row of a left-padded prompt batch, ending at a row's first of end_ids
+    (not before min_new_tokens). Where a preallocated decoder fits: compile, or graph ("capture",
+    "check": grpo/graphs.py); group_size: rows per prompt (compiled: kept if prompts repeat)."""
     (batch, width), ends = prompt_ids.shape, as_ends(end_ids)
     # entered once: autocast keeps its bf16 copies of the weights for the whole loop
     with autocast or torch.autocast(prompt_ids.device.type, enabled=False):
@@ -829,31 +770,24 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
         out = model(input_ids=prompts[:, :width], attention_mask=prompts[:, width:],
                     position_ids=position_ids_from_mask(prompts[:, width:]), use_cache=True,
                     logits_to_keep=1)
-        prefill = out.past_key_values
-        decoder = decoder_for(model, prefill, inverse, prompt_mask, max_new_tokens, compile=compile,
-                              group_size=group_size, graph=graph)
-        static = getattr(decoder, "static", False)   # HFDecoder: eager whatever was asked
+        decoder = decoder_for(model, out.past_key_values, inverse, prompt_mask, max_new_tokens,
+                              compile=compile, group_size=group_size, graph=graph)
         draws = Draws(model, batch, max_new_tokens, ends, (temperature, top_k, top_p), with_sampler,
-                      prompt_ids.device, keep=static)
+                      prompt_ids.device, keep=decoder.static)
         draws.draw(out.logits[_index(inverse, prompt_ids.device), -1], draws.columns[0],
                    ends if min_new_tokens > 0 else None)
-        last, checks = 0, Checks(prompt_ids.device, min_new_tokens)   # last: the last column drawn
+        checks = Checks(prompt_ids.device, min_new_tokens)
         for step in range(max_new_tokens - 1):
             if checks.due(step + 1):
                 done = draws.done.tolist()   # the check's one read
                 if all(done):
                     break
-                # rows that finished leave the decoder once half of it has: no step for them
-                decoder = draws.compact(decoder, prefill, step, static, done)
+                decoder = draws.compact(decoder, out.past_key_values, step, decoder.static, done)
                 checks.after(step + 1, done, draws.running)
             decoder.advance(draws, step, ends if step + 1 < min_new_tokens else None)
-            last = step + 1
-    mask = completion_mask(draws.tokens[:, :last + 1], ends)
-    # end where the last row finished: the latest first end
-    finished, longest = torch.stack([draws.done.all().long(), mask.sum(1).max()]).tolist()
-    if finished:
-        last = longest - 1
-    def kept(t):   # a copy: a compiled decoder's buffers are the next call's too
-        return t[:, :last + 1].clone()
-    return Completions(ids=kept(draws.tokens), mask=kept(mask), logp=kept(draws.logprobs),
-                       sampler_logp=kept(draws.sampled) if with_sampler else None)
+    # up to the latest first end: columns not drawn hold end_ids[0] (a row not ended ran them all)
+    mask = completion_mask(draws.tokens, ends)
+    longest = mask.sum(1).max().tolist()   # one read
+    # copies: a compiled decoder's buffers are the next call's too
+    return Completions(*(None if t is None else t[:, :longest].clone()
+                         for t in (draws.tokens, mask, draws.logprobs, draws.sampled)))
