@@ -5,7 +5,9 @@ buffers (docs/algorithm.md, "Decoding"), each tested against HFDecoder and HF ge
 """
 import bisect
 import dataclasses
+import functools
 import math
+import operator
 import sys
 import weakref
 
@@ -23,14 +25,11 @@ _BUFFERS = weakref.WeakKeyDictionary()
 
 
 def _zeros(model, name, shape, dtype, device, keep: bool, reuse=None):
-    """A zeroed tensor; with keep, the same one for the same model, name and shape at every call
-    (_kept); else in reuse's memory where it is large enough (a tensor about to be dropped: zeroing
-    memory already touched costs a fraction of fresh memory's page faults)."""
+    """A zeroed tensor: with keep, _kept; else in reuse's memory where it fits (no page faults)."""
     if keep:
         return _kept(model, name, shape, dtype, device)
-    size = torch.Size(shape).numel()
-    if reuse is not None and reuse.dtype == dtype and reuse.numel() >= size:
-        return reuse.view(-1)[:size].view(shape).zero_()
+    if reuse is not None and reuse.dtype == dtype and reuse.numel() >= math.prod(shape):
+        return reuse.view(-1)[:math.prod(shape)].view(shape).zero_()
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
@@ -46,8 +45,7 @@ def _kept(model, name, shape, dtype, device):
 
 
 def _index(values: list, device) -> torch.Tensor:
-    """values (ints built on the host) as an index tensor on device, copied without waiting: on a
-    GPU from pinned memory (a copy from pageable memory waits for the device)."""
+    """values as an index tensor on device, copied without waiting (on a GPU from pinned memory)."""
     host = torch.tensor(values, dtype=torch.long)
     return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
 
@@ -59,18 +57,17 @@ _LIMIT_HIT = []   # not empty once it was reached
 
 class Decoder:
     """What generate() asks of a decoder: advance(), one decode step and the draw after it."""
-    compiled = None
+    compiled, static = None, False   # static: its step's tensors are _kept
 
     graph = None   # "capture": a replayed CUDA graph; "check": its stand-in (grpo/graphs.py)
 
     def advance(self, draws, step: int, banned):
-        """Feed the token drawn at column `step`; draw column step + 1 from the logits it gives (by
-        the compiled step or the graph where there is one)."""
+        """Feed the token drawn at column `step`; draw column step + 1 from the logits it gives."""
         if self.compiled is not None:
             return self._advance_compiled(draws, step, banned)
         if self.graph is not None:
             return self._advance_graphed(draws, step, banned)
-        draws.draw(self(draws.last_at(step), step), draws.columns[step + 1:step + 2], banned)
+        draws.draw(self(draws.last_at(step), step), draws.columns[step + 1], banned)
 
     def select(self, rows: list, prefill, step: int):
         """This decoder for its `rows` alone (indices of its own rows, a host list), the columns
@@ -82,7 +79,7 @@ class PreallocatedDecoder(Decoder):
     """One-token decode steps on preallocated K/V buffers for pre-norm decoder-only transformers, in
     the model's own math (docs/algorithm.md, "Decoding"). A subclass gives _embed (a token's
     embedding), _qkv (norm, q, k, v projections), _rest (output projection, MLP, residuals) and
-    _final_norm; the attention between them is the same for GPT-2 and Llama.
+    final_norm; the attention between them is the same for GPT-2 and Llama.
     """
     # A step is few ops, each a kernel launch from Python (bench/decode_ops.py counts them): hidden
     # states stay [rows, width], a layer's views are one as_strided each, scores and outputs land in
@@ -101,59 +98,46 @@ class PreallocatedDecoder(Decoder):
     def __init__(self, model, cache, inverse: list, prompt_mask, max_new_tokens: int,
                  compile: bool = False, group_size: int = None, reuse: dict = None,
                  graph: str = None):
-        self.model, self.inverse, self.prompt_mask = model, inverse, prompt_mask
-        self.graph, reuse = graph, reuse or {}
-        # compiled or graphed, every tensor the step reads is kept from call to call (_kept): a
-        # replay reads the addresses it was recorded with
+        self.model, self.inverse, self.prompt_mask, self.graph = model, inverse, prompt_mask, graph
+        # compiled or graphed, the tensors the step reads are _kept: a replay reads those recorded
         static = self.static = compile or graph is not None
-        (batch, width), device = prompt_mask.shape, prompt_mask.device
-        # a group: the rows of one prompt; compiled, the caller's group size, so that a step whose
-        # groups drew the same prompt has the shapes of every other step (eager, such groups: one);
-        # decided on the host, from the prompt of each row (inverse)
+        (batch, width), device, T = prompt_mask.shape, prompt_mask.device, max_new_tokens
+        # rows per prompt (compiled: the caller's, so repeated prompts recompile nothing), or 1
         n_prompts = max(inverse) + 1
-        size = (group_size if static and group_size
-                else batch // n_prompts if batch % n_prompts == 0 else None)
-        if not size or batch % size or any(inverse[i] != inverse[i - i % size]
-                                           for i in range(batch)):   # not whole groups
-            size = 1
-        groups, group = self.groups, self.group = batch // size, size
-        first = _index(inverse[::size], device)   # prompt of each group, in batch order
+        group = (static and group_size) or (batch // n_prompts if batch % n_prompts == 0 else 1)
+        if batch % group or any(inverse[i] != inverse[i - i % group] for i in range(batch)):
+            group = 1
+        self.group, groups, layers = group, batch // group, len(cache.layers)
         dtype = torch.float32 if device.type == "cpu" else cache.layers[0].keys.dtype
         _, kv_heads, _, head_dim = cache.layers[0].keys.shape
-        rep = self.rep = self.heads // kv_heads
+        self.shape = (groups, kv_heads, group, self.heads // kv_heads, head_dim)
         self.width = padded = padded_width(width, self.WIDTH_MULTIPLE, static)
-        n_layers, T = len(cache.layers), max_new_tokens
-        # Everything is laid out by group: [groups, K/V heads, ...]. Keys are stored transposed
-        # (columns last), so that both score matmuls read them as they lie. Zeros, not empty: a
-        # masked column's weight is exactly 0, and 0 * NaN would not be. One table per kind for all
-        # layers: a token slices each table once.
-        self.prompt_k = _zeros(model, "prompt_k", (n_layers, groups, kv_heads, head_dim, padded),
-                               dtype, device, static)
-        self.prompt_v = _zeros(model, "prompt_v", (n_layers, groups, kv_heads, padded, head_dim),
-                               dtype, device, static)
+        zeros = functools.partial(_zeros, model, dtype=dtype, device=device, keep=static)
+        # by group, all layers in one table; keys transposed (both score matmuls read them as they
+        # lie); zeros: a masked column's weight is then exactly 0 (0 * NaN would not be)
+        self.prompt_k = zeros("prompt_k", (layers, groups, kv_heads, head_dim, padded))
+        self.prompt_v = zeros("prompt_v", (layers, groups, kv_heads, padded, head_dim))
+        first = _index(inverse[::group], device)   # each group's prompt
         for i, layer in enumerate(cache.layers):
             self.prompt_k[i, ..., :width] = layer.keys[first].transpose(-1, -2)
             self.prompt_v[i, ..., :width, :] = layer.values[first]
-        self.new_k = _zeros(model, "new_k", (n_layers, groups, kv_heads, group, head_dim, T), dtype,
-                            device, static, reuse.get("new_k"))
-        self.new_v = _zeros(model, "new_v", (n_layers, groups, kv_heads, group, T, head_dim), dtype,
-                            device, static, reuse.get("new_v"))
-        self.prompt_ks, self.prompt_vs = self.prompt_k.unbind(0), self.prompt_v.unbind(0)
-        self._step_tables(prompt_mask, groups, group, width, padded, T, dtype, device)
-        # the buffers a layer writes into: its scaled queries, and its attention output as rows
-        self.q = _zeros(model, "q", (groups, kv_heads, group * rep, head_dim), dtype, device, static)
-        self.q5 = self.q.view(groups, kv_heads, group, rep, head_dim)
-        self.o = _zeros(model, "o", (groups, kv_heads, group * rep, head_dim), dtype, device, static)
-        self.o5 = self.o.view(groups, kv_heads, group, rep, head_dim)
-        self.qk = _zeros(model, "qk", (groups, kv_heads, group * rep, padded), dtype, device,
-                         static)
-        self.qk5 = self.qk.view(groups, kv_heads, group, rep, padded)
-        self._eager = (None,)   # __call__'s (new columns, mask, scores, tables)
-        self.y = _zeros(model, "y", (batch, self.heads * head_dim), dtype, device, static)
-        self.y5 = self.y.view(groups, group, kv_heads, rep, head_dim).transpose(1, 2)
-        self.shape = (groups, kv_heads, group, rep, head_dim)
-        self.device_type = device.type
-        self.head = self._padded_head(model, device, static)
+        reuse, rows = reuse or {}, (layers, *self.shape[:3])
+        self.new_k = zeros("new_k", (*rows, head_dim, T), reuse=reuse.get("new_k"))
+        self.new_v = zeros("new_v", (*rows, T, head_dim), reuse=reuse.get("new_v"))
+        self.prompt_ks, self.prompt_vs, self.new_ks, self.new_vs = (t.unbind(0) for t in (
+            self.prompt_k.flatten(1, 2), self.prompt_v, self.new_k, self.new_v))   # per layer
+        self._step_tables(prompt_mask, group, width, T, dtype, device)
+        # a layer's buffers: scaled queries, output, prompt scores; by K/V head (3), by row (n3)
+        self.q5, self.o5 = zeros("q", self.shape), zeros("o", self.shape)
+        self.qk = zeros("qk", (groups, kv_heads, group * self.shape[3], padded))
+        self.q3, self.qn3 = self.q5.flatten(2, 3).flatten(0, 1), self.q5.flatten(0, 2)
+        self.qk3, self.o = self.qk.flatten(0, 1), self.o5.flatten(2, 3)
+        self.y = zeros("y", (batch, self.heads * head_dim))
+        self.y5 = self.y.view(groups, group, kv_heads, -1, head_dim).transpose(1, 2)
+        self._eager, self.device_type = (None,), device.type   # __call__'s window
+        head = model.get_output_embeddings()   # padded as in training (on a GPU only)
+        self.vocab = head.weight.shape[0]
+        self.head = self._matmul_tensors("head", [padded_head(head, head_multiple(device))])[0]
         self.compiled = _compiled(type(self), device) if compile and not _LIMIT_HIT else None
 
     def select(self, rows: list, prefill, step: int):
@@ -174,54 +158,40 @@ class PreallocatedDecoder(Decoder):
                 by_row.view(kept.shape[0], kept.shape[1], kept.shape[3], *by_row.shape[2:]))
         return new
 
-    def _step_tables(self, prompt_mask, groups, group, width, padded, T, dtype, device):
-        """Per step: self.bias, the additive mask over a group's prompt columns and the new ones
-        (-inf on left padding, on the padded columns and on the new columns not written yet;
-        scores: [groups, H_kv, group, rep, columns]), and self.positions [T, rows]; self.columns."""
-        pad = torch.nn.functional.pad(prompt_mask[::group], (0, padded - width))
-        prompt_bias = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill(
-            pad == 0, float("-inf"))
-        written = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        new_bias = torch.zeros(written.shape, dtype=dtype, device=device).masked_fill(
-            ~written, float("-inf"))
-        bias = torch.cat([prompt_bias.expand(T, groups, padded),
-                          new_bias[:, None].expand(T, groups, T)], -1)
-        positions = prompt_mask.sum(-1) + torch.arange(T, device=device)[:, None]  # [T, rows]
-        self.bias, self.positions, self.columns = (
+    def _step_tables(self, prompt_mask, group, width, T, dtype, device):
+        """Masks, -inf where not read: prompt_bias [groups x H_kv, 1, columns], new_bias [T, 1, 1,
+        T] (a row a step); positions [T, rows]; columns; column (graphed); at: each step's."""
+        prompt = torch.nn.functional.pad(prompt_mask[::group], (0, self.width - width)) != 0
+        seen = (prompt.repeat_interleave(self.shape[1], 0)[:, None],
+                torch.ones(T, T, dtype=torch.bool, device=device).tril().view(T, 1, 1, T))
+        prompt_bias, new_bias = (torch.zeros(s.shape, dtype=dtype, device=device).masked_fill(
+            ~s, -math.inf) for s in seen)
+        positions = prompt_mask.sum(-1) + torch.arange(T, device=device)[:, None]
+        self.prompt_bias, self.new_bias, self.positions, self.columns = (
             _kept(self.model, name, t.shape, t.dtype, device).copy_(t) if self.static else t
-            for name, t in (("bias", bias), ("positions", positions),
-                            ("columns", torch.arange(T, device=device))))
-        self.bias = self.bias.view(T, groups, 1, 1, 1, padded + T)
-        # graphed, the column the step writes: a tensor set before each replay
+            for name, t in (("prompt_bias", prompt_bias), ("new_bias", new_bias),
+                            ("positions", positions), ("columns", torch.arange(T, device=device))))
         self.column = _kept(self.model, "column", (1,), torch.long, device) if self.graph else None
+        self.at = tuple(zip(self.columns.split(1), self.positions.unbind(0)))
 
     def __call__(self, token, step: int):
-        """The eager step: the logits after `token`, written at column `step`. What attention reads
-        is the same for NEW_MULTIPLE steps: its mask's columns, score buffers and K/V tables are
-        made once for them (_eager)."""
+        """The eager step: the logits after `token`, written at column `step`."""
         new = min(len(self.columns), -(-(step + 1) // self.NEW_MULTIPLE) * self.NEW_MULTIPLE)
         if self._eager[0] != new:
-            bias = self.bias[..., :self.width + new]
-            self._eager = new, bias, self._scores(bias.shape[-1]), self._tables(new)
-        _, bias, scores, tables = self._eager
-        return self._forward(token, self.columns[step:step + 1], self.positions[step], bias[step],
-                             scores, tables)
+            self._eager = new, self.new_bias[..., :new], self._window(new)
+        _, bias, window = self._eager
+        return self._forward(token, *self.at[step], bias[step], window)
 
-    def _scores(self, columns: int):
-        """A token's scores, then weights, for every layer in turn: all, over the prompt, the
-        new."""
-        scores = torch.empty(*self.shape[:-1], columns, dtype=self.bias.dtype,
-                             device=self.bias.device)
-        return scores, _merged(scores, self.width), scores[..., self.width:]
-
-    def _tables(self, new: int):
-        """Each layer's new keys and values, their first `new` columns."""
-        return self.new_k[..., :new].unbind(0), self.new_v[..., :new, :].unbind(0)
+    def _window(self, new: int) -> tuple:
+        """_attend's buffers, each layer's new keys and values, over `new` columns."""
+        scores, fresh = (self.q5.new_empty(*self.shape[:-1], n) for n in (self.width + new, new))
+        return ((scores.flatten(2, 3), scores.flatten(2, 3)[..., :self.width],
+                 scores[..., self.width:], fresh.flatten(0, 2), fresh.flatten(2, 3)),
+                self.new_k[..., :new].flatten(1, 3).unbind(0), self.new_v[..., :new, :].unbind(0))
 
     def _step(self, token, column, position, bias):
         """The logits after `token`, written at `column` (a one-element index)."""
-        return self._forward(token, column, position, bias, self._scores(bias.shape[-1]),
-                             self._tables(bias.shape[-1] - self.width))
+        return self._forward(token, column, position, bias, self._window(len(self.columns)))
 
     def _advance_graphed(self, draws, step: int, banned):
         """advance() by _graphed_step replayed: one graph per shape and setting (graph_key), made
@@ -238,7 +208,7 @@ class PreallocatedDecoder(Decoder):
         read through the column tensor."""
         column = self.column
         logits = self._step(draws.last(column), column, self.positions.index_select(0, column)[0],
-                            self.bias.index_select(0, column)[0])
+                            self.new_bias.index_select(0, column)[0])
         draws.draw(logits, column + 1, banned)
 
     def _advance_compiled(self, draws, step: int, banned):
@@ -247,8 +217,7 @@ class PreallocatedDecoder(Decoder):
         if self.device_type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         try:
-            self.compiled(self, draws, self.columns[step:step + 1], self.positions[step],
-                          self.bias[step], banned)
+            self.compiled(self, draws, *self.at[step], self.new_bias[step], banned)
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # said, then eager: same values, slower
             print(f"note: the decode step reached torch.compile's limit of {RECOMPILE_LIMIT} "
                   f"compilations; decoding goes on eagerly in this process", file=sys.stderr,
@@ -264,85 +233,76 @@ class PreallocatedDecoder(Decoder):
         token = draws.last(column)
         draws.draw(self._forward(token, column, position, bias), column + 1, banned)
 
-    def _forward(self, token, step, position, bias, scores=None, tables=None):
-        """The logits after token; scores, tables: the eager step's buffers (_attend) and K/V
-        tables, None traced."""
+    def _forward(self, token, column, position, bias, window=None):
+        """The logits after token; bias: the step's new_bias row; window: _window's, or None."""
         x, rotary = self._embed(token, position)
-        traced = scores is None
-        new_k, new_v = self._tables(bias.shape[-1] - self.width) if traced else tables
-        attend = self._attend_traced if traced else self._attend
+        attend = self._attend_traced if window is None else self._attend
         for i, (layer, scale) in enumerate(zip(self.layers, self.scales)):
-            q, k, v = self._qkv(layer, x, rotary, traced)
-            # bf16 autocast on a CPU: attention in the cache's fp32
-            if self.y.dtype != v.dtype or self.y.dtype != q.dtype:
+            q, k, v = self._qkv(layer, x, rotary, window is None)
+            if {q.dtype, v.dtype} != {self.y.dtype}:   # bf16 autocast on a CPU: attention in fp32
                 q, k, v = [t.to(self.y.dtype) for t in (q, k, v)]
             with torch.autocast(self.device_type, enabled=False):
-                y = attend(q, k, v, step, self.prompt_ks[i], self.prompt_vs[i], new_k[i], new_v[i],
-                           bias, scores, scale)
+                y = attend(i, q, k, v, column, bias, window, scale)
             x = self._rest(layer, x, y)
-        return self._head(x)
-
-    def _head(self, x):
-        logits = torch.nn.functional.linear(self._final_norm(x), *self.head)
+        logits = torch.nn.functional.linear(self.final_norm(x), *self.head)
         return logits if logits.shape[-1] == self.vocab else logits[:, :self.vocab]
 
-    def _padded_head(self, model, device, keep: bool):
-        """The output head padded as in training (grpo/model.py padded_head: on a GPU only), in the
-        dtype the step's matmuls read (_matmul_tensors)."""
-        head = model.get_output_embeddings()
-        self.vocab = head.weight.shape[0]
-        weight, bias = padded_head(head, head_multiple(device))
-        return self._matmul_tensors(model, "head", [weight, bias], device, keep)
+    def _matmul_tensors(self, name, pairs: list) -> list:
+        """(weight, bias) pairs as the step reads them: themselves, or (autocast, GPU) _copies."""
+        device = self.prompt_mask.device
+        if torch.is_autocast_enabled(device.type) and decode_copies(device):
+            flat = _copies(self.model, name, [t for pair in pairs for t in pair],
+                           torch.get_autocast_dtype(device.type), device, self.static)
+            pairs = list(zip(flat[::2], flat[1::2]))
+        return pairs
 
-    @staticmethod
-    def _matmul_tensors(model, name, tensors, device, keep: bool) -> list:
-        """tensors (a matmul's weights and biases, None for none) as the decode step reads them: the
-        tensors themselves, or under bf16 autocast on a GPU their _copies."""
-        if not (torch.is_autocast_enabled(device.type) and decode_copies(device)):
-            return tensors
-        return _copies(model, name, tensors, torch.get_autocast_dtype(device.type), device, keep)
+    def _projections(self, modules: list, kind: type) -> list:
+        """Each layer's projections as _matmul_tensors' pairs, or modules where LoRA wraps them."""
+        if all(type(m) is kind for m in modules):
+            modules = self._matmul_tensors(kind.__name__, [(m.weight, m.bias) for m in modules])
+        n = len(modules) // len(self.layers)
+        return [modules[i:i + n] for i in range(0, len(modules), n)]
 
-    def _views(self, q, k, v) -> tuple:
-        """q, k, v (each a projection's output and the column its heads start at) in the layouts
-        attention reads (_heads)."""
+    def _views(self, *qkv) -> tuple:
+        """q, k, v (each an output and the column its heads start at) as views [groups, H_kv,
+        group, ...]: q [.., rep, D], k [.., D, 1] (transposed), v [.., 1, D]."""
         g, kv, group, rep, dim = self.shape
-        return (_heads(*q, self.shape, group, "q"), _heads(*k, (g, kv, group, dim, 1), group, "k"),
-                _heads(*v, (g, kv, group, 1, dim), group, "v"))
+        layouts = ((self.shape, rep * dim, (dim, 1)), ((g, kv, group, dim, 1), dim, (1, dim)),
+                   ((g, kv, group, 1, dim), dim, (dim, 1)))
+        return tuple(t.as_strided(shape, (group * t.stride(0), head, t.stride(0), *inner), offset)
+                     for (t, offset), (shape, head, inner) in zip(qkv, layouts))
 
-    def _attend(self, q, k, v, step, kp, vp, kn, vn, bias, scores, scale: float):
-        """Softmax attention of q (_views' layout) over its group's prompt (kp, vp) and its row's
-        new tokens (kn, vn), after writing k, v at column `step`; H = H_kv x rep query heads share
-        a K/V head (grouped-query attention; rep = 1 for GPT-2). Returns self.y [rows, H x D],
-        where it writes."""
-        kn.index_copy_(4, step, k)
-        vn.index_copy_(3, step, v)
-        # a group's rows and a K/V head's query heads read the same prompt keys: one matmul for them
+    def _attend(self, i, q, k, v, column, bias, window, scale: float):
+        """Layer i's attention over its group's prompt and its row's new tokens, into self.y."""
+        self.new_ks[i].index_copy_(4, column, k)
+        self.new_vs[i].index_copy_(3, column, v)
+        (scores, prompt, new, fresh3, fresh), kn, vn = window
+        # a group's rows and query heads in one matmul (they read the same keys); scores plus mask
+        # (baddbmm) into buffers of their own, then one cat (out= on a strided view: slow on CPU)
         torch.mul(q, scale, out=self.q5)
-        scores, prompt, new = scores
-        # the prompt's scores into a buffer of their own (contiguous: its view is made once), the
-        # new ones into a fresh tensor, then one copy into place: a matmul's out= on a strided view
-        # takes a slow path on CPU (a small matmul per batch item)
-        torch.matmul(self.q, kp, out=self.qk)
-        torch.cat([self.qk5, self.q5 @ kn], -1, out=scores)
-        # the weights overwrite the scores (softmax reads each row before it writes it); softmax
-        # accumulates in fp32 whatever the dtype
-        torch.softmax(scores.add_(bias), -1, out=scores)
-        torch.matmul(prompt, vp, out=self.o)
-        torch.add(self.o5, new @ vn, out=self.y5)
+        torch.baddbmm(self.prompt_bias, self.q3, self.prompt_ks[i], out=self.qk3)
+        torch.baddbmm(bias, self.qn3, kn[i], out=fresh3)
+        torch.cat([self.qk, fresh], -1, out=scores)
+        torch.softmax(scores, -1, out=scores)   # in place (accumulating in fp32 in any dtype)
+        torch.matmul(prompt, self.prompt_vs[i], out=self.o)
+        torch.add(self.o5, new @ vn[i], out=self.y5)
         return self.y
 
-    def _attend_traced(self, q, k, v, step, kp, vp, kn, vn, bias, _, scale: float):
+    def _attend_traced(self, i, q, k, v, column, bias, _, scale: float):
         """_attend's math without its out= buffers, which torch.compile cannot trace (its outputs
         are strided views); compiled, the ops fuse anyway."""
         g, kv, group, rep, dim = self.shape
-        kn.index_copy_(4, step, k)
-        vn.index_copy_(3, step, v)
+        kn, vn = self.new_ks[i], self.new_vs[i]
+        kn.index_copy_(4, column, k)
+        vn.index_copy_(3, column, v)
         q = q * scale
-        prompt = (q.reshape(g, kv, group * rep, dim) @ kp).view(*self.shape[:-1], self.width)
-        probs = torch.softmax(torch.cat([prompt, q @ kn], -1) + bias, -1,
-                              dtype=torch.float32).to(vn.dtype)
-        out = (_merged(probs, self.width) @ vp).view(self.shape) + probs[..., self.width:] @ vn
-        return out.transpose(1, 2).reshape(self.y.shape)
+        prompt = torch.baddbmm(self.prompt_bias, q.reshape(g * kv, group * rep, dim),
+                               self.prompt_ks[i])
+        new = torch.baddbmm(bias, q.reshape(-1, rep, dim), kn.flatten(0, 2))
+        probs = torch.softmax(torch.cat([t.view(*self.shape[:-1], -1) for t in (prompt, new)], -1),
+                              -1, dtype=torch.float32).to(vn.dtype)
+        out = (probs.flatten(2, 3)[..., :self.width] @ self.prompt_vs[i]).view(self.shape)
+        return (out + probs[..., self.width:] @ vn).transpose(1, 2).reshape(self.y.shape)
 
 
 def _compiled(cls, device):
@@ -355,13 +315,6 @@ def _compiled(cls, device):
                                                RECOMPILE_LIMIT)
     return torch.compile(cls._advance_traced, fullgraph=True, dynamic=False,
                          mode="reduce-overhead" if device.type == "cuda" else None)
-
-
-def _merged(t, width: int):
-    """t [groups, H_kv, group, rep, columns] as [groups, H_kv, group x rep, width]: its first width
-    columns."""
-    s = t.stride()
-    return t.as_strided((*t.shape[:2], t.shape[2] * t.shape[3], width), s[:2] + s[3:])
 
 
 def decode_copies(device) -> bool:
@@ -394,27 +347,13 @@ def compile_counts() -> dict:
 
 
 def padded_width(width: int, multiple: int, compile: bool) -> int:
-    """The prompt columns a decoder keeps: width rounded up to a multiple (eager), or to a power of
-    two times it (compiled: one compiled step per bucket, log2 of the widths a run sees)."""
-    if not compile:
-        return -(-width // multiple) * multiple
-    return multiple * 2 ** max(0, (-(-width // multiple) - 1).bit_length())
-
-
-def _heads(t, offset: int, shape, group: int, kind: str):
-    """One view of t [rows, columns], a projection's output (storage of its own), from column
-    `offset` (each row's heads x D contiguous there) as the layout an attention op reads: "q"
-    [groups, H_kv, group, rep, D], "k" [groups, H_kv, group, D, 1] (keys transposed), "v" [groups,
-    H_kv, group, 1, D]."""
-    row, dim = t.stride(0), shape[3] if kind == "k" else shape[4]
-    strides = {"q": (group * row, shape[3] * dim, row, dim, 1),
-               "k": (group * row, dim, row, 1, dim), "v": (group * row, dim, row, dim, 1)}[kind]
-    return t.as_strided(shape, strides, offset)
+    """width rounded up to a multiple; compiled, to a power of two times it (a compile a bucket)."""
+    multiples = -(-width // multiple)
+    return multiple * (2 ** max(0, (multiples - 1).bit_length()) if compile else multiples)
 
 
 def _project(projection, x):
-    """A GPT-2 projection of x [rows, in]: Conv1D's own addmm on (weight, bias), or the module's
-    forward."""
+    """A GPT-2 projection of x: Conv1D's own addmm on (weight, bias), or the module's forward."""
     return (torch.addmm(projection[1], x, projection[0]) if type(projection) is tuple
             else projection(x))
 
@@ -430,36 +369,26 @@ class GPT2Decoder(PreallocatedDecoder):
     """Plain GPT-2: learned absolute positions, one fused q/k/v projection, LayerNorm, GELU MLP. Its
     projections are Conv1D's own addmm, called directly (Conv1D reshapes around it; dropout is off
     in eval)."""
+    qkv = None   # eager: the buffer q, k, v are written into
 
     @staticmethod
     def fits(model) -> bool:
         c = model.config
-        return (c.model_type == "gpt2" and c.scale_attn_weights
-                and not c.scale_attn_by_inverse_layer_idx and not c.reorder_and_upcast_attn
-                and not c.add_cross_attention)
+        return c.model_type == "gpt2" and c.scale_attn_weights and not (
+            c.scale_attn_by_inverse_layer_idx or c.reorder_and_upcast_attn or c.add_cross_attention)
 
     def __init__(self, model, *args, **kwargs):
-        t = model.transformer
-        self.t, self.heads = t, model.config.n_head
-        self.layers, self.scales = list(t.h), [b.attn.scaling for b in t.h]
+        t = self.t = model.transformer
+        self.heads, self.layers, self.final_norm = model.config.n_head, list(t.h), t.ln_f
+        self.scales = [b.attn.scaling for b in t.h]
         super().__init__(model, *args, **kwargs)
-        # each layer's c_attn, c_proj, mlp.c_fc, mlp.c_proj: (weight, bias) in the decode dtype, or
-        # the module itself where adapters (LoRA) wrap it and its own forward adds them
-        mats = [m for b in t.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
-        if all(type(m) is Conv1D for m in mats):
-            flat = self._matmul_tensors(
-                model, "gpt2", [p for m in mats for p in (m.weight, m.bias)],
-                self.prompt_k.device, self.static)
-            mats = list(zip(flat[::2], flat[1::2]))
-        self.mats = [mats[i:i + 4] for i in range(0, len(mats), 4)]
-        # eager, with the weights in the dtype the step computes in (no autocast casting them): each
-        # layer's q, k, v written into one buffer (addmm's out=), its head views made once
-        self.qkv = None
+        self.mats = self._projections([m for b in t.h for m in (b.attn.c_attn, b.attn.c_proj,
+                                                                b.mlp.c_fc, b.mlp.c_proj)], Conv1D)
+        # eager, no autocast (casts): q, k, v written into one buffer by addmm, views made once
         if type(self.mats[0][0]) is tuple and not torch.is_autocast_enabled(self.device_type):
-            weight, width = self.mats[0][0][0], t.embed_dim
-            self.qkv = _zeros(model, "qkv", (self.y.shape[0], 3 * width), weight.dtype,
-                              weight.device, self.static)
-            self.qkv_views = self._views((self.qkv, 0), (self.qkv, width), (self.qkv, 2 * width))
+            self.qkv = _zeros(model, "qkv", (self.y.shape[0], 3 * t.embed_dim),
+                              self.mats[0][0][0].dtype, self.y.device, self.static)
+            self.qkv_views = self._views(*((self.qkv, i * t.embed_dim) for i in range(3)))
 
     def _embed(self, token, position):
         return self.t.wte(token) + self.t.wpe(position), None
@@ -469,16 +398,13 @@ class GPT2Decoder(PreallocatedDecoder):
         if self.qkv is not None and not traced:
             torch.addmm(projection[1], block.ln_1(x), projection[0], out=self.qkv)
             return self.qkv_views
-        qkv, width = _project(projection, block.ln_1(x)), x.shape[-1]
-        return self._views((qkv, 0), (qkv, width), (qkv, 2 * width))
+        qkv = _project(projection, block.ln_1(x))
+        return self._views(*((qkv, i * x.shape[-1]) for i in range(3)))
 
     def _rest(self, block, x, y):
         _, proj, fc, out = self.mats[block.attn.layer_idx]
         x = x + _project(proj, y)
         return x + _project(out, block.mlp.act(_project(fc, block.ln_2(x))))
-
-    def _final_norm(self, x):
-        return self.t.ln_f(x)
 
 
 class LlamaDecoder(PreallocatedDecoder):
@@ -503,22 +429,14 @@ class LlamaDecoder(PreallocatedDecoder):
 
     def __init__(self, model, *args, **kwargs):
         m = model.model
-        self.m, self.heads = m, model.config.num_attention_heads
+        self.m, self.heads, self.final_norm = m, model.config.num_attention_heads, m.norm
         # the model's own rotation (each family's modeling file has it): q, k rotated as in training
         self.apply_rotary = sys.modules[type(m.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.layers, self.scales = list(m.layers), [l.self_attn.scaling for l in m.layers]
         super().__init__(model, *args, **kwargs)
-        # each layer's q, k, v, o, gate, up, down projections: (weight, bias) in the decode dtype,
-        # or the module itself where adapters (LoRA) wrap it and its own forward adds them
-        mats = [p for l in m.layers for p in (l.self_attn.q_proj, l.self_attn.k_proj,
-                                               l.self_attn.v_proj, l.self_attn.o_proj,
-                                               l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj)]
-        if all(type(p) is torch.nn.Linear for p in mats):
-            flat = self._matmul_tensors(
-                model, "llama", [t for p in mats for t in (p.weight, p.bias)],
-                self.prompt_k.device, self.static)
-            mats = list(zip(flat[::2], flat[1::2]))
-        self.mats = [mats[i:i + 7] for i in range(0, len(mats), 7)]
+        self.mats = self._projections([p for l in m.layers for p in (
+            l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.self_attn.o_proj,
+            l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj)], torch.nn.Linear)
 
     def _embed(self, token, position):
         x = self.m.embed_tokens(token)
@@ -538,9 +456,6 @@ class LlamaDecoder(PreallocatedDecoder):
         x = x + _linear(o, y)
         h = layer.post_attention_layernorm(x)   # the MLP as the family's own forward computes it
         return x + _linear(down, layer.mlp.act_fn(_linear(gate, h)) * _linear(up, h))
-
-    def _final_norm(self, x):
-        return self.m.norm(x)
 
 
 class HFDecoder(Decoder):
@@ -584,7 +499,7 @@ DECODER_NAMES = {GPT2Decoder: "fast GPT-2 path", LlamaDecoder: "fast Llama-famil
 
 def graph_mode(choice: str, device, compile: bool):
     """generate()'s graph for --decode-graph `choice`: "capture" on a GPU (auto, unless compiled:
-    torch.compile records its own graphs), "check" (the stand-in) anywhere it is asked, else None."""
+    torch.compile records its own graphs), "check" (the stand-in) wherever asked, else None."""
     if choice == "check":
         return "check"
     return "capture" if choice == "auto" and device.type == "cuda" and not compile else None
@@ -598,8 +513,7 @@ def decoder_name(model) -> str:
 
 def decoder_for(model, cache, inverse: list, prompt_mask, max_new_tokens: int,
                 compile: bool = False, group_size: int = None, graph: str = None):
-    """A decoder of decoder_class(model) for one generate() call; inverse: each row's prompt (its
-    row in the cache), a host list."""
+    """A decoder_class(model) for one generate(); inverse: each row's prompt (row of the cache)."""
     return decoder_class(model)(model, cache, inverse, prompt_mask, max_new_tokens, compile=compile,
                                 group_size=group_size, graph=graph)
 
@@ -613,49 +527,30 @@ def as_ends(end_ids) -> tuple:
 
 def is_end(ids: torch.Tensor, end_ids) -> torch.Tensor:
     """Where ids is any of end_ids (an id or ids): one comparison per id, no index tensor."""
-    ends = as_ends(end_ids)
-    hit = ids == ends[0]
-    for end in ends[1:]:
-        hit = hit | (ids == end)
-    return hit
+    return functools.reduce(operator.or_, (ids == end for end in as_ends(end_ids)))
 
 
 def completion_mask(completion_ids: torch.Tensor, end_ids) -> torch.Tensor:
-    """1 up to and including each row's first end (EOS, or any of end_ids), 0 after it.
-
-    Built from the position of the first end, never from `token == pad`: with pad == EOS (GPT-2)
-    that would mask the EOS the policy chose to emit, so it would never learn to stop.
-    """
-    is_eos = is_end(completion_ids, end_ids)
-    width = completion_ids.shape[1]
-    first = torch.where(is_eos.any(1), is_eos.int().argmax(1),
-                        torch.full_like(is_eos[:, 0], width, dtype=torch.long))
-    return (torch.arange(width, device=completion_ids.device)[None, :] <= first[:, None]).long()
+    """1 up to and including each row's first end, 0 after it (docs/algorithm.md: not `== pad`)."""
+    ends = is_end(completion_ids, end_ids).long()
+    return (ends.cumsum(1) == ends).long()   # no end before the column
 
 
 def sample_index(probs: torch.Tensor, rows=None, batch: int = None) -> torch.Tensor:
-    """One index per row with probability probs[row, index] (rows need not sum to exactly 1): on a
-    GPU by race_index (no running sum: about half the time there), elsewhere by inverse CDF (the
-    bits of before). rows: which of a batch of `batch` rows probs' rows are; the random numbers
-    are drawn for the whole batch and each row reads its own, so a row draws what it would with
-    every row there."""
+    """An index per row, drawn by probs; rows: which of `batch` rows probs' are (_noise)."""
     return (race_index if probs.is_cuda else inverse_cdf_index)(probs, rows, batch)
 
 
 def _noise(rows, batch: int, shape, draw):
-    """draw(shape) for every row of the batch, then the chosen rows' (rows None: all)."""
-    if rows is None:
-        return draw(shape)
-    return draw((batch, *shape[1:]))[rows]
+    """draw(shape) for every row of the batch, then the chosen rows' (a row draws as with all)."""
+    return draw(shape) if rows is None else draw((batch, *shape[1:]))[rows]
 
 
 def inverse_cdf_index(probs: torch.Tensor, rows=None, batch: int = None) -> torch.Tensor:
-    """The first index whose running sum exceeds a uniform draw scaled to the row's total. Only an
-    index with probability > 0 can be that first one. The same distribution as torch.multinomial,
-    which on CPU costs ~10x more (158 ms vs 13 ms for 64 x 50257 per token)."""
+    """The first index whose running sum passes a uniform draw: multinomial's law, 1/10 its time."""
     cdf = probs.cumsum(-1)
-    u = _noise(rows, batch, (probs.shape[0], 1),
-               lambda shape: torch.rand(shape, device=probs.device, dtype=cdf.dtype))
+    u = _noise(rows, batch, (probs.shape[0], 1), functools.partial(
+        torch.rand, device=probs.device, dtype=cdf.dtype))
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_max(
         probs.shape[-1] - 1)
 
@@ -702,8 +597,7 @@ def _sample(logits, temperature: float, top_k: int, top_p: float, banned, with_s
     logprob = logprobs.gather(-1, token)
     if not with_sampler:
         return token, logprob
-    # nothing truncated: the distribution drawn from is the policy's
-    if temperature == 0 or filtered is logits:
+    if temperature == 0 or filtered is logits:   # the distribution drawn from: the policy's
         return token, logprob, logprob
     return token, logprob, torch.log_softmax(filtered, -1).gather(-1, token)
 
@@ -757,16 +651,13 @@ class Checks:
         return columns == self.next
 
     def after(self, columns: int, done: list, running: int):
-        """Schedules the next check after one at `columns` drawn that read `done` (every row's
-        flag), the decoder then running `running` rows."""
+        """Schedules the next check after one at `columns` (done: each row's; running: the rows)."""
         finished = sum(done)
         live, (then, before), self.last = len(done) - finished, self.last, (columns, finished)
-        # rows to end before the next move: down to half those running, or all
-        need = live - running // 2 if live > running // 2 else live
+        need = live - running // 2 if live > running // 2 else live   # to the next move
         pace = (finished - before) / (columns - then)
         soon = math.ceil(need / pace) if pace else math.inf
-        self.next = columns + min(max(soon, self.every),
-                                  max(self.every, int(columns * self.spread)))
+        self.next = columns + max(self.every, min(soon, int(columns * self.spread)))
 
 
 class Draws:
@@ -777,25 +668,24 @@ class Draws:
     call to call (a replayed graph writes where it was recorded)."""
     rows = kept_rows = None
 
-    def __init__(self, model, batch: int, max_new_tokens: int, end_ids: tuple, sampling: tuple,
+    def __init__(self, model, batch: int, width: int, end_ids: tuple, sampling: tuple,
                  with_sampler: bool, device, keep: bool):
         self.end_ids, self.with_sampler, self.model, self.keep = end_ids, with_sampler, model, keep
-        self.temperature, self.top_k, self.top_p = sampling
-        shape = (batch, max_new_tokens)
-        self.tokens = _zeros(model, "tokens", shape, torch.long, device, keep).fill_(end_ids[0])
-        self.logprobs = _zeros(model, "logprobs", shape, torch.float32, device, keep)
-        self.sampled = (_zeros(model, "sampled", shape, torch.float32, device, keep)
-                        if with_sampler else None)
-        self.done = _zeros(model, "done", (batch,), torch.bool, device, keep)
+        self.sampling = sampling   # temperature, top_k, top_p
+        zeros, shape = functools.partial(_zeros, model, device=device, keep=keep), (batch, width)
+        self.tokens = zeros("tokens", shape, torch.long).fill_(end_ids[0])
+        self.logprobs = zeros("logprobs", shape, torch.float32)
+        self.sampled = zeros("sampled", shape, torch.float32) if with_sampler else None
+        self.done = zeros("done", (batch,), torch.bool)
         self.done2 = self.done.view(batch, 1)   # as a column, as draw() reads it
-        self.columns = torch.arange(max_new_tokens, device=device)
+        self.columns = torch.arange(width, device=device).split(1)   # each an index
+        self.token_at = self.tokens.unbind(1)
 
     def key(self) -> tuple:
         """What a recorded draw depends on besides its buffers' shapes: the rows it runs and the
         settings baked into its kernels."""
         rows = None if self.rows is None else len(self.rows)
-        return (tuple(self.tokens.shape), rows, self.end_ids, self.temperature, self.top_k,
-                self.top_p, self.with_sampler)
+        return (tuple(self.tokens.shape), rows, self.end_ids, *self.sampling, self.with_sampler)
 
     def last(self, column):
         """The tokens at `column` (a one-element index) of the rows the decoder runs."""
@@ -804,16 +694,12 @@ class Draws:
 
     def last_at(self, step: int):
         """last() at the column `step` given as a number (eager)."""
-        token = self.tokens[:, step]
-        return token if self.rows is None else token[self.rows]
+        return self.token_at[step] if self.rows is None else self.token_at[step][self.rows]
 
     def draw(self, logits, column, banned):
-        """Sample the token at `column` (a one-element index) of each row the decoder runs from
-        logits; a finished row gets EOS."""
-        # each [rows, 1]: a column of the records
-        token, logprob, *sampler = _sample(
-            logits, self.temperature, self.top_k, self.top_p, banned, self.with_sampler,
-            self.rows, self.done.shape[0])
+        """Sample each running row's token at `column` (an index) from logits; finished: EOS."""
+        token, logprob, *sampler = _sample(logits, *self.sampling, banned, self.with_sampler,
+                                           self.rows, self.done.shape[0])
         done = self.done2 if self.rows is None else self.done2[self.rows]
         token = token.masked_fill(done, self.end_ids[0])
         for kept, drawn in zip((self.tokens, self.logprobs, self.sampled),
@@ -829,14 +715,10 @@ class Draws:
 
     @property
     def running(self) -> int:
-        """How many rows the decoder runs."""
         return self.done.shape[0] if self.rows is None else len(self.kept_rows)
 
     def compact(self, decoder, prefill, step: int, compiled: bool, done: list):
-        """The decoder for the rows still running once at most half of those it runs are: the live
-        rows (compiled or graphed: with finished ones up to a power of two, one compiled step or
-        graph per size); else the decoder as it is. done: every row's flag, read on the host; the
-        rows' indices are built there and copied to the device without waiting."""
+        """A decoder of the live rows once half of those running are (static: a power of two)."""
         live = [i for i, d in enumerate(done) if not d]
         size = 1 << max(0, (len(live) - 1).bit_length()) if compiled else len(live)
         if size > self.running // 2 or not live:
@@ -865,15 +747,11 @@ class Completions:
 
 
 def _distinct_rows(rows: torch.Tensor) -> tuple:
-    """(the distinct rows of `rows` in torch.unique's order, sorted; each row's index among them, a
-    host list), from one read of rows."""
+    """(the distinct rows of `rows`, sorted; each row's index among them), from one host read."""
     listed = list(map(tuple, rows.tolist()))
     distinct = sorted(set(listed))
-    where, first = {row: i for i, row in enumerate(distinct)}, {}
-    for i, row in enumerate(listed):
-        first.setdefault(row, i)
-    return (rows.index_select(0, _index([first[row] for row in distinct], rows.device)),
-            [where[row] for row in listed])
+    return (rows.index_select(0, _index([listed.index(row) for row in distinct], rows.device)),
+            [bisect.bisect_left(distinct, row) for row in listed])
 
 
 @torch.no_grad()
@@ -881,13 +759,9 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_new_tokens: int = 0,
              autocast=None, compile: bool = False, with_sampler: bool = False,
              group_size: int = None, graph: str = None) -> Completions:
-    """Sample a completion per row of a left-padded prompt batch (Completions); a row ends at its
-    first of end_ids (an id or ids: EOS, an end of turn; then end_ids[0], masked), never before
-    min_new_tokens (the ends' probability still counts). compile: torch.compile where a
-    preallocated decoder fits; graph: the step as a replayed CUDA graph there ("capture"), or its
-    stand-in's checks ("check": grpo/graphs.py). with_sampler: Completions.sampler_logp too. group_size: rows per
-    prompt (compiled: kept when two groups draw one prompt, so nothing recompiles).
-    """
+    """Sample a completion per row of a left-padded prompt batch, ending at a row's first of end_ids
+    (not before min_new_tokens). Where a preallocated decoder fits: compile, or graph ("capture",
+    "check": grpo/graphs.py); group_size: rows per prompt (compiled: kept if prompts repeat)."""
     (batch, width), ends = prompt_ids.shape, as_ends(end_ids)
     # entered once: autocast keeps its bf16 copies of the weights for the whole loop
     with autocast or torch.autocast(prompt_ids.device.type, enabled=False):
@@ -896,31 +770,24 @@ def generate(model, prompt_ids, prompt_mask, *, end_ids, max_new_tokens: int,
         out = model(input_ids=prompts[:, :width], attention_mask=prompts[:, width:],
                     position_ids=position_ids_from_mask(prompts[:, width:]), use_cache=True,
                     logits_to_keep=1)
-        prefill = out.past_key_values
-        decoder = decoder_for(model, prefill, inverse, prompt_mask, max_new_tokens, compile=compile,
-                              group_size=group_size, graph=graph)
-        static = getattr(decoder, "static", False)   # HFDecoder: eager whatever was asked
+        decoder = decoder_for(model, out.past_key_values, inverse, prompt_mask, max_new_tokens,
+                              compile=compile, group_size=group_size, graph=graph)
         draws = Draws(model, batch, max_new_tokens, ends, (temperature, top_k, top_p), with_sampler,
-                      prompt_ids.device, keep=static)
-        draws.draw(out.logits[_index(inverse, prompt_ids.device), -1], draws.columns[:1],
+                      prompt_ids.device, keep=decoder.static)
+        draws.draw(out.logits[_index(inverse, prompt_ids.device), -1], draws.columns[0],
                    ends if min_new_tokens > 0 else None)
-        last, checks = 0, Checks(prompt_ids.device, min_new_tokens)   # last: the last column drawn
+        checks = Checks(prompt_ids.device, min_new_tokens)
         for step in range(max_new_tokens - 1):
             if checks.due(step + 1):
                 done = draws.done.tolist()   # the check's one read
                 if all(done):
                     break
-                # rows that finished leave the decoder once half of it has: no step for them
-                decoder = draws.compact(decoder, prefill, step, static, done)
+                decoder = draws.compact(decoder, out.past_key_values, step, decoder.static, done)
                 checks.after(step + 1, done, draws.running)
             decoder.advance(draws, step, ends if step + 1 < min_new_tokens else None)
-            last = step + 1
-    mask = completion_mask(draws.tokens[:, :last + 1], ends)
-    # end at the step the last row finished: the latest first EOS (never before min_new_tokens)
-    finished, longest = torch.stack([draws.done.all().long(), mask.sum(1).max()]).tolist()
-    if finished:
-        last = longest - 1
-    def kept(t):   # a copy: a compiled decoder's buffers are the next call's too
-        return t[:, :last + 1].clone()
-    return Completions(ids=kept(draws.tokens), mask=kept(mask), logp=kept(draws.logprobs),
-                       sampler_logp=kept(draws.sampled) if with_sampler else None)
+    # up to the latest first end: columns not drawn hold end_ids[0] (a row not ended ran them all)
+    mask = completion_mask(draws.tokens, ends)
+    longest = mask.sum(1).max().tolist()   # one read
+    # copies: a compiled decoder's buffers are the next call's too
+    return Completions(*(None if t is None else t[:, :longest].clone()
+                         for t in (draws.tokens, mask, draws.logprobs, draws.sampled)))
