@@ -117,8 +117,7 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
               *, ref_logp=None, entropy=None, train_logp=None, sampler_logp=None, pg_mask=None,
               on=None, **inputs):
     """One micro-batch's loss over its mini-batch's denominator on every device (summed micro-batch
-    gradients are then one large batch's), and its statistics. kl_coef: the step's (--kl-coef by
-    default); inputs: [B, T] tensors a variant reads by name (cov_mask)."""
+    gradients are then one large batch's), and its statistics; inputs: a variant's, by name."""
     on = on or variants.on(cfg, TABLES)   # the variants set: their terms (none by default)
     kl_coef = variants.loss_kl_coef(cfg, cfg.kl_coef if kl_coef is None else kl_coef)
     mask = mask.to(logp.dtype)
@@ -144,9 +143,8 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
 
 
 def statistics(t, cfg, more=()) -> Statistics:
-    """The micro-batch's statistics from the loss's own ratio and clip, summed over its loss tokens
-    (the record divides them by the step's); `more`: MEASURED's and a variant's, each (t, cfg)
-    -> {name: [B, T], or a Peak: the largest}."""
+    """The micro-batch's statistics from the loss's own ratio and clip, summed over its loss tokens;
+    `more`: MEASURED's and a variant's, each (t, cfg) -> {name: [B, T], or a Peak: the largest}."""
     with torch.no_grad():
         ratio, clipped = t.ratio.expand_as(t.logp), t.clipped.expand_as(t.logp)
         zeros, counted = torch.zeros_like(t.logp), t.pg_mask
@@ -192,8 +190,7 @@ MEASURED = variants.Switch(stats=sampler_gap, record=per_token_measured)
 def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, cfg, autocast,
                kl_coef: float, update_index: int = 0, on=None, **inputs) -> Counter:
     """Forward and backward of one mini-batch (rows) in micro-batches (harness/guards.py Micro),
-    then a variant's second loss (--ptx-coef); returns the summed statistics. inputs: [B, ...]
-    tensors by name for grpo_loss."""
+    then a variant's second loss (--ptx-coef); returns the summed statistics."""
     optimizer.zero_grad(set_to_none=True)
     on, parts = on or variants.on(cfg, TABLES), []
     for part in micro.split(batch, rows):
@@ -252,12 +249,10 @@ def record(totals, grad_norms, skipped: int, batch, more=()) -> dict:
     """The update's record entries: statistics per loss token, loss and gradient norm per update;
     `more`: MEASURED's and a variant's, each popping the sums it divides itself."""
     tokens, updates = max(totals.pop("tokens"), 1), len(grad_norms)
-    out = {}
-    for extra in more:
-        out.update(extra(totals, tokens, batch))
-    out.update({"loss": totals.pop("loss") / updates, **{k: v / tokens for k, v in totals.items()},
-                "grad_norm": sum(grad_norms) / updates, "skipped_nonfinite": skipped})
-    return out
+    out = {k: v for extra in more for k, v in extra(totals, tokens, batch).items()}   # they pop
+    loss = totals.pop("loss") / updates
+    return {**out, "loss": loss, **{k: v / tokens for k, v in totals.items()},
+            "grad_norm": sum(grad_norms) / updates, "skipped_nonfinite": skipped}
 
 
 # ---- the run: every step in order ---------------------------------------------------------------
@@ -283,9 +278,8 @@ def main(argv=None):
 
 
 def train_step(step, ctx, run, task, sampler, policy, reference, optimizer, guard, kl):
-    """One GRPO step on this rank's share: its record, and every rank's rows of it (gathered by
-    run.check_rewards). ctx: what the step reads of the run (grpo/settings.py Context); ctx.on:
-    what the variants set add at each point (none by default)."""
+    """One GRPO step on this rank's share: its record, and every rank's rows of it. ctx: what the
+    step reads of the run (grpo/settings.py Context), ctx.on what the variants set add."""
     cfg, layout, rank, world, on = ctx.cfg, ctx.layout, ctx.rank, ctx.world, ctx.on
     G, P, B = cfg.group_size, layout.prompts_per_device, layout.completions_per_device
     rec, rng = {"step": step}, random.Random(stream_seed(cfg.seed, step))

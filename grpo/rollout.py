@@ -165,8 +165,8 @@ def decode_completions(tokenizer, completion_ids, mask, ends) -> list:
 
 @dataclasses.dataclass
 class Sampler:
-    """A run's sampling, its settings fixed once (train_lean.py main builds it): sample() draws a
-    step's rollouts."""
+    """A run's sampling, its settings fixed once (the harness's Run.sampler builds it): sample()
+    draws a step's rollouts."""
     policy: torch.nn.Module
     tokenizer: object
     _: dataclasses.KW_ONLY   # the settings by name: several are ints or floats side by side
@@ -184,10 +184,20 @@ class Sampler:
     graph: str = None    # the decode step replayed as a CUDA graph ("capture") or checked ("check")
     ends: tuple = dataclasses.field(init=False)   # EOS, and an instruct model's end of turn
     context: int = dataclasses.field(init=False)  # the model's positions (None: not declared)
+    # truncated sampling: the distribution drawn from is not the policy's, its logprobs are kept
+    truncates: bool = dataclasses.field(init=False)
+    settings: dict = dataclasses.field(init=False)   # generate()'s
 
     def __post_init__(self):   # the model's, read once
         self.ends = end_ids(self.policy, self.tokenizer)
         self.context = context_length(self.policy.config)
+        self.truncates = self.temperature > 0 and (self.top_k > 0 or self.top_p < 1
+                                                   or self.min_new_tokens > 0)
+        self.settings = dict(
+            end_ids=self.ends, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+            top_k=self.top_k, top_p=self.top_p, min_new_tokens=self.min_new_tokens,
+            autocast=self.autocast, compile=self.compile, with_sampler=self.truncates,
+            group_size=self.group_size, graph=self.graph)
 
     def sample(self, prompts: list, *, seed: int, first_row: int) -> Rollout:
         """group_size completions of each prompt, generation_batch rows at a time, each chunk seeded
@@ -198,24 +208,17 @@ class Sampler:
                              self.context)
         prompt_ids, prompt_mask = left_pad([r for r in ids for _ in range(group_size)], eos,
                                            self.device)
-        truncates = self.temperature > 0 and (self.top_k > 0 or self.top_p < 1
-                                              or self.min_new_tokens > 0)
         chunks, chunk = [], self.generation_batch
         for s in range(0, prompt_ids.shape[0], chunk):
             torch.manual_seed(stream_seed(seed, first_row + s))
-            chunks.append(generate(
-                self.policy, prompt_ids[s:s + chunk], prompt_mask[s:s + chunk], end_ids=ends,
-                max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                top_k=self.top_k, top_p=self.top_p, min_new_tokens=self.min_new_tokens,
-                autocast=self.autocast, compile=self.compile, with_sampler=truncates,
-                group_size=group_size, graph=self.graph))
+            chunks.append(generate(self.policy, prompt_ids[s:s + chunk], prompt_mask[s:s + chunk],
+                                   **self.settings))
         width, pad = max(c.ids.shape[1] for c in chunks), torch.nn.functional.pad
         def joined(name, value=0):   # the chunks' rows in order, right-padded to the widest
             return torch.cat([pad(t, (0, width - t.shape[1]), value=value)
                               for t in (getattr(c, name) for c in chunks)])
         completion, mask, logp = joined("ids", eos), joined("mask"), joined("logp")
-        # nothing truncated: the distribution drawn from is the policy's own
-        sampler_logp = joined("sampler_logp") if truncates else logp
+        sampler_logp = joined("sampler_logp") if self.truncates else logp
         return Rollout(prompts=[p for p in prompts for _ in range(group_size)],
                        texts=decode_completions(self.tokenizer, completion, mask, ends),
                        input_ids=torch.cat([prompt_ids, completion], 1),

@@ -51,14 +51,12 @@ class Statistics(Mapping):
 
 
 def read_sums(parts) -> Counter:
-    """Each micro-batch's (Statistics, loss, loss tokens), read off the device at once and summed
-    on the host in micro-batch order (a Largest: the largest). float64 holds each float32 sum and
-    token count exactly: the host reads the very values."""
-    read = iter(torch.cat([torch.cat([stats.values.double(), loss.double()[None],
-                                      tokens.double()[None]]) for stats, loss, tokens in parts])
-                .tolist())
+    """Each micro-batch's (Statistics, loss, loss tokens), read off the device at once (float64
+    holds each float32 value exactly) and summed on the host in micro-batch order."""
+    read = iter(torch.cat([torch.cat([s.values.double(), loss.double()[None], n.double()[None]])
+                           for s, loss, n in parts]).tolist())
     sums = Counter()
     for stats, _, _ in parts:
-        values = [next(read) for _ in stats.names]
-        sums.update(stats.floats(values), loss=next(read), tokens=int(next(read)))
+        sums.update(stats.floats([next(read) for _ in stats.names]), loss=next(read),
+                    tokens=int(next(read)))
     return sums
