@@ -97,5 +97,5 @@ def learning_rate(step: int, cfg) -> float:
     if cfg.lr_scheduler == "constant":
         return base
     progress, floor = (step - warmup - 1) / max(1, cfg.steps - warmup), cfg.min_lr_ratio * base
-    fall = 1 - progress if cfg.lr_scheduler == "linear" else (1 + math.cos(math.pi * progress)) / 2
-    return floor + (base - floor) * fall
+    fall = {"linear": 1 - progress, "cosine": (1 + math.cos(math.pi * progress)) / 2}
+    return floor + (base - floor) * fall[cfg.lr_scheduler]   # a schedule without a formula: raises

@@ -74,3 +74,16 @@ def test_a_muon_run_trains_and_resumes_exactly(tiny_model_dir, tmp_path, clean_e
     assert [r["step"] for r in resumed] == [1, 2, 3, 4] and resumed == straight
     assert all(r["grad_norm"] > 0 and r["loss"] == r["loss"] for r in straight)
     assert straight[-1]["kl"] > 0   # the policy moved away from the reference
+
+
+def test_every_listed_schedule_has_a_formula_and_one_without_raises():
+    """A schedule added to LR_SCHEDULES without a formula in learning_rate fails loudly, not as
+    another schedule."""
+    import dataclasses
+    import pytest
+    from grpo.optim import LR_SCHEDULES, learning_rate
+    for name in LR_SCHEDULES:
+        assert learning_rate(3, Config(steps=4, lr_scheduler=name)) > 0
+    unknown = dataclasses.replace(Config(steps=4), lr_scheduler="wsd")
+    with pytest.raises(KeyError):
+        learning_rate(3, unknown)
