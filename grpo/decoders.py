@@ -749,8 +749,8 @@ class Completions:
 def _distinct_rows(rows: torch.Tensor) -> tuple:
     """(the distinct rows of `rows`, sorted; each row's index among them), from one host read."""
     listed = list(map(tuple, rows.tolist()))
-    distinct = sorted(set(listed))
-    return (rows.index_select(0, _index([listed.index(row) for row in distinct], rows.device)),
+    distinct, first = sorted(set(listed)), {row: i for i, row in reversed(list(enumerate(listed)))}
+    return (rows.index_select(0, _index([first[row] for row in distinct], rows.device)),
             [bisect.bisect_left(distinct, row) for row in listed])
 
 
