@@ -163,10 +163,10 @@ def decode_completions(tokenizer, completion_ids, mask, ends) -> list:
     return tokenizer.batch_decode([ids[:m] for *ids, m in rows], skip_special_tokens=False)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Sampler:
-    """A run's sampling, its settings fixed once (the harness's Run.sampler builds it): sample()
-    draws a step's rollouts."""
+    """A run's sampling, its settings fixed once (the harness's Run.sampler builds it; frozen, as
+    generate()'s settings are made from them once): sample() draws a step's rollouts."""
     policy: torch.nn.Module
     tokenizer: object
     _: dataclasses.KW_ONLY   # the settings by name: several are ints or floats side by side
@@ -188,16 +188,18 @@ class Sampler:
     truncates: bool = dataclasses.field(init=False)
     settings: dict = dataclasses.field(init=False)   # generate()'s
 
-    def __post_init__(self):   # the model's, read once
-        self.ends = end_ids(self.policy, self.tokenizer)
-        self.context = context_length(self.policy.config)
-        self.truncates = self.temperature > 0 and (self.top_k > 0 or self.top_p < 1
-                                                   or self.min_new_tokens > 0)
-        self.settings = dict(
-            end_ids=self.ends, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+    def __post_init__(self):   # the model's, read once, and what follows from the settings
+        ends = end_ids(self.policy, self.tokenizer)
+        truncates = self.temperature > 0 and (self.top_k > 0 or self.top_p < 1
+                                              or self.min_new_tokens > 0)
+        settings = dict(
+            end_ids=ends, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
             top_k=self.top_k, top_p=self.top_p, min_new_tokens=self.min_new_tokens,
-            autocast=self.autocast, compile=self.compile, with_sampler=self.truncates,
+            autocast=self.autocast, compile=self.compile, with_sampler=truncates,
             group_size=self.group_size, graph=self.graph)
+        for name, value in (("ends", ends), ("context", context_length(self.policy.config)),
+                            ("truncates", truncates), ("settings", settings)):
+            object.__setattr__(self, name, value)   # frozen: set once, here
 
     def sample(self, prompts: list, *, seed: int, first_row: int) -> Rollout:
         """group_size completions of each prompt, generation_batch rows at a time, each chunk seeded

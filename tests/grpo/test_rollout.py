@@ -335,3 +335,17 @@ def test_a_field_added_to_the_rollout_survives_dynamic_sampling():
            for r in (a, b)]
     with pytest.raises(ValueError, match=r"Rollout.features is \[4, 3\]: select_rows carries"):
         merge(odd, group_size=2, groups=2, pad_id=-1)
+
+
+def test_a_samplers_settings_cannot_change_after_it_is_built(tiny_model_dir):
+    """generate()'s settings are made once from the sampler's: a setting changed afterwards would
+    not reach them, so it raises; dataclasses.replace builds a sampler whose settings follow."""
+    tok, model = load_tokenizer(tiny_model_dir), load_policy(tiny_model_dir, "cpu")
+    sampler = Sampler(model, tok, group_size=2, prepend_bos=False, generation_batch=4,
+                      max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=0,
+                      autocast=None, device="cpu")
+    assert not sampler.truncates and sampler.settings["temperature"] == 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sampler.temperature = 0.5
+    nucleus = dataclasses.replace(sampler, top_p=0.9)
+    assert nucleus.truncates and nucleus.settings["top_p"] == 0.9 and nucleus.settings["with_sampler"]
