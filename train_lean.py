@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 train_lean.py ... # data-parallel: each process takes whole groups
 
 Variants (grpo/variants.py) are looked up in the tables below by flag value, or add to the step at
-its `for ... in on.X` loops (none by default). The engine is grpo/, the harness (`run.`) harness/.
+its `on.X(...)` points (nothing by default). The engine is grpo/, the harness (`run.`) harness/.
 `# every rank` marks a call every rank makes together under torchrun. Why: docs/algorithm.md.
 """
 import dataclasses
@@ -35,7 +35,7 @@ def group_normalised(r, eps, **_):
     return variants.zero_flat_groups(adv, r)
 
 
-ADVANTAGES = variants.Table("advantage", {"group": group_normalised, **variants.ADVANTAGES})
+ADVANTAGES = variants.table("advantage", group_normalised, variants.ADVANTAGES)
 
 
 def group_advantages(rewards, group_size: int, advantage="group", eps=1e-4, **inputs):
@@ -96,14 +96,12 @@ def token_count(mask, cfg):
     return float(mask.sum().item())
 
 
-# each flag's choices by value (a name a table lacks: ValueError); main hands TABLES to the harness
-RATIOS = variants.Table("importance_level", {"token": token_ratio, **variants.RATIOS})
-TOKEN_ADVANTAGES = variants.Table("token_advantage", {"sequence": per_sequence,
-                                                      **variants.TOKEN_ADVANTAGES})
-POLICY_LOSSES = variants.Table("policy_loss", {"ppo": clipped_surrogate, **variants.POLICY_LOSSES})
-KL_ESTIMATORS = variants.Table("kl_estimator", {"k3": k3, **variants.KL_ESTIMATORS})
-AGGREGATIONS = variants.Table("loss_agg", {"token-mean": (token_count, variants.token_sum),
-                                           **variants.AGGREGATIONS})
+# each flag's choices by value, the default's here (a name a table lacks: ValueError)
+RATIOS = variants.table("importance_level", token_ratio, variants.RATIOS)
+TOKEN_ADVANTAGES = variants.table("token_advantage", per_sequence, variants.TOKEN_ADVANTAGES)
+POLICY_LOSSES = variants.table("policy_loss", clipped_surrogate, variants.POLICY_LOSSES)
+KL_ESTIMATORS = variants.table("kl_estimator", k3, variants.KL_ESTIMATORS)
+AGGREGATIONS = variants.table("loss_agg", (token_count, variants.token_sum), variants.AGGREGATIONS)
 TABLES = {t.flag: t for t in (ADVANTAGES, RATIOS, TOKEN_ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS,
                               AGGREGATIONS, variants.KL_PLACES, variants.MISMATCH_CORRECTIONS)}
 
@@ -131,13 +129,11 @@ def grpo_loss(logp, old_logp, advantages, mask, denominator: float, cfg, kl_coef
                train_logp=logp.detach() if train_logp is None else train_logp,
                sampler_logp=sampler_logp, inputs=inputs)
     pg = POLICY_LOSSES[cfg.policy_loss](ratio, t, cfg, default=clipped_surrogate)   # PPO's
-    for term in on.pg:   # --dual-clip, --top-entropy-quantile, --mismatch-correction
-        pg = term(pg, t, cfg)
+    pg = on.pg(pg, t, cfg)   # --dual-clip, --top-entropy-quantile, --mismatch-correction
     per_token = pg.expand_as(logp)   # a sequence-level term is every token's
     if ref_logp is not None and kl_coef > 0:
         per_token = per_token + kl_coef * KL_ESTIMATORS[cfg.kl_estimator](logp, ref_logp)
-    for term in on.loss:   # --entropy-coef's bonus
-        per_token = term(per_token, t, cfg)
+    per_token = on.loss(per_token, t, cfg)   # --entropy-coef's bonus
     loss = AGGREGATIONS[cfg.loss_agg][1](per_token, mask, denominator)   # the masked token-mean
     return loss, statistics(t, cfg, (MEASURED.stats, *on.stats))
 
@@ -203,8 +199,7 @@ def accumulate(policy, optimizer, batch, rows, micro, mask, denominator: float, 
         loss.backward()
         parts.append((stats, loss.detach(), mask[part].sum()))
     sums = read_sums(parts)   # one read of the device for every micro-batch
-    for backward in on.backward:   # --ptx-coef's texts
-        backward(policy, batch, micro, cfg, autocast, sums, update_index)
+    on.backward(policy, batch, micro, cfg, autocast, sums, update_index)   # --ptx-coef's texts
     return sums
 
 
@@ -220,14 +215,13 @@ def update(policy, optimizer, batch, cfg, layout, autocast, guard, kl_coef=None,
         for rows in order.split(mini):
             # the sampler/trainer gap: measured at the sampling weights, the first update's
             inputs = {"sampler_logp": batch.sampler_logp} if not grad_norms else {}
-            inputs.update(batch.inputs)   # a variant's (--mismatch-correction's logprobs)
             # in batch order: a group's rows in one micro-batch share their prompt's forward
             rows = rows.sort().values.to(batch.input_ids.device, non_blocking=True)
             # the denominator is global: gradients summed over ranks are the one-process gradient
             count = loss_denominator(mask[rows], cfg)
             denominator = max(distributed.all_sum([count])[0], 1)  # every rank
-            for chosen in on.mini_batch:   # tokens chosen over the mini-batch (Cov, top entropy)
-                inputs.update(chosen(policy, batch, rows, mask, guard, cfg, autocast))  # every rank
+            inputs.update(batch.inputs, **on.mini_batch(  # every rank   (a variant's inputs)
+                policy, batch, rows, mask, guard, cfg, autocast))
             sums = guard.fit(functools.partial(  # every rank
                 accumulate, policy, optimizer, batch, rows, mask=mask, denominator=denominator,
                 cfg=cfg, autocast=autocast, kl_coef=kl_coef, update_index=len(grad_norms), on=on,
@@ -293,9 +287,7 @@ def train_step(step, ctx, run, task, sampler, policy, reference, optimizer, guar
     run.phase_done("gen")
     # ---- rewards: the task's, of the decoded text; shaping takes penalties off them later ------
     batch = batch.score(ctx.score)   # harness/task.py score: --reward-weights, a failure's floor
-    for rounds in on.rounds:   # --dynamic-sampling: more rounds while groups are flat
-        batch, counts = rounds(batch, lambda n: draw(n).score(ctx.score), ctx)  # every rank
-        rec.update(counts)
+    batch = on.rounds(batch, draw, ctx)  # every rank   (--dynamic-sampling's more rounds)
     run.phase_done("score")
     # ---- reference logprobs, once per row: the KL penalty ----------------------------------------
     if reference is not None:
@@ -306,8 +298,7 @@ def train_step(step, ctx, run, task, sampler, policy, reference, optimizer, guar
     run.phase_done("ref")
     # ---- advantages: each completion against its group, every rank's groups ---------------------
     rewards = torch.cat(distributed.gather_objects(batch.shaped_rewards))  # every rank
-    # what a variant's advantage reads, gathered over the ranks (--advantage gdpo's reward parts)
-    inputs = {k: v for gather in on.advantage_inputs for k, v in gather(batch, ctx).items()}
+    inputs = on.advantage_inputs(batch, ctx)  # every rank   (--advantage gdpo's reward parts)
     adv, rec["frac_zero_std"] = group_advantages(rewards, G, cfg.advantage, **inputs)
     batch.advantages = adv[rank * B:(rank + 1) * B].to(ctx.device, non_blocking=True)
     rows = run.check_rewards(step, batch, rec)  # every rank   (all failed: the run stops)
@@ -315,12 +306,10 @@ def train_step(step, ctx, run, task, sampler, policy, reference, optimizer, guar
     rec["lr"] = learning_rate(step, cfg)   # --lr-scheduler, after its warmup
     for group in optimizer.param_groups:
         group["lr"] = rec["lr"]
-    for prepare in on.prepare:   # --ptx-coef's texts, --mismatch-correction's logprobs
-        prepare(batch, step, ctx, policy, guard)  # every rank
+    on.prepare(batch, step, ctx, policy, guard)  # every rank   (--ptx-coef, --mismatch-correction)
     rec.update(update(  # every rank
         policy, optimizer, batch, cfg, layout, ctx.autocast, guard, kl.coef, on))
-    for after in on.after_step:   # --kl-target's coefficient, --ref-sync-steps' reference move
-        rec.update(after(rec, step, policy, reference, kl, cfg))
+    rec.update(on.after_step(rec, step, policy, reference, kl, cfg))   # --kl-target, TR-DPO
     return rec, rows
 
 

@@ -23,6 +23,7 @@ import torch
 from grpo import distributed, passes, ptx
 from grpo.model import sync_reference
 from grpo.rollout import flat_groups, merge, missing_groups
+from grpo.settings import Settings
 
 
 # ---- what a variant declares: the step, passes.py and the harness read it, never its name --------
@@ -63,16 +64,16 @@ def declared(function, name: str):
 @dataclasses.dataclass(frozen=True)
 class Switch:
     """An off-by-default variant's additions to the step, each at a named point of it (train_lean.py
-    loops over the point's list: empty by default, so nothing runs there). One that is on or off is
-    an entry of SWITCHES with its `on`; a table's choice declares its own (declares(switch=...)),
-    which adds when chosen, and where it has an `on`, when that holds too.
+    calls the point's list as one, a Fold or a Merged: empty by default, so nothing runs there).
+    One that is on or off is an entry of SWITCHES with its `on`; a table's choice declares its own
+    (declares(switch=...)), which adds when chosen, and where it has an `on`, when that holds too.
     """
     on: typing.Callable = None   # cfg -> whether it is set
     # cfg -> why its settings cannot run with the others (one line, the harness's exit 2), or None;
     # checked before anything loads, whether the switch is on or not (its knobs without it)
     check: typing.Callable = None
-    # after the scoring: (batch, draw, ctx) -> (batch, record entries); draw(n) samples and scores
-    # round n. Every rank.
+    # after the scoring: (batch, draw, ctx) -> batch; draw(n) samples round n (unscored). Every
+    # rank.
     rounds: typing.Callable = None
     # (name, f(batch, cfg, kl_coef, kl_estimators) -> [B]): taken off each reward before the
     # advantages, recorded by name
@@ -80,7 +81,7 @@ class Switch:
     # before the advantages: (batch, ctx) -> {name: value}, given to the advantage by name (GDPO's
     # reward parts, every rank's rows). Every rank.
     advantage_inputs: typing.Callable = None
-    # before the update: (batch, step, ctx, policy, guard), ctx the run's grpo/settings.py Context:
+    # before the update: (batch, step, ctx, policy, guard) -> None, ctx grpo/settings.py Context:
     # what the update reads, put in batch.inputs (per row, picked per micro-batch, given to
     # grpo_loss by name) or batch.extra. Every rank.
     prepare: typing.Callable = None
@@ -103,6 +104,7 @@ class Switch:
 
 POINTS = [f.name for f in dataclasses.fields(Switch)
           if f.name not in ("on", "check", "reads_entropy")]
+FOLDS = ("rounds", "pg", "loss")   # the points whose additions each change a value in turn
 # the points every rank runs together, outside any retry: an addition there may call a collective
 # (a gather over ranks); elsewhere it must not (tests/test_repository.py checks)
 EVERY_RANK = ("rounds", "advantage_inputs", "prepare", "mini_batch")
@@ -132,6 +134,30 @@ class Table(dict):
         (denominator, loss): the first's)."""
         return {name: " ".join(((f[0] if isinstance(f, tuple) else f).__doc__ or "").split())
                 for name, f in self.items()}
+
+
+def table(flag: str, default, others: dict) -> Table:
+    """flag's Table: its default (named by the flag's default value, grpo/settings.py) first, then
+    the others, by name."""
+    return Table(flag, {Settings.__dataclass_fields__[flag].default: default, **others})
+
+
+class Fold(list):
+    """A point's additions that each change a value in turn (Switch's pg, loss, rounds): called
+    with (value, *args), returns the value they leave (the value itself where there are none)."""
+
+    def __call__(self, value, *args):
+        for addition in self:
+            value = addition(value, *args)
+        return value
+
+
+class Merged(list):
+    """A point's additions each called in turn with the same arguments: returns what they return
+    (a dict each, or None), merged in order ({} where there are none)."""
+
+    def __call__(self, *args) -> dict:
+        return {k: v for addition in self for k, v in (addition(*args) or {}).items()}
 
 
 def zero_flat_groups(adv: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -257,8 +283,7 @@ TOKEN_ADVANTAGES = {"entropy": entropy_shaped}
 
 def clip_bounds(cfg) -> tuple:
     """How far below and above 1 the clip is: (--clip-range, --clip-range-high or --clip-range)."""
-    high = cfg.clip_range_high if cfg.clip_range_high is not None else cfg.clip_range
-    return cfg.clip_range, high
+    return cfg.clip_range, cfg.clip_range if cfg.clip_range_high is None else cfg.clip_range_high
 
 
 def clip_edges(cfg, loss=None) -> tuple:
@@ -466,7 +491,7 @@ def in_reward(kl_coef: float) -> float:
     return 0.0   # the reward carries it: the loss has none
 
 
-KL_PLACES = Table("kl_in", {"loss": in_loss, "reward": in_reward})
+KL_PLACES = table("kl_in", in_loss, {"reward": in_reward})
 
 
 class AdaptiveKL:
@@ -576,8 +601,8 @@ def uncorrected(w, cfg):
     return torch.ones_like(w)
 
 
-MISMATCH_CORRECTIONS = Table("mismatch_correction", {
-    "none": uncorrected, "tis": tis, "token-mask": token_mask, "sequence-mask": sequence_mask})
+MISMATCH_CORRECTIONS = table("mismatch_correction", uncorrected, {
+    "tis": tis, "token-mask": token_mask, "sequence-mask": sequence_mask})
 
 
 def mismatch_weight(train_logp, sampler_logp, mask, cfg):
@@ -631,13 +656,20 @@ def overlong_penalty(lengths: torch.Tensor, cfg) -> torch.Tensor:
 def dynamic_sampling(first, draw, ctx):
     """--dynamic-sampling (DAPO): more rounds (draw(n), scored) while any rank lacks groups whose
     rewards differ, then the batch of this rank's groups, those not flat first (grpo/rollout.py
-    merge). Returns (batch, merge's counts for the record)."""
+    merge), merge's counts kept for the record (rounds_drawn)."""
     cfg, group_size, groups = ctx.cfg, ctx.cfg.group_size, ctx.layout.prompts_per_device
     rounds = [first]
     while len(rounds) <= cfg.max_sampling_rounds and distributed.any_rank(  # every rank
             missing_groups([r.rewards for r in rounds], group_size, groups) > 0):
-        rounds.append(draw(len(rounds)))
-    return merge(rounds, group_size, groups, ctx.tokenizer.eos_token_id)
+        rounds.append(draw(len(rounds)).score(ctx.score))
+    batch, counts = merge(rounds, group_size, groups, ctx.tokenizer.eos_token_id)
+    batch.extra["rounds"] = counts
+    return batch
+
+
+def rounds_drawn(totals, tokens, batch) -> dict:
+    """--dynamic-sampling's record entries: the groups drawn, dropped and kept though flat."""
+    return batch.extra["rounds"]
 
 
 def steer_kl(rec, step, policy, reference, kl, cfg) -> dict:
@@ -690,7 +722,8 @@ def overlong(batch, cfg, kl_coef: float, estimators: dict) -> torch.Tensor:
 
 # the variants that are on or off, in the order their additions run at each point
 SWITCHES = {
-    "dynamic-sampling": Switch(on=lambda cfg: cfg.dynamic_sampling, rounds=dynamic_sampling),
+    "dynamic-sampling": Switch(on=lambda cfg: cfg.dynamic_sampling, rounds=dynamic_sampling,
+                               record=rounds_drawn),
     "overlong-buffer": Switch(on=lambda cfg: bool(cfg.overlong_buffer),
                               penalty=("overlong_penalty", overlong)),
     "pretraining-mix": Switch(on=lambda cfg: cfg.ptx_coef != 0, check=ptx.problem,
@@ -708,17 +741,19 @@ SWITCHES = {
 
 
 def on(cfg, tables: dict) -> types.SimpleNamespace:
-    """The additions to the step of the variants set, point by point (Switch), each a list, empty
-    by default: those of SWITCHES that are on, then the switches the choices of the flags' tables
-    (train_lean.py TABLES) declare, where chosen (and their `on` holds)."""
+    """The additions to the step of the variants set, point by point (Switch), each a Fold or a
+    Merged (FOLDS say which), empty by default: those of SWITCHES that are on, then the switches
+    the choices of the flags' tables (train_lean.py TABLES) declare, where chosen (and their `on`
+    holds)."""
     chosen = list(SWITCHES.values())
-    for flag, table in tables.items():
-        if getattr(cfg, flag) != table.default:   # the default adds nothing
-            choice = table[getattr(cfg, flag)]
+    for flag, choices in tables.items():
+        if getattr(cfg, flag) != choices.default:   # the default adds nothing
+            choice = choices[getattr(cfg, flag)]
             chosen.append(declared(choice, "switch") or UNDECLARED.get(flag))
     chosen = [s for s in chosen if s is not None and (s.on is None or s.on(cfg))]
     return types.SimpleNamespace(reads_entropy=any(s.reads_entropy for s in chosen), **{
-        point: [getattr(s, point) for s in chosen if getattr(s, point) is not None]
+        point: (Fold if point in FOLDS else Merged)(
+            getattr(s, point) for s in chosen if getattr(s, point) is not None)
         for point in POINTS})
 
 

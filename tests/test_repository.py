@@ -57,11 +57,6 @@ class Module:
                 for item in node.body:
                     if isinstance(item, ast.FunctionDef):
                         self.defs[node.name, item.name] = item
-        # name -> point: the loop variables of `for name in on.point:`, a variant's additions
-        # (grpo/variants.py Switch), each a collective where the point is one of EVERY_RANK
-        self.hooks = {node.target.id: node.iter.attr for node in ast.walk(self.tree)
-                      if isinstance(node, ast.For) and isinstance(node.target, ast.Name)
-                      and isinstance(node.iter, ast.Attribute) and node.iter.attr in POINTS}
 
 
 @functools.cache
@@ -92,9 +87,9 @@ def collective(call: ast.Call, module: Module, known: set, cls=None) -> bool:
     (`guard.fit(...)` is Guard.fit wherever the guard came from), a function through the import
     or the module that names it."""
     f = call.func
-    if isinstance(f, ast.Name) and f.id in module.hooks:   # a variant's addition at its point
-        return module.hooks[f.id] in EVERY_RANK
     owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+    if owner == "on" and f.attr in POINTS:   # `on.point(...)`: the variants' additions there
+        return f.attr in EVERY_RANK
     if owner in module.modules:   # module.f(): that module's function
         target = module.modules[owner]
         if target == "grpo.distributed":

@@ -252,11 +252,11 @@ def test_a_term_reads_the_tokens_by_name_and_cannot_write_them():
     def write(pg, t, cfg):
         t.adv = -t.adv
     on = variants.on(loss_config(), TABLES)
-    on.pg = [read]
+    on.pg = variants.Fold([read])
     mine = torch.ones(2, 3)
     grpo_loss(LOGP, OLD, ADV, MASK, 5.0, loss_config(), on=on, mine=mine)
     assert seen == [(mine, False, (2, 1))]
-    on.pg = [write]
+    on.pg = variants.Fold([write])
     with pytest.raises(dataclasses.FrozenInstanceError):
         grpo_loss(LOGP, OLD, ADV, MASK, 5.0, loss_config(), on=on)
 
@@ -908,8 +908,9 @@ def test_an_entry_added_to_a_table_of_train_lean_is_a_value_of_its_flag(tiny_mod
         os.symlink(os.path.join(REPO, package), scratch / package)
     with open(TRAIN) as f:
         source = f.read()
-    entry = '{"ppo": clipped_surrogate,'
-    changed = source.replace(entry, entry + ' "mine": clipped_surrogate,')
+    entry = "clipped_surrogate, variants.POLICY_LOSSES)"
+    changed = source.replace(entry, 'clipped_surrogate, {**variants.POLICY_LOSSES, "mine": '
+                             'clipped_surrogate})')
     assert changed != source
     (scratch / "train_lean.py").write_text(changed)
     command = [sys.executable, str(scratch / "train_lean.py"), "--task", "toy"]
