@@ -986,13 +986,41 @@ def test_an_entry_added_to_a_table_after_it_was_built_is_a_value_of_its_flag(mon
 
 
 def test_no_variant_adds_anything_to_the_default_step():
-    # train_lean.py's "none by default": every point of the step loops over an empty list
+    # train_lean.py's "none by default": every point of the step calls an empty list, which gives
+    # back the value it is handed (a Fold) or nothing ({}, a Merged)
     from grpo import variants
     from harness.config import Config
     from train_lean import TABLES
     on = variants.on(Config(), TABLES)
     assert not on.reads_entropy
     assert {p: getattr(on, p) for p in variants.POINTS} == {p: [] for p in variants.POINTS}
+    value = object()
+    assert on.pg(value, None, None) is value and on.rounds(value, None, None) is value
+    assert on.prepare(1, 2, 3, 4, 5) == {} and on.after_step(1, 2, 3, 4, 5, 6) == {}
+
+
+def test_a_point_calls_its_additions_in_order():
+    # what the step's loops did, written out: a Fold threads the value through each in turn, a
+    # Merged gives each the same arguments and merges what they return, later names winning
+    from grpo import variants
+    fold = variants.Fold([lambda v, k: v * k, lambda v, k: v + k])
+    assert fold(2, 3) == (2 * 3) + 3
+    seen = []
+    merged = variants.Merged([lambda x: seen.append(x) or {"a": 1, "b": x},
+                              lambda x: seen.append(-x), lambda x: {"b": 2 * x}])
+    assert merged(5) == {"a": 1, "b": 10} and seen == [5, -5]
+    on = variants.on(Config(dual_clip=3.0, entropy_coef=0.01, kl_target=0.01, kl_coef=0.1), TABLES)
+    assert isinstance(on.pg, variants.Fold) and isinstance(on.loss, variants.Fold)
+    assert isinstance(on.after_step, variants.Merged) and len(on.pg) == len(on.after_step) == 1
+
+
+def test_a_tables_default_is_named_by_its_flags_default():
+    # one source: the default's name in a table is the flag's default value in grpo/settings.py
+    from grpo import variants
+    for flag, table in TABLES.items():
+        assert table.default == Config.__dataclass_fields__[flag].default, flag
+    mine = variants.table("policy_loss", k3_kl, {"other": grpo_loss})
+    assert list(mine) == ["ppo", "other"] and mine["ppo"] is k3_kl and mine.flag == "policy_loss"
 
 
 def test_each_switch_is_on_when_its_setting_is():

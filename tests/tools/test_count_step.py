@@ -28,6 +28,16 @@ def test_the_traced_count_names_the_step_and_the_decoder_and_adds_them_up():
     assert int(rows["train_lean.py"]) < int(whole)
 
 
+@pytest.mark.slow   # a trainer run in its own process
+def test_the_default_path_is_within_its_line_budget():
+    # issue 71's budget (docs/history.md): at most 1,000 lines, 650 without grpo/decoders.py
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "count_step.py"), "--traced"],
+                         capture_output=True, text=True, check=True, timeout=300).stdout.splitlines()
+    total = int(re.fullmatch(r"the default path: (\d+) lines .*", out[-2]).group(1))
+    without = int(re.fullmatch(r"the default path without grpo/decoders.py: (\d+) lines", out[-1]).group(1))
+    assert total <= 1000 and without <= 650, out[-2:]
+
+
 def test_an_unknown_argument_is_refused_in_one_line():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "count_step.py"), "--trace"],
                           capture_output=True, text=True, timeout=60)
