@@ -146,6 +146,8 @@ class Run:
             sys.exit(self.exit_code)
         if exc[0] is not None and issubclass(exc[0], guards.StoppedBySignal):   # said by the saver
             sys.exit(exc[1].code)
+        if exc[0] is not None and issubclass(exc[0], task_lib.WeightError):   # a flag's typo
+            usage_error(str(exc[1]))
         return False
 
     def _stuck(self, why: str, code: int, where: str) -> None:

@@ -104,6 +104,11 @@ class RewardError(RuntimeError):
     """Every reward of a step failed: the run would train on nothing (--reward-errors stop)."""
 
 
+class WeightError(RewardError):
+    """--reward-weights names a part no completion of the first step reported (a typo): a usage
+    error found once the first rewards are in, said in one line, exit 2 (harness/run.py)."""
+
+
 def resolve(name: str, builtin: dict):
     """The class or object that --task NAME names, imported but not built.
 
@@ -602,7 +607,7 @@ class Scorer:
                               f"reward_parts ({', '.join(declared)}) do not name: declare every part")
         unknown = [k for k in self.weights if k != "reward" and k not in step_rows["part_means"]]
         if unknown and step_rows["part_means"] and not self.steps and declared is None:   # a typo: 0 all run long
-            raise RewardError(f"--reward-weights names {', '.join(unknown)}: no completion of step {step} reported "
+            raise WeightError(f"--reward-weights names {', '.join(unknown)}: no completion of step {step} reported "
                               f"such a part (the task's reward_breakdown gave {', '.join(step_rows['part_means'])})")
         for kind in sorted(errors.keys() - self.shown):   # each kind new to the run, the lowest rank's first
             log.warn(f"step {step}: the task's reward {step_rows['reports'][kind]}")

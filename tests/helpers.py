@@ -32,6 +32,16 @@ SMALL = ["--batch-size", "8", "--group-size", "2", "--max-new-tokens", "12", "--
 # timings and memory differ between runs; everything else in a record must not
 VOLATILE = ("_time_s", "samples_per_s", "tokens_per_s", "rss_mb", "rss_peak_mb")
 
+# a task whose reward has parts (--reward-weights names them), for a file: --task FILE:Parted
+PARTED_TASK = """
+from tasks.toy import ToyTask
+
+class Parted(ToyTask):
+    def reward_breakdown(self, prompt, completion):
+        return {"reward": self.reward(prompt, completion), "letter": float(completion[:1] == prompt[7]),
+                "short": 1 / (1 + len(completion))}
+"""
+
 # A user's task file (--task FILE:Evaluated): the toy task with its option (--width) and a held-out evaluation,
 # whose call number $RAISE_AT_EVAL (from 1: with --eval-interval N, call k evaluates step (k-1)N) raises, as a
 # buggy one would

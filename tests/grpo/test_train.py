@@ -11,7 +11,7 @@ import train_lean
 from grpo import variants
 from harness import config
 
-from helpers import INDUCTOR_BUILDS, REPO, header_rows, read_jsonl as records, user_env
+from helpers import INDUCTOR_BUILDS, PARTED_TASK, REPO, header_rows, read_jsonl as records, user_env
 
 STEP_KEYS = {"step", "reward_mean", "reward_std", "frac_zero_std", "loss", "kl", "clip_frac", "ratio_mean",
              "grad_norm", "completion_len_mean", "step_time_s", "gen_time_s", "train_time_s", "samples_per_s",
@@ -153,16 +153,6 @@ KNOBS.update({
     "adaptive-kl": (["--kl-target", "0.01", "--kl-horizon", "100"], "kl_coef"),
     "muon": (["--optimizer", "muon"], "grad_norm"),
 })
-PARTED_TASK = """
-from tasks.toy import ToyTask
-
-class Parted(ToyTask):
-    def reward_breakdown(self, prompt, completion):
-        return {"reward": self.reward(prompt, completion), "letter": float(completion[:1] == prompt[7]),
-                "short": 1 / (1 + len(completion))}
-"""
-
-
 @pytest.mark.parametrize("knob", KNOBS)
 def test_each_algorithm_knob_runs_end_to_end_and_logs(knob, tiny_model_dir, tmp_path, clean_env):
     args, key = KNOBS[knob]

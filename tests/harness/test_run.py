@@ -9,7 +9,7 @@ import forked
 import train_lean
 from grpo.rollout import stream_seed
 from harness.task import TaskEnded
-from helpers import PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting, records, train
+from helpers import PARTED_TASK, PROCESS_DEADLINE_S, SMALL, TRAIN, env, line_starting, records, train
 
 
 def test_a_step_whose_loss_saw_no_tokens_is_named_once(tiny_model_dir, tmp_path, capsys, clean_env):
@@ -22,6 +22,22 @@ def test_a_step_whose_loss_saw_no_tokens_is_named_once(tiny_model_dir, tmp_path,
     assert err.count("the policy loss saw no tokens") == 1
     assert ("step 1: the policy loss saw no tokens: every completion reached --max-new-tokens 2 "
             "without ending, and --mask-truncated leaves such completions out of the loss") in err
+
+
+def test_a_weight_no_completion_reports_is_one_line_and_exit_2(tiny_model_dir, tmp_path, capsys,
+                                                                clean_env):
+    """A --reward-weights typo is found once the first step's rewards are in: one line naming it,
+    exit 2, no traceback, as a bad flag at start-up (it was a RewardError's traceback, exit 1)."""
+    (tmp_path / "parted.py").write_text(PARTED_TASK)
+    with pytest.raises(SystemExit) as exit_:
+        train_lean.main(["--model", tiny_model_dir, "--task", f"{tmp_path / 'parted.py'}:Parted",
+                         *SMALL, "--reward-weights", "letter=1,shrot=0.5", "--steps", "2",
+                         "--out-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        "train_lean.py: error: --reward-weights names shrot: no completion of step 1 reported such a "
+        "part (the task's reward_breakdown gave letter, short)")
 
 
 HOSTILE_TASK = """
